@@ -1,0 +1,35 @@
+# shardlab: `make run` and `make test` work on a fresh machine; both create .venv when missing or stale.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.shardlab-installed
+# The CPU wheel of this version is on the machine; installing it first means the range in
+# pyproject.toml is already satisfied and pip never downloads a CUDA build.
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: run test venv clean bench-comm
+
+venv: $(STAMP)
+
+# Stale when pyproject.toml or this file changed, or when the venv's interpreter no longer runs.
+$(STAMP): pyproject.toml Makefile
+	@if ! $(BIN)/python -c "" 2>/dev/null; then rm -rf $(VENV); $(PYTHON) -m venv $(VENV); fi
+	$(BIN)/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+# The main job. Until training lands it is the collectives demonstration on 4 local ranks.
+run: $(STAMP)
+	$(BIN)/shardlab collectives --world-size 4
+	$(BIN)/shardlab collectives --world-size 4 --impl ring --ops all_reduce,reduce_scatter,all_gather
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench-comm: $(STAMP)
+	$(BIN)/shardlab bench comm --world-size 2,4 --impl torch,ring --json docs/results/bench_comm.json --plot docs/results/bench_comm.png
+
+clean:
+	rm -rf $(VENV) .pytest_cache build src/*.egg-info

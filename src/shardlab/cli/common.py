@@ -1,0 +1,42 @@
+"""Options shared by every sub-command that starts ranks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def int_list(text: str) -> list[int]:
+    """'2,4' -> [2, 4]."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def name_list(text: str) -> list[str]:
+    """'torch,ring' -> ['torch', 'ring']."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_launch_options(parser: argparse.ArgumentParser, world_size_default: int | None = 2) -> None:
+    """Flags that say how ranks start. Under torchrun they are read from its environment instead."""
+    g = parser.add_argument_group("launch (ignored under torchrun, which sets its own)")
+    g.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                   help="process-group backend (default: nccl when every local rank has a GPU, else gloo)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads per rank (default: cores / local ranks, at least 1; "
+                        "SHARDLAB_THREADS or OMP_NUM_THREADS also set it)")
+    g.add_argument("--timeout", type=float, default=float(os.environ.get("SHARDLAB_TIMEOUT", "300")),
+                   help="seconds any collective may wait for its peers before failing (default: %(default)s)")
+    g.add_argument("--master-addr", default=None,
+                   help="address the rendezvous listens on (default: 127.0.0.1, loopback only)")
+    g.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: any free port)")
+    g.add_argument("--output", choices=["rank0", "ranks", "all"], default="rank0",
+                   help="rank0: only rank 0 prints; ranks: every rank, prefixed, in rank order at the end; "
+                        "all: every rank live, prefixed")
+
+
+def launch_kwargs(args: argparse.Namespace) -> dict:
+    return dict(backend=args.backend, threads=args.threads, timeout_s=args.timeout,
+                master_addr=args.master_addr, master_port=args.master_port, output=args.output)

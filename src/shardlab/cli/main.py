@@ -1,0 +1,53 @@
+"""`shardlab`: distributed training for PyTorch from the collective primitives up.
+
+    shardlab collectives --world-size 4              # what each collective does, rank by rank
+    shardlab collectives --world-size 4 --impl ring  # the same with our ring algorithms
+    shardlab bench comm --world-size 2 --ops all_reduce --impl torch,ring --sizes 16M
+    shardlab topo                                    # CPUs, memory, GPUs, links, backends
+    torchrun --standalone --nproc-per-node 4 -m shardlab collectives
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Sub-commands, each a module in shardlab.cli with add_parser(subparsers) and run(args) -> int.
+COMMANDS = ["collectives", "bench", "topo"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardlab",
+        description=__doc__.split("\n\n")[0],
+        epilog="Run `shardlab COMMAND --help` for each command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"shardlab.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"shardlab.cli.{name}":
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

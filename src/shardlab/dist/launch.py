@@ -1,0 +1,282 @@
+"""Run a function on N local ranks (one process each), or on this rank when started by torchrun.
+
+    launch(fn, 4)                                  # 4 local ranks, gloo on CPU (nccl with a GPU per rank)
+    torchrun --standalone --nproc-per-node 4 -m shardlab collectives
+    torchrun --nnodes 2 --node-rank R --nproc-per-node 4 \
+        --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m shardlab collectives
+
+Local launches are supervised: the first rank to fail ends the whole launch with that rank's
+traceback, the other ranks are terminated (no hang, no orphan), and the error is raised here.
+The parent hosts the rendezvous store on a socket it bound itself, on loopback unless told
+otherwise, so no port can be taken between choosing it and using it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from shardlab.dist.env import default_backend, device_for, read_torchrun_env, threads_per_rank, under_torchrun
+from shardlab.dist.rank import (
+    OUTPUT_MODES,
+    RankSpec,
+    die_with_parent,
+    hard_exit,
+    init_rank,
+    log_path,
+    setup_output,
+    write_error_report,
+)
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDLAB_TIMEOUT", "300"))
+# After the first rank fails, how long to let the others write their own reports before choosing
+# the root cause by time (a peer of a crashed rank fails too, a moment later, with "connection reset").
+_FAILURE_GRACE_S = 1.0
+
+
+class RankFailure(RuntimeError):
+    """A rank of a launch failed; carries the rank, its exit code and its traceback."""
+
+    def __init__(self, rank: int, message: str, traceback_text: str = "", exitcode: int | None = None):
+        self.rank, self.traceback_text, self.exitcode = rank, traceback_text, exitcode
+        super().__init__(message)
+
+
+def host_store(addr: str | None, port: int, timeout_s: float) -> tuple[dist.TCPStore, str, int]:
+    """Start the rendezvous store in this process on a socket bound to `addr` (loopback by default)."""
+    addr = addr or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(256)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(
+        addr, port, None, True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+    )
+    # The store now owns the descriptor and closes it when it is destroyed.
+    sock.detach()
+    connect_addr = "127.0.0.1" if addr in ("0.0.0.0", "") else ("::1" if addr == "::" else addr)
+    return store, connect_addr, port
+
+
+def _rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    die_with_parent(spec.parent_pid)
+    setup_output(spec)
+    try:
+        init_rank(spec)
+        result = fn(*args, **kwargs)
+        with open(Path(spec.workdir) / f"rank{spec.rank}.out", "wb") as f:
+            pickle.dump(result, f)
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        write_error_report(spec.workdir, spec.rank, exc)
+        sys.stderr.write("".join(traceback.format_exception(exc)))
+        hard_exit(1)
+    hard_exit(0)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def _failure(procs: list, workdir: str, exit_seen: dict[int, float]) -> RankFailure:
+    """Pick the root cause: the earliest event among error reports (their time of writing) and deaths
+    without a report (the time this process saw the rank exit, e.g. killed by a signal). A peer of a
+    dead rank fails a moment later with "connection reset", so the earliest event is the cause."""
+    reports = []
+    for rank in range(len(procs)):
+        path = Path(workdir) / f"rank{rank}.err"
+        if path.exists():
+            try:
+                reports.append(json.loads(path.read_text()))
+            except (OSError, json.JSONDecodeError):
+                pass
+    others = ", ".join(
+        f"rank {r}: {_describe_exit(p.exitcode)}" for r, p in enumerate(procs) if p.exitcode not in (0, None)
+    )
+    reported = {r["rank"] for r in reports}
+    silent = [(t, r) for r, t in exit_seen.items() if r not in reported and procs[r].exitcode != 0]
+    first_report = min(reports, key=lambda r: r["time"]) if reports else None
+    if first_report is not None and (not silent or first_report["time"] <= min(silent)[0]):
+        rank = first_report["rank"]
+        message = f"rank {rank} failed: {first_report['type']}: {first_report['message']}"
+        tb = first_report["traceback"]
+    else:
+        rank = min(silent)[1]
+        message = f"rank {rank} died ({_describe_exit(procs[rank].exitcode)}) without raising a Python error"
+        tb = ""
+        out = _tail(log_path(workdir, rank))
+        if out:
+            tb = f"last output of rank {rank}:\n{out}"
+    full = f"{message}\n--- traceback of rank {rank} ---\n{tb}" if tb else message
+    if others:
+        full += f"\n(ranks that exited badly: {others})"
+    return RankFailure(rank, full, tb, procs[rank].exitcode)
+
+
+def _stop(procs: list) -> None:
+    """Terminate every rank still running: SIGTERM first, SIGKILL if it does not go."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+
+
+def _print_rank_logs(world_size: int, workdir: str) -> None:
+    """The 'ranks' output mode: each rank's output, prefixed, in rank order."""
+    for rank in range(world_size):
+        path = log_path(workdir, rank)
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            print(f"[rank {rank}] {line}")
+    sys.stdout.flush()
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int | None,
+    *args: Any,
+    backend: str | None = None,
+    output: str = "rank0",
+    threads: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    master_addr: str | None = None,
+    master_port: int = 0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on every rank and return the per-rank results, indexed by rank.
+
+    `fn` must be importable by name (a module-level function): ranks are fresh processes.
+    Under torchrun this process is one rank: `fn` runs here and the returned list holds this
+    rank's result at its index (None elsewhere). `world_size` None means "whatever torchrun says".
+
+    output: "rank0" prints rank 0 only (default), "ranks" prints every rank's output prefixed and
+    in rank order when the launch ends, "all" prints every rank live, each line prefixed.
+    timeout_s bounds every collective of the process group (gloo and nccl).
+    """
+    if output not in OUTPUT_MODES:
+        raise ValueError(f"output must be one of {OUTPUT_MODES}, got {output!r}")
+    if under_torchrun():
+        return _run_under_torchrun(fn, world_size, args, kwargs, backend, output, threads, timeout_s)
+    if world_size is None or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    backend = backend or default_backend(world_size)
+
+    ctx = mp.get_context("spawn")
+    store, addr, port = host_store(master_addr, master_port, timeout_s)
+    with tempfile.TemporaryDirectory(prefix="shardlab-launch-") as workdir:
+        procs = []
+        try:
+            for rank in range(world_size):
+                spec = RankSpec(rank, world_size, addr, port, backend, threads, timeout_s, output, workdir, os.getpid())
+                p = ctx.Process(target=_rank_main, args=(spec, fn, args, kwargs), name=f"shardlab-rank{rank}")
+                p.start()
+                procs.append(p)
+            _supervise(procs, workdir)
+        finally:
+            _stop(procs)
+            if output == "ranks":
+                _print_rank_logs(world_size, workdir)
+            del store
+        results = []
+        for rank in range(world_size):
+            with open(Path(workdir) / f"rank{rank}.out", "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _supervise(procs: list, workdir: str) -> None:
+    """Wait for every rank; on the first failure stop the rest and raise the root cause."""
+    exit_seen: dict[int, float] = {}
+    failed_at: float | None = None
+    while True:
+        codes = [p.exitcode for p in procs]
+        for rank, code in enumerate(codes):
+            if code is not None and rank not in exit_seen:
+                exit_seen[rank] = time.time()
+        if all(c == 0 for c in codes):
+            return
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None:
+            if all(c is not None for c in codes) or time.monotonic() - failed_at > _FAILURE_GRACE_S:
+                _stop(procs)
+                raise _failure(procs, workdir, exit_seen)
+        wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
+
+
+def _run_under_torchrun(
+    fn: Callable[..., Any],
+    world_size: int | None,
+    args: tuple,
+    kwargs: dict,
+    backend: str | None,
+    output: str,
+    threads: int | None,
+    timeout_s: float,
+) -> list[Any]:
+    env = read_torchrun_env()
+    if world_size is not None and world_size != env.world_size:
+        raise ValueError(
+            f"asked for world size {world_size} but torchrun started WORLD_SIZE={env.world_size}; "
+            "drop --world-size under torchrun or make them agree"
+        )
+    import torch
+
+    torch.set_num_threads(threads_per_rank(env.local_world_size, threads))
+    backend = backend or default_backend(env.local_world_size)
+    device = device_for(backend, env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if output == "rank0" and env.rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    initialised_here = not dist.is_initialized()
+    if initialised_here:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        if initialised_here and dist.is_initialized():
+            dist.destroy_process_group()
+    results: list[Any] = [None] * env.world_size
+    results[env.rank] = result
+    return results

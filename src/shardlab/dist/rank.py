@@ -1,0 +1,160 @@
+"""What happens inside one rank's process before user code runs, and how it reports failure.
+
+Shared by the one-shot launcher (launch.py) and the long-lived pool (pool.py) so that both
+start ranks identically: same environment, thread policy, rendezvous and output handling.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+import torch.distributed as dist
+
+from shardlab.dist.env import device_for, threads_per_rank
+
+OUTPUT_MODES = ("rank0", "ranks", "all")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a locally spawned rank needs to join the job (picklable)."""
+
+    rank: int
+    world_size: int
+    store_addr: str
+    store_port: int
+    backend: str
+    threads: int | None
+    timeout_s: float
+    output: str
+    workdir: str
+    parent_pid: int
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies, so no rank is ever orphaned."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    # The parent may have died before prctl took effect.
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class _PrefixWriter:
+    """A text stream that prefixes every line with the rank, for the live per-rank output mode."""
+
+    def __init__(self, stream: TextIO, prefix: str) -> None:
+        self._stream, self._prefix, self._at_line_start = stream, prefix, True
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            if self._at_line_start:
+                out.append(self._prefix)
+            out.append(piece)
+            self._at_line_start = piece.endswith("\n")
+        self._stream.write("".join(out))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+
+def log_path(workdir: str, rank: int) -> Path:
+    return Path(workdir) / f"rank{rank}.log"
+
+
+def setup_output(spec: RankSpec) -> None:
+    """Route this rank's stdout/stderr according to the output mode.
+
+    Redirection happens at the file-descriptor level so that output from C++ (gloo, warnings)
+    follows the same rule as Python prints.
+    """
+    captured = spec.output == "ranks" or (spec.output == "rank0" and spec.rank != 0)
+    if captured:
+        fd = os.open(log_path(spec.workdir, spec.rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        # Line buffering keeps the log readable up to the moment a rank dies.
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+    elif spec.output == "all":
+        sys.stdout = _PrefixWriter(sys.stdout, f"[rank {spec.rank}] ")
+        sys.stderr = _PrefixWriter(sys.stderr, f"[rank {spec.rank}] ")
+
+
+def init_rank(spec: RankSpec) -> None:
+    """Set this rank's environment and threads, then join the process group through the parent's store."""
+    local_world = spec.world_size  # local spawns are single-node: every rank is local
+    os.environ.update(
+        RANK=str(spec.rank),
+        WORLD_SIZE=str(spec.world_size),
+        LOCAL_RANK=str(spec.rank),
+        LOCAL_WORLD_SIZE=str(local_world),
+        MASTER_ADDR=spec.store_addr,
+        MASTER_PORT=str(spec.store_port),
+    )
+    if spec.store_addr in ("127.0.0.1", "localhost", "::1"):
+        # gloo otherwise resolves the hostname, which may not exist or may pick a public interface.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads_per_rank(local_world, spec.threads))
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store = dist.TCPStore(spec.store_addr, spec.store_port, None, False, timeout=timeout)
+    device = device_for(spec.backend, spec.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
+    )
+
+
+def error_report(rank: int, exc: BaseException) -> dict:
+    """A JSON-able description of a failure; the time lets the parent find the root cause."""
+    return {
+        "rank": rank,
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+
+
+def write_error_report(workdir: str, rank: int, exc: BaseException) -> None:
+    path = Path(workdir) / f"rank{rank}.err"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(error_report(rank, exc)))
+    tmp.replace(path)
+
+
+def hard_exit(code: int) -> None:
+    """Exit without running atexit hooks or process-group destructors, which can block on dead peers."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - nothing useful to do when flushing fails at exit
+            pass
+    os._exit(code)

@@ -1,0 +1,16 @@
+"""Planning inputs: what the machine is (topo) and what its collectives cost (alphabeta)."""
+
+from shardlab.plan.alphabeta import AlphaBeta, fit, fit_rows, load_fits, model_for, save_fits
+from shardlab.plan.topo import discover, format_topology, parse_nvidia_smi_topo
+
+__all__ = [
+    "AlphaBeta",
+    "discover",
+    "fit",
+    "fit_rows",
+    "format_topology",
+    "load_fits",
+    "model_for",
+    "parse_nvidia_smi_topo",
+    "save_fits",
+]
