@@ -93,6 +93,14 @@ def _rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict
     hard_exit(0)
 
 
+_PEER_LOSS = ("connection reset", "connection closed", "remote worker", "broken pipe", "timed out", "timeout")
+
+
+def _peer_loss(message: str) -> bool:
+    text = message.lower()
+    return any(marker in text for marker in _PEER_LOSS)
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -113,9 +121,11 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _failure(procs: list, workdir: str, exit_seen: dict[int, float]) -> RankFailure:
-    """Pick the root cause: the earliest event among error reports (their time of writing) and deaths
-    without a report (the time this process saw the rank exit, e.g. killed by a signal). A peer of a
-    dead rank fails a moment later with "connection reset", so the earliest event is the cause."""
+    """Pick the root cause among the ranks' error reports and the deaths without one (killed, aborted).
+
+    Time alone misleads: the peer of a killed rank may report "connection reset" before this process
+    notices the death. So the kind of error decides first, and time orders within a kind.
+    """
     reports = []
     for rank in range(len(procs)):
         path = Path(workdir) / f"rank{rank}.err"
@@ -128,14 +138,19 @@ def _failure(procs: list, workdir: str, exit_seen: dict[int, float]) -> RankFail
         f"rank {r}: {_describe_exit(p.exitcode)}" for r, p in enumerate(procs) if p.exitcode not in (0, None)
     )
     reported = {r["rank"] for r in reports}
-    silent = [(t, r) for r, t in exit_seen.items() if r not in reported and procs[r].exitcode != 0]
-    first_report = min(reports, key=lambda r: r["time"]) if reports else None
-    if first_report is not None and (not silent or first_report["time"] <= min(silent)[0]):
-        rank = first_report["rank"]
-        message = f"rank {rank} failed: {first_report['type']}: {first_report['message']}"
-        tb = first_report["traceback"]
+    silent = sorted((t, r) for r, t in exit_seen.items() if r not in reported and procs[r].exitcode != 0)
+    # A report that only says a peer went away ("connection reset", a timeout) is a consequence;
+    # prefer a real error, then a rank that died without one (killed, aborted), then the consequences.
+    primary = sorted((r["time"], r["rank"]) for r in reports if not _peer_loss(r["message"]))
+    secondary = sorted((r["time"], r["rank"]) for r in reports if _peer_loss(r["message"]))
+    by_rank = {r["rank"]: r for r in reports}
+    if primary or (secondary and not silent):
+        rank = (primary or secondary)[0][1]
+        report = by_rank[rank]
+        message = f"rank {rank} failed: {report['type']}: {report['message']}"
+        tb = report["traceback"]
     else:
-        rank = min(silent)[1]
+        rank = silent[0][1]
         message = f"rank {rank} died ({_describe_exit(procs[rank].exitcode)}) without raising a Python error"
         tb = ""
         out = _tail(log_path(workdir, rank))
