@@ -1,0 +1,163 @@
+"""A GPT-style decoder in plain PyTorch. It knows nothing of parallelism: strategies are applied to it.
+
+Pre-norm blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP -> residual),
+learned or rotary positions, grouped-query attention when n_kv_head < n_head, optional tied
+embedding and head. `flops_per_token` gives the model FLOPs used for MFU (6N plus attention).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256          # byte-level tokens by default
+    seq_len: int = 256             # longest sequence the position table covers
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None   # None: same as n_head (multi-head); 1: multi-query
+    d_model: int = 256
+    d_ff: int | None = None        # None: 4 x d_model
+    rotary: bool = False           # rotary position embedding instead of a learned table
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model {self.d_model} does not divide into n_head {self.n_head} heads")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
+        if self.rotary and (self.d_model // self.n_head) % 2:
+            raise ValueError(f"rotary needs an even head size, got {self.d_model // self.n_head}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.q = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=cfg.bias)
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_head * cfg.head_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, -1, self.head_dim).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_head != self.n_head,
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), rope))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = None if cfg.rotary else nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init)
+        # GPT-2's scaled init of residual projections keeps the residual stream's variance flat in depth.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, 0.0, 0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def _rope(self, t: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        half = self.cfg.head_dim // 2
+        inv = 1.0 / (10000 ** (torch.arange(half, device=device, dtype=torch.float32) / half))
+        angles = torch.outer(torch.arange(t, device=device, dtype=torch.float32), inv)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (b, t, vocab); with targets, the mean cross-entropy loss instead."""
+        b, t = idx.shape
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence of {t} tokens is longer than seq_len {self.cfg.seq_len}")
+        x = self.tok_emb(idx)
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(t, device=idx.device))
+        else:
+            rope = self._rope(t, idx.device, x.dtype)
+        for block in self.blocks:
+            x = block(x, rope)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def num_params(self, exclude_embeddings: bool = True) -> int:
+        """Parameters, counted once when tied; position tables excluded by default (as in 6N counts)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and self.pos_emb is not None:
+            n -= self.pos_emb.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Model FLOPs per token for forward + backward: 6N for the weights, plus attention scores.
+
+        Attention adds 2 matmuls (QK^T and AV) of 2 * t * d FLOPs each per layer in forward, times 3 for
+        forward + backward, halved for the causal mask's useful half: 6 * L * t * d (Chinchilla's
+        accounting without the mask would be 12 * L * t * d; PaLM's MFU uses the latter).
+        """
+        t = seq_len or self.cfg.seq_len
+        return 6 * self.num_params() + 6 * self.cfg.n_layer * t * self.cfg.d_model
