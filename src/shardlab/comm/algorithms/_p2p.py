@@ -10,6 +10,7 @@ always pair up (gloo matches a receive with a send of the same size, in order pe
 from __future__ import annotations
 
 import datetime
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
@@ -24,11 +25,11 @@ REDUCE_OPS = ("sum", "min", "max", "product")
 # Out-of-place forms, so a reduction can write into the accumulator or into a third buffer.
 _COMBINE = {"sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum}
 
-# Measured on 2 cores with gloo over loopback: 256 KiB to 1 MiB pieces gave the best ring
-# bandwidth; smaller pieces pay Python and gloo per-message overhead, larger ones leave the
-# reduction of the last piece of every step exposed.
-PIECE_BYTES = 512 * 1024
-# Receives kept outstanding when reducing into place through small buffers.
+# On 2 cores with gloo over loopback, pieces from 0.5 to 4 MiB were within measurement noise of
+# each other and 128 KiB lost a third of the bandwidth: each message costs ~0.1 ms of Python and
+# gloo bookkeeping. 1 MiB spent the least CPU, and keeps the receive window below in cache.
+PIECE_BYTES = 1024 * 1024
+# Receives kept outstanding when reducing in place through piece-sized buffers (4 MiB in all).
 RECV_WINDOW = 4
 
 
@@ -45,6 +46,11 @@ def check_numel(what: str, t: torch.Tensor, expected: int) -> None:
 def check_counts(algo: str, counts: list[int], world: int) -> None:
     if len(counts) != world:
         raise ValueError(f"{algo}: got {len(counts)} counts for a group of {world} ranks")
+
+
+def check_root(algo: str, root: int, world: int) -> None:
+    if not 0 <= root < world:
+        raise ValueError(f"{algo}: root {root} is not a rank of a group of {world}")
 
 
 def combine(a: torch.Tensor, b: torch.Tensor, op: str, out: torch.Tensor) -> None:
@@ -93,22 +99,31 @@ class Channel:
     """The point-to-point traffic of one algorithm call on one process group.
 
     Each algorithm family uses its own tag so that its messages can never be matched by another
-    family's receives, even when a rank runs ahead into the next collective.
+    family's receives, even when a rank runs ahead into the next collective. timeout_s bounds
+    each wait (None: the group's own timeout), not the whole collective.
+
+    `members` restricts the channel to some ranks of the group, renumbered 0..len-1 in that order:
+    a sub-communicator that needs no new process group (see hierarchical.py for why that matters).
     """
 
-    def __init__(self, algo: str, group: ProcessGroup | None, tag: int, timeout_s: float | None) -> None:
+    def __init__(self, algo: str, group: ProcessGroup | None, tag: int, timeout_s: float | None,
+                 members: list[int] | None = None) -> None:
         self.algo, self.group, self.tag, self.timeout_s = algo, group, tag, timeout_s
-        self.rank = dist.get_rank(group)
-        if self.rank < 0:
+        group_rank = dist.get_rank(group)
+        if group_rank < 0:
             raise ValueError(f"{algo}: this process (global rank {dist.get_rank()}) is not in the group")
-        self.size = dist.get_world_size(group)
+        self.members = members if members is not None else list(range(dist.get_world_size(group)))
+        if group_rank not in self.members:
+            raise ValueError(f"{algo}: group rank {group_rank} is not among the members {self.members}")
+        self.rank = self.members.index(group_rank)
+        self.size = len(self.members)
         self._global: dict[int, int] = {}
 
     def global_rank(self, r: int) -> int:
-        if self.group is None:
-            return r
+        """The global rank of channel rank r."""
         if r not in self._global:
-            self._global[r] = dist.get_global_rank(self.group, r)
+            g = self.members[r]
+            self._global[r] = g if self.group is None else dist.get_global_rank(self.group, g)
         return self._global[r]
 
     def send(self, t: torch.Tensor, peer: int) -> Transfer | None:
@@ -144,8 +159,10 @@ class Channel:
             f"rank {transfer.peer} (global {self.global_rank(transfer.peer)})"
         )
         if "timed out" in str(exc).lower():
-            # gloo closes the connection to that peer when a wait expires: the group is unusable after.
-            return TimeoutError(f"{where} timed out after {self.timeout_s}s")
+            return TimeoutError(
+                f"{where} timed out after {self.timeout_s}s "
+                "(gloo closes the connection on a timeout: this group cannot be used again)"
+            )
         return RuntimeError(f"{where} failed: {exc}")
 
 
@@ -153,6 +170,17 @@ def exchange(ch: Channel, send: torch.Tensor, dst: int, recv: torch.Tensor, src:
     """Send to `dst` and receive from `src` at the same time, so neither side waits for the other."""
     transfers = [ch.recv(recv, src), ch.send(send, dst)]
     ch.wait_all(transfers)
+
+
+def recv_slots(like: torch.Tensor, longest: int) -> list[torch.Tensor]:
+    """The piece-sized receive buffers exchange_reduce cycles through, for messages up to `longest`.
+
+    An algorithm with several steps makes them once per call and passes them to every step.
+    """
+    size = min(piece_elems(like), longest)
+    if size == 0:
+        return []
+    return [like.new_empty(size) for _ in range(min(RECV_WINDOW, math.ceil(longest / size)))]
 
 
 def exchange_reduce(
@@ -163,14 +191,15 @@ def exchange_reduce(
     own: torch.Tensor,
     op: str,
     out: torch.Tensor | None = None,
+    slots: list[torch.Tensor] | None = None,
 ) -> None:
     """Send `send` to `dst` while the peer's copy of `own` arrives from `src`, and reduce them.
 
     With out=None the result goes into `own` and the incoming data passes through a few
-    piece-sized buffers used in turn: they stay in cache, and no buffer as large as the message is
-    ever allocated. Otherwise the data is received straight into `out`, which gets
-    out = received (op) own. Receives are posted ahead of the reduction, so while one piece is
-    being reduced the next ones are already on the wire. Pass send=None to only receive.
+    piece-sized buffers (`slots`, from recv_slots) used in turn: they stay in cache, and no buffer
+    as large as the message is needed. Otherwise the data is received straight into `out`, which
+    gets out = received (op) own. Receives are posted ahead of the reduction, so while one piece
+    is being reduced the next ones are already on the wire. Pass send=None to only receive.
     """
     size = piece_elems(own)
     sends = [ch.send(p, dst) for p in pieces(send, size)] if send is not None and dst is not None else []
@@ -181,8 +210,8 @@ def exchange_reduce(
         for transfer, o, res in zip(recvs, own_pieces, out_pieces):
             ch.wait(transfer)
             combine(res, o, op, out=res)
-    else:
-        slots = [own.new_empty(min(size, own.numel())) for _ in range(min(RECV_WINDOW, len(own_pieces)))]
+    elif own_pieces:
+        slots = slots or recv_slots(own, own.numel())
         posted: deque = deque()
         for k, o in enumerate(own_pieces):
             # Keep the slots busy: a slot gets its next receive once its piece has been reduced.

@@ -6,23 +6,33 @@ which is why the ring is the bandwidth-optimal choice for large messages. The se
 sends in a step is the one it just received and reduced, so the partial sums travel round the
 ring and each rank ends owning one fully reduced segment.
 
+Segments travel in pieces (_p2p.PIECE_BYTES), and a piece is passed on as soon as it has arrived
+(and been reduced), so the n-1 steps overlap instead of running one after the other, and the
+reduction of one piece overlaps the transfer of the next.
+
 The segment boundaries are a parameter (`bounds`, n+1 offsets) rather than always an even split:
 all-gather has uneven counts, and the hierarchical all-reduce gives some ranks several chunks.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from shardlab.comm.algorithms._p2p import (
     Channel,
     ProcessGroup,
+    Transfer,
     check_counts,
     check_numel,
     check_op,
     count_bounds,
-    exchange,
     exchange_reduce,
+    piece_elems,
+    pieces,
+    recv_slots,
+    reduce_into,
     split_bounds,
 )
 
@@ -34,56 +44,102 @@ def _segment(data: torch.Tensor, bounds: list[int], i: int) -> torch.Tensor:
     return data[bounds[i] : bounds[i + 1]]
 
 
-def reduce_scatter_segments(
-    ch: Channel, data: torch.Tensor, bounds: list[int], op: str, out: torch.Tensor | None = None
-) -> None:
-    """Ring reduce-scatter: rank r ends with segment r of `data` reduced over the group.
+def reduce_scatter_in_place(
+    ch: Channel, data: torch.Tensor, bounds: list[int], op: str, *, pass_on: bool = False
+) -> list[Transfer | None]:
+    """Ring reduce-scatter in `data`: segment r ends fully reduced (the others hold partial sums).
 
-    With out=None the reduction happens in `data` itself (segment r of `data` holds the result and
-    the other segments hold partial sums); otherwise `data` is only read and the result lands in `out`.
+    The n-1 steps run as one stream of pieces: each piece is reduced as it arrives and sent on to
+    the right at once, so no rank waits for a whole step to finish before starting the next, and
+    the incoming pieces pass through a few cache-sized slots. With pass_on, the pieces of the
+    finished segment r are sent on as well (they are the first step of a ring all-gather) and those
+    sends are returned still in flight; every other send has completed on return.
     """
     n, r = ch.size, ch.rank
     right, left = (r + 1) % n, (r - 1) % n
-    # Out of place, the partial sum received in step s is what is sent in step s+1 while step s+1
-    # receives: two segment buffers, alternating, allocated once per call. In place needs none:
-    # partial sums accumulate in `data` itself.
-    widest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    buffers = [] if out is None else [data.new_empty(widest) for _ in range(min(2, n - 2))]
+    size = piece_elems(data)
+    # In arrival order: step s brings segment r-s-2; the last step brings segment r.
+    arriving = [(step, p) for step in range(n - 1) for p in pieces(_segment(data, bounds, r - step - 2), size)]
+    sends = [ch.send(p, right) for p in pieces(_segment(data, bounds, r - 1), size)]
+    finished: list[Transfer | None] = []
+    slots = recv_slots(data, max(b - a for a, b in zip(bounds, bounds[1:])))
+    posted: deque = deque()
+    for i, (step, own) in enumerate(arriving):
+        # Keep every slot busy: the next receive goes into a slot as soon as its piece is reduced.
+        while len(posted) < len(slots) and i + len(posted) < len(arriving):
+            j = i + len(posted)
+            buf = slots[j % len(slots)][: arriving[j][1].numel()]
+            posted.append((ch.recv(buf, left), buf))
+        transfer, buf = posted.popleft()
+        ch.wait(transfer)
+        reduce_into(own, buf, op)
+        if step < n - 2:
+            sends.append(ch.send(own, right))
+        elif pass_on:
+            finished.append(ch.send(own, right))
+    ch.wait_all(sends)
+    return finished
 
+
+def reduce_scatter_into(ch: Channel, data: torch.Tensor, bounds: list[int], op: str, out: torch.Tensor) -> None:
+    """Ring reduce-scatter that only reads `data`: segment r of the reduction lands in `out`.
+
+    The partial sum received in step s is what is sent in step s+1 while step s+1 receives, so
+    two segment buffers alternate (the last step receives straight into `out`); they are made
+    once per call. Each step still overlaps the reduction of one piece with the transfer of the next.
+    """
+    n, r = ch.size, ch.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    widest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    buffers = [data.new_empty(widest) for _ in range(min(2, n - 2))]
     send = _segment(data, bounds, r - 1)
     for step in range(n - 1):
         own = _segment(data, bounds, r - step - 2)
-        if out is None:
-            exchange_reduce(ch, send, right, left, own, op)
-            send = own
-        else:
-            last = step == n - 2
-            result = out if last else buffers[step % 2][: own.numel()]
-            exchange_reduce(ch, send, right, left, own, op, out=result)
-            send = result
+        result = out if step == n - 2 else buffers[step % 2][: own.numel()]
+        exchange_reduce(ch, send, right, left, own, op, out=result)
+        send = result
 
 
-def all_gather_segments(ch: Channel, data: torch.Tensor, bounds: list[int]) -> None:
-    """Ring all-gather in place: rank r's segment r of `data` is valid; afterwards all of it is.
+def all_gather_in_place(
+    ch: Channel, data: torch.Tensor, bounds: list[int], started: list[Transfer | None] | None = None
+) -> None:
+    """Ring all-gather in `data`: segment r is valid on rank r; afterwards all of `data` is.
 
-    Segments are received straight into their place in `data`, so nothing is copied.
+    Every piece is received straight into its place (nothing is copied) and forwarded to the
+    right as soon as it lands. `started`: the sends of segment r that reduce_scatter_in_place
+    already posted with pass_on.
     """
     n, r = ch.size, ch.rank
     right, left = (r + 1) % n, (r - 1) % n
-    for step in range(n - 1):
-        exchange(ch, _segment(data, bounds, r - step), right, _segment(data, bounds, r - step - 1), left)
+    size = piece_elems(data)
+    sends = started if started is not None else [ch.send(p, right) for p in pieces(_segment(data, bounds, r), size)]
+    arriving = [(step, p) for step in range(n - 1) for p in pieces(_segment(data, bounds, r - step - 1), size)]
+    recvs = [ch.recv(p, left) for _, p in arriving]
+    for (step, piece), transfer in zip(arriving, recvs):
+        ch.wait(transfer)
+        if step < n - 2:
+            sends.append(ch.send(piece, right))
+    ch.wait_all(sends)
+
+
+def all_reduce_on(ch: Channel, tensor: torch.Tensor, op: str) -> None:
+    """Ring all-reduce over the ranks of a channel: reduce-scatter then all-gather, both in place.
+
+    The two phases meet without a pause: the pieces of this rank's finished segment leave for
+    the all-gather while the last reduce-scatter step is still arriving.
+    """
+    if ch.size == 1 or tensor.numel() == 0:
+        return
+    bounds = split_bounds(tensor.numel(), ch.size)
+    started = reduce_scatter_in_place(ch, tensor, bounds, op, pass_on=True)
+    all_gather_in_place(ch, tensor, bounds, started)
 
 
 def all_reduce(tensor: torch.Tensor, op: str, group: ProcessGroup | None = None, *,
                timeout_s: float | None = None) -> None:
     """In-place all-reduce of a flat tensor: ring reduce-scatter, then ring all-gather."""
     check_op(op)
-    ch = Channel("ring all_reduce", group, TAG, timeout_s)
-    if ch.size == 1 or tensor.numel() == 0:
-        return
-    bounds = split_bounds(tensor.numel(), ch.size)
-    reduce_scatter_segments(ch, tensor, bounds, op)
-    all_gather_segments(ch, tensor, bounds)
+    all_reduce_on(Channel("ring all_reduce", group, TAG, timeout_s), tensor, op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group: ProcessGroup | None = None, *,
@@ -96,7 +152,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group: Pr
     if ch.size == 1:
         output.copy_(input)
         return
-    reduce_scatter_segments(ch, input, bounds, op, out=output)
+    reduce_scatter_into(ch, input, bounds, op, output)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, counts: list[int], group: ProcessGroup | None = None,
@@ -109,4 +165,4 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, counts: list[int], gro
     check_numel("ring all_gather output", output, bounds[-1])
     _segment(output, bounds, ch.rank).copy_(input)
     if ch.size > 1:
-        all_gather_segments(ch, output, bounds)
+        all_gather_in_place(ch, output, bounds)
