@@ -106,9 +106,13 @@ def memcpy_ceilings(nbytes: int, device: torch.device, group=None) -> dict:
 
 def link_ceiling(topo_links: dict | None) -> dict:
     """GPU link figures from the topology report: the slowest and fastest nominal GPU-GPU link."""
-    if not topo_links or not topo_links.get("bandwidth_gbps"):
-        return {"link_gbps": None, "link_note": "unknown (no nvidia-smi link matrix)"}
-    values = [v for row in topo_links["bandwidth_gbps"].values() for v in row.values()]
+    if topo_links is None:
+        return {"link_gbps": None, "link_note": "unknown (nvidia-smi not found)"}
+    if len(topo_links.get("gpus", [])) < 2:
+        pcie = [v["gbps"] for v in topo_links.get("pcie", {}).values() if v.get("gbps")]
+        host = f"; PCIe to the host {min(pcie):g} GB/s" if pcie else ""
+        return {"link_gbps": None, "link_note": f"no GPU-GPU link (fewer than two GPUs){host}"}
+    values = [v for row in topo_links.get("bandwidth_gbps", {}).values() for v in row.values()]
     known = [v for v in values if v]
     if not known:
         return {"link_gbps": None, "link_note": "unknown (nvidia-smi gave no link speeds)"}

@@ -30,6 +30,29 @@ def _log2(n: int) -> int:
     return 0 if n <= 1 else math.ceil(math.log2(n))
 
 
+def _nodes(n: int) -> tuple[int, int]:
+    """(ranks per node p, nodes m) of the hierarchical all-reduce: ceil(n/2) per node unless
+    SHARDLAB_RANKS_PER_NODE says otherwise, as shardlab.comm.algorithms.hierarchical decides."""
+    try:
+        from shardlab.comm.algorithms.hierarchical import resolve_ranks_per_node
+
+        p = resolve_ranks_per_node(n)
+    except ImportError:
+        p = max(1, math.ceil(n / 2))
+    return p, math.ceil(n / p)
+
+
+def _hier_steps(n: int) -> float:
+    p, m = _nodes(n)
+    return 2 * (p - 1) + 2 * (m - 1)
+
+
+def _hier_traffic(n: int) -> float:
+    # Ring reduce-scatter and all-gather in the node, ring all-reduce of 1/p of the data across nodes.
+    p, m = _nodes(n)
+    return 2 * (p - 1) / p + 2 * (m - 1) / (m * p)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """How an algorithm's cost grows with the group size n."""
@@ -52,6 +75,8 @@ MODELS: dict[str, CostModel] = {m.name: m for m in [
     CostModel("pairwise", lambda n: n - 1, lambda n: (n - 1) / n, "(n-1) alpha + (n-1)/n S/beta"),
     CostModel("chain", lambda n: n - 1, lambda n: 1.0, "(n-1) alpha + S/beta"),
     CostModel("p2p", lambda n: 1, lambda n: 1.0, "alpha + S/beta"),
+    CostModel("hierarchical", _hier_steps, _hier_traffic,
+              "(2(p-1) + 2(m-1)) alpha + (2(p-1)/p + 2(m-1)/(mp)) S/beta, p ranks per node, m nodes"),
 ]}
 
 # Which model each (impl, op) follows. Ours are known from the code; others fall back to _ASSUMED.
@@ -66,6 +91,7 @@ _KNOWN: dict[tuple[str, str], str] = {
     ("rd", "all_gather"): "rd",
     ("rd", "reduce_scatter"): "rd",
     ("pairwise", "all_to_all"): "pairwise",
+    ("hierarchical", "all_reduce"): "hierarchical",
 }
 # The backend's algorithm is not visible: assume ring-like costs.
 _ASSUMED: dict[str, str] = {

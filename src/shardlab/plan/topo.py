@@ -264,18 +264,21 @@ def gpu_links() -> dict | None:
     text = _run(["nvidia-smi", "topo", "-m"])
     if text is None:
         return None
-    topo = parse_nvidia_smi_topo(text)
     nvlink = parse_nvlink_status(_run(["nvidia-smi", "nvlink", "-s"]) or "")
     pcie = parse_pcie_query(_run(["nvidia-smi", "--query-gpu=index,pcie.link.gen.max,pcie.link.width.max",
                                   "--format=csv,noheader,nounits"]) or "")
+    return link_matrix(parse_nvidia_smi_topo(text), nvlink, pcie)
+
+
+def link_matrix(topo: dict, nvlink: dict[int, list[float]], pcie: dict[int, dict]) -> dict:
+    """Add nominal GB/s per GPU pair to a parsed `topo -m`, from the NVLink and PCIe figures."""
+    topo = dict(topo)
     topo["nvlink_gbps_per_link"] = {str(g): (min(s) if s else None) for g, s in nvlink.items()}
     topo["pcie"] = {str(g): v for g, v in pcie.items()}
     bandwidth: dict[str, dict[str, float | None]] = {}
-    for a, row in topo["links"].items():
-        if not a.startswith("GPU"):
-            continue
+    for a in topo["gpus"]:
         ia = int(a[3:])
-        for b, label in row.items():
+        for b, label in topo["links"].get(a, {}).items():
             if not b.startswith("GPU"):
                 continue
             ib = int(b[3:])
@@ -358,10 +361,12 @@ def format_topology(topo: dict) -> str:
         lines.append(f"          node {n['node']}: cpus {n['cpus']}, {_gib(n['memory_bytes'])}")
     gl = topo.get("gpus") or []
     lines.append(f"gpus      {len(gl) or 'none'}")
-    for g in gl:
-        lines.append(f"          {g['index']}: {g['name']}, {_gib(g['memory_bytes'])}, "
-                     f"compute capability {g['compute_capability']}")
     links = topo.get("gpu_links")
+    for g in gl:
+        pcie = (links or {}).get("pcie", {}).get(str(g["index"]))
+        host = f", PCIe gen{pcie['gen']} x{pcie['width']} ({pcie['gbps']:g} GB/s)" if pcie and pcie.get("gbps") else ""
+        lines.append(f"          {g['index']}: {g['name']}, {_gib(g['memory_bytes'])}, "
+                     f"compute capability {g['compute_capability']}{host}")
     if links and len(links["gpus"]) > 1:
         lines += ["", "gpu links (nvidia-smi topo -m; GB/s one direction, nominal)"]
         names = links["gpus"]
