@@ -201,6 +201,10 @@ def plan_points(cfg: CommBenchConfig, n: int) -> tuple[list[Point], list[dict]]:
     points: list[Point] = []
     skipped: list[dict] = []
     for op in cfg.ops:
+        if op == "sendrecv" and n < 2:
+            # A world of one (nccl-tests' single-GPU run) has every collective but no peer to send to.
+            skipped.append({"op": op, "impl": "*", "world_size": n, "reason": "sendrecv needs 2 ranks"})
+            continue
         for impl in cfg.impls:
             provided = impl_ops(impl)
             if provided is None or op not in provided:
@@ -494,7 +498,7 @@ def bench_on_ranks(cfg: CommBenchConfig, done_before: int = 0, total: int | None
             _progress(f" {row['time_us']:.1f} us, busbw {row['busbw_gbps']:.3g} GB/s, {row['iters']} iters{flag}")
 
     measured_sendrecv = any(p.op == "sendrecv" for p in points)
-    if not measured_sendrecv and cfg.p2p_bytes:
+    if not measured_sendrecv and cfg.p2p_bytes and n > 1:
         if show:
             _progress(f"[ws {n}] point-to-point ceiling ({format_size(cfg.p2p_bytes)} between ranks 0 and 1) ...")
         ceilings["p2p_gbps"] = exchange_bandwidth_gbps(cfg.p2p_bytes, device, group=group)
@@ -523,8 +527,8 @@ def run_comm_bench(cfg: CommBenchConfig, **launch_kwargs) -> dict | None:
     else:
         world_sizes = plan_sizes = list(cfg.world_sizes)
     for n in plan_sizes:
-        if n < 2:
-            raise ValueError(f"world size {n}: a collective benchmark needs at least 2 ranks")
+        if n < 1:
+            raise ValueError(f"world size {n}: a collective benchmark needs at least 1 rank")
     total = sum(len(plan_points(cfg, n)[0]) for n in plan_sizes)
     result: dict = {"meta": _meta(cfg), "rows": [], "skipped": [], "ceilings": [], "fits": []}
     fd, log = tempfile.mkstemp(prefix="shardlab-bench-", suffix=".jsonl")

@@ -248,9 +248,14 @@ def fit(op: str, impl: str, world_size: int, dtype: str, sizes: Sequence[float],
 
 
 def fit_rows(rows: Iterable[dict], time_key: str = "time_us") -> list[AlphaBeta]:
-    """One fit per (op, impl, world_size, dtype) of benchmark rows with at least two sizes."""
+    """One fit per (op, impl, world_size, dtype) of benchmark rows with at least two sizes.
+
+    A world of one moves no data between ranks: there is nothing to fit, so it is left out.
+    """
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
+        if r["world_size"] < 2:
+            continue
         groups.setdefault((r["op"], r["impl"], r["world_size"], r["dtype"]), []).append(r)
     fits = []
     for (op, impl, n, dtype), group in groups.items():
@@ -264,7 +269,7 @@ def fit_rows(rows: Iterable[dict], time_key: str = "time_us") -> list[AlphaBeta]
 def format_fits(fits: Sequence[AlphaBeta]) -> str:
     """A table of fits: alpha, beta and how well the line matches the measurements."""
     if not fits:
-        return "alpha-beta fits: none (each needs at least two message sizes)"
+        return "alpha-beta fits: none (each needs at least two message sizes and two ranks)"
     head = f"{'op':<15}{'impl':<13}{'ws':>3} {'dtype':<9}{'model':<16}{'alpha_us':>10}{'beta_GB/s':>11}" \
            f"{'err_med':>9}{'err_max':>9}"
     lines = ["alpha-beta fits: time = steps(n) alpha + traffic(n) bytes / beta  (relative least squares, x >= 0)",
