@@ -28,8 +28,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# The measurements recorded in docs/ (about 40 minutes on 2 cores; run on a quiet machine).
 bench-comm: $(STAMP)
-	$(BIN)/shardlab bench comm --world-size 2,4 --impl torch,ring --json docs/results/bench_comm.json --plot docs/results/bench_comm.png
+	$(BIN)/shardlab bench comm --world-size 2,4 --impl all --sizes 1K-256M --target-time 0.25 \
+	    --json docs/results/bench_comm.json --csv docs/results/bench_comm.csv --plot docs/results/bench_comm.png
+	$(BIN)/python benchmarks/comm_bar.py --runs 3 --json docs/results/comm_bar.json --markdown docs/results/comm_bar.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info

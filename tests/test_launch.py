@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from shardlab.comm import CollectiveTimeout
 from shardlab.dist import RankFailure, launch, threads_per_rank
 from shardlab.dist.launch import host_store
 
@@ -105,6 +106,25 @@ def test_output_modes(capfd):
     out = capfd.readouterr().out
     lines = [line for line in out.splitlines() if "hello" in line]
     assert lines == ["[rank 0] hello from 0", "[rank 1] hello from 1", "[rank 2] hello from 2"]
+
+
+def _late_peer() -> tuple[float, str]:
+    """Rank 0 calls a collective that rank 1 joins only after rank 0's timeout."""
+    if dist.get_rank() == 0:
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce(torch.zeros(1), timeout_s=2, validate=False)
+        except CollectiveTimeout as exc:
+            return time.monotonic() - t0, str(exc)
+        return time.monotonic() - t0, "no timeout"
+    time.sleep(4)
+    return 0.0, "late"
+
+
+def test_collective_timeout_fails_with_a_message():
+    (elapsed, message), _ = launch(_late_peer, 2, threads=1)
+    assert "all_reduce on rank 0" in message and "timed out after 2" in message, message
+    assert 1.5 < elapsed < 4
 
 
 def test_bad_arguments_are_refused():
