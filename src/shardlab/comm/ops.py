@@ -120,6 +120,36 @@ def _contiguous(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     return work, lambda: t.copy_(work)
 
 
+def _finisher(
+    result: torch.Tensor, work_t: torch.Tensor, copy_back: Callable[[], None], n: int, holds_result: bool = True
+) -> Callable[[bool], Callable[[], torch.Tensor]]:
+    """make(divide) builds a collective's last step: turn the sum into an average when asked (where the
+    backend or algorithm could not), copy a contiguous stand-in back, return the result. Ranks that do
+    not hold the result (reduce's non-roots) skip both. Data-movement ops use make(False)."""
+    def make(divide: bool) -> Callable[[], torch.Tensor]:
+        def finish() -> torch.Tensor:
+            if holds_result:
+                if divide:
+                    _divide(work_t, n)
+                copy_back()
+            return result
+        return finish
+    return make
+
+
+def _output(
+    op: str, like: torch.Tensor, out: torch.Tensor | None, shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+    """The output of an out-of-place collective, made when not given and checked when given, with a
+    contiguous tensor to write into and the step that copies that back into the output."""
+    if out is None:
+        out = like.new_empty(shape)
+    elif tuple(out.shape) != shape or out.dtype != like.dtype:
+        raise ValueError(f"{op}: out has shape {tuple(out.shape)} {out.dtype}, expected {shape} {like.dtype}")
+    out_t, copy_back = _contiguous(out)
+    return out, out_t, copy_back
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """Dim-0 view used by the concatenating collectives; a scalar counts as one row."""
     return t.reshape(1) if t.dim() == 0 else t
@@ -162,17 +192,8 @@ def all_reduce(
     _check_op(op)
     _validate(validate, "all_reduce", group, v.tensor_desc(tensor, reduce=op, impl=impl), v.same_shape,
               tensor.device, timeout_s)
-    n = dist.get_world_size(group)
     work_t, copy_back = _contiguous(tensor)
-
-    def finish_div(divide: bool) -> Callable[[], torch.Tensor]:
-        def finish() -> torch.Tensor:
-            if divide:
-                _divide(work_t, n)
-            copy_back()
-            return tensor
-        return finish
-
+    finish_div = _finisher(tensor, work_t, copy_back, dist.get_world_size(group))
     if impl == TORCH:
         native, divide = _backend_op(op, work_t, group)
         work = dist.all_reduce(work_t, op=native, group=group, async_op=True)
@@ -200,18 +221,8 @@ def reduce(
     _check_root("reduce", dst, group)
     _validate(validate, "reduce", group, v.tensor_desc(tensor, reduce=op, impl=impl, root=dst), v.same_shape,
               tensor.device, timeout_s)
-    n, me = dist.get_world_size(group), dist.get_rank(group)
     work_t, copy_back = _contiguous(tensor)
-
-    def finish(divide: bool) -> Callable[[], torch.Tensor]:
-        def done() -> torch.Tensor:
-            if me == dst:
-                if divide:
-                    _divide(work_t, n)
-                copy_back()
-            return tensor
-        return done
-
+    finish = _finisher(tensor, work_t, copy_back, dist.get_world_size(group), dist.get_rank(group) == dst)
     if impl == TORCH:
         native, divide = _backend_op(op, work_t, group)
         work = dist.reduce(work_t, group_dst=dst, op=native, group=group, async_op=True)
@@ -243,25 +254,13 @@ def reduce_scatter(
     tensor = _rows(tensor)
     n, me = dist.get_world_size(group), dist.get_rank(group)
     parts = chunk_rows(tensor.shape[0], n)
-    shape = (parts[me], *tensor.shape[1:])
-    if out is None:
-        out = tensor.new_empty(shape)
-    elif tuple(out.shape) != shape or out.dtype != tensor.dtype:
-        raise ValueError(f"reduce_scatter: out has shape {tuple(out.shape)} {out.dtype}, expected {shape} {tensor.dtype}")
+    out, out_t, copy_back = _output("reduce_scatter", tensor, out, (parts[me], *tensor.shape[1:]))
     _validate(validate, "reduce_scatter", group, v.tensor_desc(tensor, reduce=op, impl=impl), v.same_shape,
               tensor.device, timeout_s)
     src = tensor.contiguous()
-    out_t, copy_back = _contiguous(out)
+    finish = _finisher(out, out_t, copy_back, n)
     even = tensor.shape[0] % n == 0
     row = src[0].numel() if src.shape[0] else 0
-
-    def finish(divide: bool) -> Callable[[], torch.Tensor]:
-        def done() -> torch.Tensor:
-            if divide:
-                _divide(out_t, n)
-            copy_back()
-            return out
-        return done
 
     if impl == TORCH:
         native, divide = _backend_op(op, src, group)
@@ -354,18 +353,9 @@ def all_gather(
         raise CollectiveMismatchError(
             f"{describe('all_gather', group)}: sizes {sizes} do not fit this rank's dim 0 of {tensor.shape[0]}"
         )
-    shape = (sum(sizes), *tensor.shape[1:])
-    if out is None:
-        out = tensor.new_empty(shape)
-    elif tuple(out.shape) != shape:
-        raise ValueError(f"all_gather: out has shape {tuple(out.shape)}, expected {shape}")
+    out, out_t, copy_back = _output("all_gather", tensor, out, (sum(sizes), *tensor.shape[1:]))
+    finish = _finisher(out, out_t, copy_back, n)(False)
     src = tensor.contiguous()
-    out_t, copy_back = _contiguous(out)
-
-    def finish() -> torch.Tensor:
-        copy_back()
-        return out
-
     if impl == TORCH:
         if all(s == sizes[0] for s in sizes):
             work = _all_gather_tensor(out_t, src, group=group, async_op=True)
@@ -437,18 +427,9 @@ def all_to_all(
                       timeout_s)
             output_splits = theirs.tolist()
     output_splits = [int(s) for s in output_splits]
-    shape = (sum(output_splits), *tensor.shape[1:])
-    if out is None:
-        out = tensor.new_empty(shape)
-    elif tuple(out.shape) != shape:
-        raise ValueError(f"all_to_all: out has shape {tuple(out.shape)}, expected {shape}")
+    out, out_t, copy_back = _output("all_to_all", tensor, out, (sum(output_splits), *tensor.shape[1:]))
+    finish = _finisher(out, out_t, copy_back, n)(False)
     src = tensor.contiguous()
-    out_t, copy_back = _contiguous(out)
-
-    def finish() -> torch.Tensor:
-        copy_back()
-        return out
-
     if impl == TORCH:
         work = dist.all_to_all_single(out_t, src, output_splits, input_splits, group=group, async_op=True)
         return _complete("all_to_all", group, async_op, timeout_s, works=[work], finish=finish)
