@@ -42,6 +42,12 @@ def run(args: argparse.Namespace) -> int:
     unknown = [op for op in args.ops if op not in OPS and op not in ("reduce_scatter", "all_gather")]
     if unknown:
         raise SystemExit(f"unknown operation(s) {unknown}; choose from {OPS}")
+    if args.impl != comm.TORCH:
+        from shardlab.comm.algorithms import ALGORITHMS
+
+        if args.impl not in ALGORITHMS:  # refused before any rank starts
+            raise SystemExit(f"shardlab collectives: unknown --impl {args.impl!r}; "
+                             f"choose from torch, {', '.join(ALGORITHMS)}")
     world_size = args.world_size or (None if under_torchrun() else 4)
     launch(demonstrate, world_size, args.impl, args.ops, **launch_kwargs(args))
     return 0

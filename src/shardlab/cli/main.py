@@ -42,8 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from shardlab.dist import RankFailure
+
     try:
         return int(args.func(args) or 0)
+    except RankFailure as exc:
+        # The failing rank's own traceback is in the message; the parent's stack adds nothing.
+        print(f"shardlab {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
