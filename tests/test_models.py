@@ -56,3 +56,32 @@ def test_bad_shapes_are_refused():
         GPTConfig(d_model=32, n_head=4, n_kv_head=3)
     with pytest.raises(ValueError, match="longer than seq_len"):
         GPT(GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=8))(torch.zeros(1, 9, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------ deep MLP
+from shardlab.models import DeepMLP, MLPConfig  # noqa: E402
+
+
+def test_mlp_is_matmul_then_gelu_per_layer():
+    torch.manual_seed(0)
+    model = DeepMLP(MLPConfig(d_model=16, n_layer=3))
+    x = torch.randn(5, 16)
+    expected = x
+    for layer in model.layers:
+        expected = F.gelu(expected @ layer.weight.T)
+    assert torch.allclose(model(x), expected)
+    assert model.num_params() == 3 * 16 * 16
+    assert model.flops_per_sample() == 6 * 3 * 16 * 16
+
+
+def test_mlp_losses():
+    torch.manual_seed(0)
+    model = DeepMLP(MLPConfig(d_model=8, n_layer=2))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    assert torch.allclose(model(x, y), ((model(x) - y) ** 2).mean())
+    square = DeepMLP.square_loss(model(x))
+    assert torch.allclose(square, (model(x) ** 2).mean())
+    square.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with pytest.raises(ValueError, match="must be positive"):
+        MLPConfig(d_model=0)
