@@ -1,0 +1,21 @@
+"""Parallel training strategies built on shardlab.comm.
+
+Data parallelism (three variants side by side) and synchronised batch normalisation:
+
+    from shardlab.parallel import DataParallel, SyncBatchNorm
+    model = DataParallel(net, group, mode="overlap", bucket_mb=25.0, impl="ring")
+"""
+
+from shardlab.parallel.buckets import Bucket, build_buckets, trainable_params
+from shardlab.parallel.data import MODES, DataParallel
+from shardlab.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
+
+__all__ = [
+    "MODES",
+    "Bucket",
+    "DataParallel",
+    "SyncBatchNorm",
+    "build_buckets",
+    "convert_sync_batchnorm",
+    "trainable_params",
+]

@@ -1,0 +1,208 @@
+"""Data parallelism: every rank holds the whole model, takes its slice of the batch, and the
+gradients are averaged across ranks before the optimizer step, so every rank takes the same step
+a single process would take on the whole batch.
+
+Three ways to average, side by side (`mode`):
+
+  naive     after backward, `finish_gradient_sync()` all-reduces each gradient on its own: one
+            collective per parameter, none of it overlapped with compute.
+  bucketed  the same call packs gradients into flat buckets (see buckets.py) and all-reduces each
+            bucket as one tensor: few large collectives instead of many small ones.
+  overlap   buckets are all-reduced asynchronously *during* backward, each as soon as its last
+            gradient is ready, so communication hides behind the rest of the backward pass; the
+            wrapper waits for them at the end of backward by itself. This is the design of PyTorch
+            DDP (Li et al., VLDB 2020, sec. 3.2.3).
+
+The training loop is the same for all three:
+
+    model = DataParallel(net, group, mode="overlap")
+    loss = model(x, y); loss.backward()
+    model.finish_gradient_sync()      # does the work in naive/bucketed; a no-op in overlap
+    opt.step(); opt.zero_grad()
+
+Gradient accumulation: run all but the last micro-step under `with model.no_sync():`; no
+communication happens there and gradients accumulate locally, then the last micro-step's sync
+reduces the accumulated sum (Li et al. 2020, sec. 3.2.4).
+
+Parameters with no gradient: see buckets.py (zeros are sent; a grad no rank produced stays None).
+Overlap mode assumes each parameter's gradient hook fires at most once per backward (no
+re-entrant checkpointing) and that every rank's backward reaches at least one parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardlab import comm
+from shardlab.comm import Handle
+from shardlab.parallel.buckets import Bucket, build_buckets, trainable_params
+
+Mode = Literal["naive", "bucketed", "overlap"]
+MODES: tuple[str, ...] = ("naive", "bucketed", "overlap")
+
+
+class DataParallel(nn.Module):
+    """Wrap `module` for data parallelism over `group` (None: the default group).
+
+    mode: "naive" | "bucketed" | "overlap" (see the module docstring).
+    bucket_mb: bucket size in MiB for the bucketed and overlap modes.
+    impl: which all-reduce does the reduction: "torch" (the backend) or one of our algorithms.
+    average: divide the summed gradients by the group size (the usual choice: each rank's loss is a
+        mean over its rows, so the average of the ranks' gradients is the whole batch's gradient).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None = None,
+        *,
+        mode: Mode = "bucketed",
+        bucket_mb: float = 25.0,
+        impl: str = comm.TORCH,
+        average: bool = True,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.module = module
+        self.group, self.mode, self.impl = group, mode, impl
+        self._op = "avg" if average else "sum"
+        self._sync_enabled = True
+        self._params = trainable_params(module)
+        self._broadcast_state()
+        self.buckets: list[Bucket] = []
+        self._hooks: list[Any] = []
+        if mode != "naive":
+            self.buckets = build_buckets(self._params, int(bucket_mb * 2**20))
+        if mode == "overlap":
+            self._install_hooks()
+        # overlap-mode state for the backward in progress
+        self._handles: dict[int, Handle] = {}
+        self._next_launch = 0
+        self._callback_queued = False
+
+    # ------------------------------------------------------------------------------- public API
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, with no communication."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def finish_gradient_sync(self) -> None:
+        """Average the gradients across the group (naive and bucketed modes).
+
+        A no-op in overlap mode (backward already did it) and inside `no_sync()`, so one training
+        loop serves every mode.
+        """
+        if not self._sync_enabled or self.mode == "overlap":
+            return
+        if self.mode == "naive":
+            self._sync_naive()
+            return
+        # Launch every bucket before waiting on any, so several are in flight at once.
+        for bucket in self.buckets:
+            bucket.fill()
+            self._handles[bucket.index] = self._all_reduce(bucket.flat, async_op=True)
+        self._wait_all()
+
+    sync_gradients = finish_gradient_sync
+
+    # ------------------------------------------------------------------------------ internals
+    def _all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Any:
+        return comm.all_reduce(t, self._op, self.group, impl=self.impl, async_op=async_op)
+
+    @torch.no_grad()
+    def _broadcast_state(self) -> None:
+        """Start every rank from rank 0's weights and buffers (e.g. BatchNorm running stats), so the
+        replicas are equal from the first step and stay equal as long as the gradients are."""
+        seen: set[int] = set()
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                comm.broadcast(t.data, 0, self.group)
+
+    @torch.no_grad()
+    def _sync_naive(self) -> None:
+        """The lecture's version: one all-reduce per gradient. A first small all-reduce of "who has
+        a gradient" flags tells every rank which parameters to reduce, so all ranks issue the same
+        collectives even when some parameter got no gradient on some rank."""
+        params = self._params
+        if not params:
+            return
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        comm.all_reduce(flags, "sum", self.group, impl=self.impl)
+        for p, used in zip(params, flags.tolist()):
+            if used == 0:
+                continue  # no rank has a gradient: leave it None, as a single process would
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._all_reduce(p.grad)
+
+    @torch.no_grad()
+    def _wait_all(self) -> None:
+        for bucket in self.buckets:
+            handle = self._handles.pop(bucket.index, None)
+            if handle is not None:
+                handle.wait()
+                bucket.unpack()
+
+    # ---------------------------------------------------------------------------- overlap mode
+    def _install_hooks(self) -> None:
+        where = {id(p): b for b in self.buckets for p in b.params}
+        for p in self._params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(where[id(p)])))
+
+    def _make_hook(self, bucket: Bucket):
+        def hook(param: torch.Tensor) -> None:
+            if not self._sync_enabled:
+                return
+            if not self._callback_queued:
+                # Runs once backward has finished every node: wait for the reductions in flight.
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._callback_queued = True
+            bucket.ready.add(id(param))
+            if len(bucket.ready) == len(bucket.params):
+                self._launch_ready()
+
+        return hook
+
+    @torch.no_grad()
+    def _launch_ready(self) -> None:
+        """Launch complete buckets strictly in bucket order. Ranks must issue collectives in the
+        same order or they would pair up wrong ones; gradient readiness order can differ between
+        ranks (a branch unused on one rank), bucket order cannot (Li et al. 2020, sec. 3.2.3)."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.fill()
+        self._handles[bucket.index] = self._all_reduce(bucket.flat, async_op=True)
+        self._next_launch += 1
+
+    @torch.no_grad()
+    def _end_of_backward(self) -> None:
+        # Buckets still waiting hold a parameter that got no gradient here: send them now (zeros
+        # for the missing ones), still in bucket order, then wait for everything.
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+        self._wait_all()
+        self._next_launch = 0
+        self._callback_queued = False
