@@ -96,7 +96,7 @@ def _rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict
 _PEER_LOSS = ("connection reset", "connection closed", "remote worker", "broken pipe", "timed out", "timeout")
 
 
-def _peer_loss(message: str) -> bool:
+def is_peer_loss(message: str) -> bool:
     text = message.lower()
     return any(marker in text for marker in _PEER_LOSS)
 
@@ -112,7 +112,7 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def tail_lines(path: Path, lines: int = 20) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
     except OSError:
@@ -141,8 +141,8 @@ def _failure(procs: list, workdir: str, exit_seen: dict[int, float]) -> RankFail
     silent = sorted((t, r) for r, t in exit_seen.items() if r not in reported and procs[r].exitcode != 0)
     # A report that only says a peer went away ("connection reset", a timeout) is a consequence;
     # prefer a real error, then a rank that died without one (killed, aborted), then the consequences.
-    primary = sorted((r["time"], r["rank"]) for r in reports if not _peer_loss(r["message"]))
-    secondary = sorted((r["time"], r["rank"]) for r in reports if _peer_loss(r["message"]))
+    primary = sorted((r["time"], r["rank"]) for r in reports if not is_peer_loss(r["message"]))
+    secondary = sorted((r["time"], r["rank"]) for r in reports if is_peer_loss(r["message"]))
     by_rank = {r["rank"]: r for r in reports}
     if primary or (secondary and not silent):
         rank = (primary or secondary)[0][1]
@@ -153,7 +153,7 @@ def _failure(procs: list, workdir: str, exit_seen: dict[int, float]) -> RankFail
         rank = silent[0][1]
         message = f"rank {rank} died ({_describe_exit(procs[rank].exitcode)}) without raising a Python error"
         tb = ""
-        out = _tail(log_path(workdir, rank))
+        out = tail_lines(log_path(workdir, rank))
         if out:
             tb = f"last output of rank {rank}:\n{out}"
     full = f"{message}\n--- traceback of rank {rank} ---\n{tb}" if tb else message
@@ -162,7 +162,7 @@ def _failure(procs: list, workdir: str, exit_seen: dict[int, float]) -> RankFail
     return RankFailure(rank, full, tb, procs[rank].exitcode)
 
 
-def _stop(procs: list) -> None:
+def stop_ranks(procs: list) -> None:
     """Terminate every rank still running: SIGTERM first, SIGKILL if it does not go."""
     for p in procs:
         if p.is_alive():
@@ -228,7 +228,7 @@ def launch(
                 procs.append(p)
             _supervise(procs, workdir)
         finally:
-            _stop(procs)
+            stop_ranks(procs)
             if output == "ranks":
                 _print_rank_logs(world_size, workdir)
             del store
@@ -254,7 +254,7 @@ def _supervise(procs: list, workdir: str) -> None:
             failed_at = time.monotonic()
         if failed_at is not None:
             if all(c is not None for c in codes) or time.monotonic() - failed_at > _FAILURE_GRACE_S:
-                _stop(procs)
+                stop_ranks(procs)
                 raise _failure(procs, workdir, exit_seen)
         wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
 

@@ -22,7 +22,7 @@ import traceback
 from typing import Any, Callable
 
 from shardlab.dist.env import default_backend
-from shardlab.dist.launch import RankFailure, _stop, _tail, host_store
+from shardlab.dist.launch import RankFailure, host_store, is_peer_loss, stop_ranks, tail_lines
 from shardlab.dist.rank import RankSpec, die_with_parent, hard_exit, init_rank, log_path, setup_output
 
 
@@ -119,12 +119,17 @@ class RankPool:
         failed = [(rep[1], r, rep[2]) for r, rep in enumerate(replies) if rep is not None and rep[0] == "err"]
         silent = [r for r, rep in enumerate(replies) if rep is None]
         if silent:
-            logs = {r: _tail(log_path(self._workdir.name, r)) for r in silent}
+            logs = {r: tail_lines(log_path(self._workdir.name, r)) for r in silent}
             self.close()  # a rank that did not answer may be stuck in a collective: start afresh next time
             if not failed:
                 raise RankFailure(silent[0], f"ranks {silent} gave no answer within {timeout_s}s (log: {logs})")
         if failed:
             _, rank, tb = min(failed)
+            # An error every rank raised alike (a validation mismatch) leaves the group usable. One that
+            # only some ranks hit, or a timeout or lost peer, may leave a collective half-done in the
+            # backend, which would pair with the next test's collectives: start afresh next time.
+            if len(failed) < self.world_size or any(is_peer_loss(t) for _, _, t in failed):
+                self.close()
             raise RankFailure(rank, f"rank {rank} failed:\n{tb}", tb)
         return [rep[2] for rep in replies]
 
@@ -167,7 +172,7 @@ class RankPool:
         deadline = time.monotonic() + 2
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
-        _stop(self._procs)
+        stop_ranks(self._procs)
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
