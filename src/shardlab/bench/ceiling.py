@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardlab.comm import ops
+from shardlab import comm
 
 
 def copy_bandwidth_gbps(nbytes: int, device: torch.device | str = "cpu", reps: int = 5) -> float:
@@ -63,10 +63,10 @@ def exchange_bandwidth_gbps(nbytes: int, device: torch.device, reps: int = 3, gr
     recv = torch.empty_like(send) if send is not None else None
     times = []
     for rep in range(reps + 1):
-        ops.barrier(group)
+        comm.barrier(group)
         if peer is not None:
             t0 = time.perf_counter()
-            hs = [ops.isend(send, peer, group, tag=7, validate=False), ops.irecv(recv, peer, group, tag=7, validate=False)]
+            hs = [comm.isend(send, peer, group, tag=7, validate=False), comm.irecv(recv, peer, group, tag=7, validate=False)]
             for h in hs:
                 h.wait()
             _sync(device)
@@ -74,7 +74,7 @@ def exchange_bandwidth_gbps(nbytes: int, device: torch.device, reps: int = 3, gr
                 times.append(time.perf_counter() - t0)
     # The slower of the two directions is the pair's bandwidth.
     worst = torch.tensor([statistics.median(times) if times else 0.0], dtype=torch.float64, device=device)
-    ops.all_reduce(worst, "max", group, validate=False)
+    comm.all_reduce(worst, "max", group, validate=False)
     if n < 2 or me != 0:
         return None
     return send.numel() * 4 / float(worst.item()) / 1e9
@@ -87,12 +87,12 @@ def memcpy_ceilings(nbytes: int, device: torch.device, group=None) -> dict:
     ceiling that matters during a collective; the one-rank figure shows what a quiet machine gives.
     """
     me = dist.get_rank(group)
-    ops.barrier(group)
+    comm.barrier(group)
     alone = copy_bandwidth_gbps(nbytes, device) if me == 0 else 0.0
-    ops.barrier(group)
+    comm.barrier(group)
     together = torch.tensor([copy_bandwidth_gbps(nbytes, device)], dtype=torch.float64, device=device)
     # The slowest rank's copy bandwidth: collectives wait for the slowest rank.
-    ops.all_reduce(together, "min", group, validate=False)
+    comm.all_reduce(together, "min", group, validate=False)
     return {
         "memcpy_bytes": nbytes,
         "memcpy_alone_gbps": alone,

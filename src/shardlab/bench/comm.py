@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardlab.comm import ops
+from shardlab import comm
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "sendrecv")
 # Ops whose size is the whole buffer of n equal blocks: the element count must divide by n.
@@ -169,10 +169,10 @@ class Point:
 def impl_ops(impl: str) -> set[str] | None:
     """The ops `impl` provides, or None for an impl nobody registered.
 
-    "torch" is the backend through shardlab.comm.ops; the others come from the algorithm registry
+    "torch" is the backend through shardlab.comm; the others come from the algorithm registry
     (shardlab.comm.algorithms.ALGORITHMS). sendrecv is plain point-to-point, hence torch only.
     """
-    if impl == ops.TORCH:
+    if impl == comm.TORCH:
         return set(OPS)
     try:
         from shardlab.comm.algorithms import ALGORITHMS
@@ -188,8 +188,8 @@ def registered_impls() -> list[str]:
     try:
         from shardlab.comm.algorithms import ALGORITHMS
     except ImportError:
-        return [ops.TORCH]
-    return [ops.TORCH] + [name for name in ALGORITHMS if name != ops.TORCH]
+        return [comm.TORCH]
+    return [comm.TORCH] + [name for name in ALGORITHMS if name != comm.TORCH]
 
 
 def plan_points(cfg: CommBenchConfig, n: int) -> tuple[list[Point], list[dict]]:
@@ -280,30 +280,30 @@ class Case:
 
     # One iteration of each op. validate=False: validation would add a collective to every call.
     def _run_all_reduce(self) -> None:
-        ops.all_reduce(self.inp, "sum", self.group, impl=self.p.impl, validate=False)
+        comm.all_reduce(self.inp, "sum", self.group, impl=self.p.impl, validate=False)
 
     def _run_broadcast(self) -> None:
-        ops.broadcast(self.inp, ROOT, self.group, impl=self.p.impl, validate=False)
+        comm.broadcast(self.inp, ROOT, self.group, impl=self.p.impl, validate=False)
 
     def _run_reduce(self) -> None:
-        ops.reduce(self.inp, ROOT, "sum", self.group, impl=self.p.impl, validate=False)
+        comm.reduce(self.inp, ROOT, "sum", self.group, impl=self.p.impl, validate=False)
 
     def _run_all_gather(self) -> None:
-        ops.all_gather(self.inp, self.group, out=self.out, impl=self.p.impl, validate=False)
+        comm.all_gather(self.inp, self.group, out=self.out, impl=self.p.impl, validate=False)
 
     def _run_reduce_scatter(self) -> None:
-        ops.reduce_scatter(self.inp, "sum", self.group, out=self.out, impl=self.p.impl, validate=False)
+        comm.reduce_scatter(self.inp, "sum", self.group, out=self.out, impl=self.p.impl, validate=False)
 
     def _run_all_to_all(self) -> None:
         # Splits given both ways: otherwise every call would first exchange them (another collective).
-        ops.all_to_all(self.inp, self.group, input_splits=self.splits, output_splits=self.splits, out=self.out,
+        comm.all_to_all(self.inp, self.group, input_splits=self.splits, output_splits=self.splits, out=self.out,
                        impl=self.p.impl, validate=False)
 
     def _run_sendrecv(self) -> None:
         # nccl-tests' sendrecv: every rank sends to the next and receives from the previous, at once.
         nxt, prev = (self.me + 1) % self.n, (self.me - 1) % self.n
-        handles = [ops.isend(self.inp, nxt, self.group, tag=11, validate=False),
-                   ops.irecv(self.out, prev, self.group, tag=11, validate=False)]
+        handles = [comm.isend(self.inp, nxt, self.group, tag=11, validate=False),
+                   comm.irecv(self.out, prev, self.group, tag=11, validate=False)]
         for h in handles:
             h.wait()
 
@@ -383,7 +383,7 @@ class _Clock:
 
 def _max_over_ranks(values: list[float], group, device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    ops.all_reduce(t, "max", group, validate=False)
+    comm.all_reduce(t, "max", group, validate=False)
     return t.tolist()
 
 
@@ -411,7 +411,7 @@ def _iteration_count(case: Case, cfg: CommBenchConfig, group, device: torch.devi
         return cfg.min_iters
     for _ in range(cfg.warmup - 1):
         case.run()
-    ops.barrier(group)
+    comm.barrier(group)
     estimate = _max_over_ranks([_timed_runs(case, max(1, cfg.probe), device)], group, device)[0]
     return int(min(cfg.max_iters, max(cfg.min_iters, math.ceil(cfg.target_s / max(estimate, 1e-9)))))
 
@@ -421,7 +421,7 @@ def measure_point(point: Point, cfg: CommBenchConfig, group, device: torch.devic
     case = Case(point, group, device)
     n = dist.get_world_size(group)
     iters = _iteration_count(case, cfg, group, device)
-    ops.barrier(group)
+    comm.barrier(group)
     clock = _Clock(device, iters + 1)
     clock.mark()
     for _ in range(iters):
@@ -435,7 +435,7 @@ def measure_point(point: Point, cfg: CommBenchConfig, group, device: torch.devic
     wrong = -1
     if cfg.check:
         w = torch.tensor([case.check()], dtype=torch.int64, device=device)
-        ops.all_reduce(w, "sum", group, validate=False)
+        comm.all_reduce(w, "sum", group, validate=False)
         wrong = int(w.item())
     del case
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from shardlab.comm.compat import all_gather_tensor
 from shardlab.comm.handle import CollectiveMismatchError, describe, wait_work
 
 Descriptor = dict[str, Any]
@@ -30,7 +31,7 @@ def validation_enabled(validate: bool | None) -> bool:
     return os.environ.get("SHARDLAB_VALIDATE", "0").lower() in ("1", "true", "yes", "on")
 
 
-def _encode(desc: Descriptor, size: int, device: torch.device) -> torch.Tensor:
+def encode(desc: Descriptor, size: int, device: torch.device) -> torch.Tensor:
     raw = json.dumps(desc, separators=(",", ":")).encode()
     if len(raw) + 4 > size:
         raw = json.dumps({k: v for k, v in desc.items() if k in ("op", "dtype", "root", "reduce")}).encode()
@@ -40,7 +41,7 @@ def _encode(desc: Descriptor, size: int, device: torch.device) -> torch.Tensor:
     return buf.to(device)
 
 
-def _decode(buf: torch.Tensor) -> Descriptor:
+def decode(buf: torch.Tensor) -> Descriptor:
     data = bytes(buf.cpu().tolist())
     length = int.from_bytes(data[:4], "little")
     return json.loads(data[4 : 4 + length])
@@ -61,12 +62,11 @@ def agree(
     """
     world = dist.get_world_size(group)
     size = max(1024, 96 * world)
-    mine = _encode(dict(desc, op=op), size, device)
+    mine = encode(dict(desc, op=op), size, device)
     table = torch.empty(world * size, dtype=torch.uint8, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = gather(table, mine, group=group, async_op=True)
+    work = all_gather_tensor(table, mine, group=group, async_op=True)
     wait_work(work, f"{op} (validation)", group, timeout_s)
-    descs = [_decode(table[r * size : (r + 1) * size]) for r in range(world)]
+    descs = [decode(table[r * size : (r + 1) * size]) for r in range(world)]
     problem = common_check(descs) or check(descs)
     if problem:
         raise CollectiveMismatchError(f"{describe(op, group)}: ranks disagree: {problem}")
@@ -77,11 +77,11 @@ def _field_disagreement(descs: list[Descriptor], field: str, label: str) -> str 
     values = [d.get(field) for d in descs]
     if all(v == values[0] for v in values):
         return None
-    per_rank = ", ".join(f"rank {r} {label} {_show(v)}" for r, v in enumerate(values))
+    per_rank = ", ".join(f"rank {r} {label} {show(v)}" for r, v in enumerate(values))
     return f"{label} differs: {per_rank}"
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     if isinstance(value, list):
         return "(" + ", ".join(str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
     return str(value)
@@ -105,7 +105,7 @@ def same_trailing_shape(descs: list[Descriptor]) -> str | None:
     trailing = [d["shape"][1:] for d in descs]
     if all(t == trailing[0] for t in trailing) and all(len(d["shape"]) >= 1 for d in descs):
         return None
-    per_rank = ", ".join(f"rank {r} has shape {_show(d['shape'])}" for r, d in enumerate(descs))
+    per_rank = ", ".join(f"rank {r} has shape {show(d['shape'])}" for r, d in enumerate(descs))
     return f"shapes must agree in every dimension but the first: {per_rank}"
 
 

@@ -4,7 +4,7 @@
     get_algorithm("ring", "all_reduce")(flat_tensor, "sum", group)
 
 Every function is blocking, takes flat contiguous tensors and group-local ranks, and has the
-signature of the op it implements (see the modules); shardlab.comm.ops dispatches to them with
+signature of the op it implements (see the modules); shardlab.comm dispatches to them with
 impl="ring" and so on. Each family lives in its own module:
 
     ring          ring reduce-scatter / all-gather / all-reduce       (bandwidth-optimal, large messages)
