@@ -20,12 +20,10 @@ from shardlab.plan.alphabeta import (
     nnls2,
     save_fits,
 )
-from shardlab.plan.topo import (
-    discover,
-    format_topology,
+from shardlab.plan.topo import discover, format_topology, link_matrix
+from shardlab.plan.topo_parse import (
     link_bandwidth_gbps,
     link_kind,
-    link_matrix,
     parse_cpuinfo,
     parse_cpulist,
     parse_nvidia_smi_topo,
