@@ -16,7 +16,8 @@ import json
 import statistics
 import sys
 
-from shardlab.bench.comm import CommBenchConfig, format_size, parse_sizes, run_comm_bench
+from shardlab.bench.comm import run_comm_bench
+from shardlab.bench.sweep import CommBenchConfig, format_size, parse_sizes
 
 OPS = ["all_reduce", "reduce_scatter", "all_gather"]
 # The bar from the issue: ring busbw / backend busbw at 16 MiB and above.

@@ -9,7 +9,7 @@ import argparse
 import json
 from collections import defaultdict
 
-from shardlab.bench.comm import format_size
+from shardlab.bench.sweep import format_size
 
 SIZES = [16 * 2**20, 64 * 2**20, 256 * 2**20]
 
@@ -37,7 +37,7 @@ def main() -> None:
     smallest = min(r["bytes"] for r in rows)
     head = [f"{format_size(smallest)} time (us), ws {ws_label}"]
     head += [f"busbw {format_size(s)}, ws {ws_label}" for s in SIZES]
-    head += [f"wrong"]
+    head += ["wrong"]
     print("| op | impl | " + " | ".join(head) + " |")
     print("|---|---|" + "---:|" * len(head))
     for (op, impl), points in by.items():

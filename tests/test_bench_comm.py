@@ -14,20 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardlab.bench.comm import (
+from shardlab.bench.cases import SENTINEL, Case, count_wrong, pattern
+from shardlab.bench.sweep import (
     OPS,
-    SENTINEL,
-    Case,
     CommBenchConfig,
     Point,
     busbw_factor,
-    count_wrong,
     element_count,
     format_size,
     parse_dtype,
     parse_size,
     parse_sizes,
-    pattern,
     plan_points,
     registered_impls,
 )
@@ -134,10 +131,10 @@ def _check_every_op(impls: list[str], sabotage: bool, chunk: int | None = None) 
 
     `chunk` shrinks the check's chunk so that chunk boundaries fall inside blocks.
     """
-    from shardlab.bench import comm as bench_comm
+    from shardlab.bench import cases as bench_cases
 
     if chunk:
-        bench_comm._CHUNK = chunk
+        bench_cases._CHUNK = chunk
     results = {}
     for impl in impls:
         points, _ = plan_points(CommBenchConfig(ops=list(OPS), impls=[impl], sizes=[3000], dtypes=["bfloat16"]),
@@ -149,7 +146,7 @@ def _check_every_op(impls: list[str], sabotage: bool, chunk: int | None = None) 
             w = torch.tensor([case.check()])
             dist.all_reduce(w)
             results[(point.op, impl)] = int(w)
-    bench_comm._CHUNK = 4 * 2**20
+    bench_cases._CHUNK = 4 * 2**20
     return results
 
 

@@ -7,15 +7,9 @@
 The CLI is `shardlab bench comm`; docs/bench-comm.md explains what is measured and how.
 """
 
-from shardlab.bench.comm import (
-    OPS,
-    CommBenchConfig,
-    busbw_factor,
-    count_wrong,
-    parse_sizes,
-    plan_points,
-    run_comm_bench,
-)
+from shardlab.bench.cases import count_wrong
+from shardlab.bench.comm import run_comm_bench
+from shardlab.bench.sweep import OPS, CommBenchConfig, busbw_factor, parse_sizes, plan_points
 
 __all__ = [
     "OPS",

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from shardlab.dist.env import synchronize
 
 
 def copy_bandwidth_gbps(nbytes: int, device: torch.device | str = "cpu", reps: int = 5) -> float:
@@ -47,11 +48,6 @@ def copy_bandwidth_gbps(nbytes: int, device: torch.device | str = "cpu", reps: i
     return 2 * count * 4 / statistics.median(times) / 1e9
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def exchange_bandwidth_gbps(nbytes: int, device: torch.device, reps: int = 3, group=None) -> float | None:
     """Ranks 0 and 1 send each other `nbytes` at once (others wait): bytes / seconds, median of reps.
 
@@ -69,7 +65,7 @@ def exchange_bandwidth_gbps(nbytes: int, device: torch.device, reps: int = 3, gr
             hs = [comm.isend(send, peer, group, tag=7, validate=False), comm.irecv(recv, peer, group, tag=7, validate=False)]
             for h in hs:
                 h.wait()
-            _sync(device)
+            synchronize(device)
             if rep:  # the first exchange sets up the connection and faults in the pages
                 times.append(time.perf_counter() - t0)
     # The slower of the two directions is the pair's bandwidth.

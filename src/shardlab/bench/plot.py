@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from shardlab.bench.comm import OPS, format_size
+from shardlab.bench.sweep import OPS, format_size
 
 
 def _size_label(nbytes: float) -> str:

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from shardlab.bench.comm import BUSBW_FORMULA, format_size
+from shardlab.bench.sweep import BUSBW_FORMULA, format_size
 
 # Row fields in the order CSV columns and readers expect them.
 ROW_FIELDS = [

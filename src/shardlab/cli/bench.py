@@ -55,7 +55,7 @@ def _no_bench(parser: argparse.ArgumentParser) -> int:
 
 # ------------------------------------------------------------------------------------ bench comm
 def _sizes(text: str) -> list[int]:
-    from shardlab.bench.comm import parse_sizes
+    from shardlab.bench.sweep import parse_sizes
 
     try:
         return parse_sizes(text)
@@ -64,7 +64,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def _dtypes(text: str) -> list[str]:
-    from shardlab.bench.comm import parse_dtype
+    from shardlab.bench.sweep import parse_dtype
 
     try:
         return [parse_dtype(d) for d in name_list(text)]
@@ -73,7 +73,7 @@ def _dtypes(text: str) -> list[str]:
 
 
 def add_comm_parser(benches: argparse._SubParsersAction) -> None:
-    from shardlab.bench.comm import OPS
+    from shardlab.bench.sweep import OPS
 
     p = benches.add_parser("comm", help="collective bandwidth vs message size (algbw, busbw, checked results)",
                            description=COMM_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,7 +114,7 @@ def add_comm_parser(benches: argparse._SubParsersAction) -> None:
 
 
 def _single_size(text: str) -> int:
-    from shardlab.bench.comm import parse_size
+    from shardlab.bench.sweep import parse_size
 
     if text.strip() == "0":
         return 0
@@ -125,7 +125,7 @@ def _single_size(text: str) -> int:
 
 
 def _resolve_impls(asked: list[str]) -> list[str]:
-    from shardlab.bench.comm import impl_ops, registered_impls
+    from shardlab.bench.sweep import impl_ops, registered_impls
 
     impls: list[str] = []
     for name in asked:
@@ -138,7 +138,8 @@ def _resolve_impls(asked: list[str]) -> list[str]:
 
 
 def run_comm(args: argparse.Namespace) -> int:
-    from shardlab.bench.comm import OPS, CommBenchConfig, run_comm_bench
+    from shardlab.bench.comm import run_comm_bench
+    from shardlab.bench.sweep import OPS, CommBenchConfig
     from shardlab.bench.report import format_ceilings, format_fractions, format_skipped, format_table
     from shardlab.bench.report import write_csv, write_json
     from shardlab.plan.alphabeta import AlphaBeta, format_fits

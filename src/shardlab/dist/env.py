@@ -75,3 +75,9 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU), so host timers measure finished work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
