@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.comm import validate as v
+from shardlab.comm.algorithms._p2p import split_bounds
 from shardlab.comm.handle import Handle
 
 ReduceOpName = Literal["sum", "avg", "min", "max", "product"]
@@ -142,8 +143,8 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def chunk_rows(rows: int, n: int) -> list[int]:
     """Rows per rank when `rows` is split in n parts as torch.tensor_split does (first parts one larger)."""
-    base, extra = divmod(rows, n)
-    return [base + (1 if r < extra else 0) for r in range(n)]
+    bounds = split_bounds(rows, n)
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def validate_call(validate: bool | None, op: str, group: Group, desc: dict, check: v.Check, device: torch.device,

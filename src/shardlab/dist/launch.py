@@ -28,6 +28,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from shardlab.dist.env import default_backend, device_for, read_torchrun_env, threads_per_rank, under_torchrun
@@ -275,8 +276,6 @@ def _run_under_torchrun(
             f"asked for world size {world_size} but torchrun started WORLD_SIZE={env.world_size}; "
             "drop --world-size under torchrun or make them agree"
         )
-    import torch
-
     torch.set_num_threads(threads_per_rank(env.local_world_size, threads))
     backend = backend or default_backend(env.local_world_size)
     device = device_for(backend, env.local_rank)
