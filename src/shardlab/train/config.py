@@ -1,0 +1,400 @@
+"""The typed run configuration: dataclasses with documented fields, TOML files, `--set` overrides.
+
+    cfg = load_config("configs/gpt-small.toml", ["optim.lr=3e-4", "layout.dp=2"])
+    cfg.validate(world_size=2)       # raises ConfigError naming every field that does not fit
+    print(cfg.to_toml())             # the resolved configuration, loadable again
+
+One file holds everything a run needs (model, data, optimizer, schedule, layout, logging), so a
+run is reproduced from its saved `config.toml` alone. Validation happens before any process
+starts: an impossible layout costs a message, not a launch. Fields documented here are the
+reference; `shardlab train --help-config` prints them.
+
+TOML has no null, so "use the default" is spelled 0 or "" where a field needs it (documented per
+field).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names each field and the values at fault."""
+
+
+@dataclass
+class ModelSection:
+    """Which model to build and its size."""
+
+    name: str = "gpt"
+    """'gpt' (a decoder on byte-level text) or 'mlp' (the lecture's deep MLP on a regression task)."""
+    n_layer: int = 4
+    """Blocks (GPT) or d x d layers (MLP)."""
+    d_model: int = 128
+    """Width of the residual stream (GPT) or of every layer (MLP)."""
+    n_head: int = 4
+    """GPT attention heads; d_model must divide by it."""
+    n_kv_head: int = 0
+    """GPT key/value heads (grouped-query attention); 0: same as n_head, 1: multi-query."""
+    d_ff: int = 0
+    """GPT feed-forward width; 0: 4 x d_model."""
+    seq_len: int = 128
+    """GPT context length: tokens per training sequence."""
+    rotary: bool = False
+    """GPT: rotary position embedding instead of a learned position table."""
+    tie_embeddings: bool = True
+    """GPT: the output head shares the token embedding's weight."""
+    bias: bool = False
+    """Biases in linear layers. Off by default: a key bias gets an exactly-zero gradient (softmax
+    ignores a shift shared by all keys), which Adam turns into noise-driven steps."""
+    dropout: float = 0.0
+    """GPT dropout probability (0 keeps runs deterministic and comparable)."""
+    freeze: str = ""
+    """Comma-separated glob patterns of parameter names to freeze, e.g. 'pos_emb.*,blocks.0.*'."""
+    skip_layer_every: int = 0
+    """Stress test for gradient sync: on every K-th step layer 0 is bypassed, so its parameters
+    get no gradient on that step (as with LayerDrop); 0 disables."""
+
+
+@dataclass
+class DataSection:
+    """Where the training tokens come from (GPT). The MLP trains on a synthetic regression task."""
+
+    source: str = "stdlib"
+    """'stdlib' (the Python standard library's sources on this machine), a directory, a glob, a
+    text file, or a pre-tokenized .bin file."""
+    max_bytes: int = 0
+    """Read at most this many bytes of text; 0: the loader's default (64 MiB)."""
+    val_fraction: float = 0.05
+    """Fraction of the corpus held out (its tail) for validation loss."""
+
+
+@dataclass
+class OptimSection:
+    """AdamW (decoupled weight decay, Loshchilov & Hutter 2019)."""
+
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warm-up."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of decay."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Applied to matrices (2-D and larger) only; biases, norms and 1-D parameters get none."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+
+@dataclass
+class TrainSection:
+    """The schedule: how long, how big a batch, how the learning rate moves."""
+
+    steps: int = 200
+    """Optimizer steps."""
+    global_batch: int = 32
+    """Sequences (GPT) or rows (MLP) per optimizer step, over all data-parallel ranks."""
+    micro_batches: int = 1
+    """Gradient accumulation: each rank splits its share into this many forward/backward passes
+    and communicates only after the last."""
+    warmup_steps: int = 20
+    """Linear warm-up from 0 to optim.lr."""
+    decay: str = "cosine"
+    """After warm-up: 'cosine' or 'linear' decay to optim.min_lr at the last step, or 'constant'."""
+    seed: int = 0
+    """Seeds the initial weights and the batch order; the same seed gives the same run."""
+    log_every: int = 10
+    """Print and record metrics every this many steps (and on the first and last)."""
+    eval_every: int = 50
+    """Validation loss every this many steps and at the end; 0: only at the end."""
+    eval_batches: int = 4
+    """Global batches of held-out data per validation."""
+
+
+@dataclass
+class LayoutSection:
+    """How the work is spread over ranks. World size = the product of the degrees."""
+
+    dp: int = 1
+    """Data-parallel degree: ranks that each take a slice of every global batch."""
+    dp_mode: str = "overlap"
+    """'naive' (one all-reduce per gradient after backward), 'bucketed' (flat buckets after
+    backward) or 'overlap' (buckets reduced during backward)."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB (bucketed and overlap modes)."""
+    comm_impl: str = "torch"
+    """Which all-reduce reduces gradients: 'torch' (the backend's) or one of ours ('ring', ...)."""
+
+
+@dataclass
+class LogSection:
+    """Outputs of a run."""
+
+    out_dir: str = ""
+    """Directory for metrics.jsonl, TensorBoard events, loss.png, samples.txt, config.toml;
+    '': runs/<config file name> (runs/default without a file)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under out_dir/tb."""
+    plot: bool = True
+    """Write the loss curve as out_dir/loss.png at the end."""
+    sample_tokens: int = 300
+    """GPT: bytes of text to sample at the end (0: none)."""
+    sample_prompt: str = "def "
+    sample_temperature: float = 0.8
+    peak_tflops: float = 0.0
+    """Peak throughput per rank for MFU; 0: from the device table (known GPUs), else MFU is not shown."""
+    memory: bool = True
+    """Measure peak tensor memory per rank on logged steps (on CPU this traces every op of those steps)."""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "optim": OptimSection,
+    "train": TrainSection,
+    "layout": LayoutSection,
+    "log": LogSection,
+}
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    layout: LayoutSection = field(default_factory=LayoutSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    # ------------------------------------------------------------------------------ building
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], origin: str = "config") -> "Config":
+        cfg = cls()
+        for section, values in data.items():
+            if section not in SECTIONS:
+                raise ConfigError(f"{origin}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"{origin}: [{section}] must be a table, got {values!r}")
+            for key, value in values.items():
+                cfg.set(f"{section}.{key}", value, origin)
+        return cfg
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def set(self, dotted: str, value: Any, origin: str = "--set") -> None:
+        """Set `section.key` to `value`, converted to the field's type or refused with its name."""
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS or not key:
+            raise ConfigError(f"{origin}: {dotted!r} is not section.key; sections: {', '.join(SECTIONS)}")
+        target = getattr(self, section)
+        fields = {f.name: f for f in dataclasses.fields(target)}
+        if key not in fields:
+            raise ConfigError(f"{origin}: [{section}] has no field {key!r}; fields: {', '.join(fields)}")
+        setattr(target, key, _coerce(f"{section}.{key}", value, fields[key].type, origin))
+
+    def override(self, assignments: list[str]) -> None:
+        """Apply `section.key=value` strings; values are TOML literals, bare words are strings."""
+        for text in assignments:
+            dotted, sep, raw = text.partition("=")
+            if not sep:
+                raise ConfigError(f"--set {text!r}: expected section.key=value")
+            self.set(dotted.strip(), _parse_value(raw.strip()), f"--set {text}")
+
+    def to_toml(self) -> str:
+        lines = []
+        for name in SECTIONS:
+            lines.append(f"[{name}]")
+            for key, value in dataclasses.asdict(getattr(self, name)).items():
+                lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------------------------- validation
+    @property
+    def world_size(self) -> int:
+        """Ranks this layout needs: the product of its degrees."""
+        return self.layout.dp
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise ConfigError listing every problem, each naming the fields and values involved.
+
+        world_size: the ranks actually available (under torchrun); None for a local launch, which
+        starts exactly the ranks the layout needs.
+        """
+        problems = _problems(self)
+        if world_size is not None and world_size != self.world_size:
+            problems.append(
+                f"layout needs {self.world_size} ranks (layout.dp = {self.layout.dp}) but the job has "
+                f"world size {world_size}"
+            )
+        if problems:
+            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+    def frozen(self, parameter_name: str) -> bool:
+        patterns = [p.strip() for p in self.model.freeze.split(",") if p.strip()]
+        return any(fnmatch.fnmatchcase(parameter_name, p) for p in patterns)
+
+
+def _problems(cfg: Config) -> list[str]:
+    from shardlab.comm.algorithms import ALGORITHMS
+    from shardlab.parallel.data import MODES
+
+    m, t, o, lay, d = cfg.model, cfg.train, cfg.optim, cfg.layout, cfg.data
+    out: list[str] = []
+
+    def positive(name: str, value: float) -> None:
+        if value <= 0:
+            out.append(f"{name} = {value} must be positive")
+
+    def one_of(name: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
+        if value not in allowed:
+            out.append(f"{name} = {value!r} must be one of {', '.join(map(repr, allowed))}")
+
+    one_of("model.name", m.name, ("gpt", "mlp"))
+    for name in ("n_layer", "d_model", "n_head", "seq_len"):
+        positive(f"model.{name}", getattr(m, name))
+    for name in ("n_kv_head", "d_ff", "skip_layer_every"):
+        if getattr(m, name) < 0:
+            out.append(f"model.{name} = {getattr(m, name)} must be >= 0")
+    if m.name == "gpt" and m.n_head > 0 and m.d_model > 0:
+        kv = m.n_kv_head or m.n_head
+        if m.d_model % m.n_head:
+            out.append(f"model.d_model = {m.d_model} is not divisible by model.n_head = {m.n_head}")
+        elif m.n_head % kv:
+            out.append(f"model.n_head = {m.n_head} is not a multiple of model.n_kv_head = {kv}")
+        elif m.rotary and (m.d_model // m.n_head) % 2:
+            out.append(f"model.rotary needs an even head size; d_model / n_head = {m.d_model // m.n_head}")
+    if not 0.0 <= m.dropout < 1.0:
+        out.append(f"model.dropout = {m.dropout} must be in [0, 1)")
+    if not 0.0 < d.val_fraction < 1.0:
+        out.append(f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
+    if d.max_bytes < 0:
+        out.append(f"data.max_bytes = {d.max_bytes} must be >= 0")
+    positive("optim.lr", o.lr)
+    if not 0.0 <= o.min_lr <= o.lr:
+        out.append(f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, name) < 1.0:
+            out.append(f"optim.{name} = {getattr(o, name)} must be in [0, 1)")
+    positive("optim.eps", o.eps)
+    for name in ("weight_decay", "grad_clip"):
+        if getattr(o, name) < 0:
+            out.append(f"optim.{name} = {getattr(o, name)} must be >= 0")
+    for name in ("steps", "global_batch", "micro_batches", "log_every", "eval_batches"):
+        positive(f"train.{name}", getattr(t, name))
+    if not 0 <= t.warmup_steps <= t.steps:
+        out.append(f"train.warmup_steps = {t.warmup_steps} must be in [0, train.steps = {t.steps}]")
+    if t.eval_every < 0:
+        out.append(f"train.eval_every = {t.eval_every} must be >= 0")
+    one_of("train.decay", t.decay, ("cosine", "linear", "constant"))
+    positive("layout.dp", lay.dp)
+    one_of("layout.dp_mode", lay.dp_mode, MODES)
+    positive("layout.bucket_mb", lay.bucket_mb)
+    one_of("layout.comm_impl", lay.comm_impl, ["torch", *sorted(ALGORITHMS)])
+    if lay.dp > 0 and t.micro_batches > 0 and t.global_batch % (lay.dp * t.micro_batches):
+        out.append(
+            f"train.global_batch = {t.global_batch} is not divisible by layout.dp = {lay.dp} x "
+            f"train.micro_batches = {t.micro_batches} = {lay.dp * t.micro_batches}"
+        )
+    if cfg.log.sample_temperature <= 0:
+        out.append(f"log.sample_temperature = {cfg.log.sample_temperature} must be positive")
+    return out
+
+
+# ---------------------------------------------------------------------------------- values
+def _parse_value(raw: str) -> Any:
+    """A TOML literal ('3e-4', 'true', '"a b"', '[1, 2]'); anything else is taken as a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _coerce(name: str, value: Any, annotation: Any, origin: str) -> Any:
+    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+    elif kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind == "str":
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{origin}: {name} must be {kind}, got {value!r}")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    return repr(value)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: list[str] | None = None) -> Config:
+    """Defaults, then `base` (a command's own defaults, e.g. verify's small model), then the TOML
+    file (if any), then `section.key=value` overrides: each later source wins."""
+    cfg = Config()
+    cfg.override(base or [])
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        for section, values in data.items():
+            if section not in SECTIONS or not isinstance(values, dict):
+                raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+            for key, value in values.items():
+                cfg.set(f"{section}.{key}", value, str(path))
+        if not cfg.log.out_dir:
+            cfg.log.out_dir = str(Path("runs") / path.stem)
+    cfg.override(overrides or [])
+    if not cfg.log.out_dir:
+        cfg.log.out_dir = "runs/default"
+    return cfg
+
+
+def describe_fields() -> str:
+    """Every section and field with its type, default and documentation (for --help-config)."""
+    import ast
+    import inspect
+
+    lines = []
+    for name, cls in SECTIONS.items():
+        docs = _field_docs(ast, inspect, cls)
+        lines.append(f"[{name}]  {(cls.__doc__ or '').strip()}")
+        for f in dataclasses.fields(cls):
+            default = _toml_value(f.default)
+            lines.append(f"  {f.name} = {default}  ({f.type})")
+            if docs.get(f.name):
+                lines.append(f"      {docs[f.name]}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _field_docs(ast: Any, inspect: Any, cls: type) -> dict[str, str]:
+    """Attribute docstrings (a string literal right after a field) are not kept at run time, so
+    read them from the source: they document each field in one place, next to its default."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
