@@ -32,6 +32,7 @@ re-entrant checkpointing) and that every rank's backward reaches at least one pa
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -88,6 +89,9 @@ class DataParallel(nn.Module):
         self._handles: dict[int, Handle] = {}
         self._next_launch = 0
         self._callback_queued = False
+        # Seconds this rank spent blocked on gradient communication (not hidden behind compute),
+        # summed since the caller last reset it; the trainer reports it as a share of step time.
+        self.comm_wait_s = 0.0
 
     # ------------------------------------------------------------------------------- public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -111,14 +115,16 @@ class DataParallel(nn.Module):
         """
         if not self._sync_enabled or self.mode == "overlap":
             return
+        start = time.perf_counter()
         if self.mode == "naive":
             self._sync_naive()
-            return
-        # Launch every bucket before waiting on any, so several are in flight at once.
-        for bucket in self.buckets:
-            bucket.fill()
-            self._handles[bucket.index] = self._all_reduce(bucket.flat, async_op=True)
-        self._wait_all()
+        else:
+            # Launch every bucket before waiting on any, so several are in flight at once.
+            for bucket in self.buckets:
+                bucket.fill()
+                self._handles[bucket.index] = self._all_reduce(bucket.flat, async_op=True)
+            self._wait_all()
+        self.comm_wait_s += time.perf_counter() - start
 
     sync_gradients = finish_gradient_sync
 
@@ -203,6 +209,8 @@ class DataParallel(nn.Module):
         # for the missing ones), still in bucket order, then wait for everything.
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
+        start = time.perf_counter()
         self._wait_all()
+        self.comm_wait_s += time.perf_counter() - start
         self._next_launch = 0
         self._callback_queued = False

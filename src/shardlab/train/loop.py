@@ -1,0 +1,158 @@
+"""The training loop: one function that every rank runs, locally launched or under torchrun.
+
+    shardlab train --config configs/gpt-small.toml --dp 2
+    torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
+
+Each step: this rank's micro-batches forward and backward, gradient sync by the layout, clipping,
+AdamW (train/step.py). Every step's loss, step time and communication wait are gathered from all
+ranks (one tiny all_gather) so the curve is the global loss; logged steps also measure peak tensor
+memory per rank. Rank 0 writes metrics.jsonl, TensorBoard events, and at the end loss.png, the
+sampled text and summary.json into log.out_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardlab.dist.env import synchronize
+from shardlab.parallel.layout import apply_layout
+from shardlab.train.config import Config
+from shardlab.train.memory import MemoryTracker
+from shardlab.train.metrics import MetricsWriter, peak_flops, step_line
+from shardlab.train.step import lr_at, make_optimizer, train_step
+from shardlab.train.task import Task, build_task, prepare_model
+
+
+def rank_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, batches: int,
+             device: torch.device) -> float:
+    """Mean loss over `batches` held-out global batches, each rank taking its rows."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for i in range(batches):
+        x, y = task.val.batch(i, dp_rank, dp_size)
+        total += model(x.to(device), y.to(device)).double()
+    model.train(was_training)
+    total /= batches
+    dist.all_reduce(total)
+    return total.item() / dp_size
+
+
+def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Train as configured on this rank; rank 0 returns the run's summary."""
+    cfg = Config.from_dict(cfg_dict)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
+    t, lay = cfg.train, cfg.layout
+
+    plain = prepare_model(cfg).to(device)
+    task = build_task(cfg, plain)
+    model = apply_layout(plain, lay)
+    optimizer = make_optimizer(model, cfg.optim)
+    peak = peak_flops(device, "fp32", cfg.log.peak_tflops)
+    tokens_per_step = t.global_batch * task.tokens_per_row
+
+    out_dir = Path(cfg.log.out_dir)
+    writer = MetricsWriter(out_dir, cfg.log.tensorboard) if rank == 0 else None
+    if rank == 0:
+        (out_dir / "config.toml").write_text(cfg.to_toml())
+        n = sum(p.numel() for p in plain.parameters())
+        print(f"{cfg.model.name}: {n:,} parameters | {world} rank(s), dp {lay.dp} ({lay.dp_mode}) | "
+              f"global batch {t.global_batch} x {task.tokens_per_row} tokens | {t.steps} steps | "
+              f"writing {out_dir}/", flush=True)
+
+    records: list[dict[str, Any]] = []
+    run_start = time.perf_counter()
+    for step in range(t.steps):
+        logged = step % t.log_every == 0 or step == t.steps - 1
+        tracker = MemoryTracker(device) if (logged and cfg.log.memory) else None
+        if tracker is not None:
+            tracker.__enter__()
+        try:
+            res = train_step(
+                model, optimizer, task, step, lr=lr_at(step, cfg), dp_rank=rank, dp_size=lay.dp,
+                micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
+                skip_layer_every=cfg.model.skip_layer_every, device=device,
+            )
+            synchronize(device)
+        finally:
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+        # One small gather per step: the global loss, the slowest rank's time, every rank's wait.
+        mine = torch.tensor([res.loss, res.seconds, res.comm_wait_s,
+                             tracker.peak_bytes if tracker is not None else 0.0], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine.to(device) if device.type == "cuda" else mine)
+        stats = torch.stack([e.cpu() for e in every])
+        step_s = stats[:, 1].max().item()
+        rec: dict[str, Any] = {
+            "step": step,
+            "loss": stats[:, 0].mean().item(),
+            "lr": lr_at(step, cfg),
+            "grad_norm": res.grad_norm,
+            "step_s": step_s,
+            "tokens_per_s": tokens_per_step / step_s,
+            "comm_wait_share": (stats[:, 2] / stats[:, 1]).mean().item(),
+            "mfu": (task.flops_per_token * tokens_per_step / step_s) / (peak * world) if peak else None,
+            "peak_mem_bytes": [int(v) for v in stats[:, 3].tolist()] if tracker is not None else None,
+        }
+        if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1:
+            rec["val_loss"] = evaluate(plain, task, rank, lay.dp, t.eval_batches, device)
+        records.append(rec)
+        if writer is not None:
+            writer.write(rec)
+            if logged or "val_loss" in rec:
+                print(step_line(rec, t.steps), flush=True)
+
+    wall = time.perf_counter() - run_start
+    if rank != 0:
+        return None
+    assert writer is not None
+    writer.close()
+    return _finish(cfg, plain, records, wall, tokens_per_step, out_dir, device)
+
+
+def _finish(cfg: Config, model: torch.nn.Module, records: list[dict[str, Any]], wall: float,
+            tokens_per_step: int, out_dir: Path, device: torch.device) -> dict[str, Any]:
+    """Rank 0's end of run: the plot, sampled text and summary.json."""
+    steady = sorted(r["step_s"] for r in records[1:]) or [records[0]["step_s"]]
+    summary: dict[str, Any] = {
+        "steps": len(records),
+        "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"],
+        "final_val_loss": records[-1].get("val_loss"),
+        "wall_s": wall,
+        "median_step_s": steady[len(steady) // 2],
+        "tokens_per_s": tokens_per_step / steady[len(steady) // 2],
+        "peak_mem_bytes": max((r["peak_mem_bytes"] for r in records if r["peak_mem_bytes"]),
+                              key=max, default=None),
+        "out_dir": str(out_dir),
+        "metrics": str(out_dir / "metrics.jsonl"),
+    }
+    if cfg.log.plot:
+        from shardlab.train.plot import plot_loss
+
+        title = f"{cfg.model.name} {cfg.model.n_layer}x{cfg.model.d_model}, dp {cfg.layout.dp} ({cfg.layout.dp_mode})"
+        summary["plot"] = str(plot_loss(records, out_dir / "loss.png", title))
+    if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0:
+        from shardlab.train.sample import sample_text
+
+        text = sample_text(model, cfg.log.sample_prompt, cfg.log.sample_tokens,
+                           cfg.log.sample_temperature, seed=cfg.train.seed, device=device)
+        (out_dir / "samples.txt").write_text(text + "\n")
+        summary["sample"] = text
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,96 @@
+"""What a training run records: per-step metrics to the console, a JSONL file and TensorBoard.
+
+MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM appendix B) = the model's FLOPs per
+second (flops_per_token x tokens/s) over the peak of the devices the job uses. It is shown only
+where the peak is known: a GPU in PEAK_FLOPS, or `log.peak_tflops` given by the user (a CPU's peak
+depends on its vector units and clocks and is not discoverable reliably).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense (no sparsity) peak FLOP/s per device from the vendors' data sheets, by dtype. "fp32" is
+# the plain fp32 rate: PyTorch does not use TF32 for matmuls unless told to.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: str = "fp32", override_tflops: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device, or None when unknown."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, table in PEAK_FLOPS.items():  # longest names first where they share a prefix (L40S, L4)
+        if key in name:
+            return table.get(dtype)
+    return None
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def step_line(rec: dict[str, Any], steps: int) -> str:
+    """One console line for a logged step."""
+    parts = [
+        f"step {rec['step'] + 1:>{len(str(steps))}}/{steps}",
+        f"loss {rec['loss']:.4f}",
+        f"lr {rec['lr']:.2e}",
+        f"{rec['tokens_per_s']:,.0f} tok/s",
+        f"{rec['step_s'] * 1e3:.0f} ms",
+        f"comm wait {rec['comm_wait_share'] * 100:.0f}%",
+    ]
+    if rec.get("mfu") is not None:
+        parts.insert(4, f"MFU {rec['mfu'] * 100:.1f}%")
+    if rec.get("peak_mem_bytes"):
+        parts.append(f"peak mem {fmt_bytes(max(rec['peak_mem_bytes']))}/rank")
+    if rec.get("val_loss") is not None:
+        parts.append(f"val {rec['val_loss']:.4f}")
+    return " | ".join(parts)
+
+
+class MetricsWriter:
+    """Appends records to out_dir/metrics.jsonl and scalars to TensorBoard (rank 0 only)."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / "metrics.jsonl"
+        self._jsonl = self.path.open("w")
+        self._tb = None
+        if tensorboard:
+            from shardlab.train.tensorboard import EventWriter
+
+            self._tb = EventWriter(out_dir / "tb")
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps(rec) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in rec.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"train/{key}", float(value), rec["step"])
+                elif key == "peak_mem_bytes" and value:
+                    self._tb.add_scalar("train/peak_mem_bytes_max", float(max(value)), rec["step"])
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,33 @@
+"""Sampling text from a trained byte-level GPT, to see what the loss numbers mean."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardlab.train.data import decode
+
+
+@torch.no_grad()
+def sample_text(model: nn.Module, prompt: str, n_tokens: int, temperature: float = 0.8, top_k: int = 40,
+                seed: int = 0, device: torch.device | None = None) -> str:
+    """Continue `prompt` by `n_tokens` bytes, sampling from the top_k most likely at `temperature`.
+
+    The context is cropped to the model's seq_len. No KV cache: at these sizes recomputing the
+    window is fast enough, and the model stays free of inference-only code.
+    """
+    was_training = model.training
+    model.eval()
+    device = device or next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=device)
+    seq_len = model.cfg.seq_len
+    for _ in range(n_tokens):
+        logits = model(idx[:, -seq_len:])[:, -1, :].float() / temperature
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+        idx = torch.cat([idx, nxt], dim=1)
+    model.train(was_training)
+    return decode(idx[0].cpu())

@@ -1,0 +1,133 @@
+"""One optimizer step, shared by the trainer, `verify` and `bench train`.
+
+Because the single-process reference of `shardlab verify` runs this same function on the plain
+model (dp_size 1, the whole global batch), a verified layout is verified in the code the trainer
+actually runs: micro-batching, gradient sync, clipping and the AdamW update included.
+
+    optimizer = make_optimizer(model, cfg.optim)
+    result = train_step(model, optimizer, task, step, lr=lr_at(step, cfg), dp_rank=r, dp_size=n, ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from shardlab.train.config import Config, OptimSection
+from shardlab.train.task import Task, skip_layer
+
+
+def unique_trainable(model: nn.Module) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def make_optimizer(model: nn.Module, o: OptimSection) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (GPT-2/nanoGPT practice: decaying norms' gains and
+    biases pulls them towards zero for no regularising benefit)."""
+    params = unique_trainable(model)
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up over train.warmup_steps to optim.lr, then decay to optim.min_lr at the last step."""
+    o, t = cfg.optim, cfg.train
+    if step < t.warmup_steps:
+        return o.lr * (step + 1) / t.warmup_steps
+    if t.decay == "constant" or t.steps - t.warmup_steps <= 1:
+        return o.lr
+    progress = (step - t.warmup_steps) / (t.steps - t.warmup_steps - 1)
+    if t.decay == "linear":
+        return o.lr + (o.min_lr - o.lr) * progress
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """This rank's mean loss over its rows of the global batch (average over ranks for the global loss)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    comm_wait_s: float
+    """Time blocked on gradient communication this step (0 for a plain model)."""
+    seconds: float
+    """Wall time of the whole step on this rank."""
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    task: Task,
+    step: int,
+    *,
+    lr: float,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    micro_batches: int = 1,
+    grad_clip: float = 0.0,
+    skip_layer_every: int = 0,
+    device: torch.device | None = None,
+    before_update: Callable[[], None] | None = None,
+) -> StepResult:
+    """Forward and backward over this rank's micro-batches, gradient sync, clip, AdamW update.
+
+    `model` is a plain module or a parallel wrapper with `no_sync()` and `finish_gradient_sync()`
+    (DataParallel); the wrapper's communication happens only after the last micro-batch.
+    `before_update` runs after the gradients are final and before the optimizer uses them
+    (verify compares gradients there).
+    """
+    start = time.perf_counter()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    inner = getattr(model, "module", model)
+    restore = skip_layer(inner) if skip_layer_every and step % skip_layer_every == skip_layer_every - 1 else None
+    if hasattr(model, "comm_wait_s"):
+        model.comm_wait_s = 0.0
+    total = torch.zeros((), dtype=torch.float64)
+    try:
+        for micro in range(micro_batches):
+            x, y = task.batch(step, dp_rank, dp_size, micro_batches, micro)
+            if device is not None:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            last = micro == micro_batches - 1
+            quiet = model.no_sync() if (hasattr(model, "no_sync") and not last) else contextlib.nullcontext()
+            with quiet:
+                # Each micro-batch's loss is a mean over its rows; dividing by their count makes
+                # the accumulated gradient the mean over the rank's rows, as one pass would give.
+                loss = model(x, y) / micro_batches
+                loss.backward()
+            total += loss.detach().double().cpu()
+    finally:
+        if restore is not None:
+            restore()
+    if hasattr(model, "finish_gradient_sync"):
+        model.finish_gradient_sync()
+    params = [p for p in unique_trainable(inner) if p.grad is not None]
+    # Every rank holds the same full gradients after data-parallel sync, so the local norm is global.
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf) if params else torch.zeros(())
+    if before_update is not None:
+        before_update()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(
+        loss=total.item(),
+        grad_norm=float(norm),
+        comm_wait_s=float(getattr(model, "comm_wait_s", 0.0)),
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,136 @@
+"""What a run trains: the model built from the configuration, and the batches it trains on.
+
+A Task pairs a model with its data so that the loop, `verify` and `bench train` never need to know
+which model they drive: `task.batch(step, dp_rank, dp_size, micro_batches, micro)` gives a rank's
+(inputs, targets), `task.global_batch(step)` the whole batch a single process would see, and
+`tokens_per_row` / `flops_per_token` turn step times into tokens/s and MFU.
+
+  gpt  byte-level text (train/data.py), held-out tail for validation loss.
+  mlp  the lecture's deep MLP regressing a fixed random "teacher" network's output on Gaussian
+       inputs: synthetic (the lecture's model has no natural dataset) but learnable, so the loss
+       falls, and drawn per (seed, step) like the text sampler so ranks split it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
+from shardlab.train.config import Config, ModelSection
+from shardlab.train.data import VOCAB_SIZE, BatchSampler, load_tokens, split_tokens
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def build_model(m: ModelSection) -> nn.Module:
+    """The plain model a configuration describes (no parallelism applied)."""
+    if m.name == "mlp":
+        return DeepMLP(MLPConfig(d_model=m.d_model, n_layer=m.n_layer, bias=m.bias))
+    return GPT(
+        GPTConfig(
+            vocab_size=VOCAB_SIZE, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+            n_kv_head=m.n_kv_head or None, d_model=m.d_model, d_ff=m.d_ff or None, rotary=m.rotary,
+            tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias,
+        )
+    )
+
+
+def prepare_model(cfg: Config) -> nn.Module:
+    """Build the model from the run's seed and apply the model options that are not architecture:
+    frozen parameters and the layer-skipping stress test. Every rank and every reference built
+    this way starts from identical weights."""
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)
+    for name, p in model.named_parameters():
+        if cfg.frozen(name):
+            p.requires_grad_(False)
+    return model
+
+
+def first_layer(model: nn.Module) -> nn.Module:
+    """Layer 0 of a GPT (its first block) or of the MLP."""
+    return model.blocks[0] if isinstance(model, GPT) else model.layers[0]
+
+
+def skip_layer(model: nn.Module) -> Callable[[], None]:
+    """Bypass layer 0 until the returned function is called: its output becomes its input, so its
+    parameters take no part in the loss and get no gradient this step (LayerDrop-style)."""
+    handle = first_layer(model).register_forward_hook(lambda mod, args, out: args[0])
+    return handle.remove
+
+
+class RegressionSampler:
+    """Rows x ~ N(0, 1) in d dims, targets y = teacher(x): a fixed random two-layer network."""
+
+    def __init__(self, d_model: int, global_batch: int, seed: int, teacher_seed: int | None = None) -> None:
+        self.d, self.global_batch_size, self.seed = d_model, global_batch, seed
+        gen = torch.Generator().manual_seed((seed if teacher_seed is None else teacher_seed) + 7919)
+        self.w1 = torch.randn(d_model, d_model, generator=gen) / math.sqrt(d_model)
+        self.w2 = torch.randn(d_model, d_model, generator=gen) / math.sqrt(d_model)
+
+    def _rows(self, step: int, start: int, stop: int) -> Batch:
+        # The whole batch is drawn so every rank sees the same stream; each keeps its rows.
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        x = torch.randn(self.global_batch_size, self.d, generator=gen)[start:stop]
+        return x, torch.tanh(x @ self.w1) @ self.w2
+
+    def global_batch(self, step: int) -> Batch:
+        return self._rows(step, 0, self.global_batch_size)
+
+    def batch(self, step: int, dp_rank: int, dp_size: int, micro_batches: int = 1, micro: int = 0) -> Batch:
+        per_rank = self.global_batch_size // dp_size
+        per_micro = per_rank // micro_batches
+        start = dp_rank * per_rank + micro * per_micro
+        return self._rows(step, start, start + per_micro)
+
+
+@dataclass
+class Task:
+    """A configuration's training and validation batches, and its cost per row."""
+
+    train: BatchSampler | RegressionSampler
+    val: BatchSampler | RegressionSampler
+    tokens_per_row: int
+    flops_per_token: float
+
+    def batch(self, step: int, dp_rank: int, dp_size: int, micro_batches: int = 1, micro: int = 0) -> Batch:
+        return self.train.batch(step, dp_rank, dp_size, micro_batches, micro)
+
+    def global_batch(self, step: int) -> Batch:
+        return self.train.global_batch(step)
+
+
+def build_task(cfg: Config, model: nn.Module, tokens: np.ndarray | None = None) -> Task:
+    """Samplers for the configuration. `tokens` may be passed in (already loaded) to skip reading
+    the corpus again; otherwise it is read from cfg.data."""
+    t = cfg.train
+    if isinstance(model, DeepMLP):
+        # Validation rows use another seed: fresh inputs from the same teacher.
+        train = RegressionSampler(cfg.model.d_model, t.global_batch, t.seed)
+        val = RegressionSampler(cfg.model.d_model, t.global_batch, t.seed + 1_000_000, teacher_seed=t.seed)
+        return Task(train, val, tokens_per_row=1, flops_per_token=model.flops_per_sample())
+    if tokens is None:
+        tokens = load_corpus(cfg)
+    train_tokens, val_tokens = split_tokens(tokens, cfg.data.val_fraction)
+    seq = cfg.model.seq_len
+    return Task(
+        BatchSampler(train_tokens, seq, t.global_batch, seed=t.seed),
+        BatchSampler(val_tokens, seq, t.global_batch, seed=t.seed + 1),
+        tokens_per_row=seq,
+        flops_per_token=model.flops_per_token(seq),
+    )
+
+
+def load_corpus(cfg: Config) -> np.ndarray:
+    source = None if cfg.data.source in ("", "stdlib") else cfg.data.source
+    # Enough tokens that both splits hold at least one window.
+    min_tokens = int((cfg.model.seq_len + 2) / min(cfg.data.val_fraction, 1 - cfg.data.val_fraction)) + 1
+    if cfg.data.max_bytes:
+        return load_tokens(source, max_bytes=cfg.data.max_bytes, min_tokens=min_tokens)
+    return load_tokens(source, min_tokens=min_tokens)
