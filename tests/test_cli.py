@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from shardlab.cli.main import main
@@ -31,9 +36,47 @@ def test_unknown_algorithm_is_refused_before_launch(capfd):
 
 
 def test_every_command_has_help(capfd):
-    for argv in (["--help"], ["collectives", "--help"], ["bench", "comm", "--help"], ["topo", "--help"]):
+    for argv in (["--help"], ["collectives", "--help"], ["bench", "comm", "--help"], ["topo", "--help"],
+                 ["train", "--help"], ["verify", "--help"]):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 0
     out = capfd.readouterr().out
     assert "busbw" in out and "--world-size" in out and "--impl" in out
+    assert "--dry-run" in out and "--dp-mode" in out and "--grad-tol" in out
+
+
+def test_train_dry_run_prints_the_resolved_config_and_parameter_count(capfd):
+    assert main(["train", "--config", "configs/gpt-small.toml", "--set", "optim.lr=3e-4", "--dp", "1", "--dry-run"]) == 0
+    out = capfd.readouterr().out
+    assert "lr = 0.0003" in out and "dp = 1" in out and 'out_dir = "runs/gpt-small"' in out
+    assert "# gpt: 837,888 parameters (837,888 trainable), world size 1" in out
+
+
+def test_train_refuses_a_bad_layout_before_any_rank_starts(capfd):
+    code = main(["train", "--config", "configs/gpt-small.toml", "--dp", "3", "--set", "train.micro_batches=2"])
+    assert code == 2
+    err = capfd.readouterr().err
+    assert "train.global_batch = 32 is not divisible by layout.dp = 3 x train.micro_batches = 2 = 6" in err
+
+
+def test_verify_command_writes_the_report(capfd, tmp_path):
+    path = tmp_path / "v.json"
+    assert main(["verify", "--model", "gpt", "--dp", "2", "--json", str(path), "--threads", "1"]) == 0
+    out = capfd.readouterr().out
+    assert "PASS" in out and "worst parameter" in out
+    report = json.loads(path.read_text())
+    assert {"layout", "world_size", "steps", "loss_diffs", "max_abs_param_diff", "max_rel_param_diff",
+            "passed"} <= set(report)
+    assert report["passed"] is True and report["world_size"] == 2 and len(report["loss_diffs"]) == 5
+
+
+def test_train_under_torchrun(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "shardlab", "train", "--config", "configs/gpt-tiny.toml", "--dp", "2", "--steps", "3",
+           "--set", "train.warmup_steps=1", "--set", f'log.out_dir="{tmp_path}"', "--set", "log.sample_tokens=20"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 3/3" in proc.stdout and "sampled text" in proc.stdout
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
