@@ -286,3 +286,21 @@ def _syncbn_task(shape: tuple[int, ...]) -> str:
 def test_sync_batchnorm_matches_full_batch(pools, ws):
     assert pools(ws).run(_syncbn_task, (12, 5)) == ["ok"] * ws
     assert pools(ws).run(_syncbn_task, (6, 4, 3)) == ["ok"] * ws
+
+
+def _wrapper_is_freed() -> bool:
+    import gc
+    import weakref
+
+    model = nn.Linear(8, 8)
+    dp = DataParallel(model, mode="overlap")
+    model(torch.ones(2, 8)).sum().backward()
+    ref = weakref.ref(dp)
+    del dp
+    gc.collect()
+    # The parameters outlive the wrapper: neither it nor its hooks may stay attached to them.
+    return ref() is None and not model.weight._post_accumulate_grad_hooks
+
+
+def test_overlap_wrapper_is_freed_with_its_hooks(pools):
+    assert pools(1).run(_wrapper_is_freed) == [True]

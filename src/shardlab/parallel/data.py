@@ -32,7 +32,9 @@ re-entrant checkpointing) and that every rank's backward reaches at least one pa
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -169,23 +171,25 @@ class DataParallel(nn.Module):
 
     # ---------------------------------------------------------------------------- overlap mode
     def _install_hooks(self) -> None:
-        where = {id(p): b for b in self.buckets for p in b.params}
+        # The hooks live on the parameters, inside autograd where Python's garbage collector cannot
+        # see them: a hook that held the wrapper would keep it and its buckets alive for as long as
+        # the parameters live. So hooks hold only a weak reference, and are removed with the wrapper.
+        me = weakref.ref(self)
+        where = {id(p): b.index for b in self.buckets for p in b.params}
         for p in self._params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(where[id(p)])))
+            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(_on_grad_ready, me, where[id(p)])))
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
 
-    def _make_hook(self, bucket: Bucket):
-        def hook(param: torch.Tensor) -> None:
-            if not self._sync_enabled:
-                return
-            if not self._callback_queued:
-                # Runs once backward has finished every node: wait for the reductions in flight.
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-                self._callback_queued = True
-            bucket.ready.add(id(param))
-            if len(bucket.ready) == len(bucket.params):
-                self._launch_ready()
-
-        return hook
+    def _grad_ready(self, bucket: Bucket, param: torch.Tensor) -> None:
+        if not self._sync_enabled:
+            return
+        if not self._callback_queued:
+            # Runs once backward has finished every node: wait for the reductions in flight.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch_ready()
 
     @torch.no_grad()
     def _launch_ready(self) -> None:
@@ -214,3 +218,14 @@ class DataParallel(nn.Module):
         self.comm_wait_s += time.perf_counter() - start
         self._next_launch = 0
         self._callback_queued = False
+
+
+def _on_grad_ready(wrapper: "weakref.ref[DataParallel]", bucket_index: int, param: torch.Tensor) -> None:
+    me = wrapper()
+    if me is not None:
+        me._grad_ready(me.buckets[bucket_index], param)
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
