@@ -1,7 +1,8 @@
-"""`shardlab bench`: measurements. `shardlab bench comm` sweeps collectives over message sizes.
+"""`shardlab bench`: measurements. `shardlab bench comm` sweeps collectives over message sizes;
+`shardlab bench train` times training steps of our data-parallel variants beside torch DDP.
 
 Each benchmark is a nested sub-command registered in BENCHES below: a function that adds its
-parser (setting func=...) to the `bench` sub-parsers. A later `bench train` goes next to `comm`.
+parser (setting func=...) to the `bench` sub-parsers.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure collectives (comm)",
+    p = sub.add_parser("bench", help="measure collectives (comm) and data-parallel training throughput (train)",
                        description="Measurements. `shardlab bench comm`: collectives over message sizes, "
-                                   "checked, with the machine's ceilings and a fitted alpha-beta model.")
+                                   "checked, with the machine's ceilings and a fitted alpha-beta model. "
+                                   "`shardlab bench train`: steps/s, tokens/s and peak memory per rank of our "
+                                   "data-parallel variants and torch's DistributedDataParallel, with the ratio to DDP.")
     benches = p.add_subparsers(dest="bench", metavar="BENCH")
     for add in BENCHES:
         add(benches)
@@ -190,5 +193,139 @@ def run_comm(args: argparse.Namespace) -> int:
     return 1 if wrong else 0
 
 
-# Every nested benchmark: a function adding its sub-parser. `bench train` will be added here.
-BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [add_comm_parser]
+# ----------------------------------------------------------------------------------- bench train
+TRAIN_DOC = """\
+Time training steps of our data-parallel variants (naive, bucketed, overlap: shardlab.parallel.
+DataParallel) and of torch's DistributedDataParallel on the same model, data and machine, and
+report steps/s, tokens/s, peak tensor memory per rank and each variant's ratio to torch DDP.
+
+What is timed: one optimizer step as the trainer takes it (train/step.py): forward and backward over
+the rank's micro-batches, gradient sync, gradient clipping and the AdamW update, from a barrier until
+the slowest rank is done (the ranks' times are all-reduced with MAX). Batches are drawn before the
+timed steps. Every variant starts from the same weights and trains on the same batches.
+
+How: each run is a fresh launch of --world-size ranks. Inside a run the variants take turns for
+--reps repetitions (A, B, C, D, then A, B, C, D again) so that a slow moment of the machine hits all
+of them; each repetition builds the model afresh and runs --warmup untimed then --steps timed steps.
+Then one extra, untimed step measures peak tensor memory per rank (tracking on CPU slows every op);
+DDP's gradient buckets, which its reducer holds in C++, are counted like ours.
+
+Reported per variant: the median step time of each run, their median over runs (the figure used
+for steps/s, tokens/s = global batch x tokens per row / step time, and samples/s) and their min-max
+over runs; peak MiB per rank (max over runs); "vs torch DDP" = DDP's median step time / the
+variant's (> 1: faster than DDP), overall and as min-max of the per-run ratios. Take at least three
+runs on a quiet machine before drawing conclusions.
+
+Without --config the model is the data-parallel performance bar: deep MLP d=2048, 8 layers, global
+batch 128, fp32, AdamW (as configs/mlp-2048.toml), on 2 ranks. --set and the flags change any of it;
+layout.bucket_mb sets every variant's bucket size (DDP's bucket_cap_mb) and layout.comm_impl our
+variants' all-reduce (DDP always uses the backend's). layout.dp_mode is ignored: see --variants.
+
+examples:
+  shardlab bench train                                      # the bar: 3 runs, 2 ranks
+  shardlab bench train --config configs/mlp-2048.toml --world-size 2 --json dp.json --plot dp.png
+  shardlab bench train --runs 1 --reps 1 --steps 3          # a quick look
+  shardlab bench train --variants torch_ddp,overlap --set layout.bucket_mb=4 --markdown dp.md
+  shardlab bench train --model gpt --set train.global_batch=16 --world-size 2
+  torchrun --standalone --nproc-per-node 2 -m shardlab bench train --runs 1
+"""
+
+# The data-parallel performance bar's model (configs/mlp-2048.toml), used without --config.
+PERF_BAR_BASE = [
+    "model.name=mlp", "model.n_layer=8", "model.d_model=2048", "train.global_batch=128",
+    "optim.weight_decay=0.0",
+]
+
+
+def _variants(text: str) -> list[str]:
+    from shardlab.bench.train import KNOWN
+
+    names = name_list(text)
+    unknown = [v for v in names if v not in KNOWN]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; "
+                                         f"choose from {','.join(KNOWN)}")
+    return list(dict.fromkeys(names))
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_train_parser(benches: argparse._SubParsersAction) -> None:
+    from shardlab.bench.train import VARIANTS
+    from shardlab.cli.train import add_config_options
+
+    # "resolve": the shared configuration flags' --steps (train.steps) and --dp are replaced below.
+    p = benches.add_parser("train", help="training steps/s, tokens/s and memory: our data parallelism vs torch DDP",
+                           description=TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           conflict_handler="resolve")
+    add_config_options(p)
+    b = p.add_argument_group("benchmark")
+    b.add_argument("--world-size", "-n", "--dp", dest="dp", type=_positive, default=None, metavar="N",
+                   help="ranks, the data-parallel degree; overrides layout.dp (default: the configuration's "
+                        "layout.dp, else 2; under torchrun, its WORLD_SIZE)")
+    b.add_argument("--dp-mode", default=None, help=argparse.SUPPRESS)  # the variants say which modes run
+    b.add_argument("--variants", type=_variants, default=list(VARIANTS),
+                   help=f"comma-separated, in the order they take turns (default: {','.join(VARIANTS)}; also "
+                        "torch_ddp_view: DDP with gradient_as_bucket_view=True)")
+    b.add_argument("--runs", type=_positive, metavar="N", default=3,
+                   help="separate launches; the table reports the median over them (default: %(default)s)")
+    b.add_argument("--reps", type=_positive, metavar="N", default=2,
+                   help="interleaved repetitions of every variant within a run (default: %(default)s)")
+    b.add_argument("--steps", dest="timed_steps", type=_positive, default=8, metavar="N",
+                   help="timed steps per variant and repetition (default: %(default)s; train.steps is not used)")
+    b.add_argument("--warmup", type=_positive, metavar="N", default=2,
+                   help="untimed steps before them, at least 1 (default: %(default)s)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write config, environment, per-run medians and rows as JSON")
+    o.add_argument("--plot", metavar="PNG", help="draw tokens/s per variant (min-max over runs) with the ratio to DDP")
+    o.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
+    o.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_launch_options(p)
+    p.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from shardlab.bench.train import run_train_bench
+    from shardlab.bench.train_report import format_table, plot_throughput, write_json, write_markdown
+    from shardlab.cli.train import resolve_config
+    from shardlab.dist import under_torchrun
+    from shardlab.dist.env import read_torchrun_env
+    from shardlab.train.config import ConfigError
+
+    if args.dp is None and under_torchrun():
+        args.dp = read_torchrun_env().world_size
+    base = ["layout.dp=2"]
+    if args.config is None and args.model in (None, "mlp"):
+        base += PERF_BAR_BASE
+    try:
+        cfg = resolve_config(args, base=base)
+        cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
+    except ConfigError as exc:
+        print(f"shardlab bench train: {exc}", file=sys.stderr)
+        return 2
+    result = run_train_bench(cfg, args.variants, runs=args.runs, reps=args.reps, steps=args.timed_steps,
+                             warmup=args.warmup, progress=not args.quiet, **launch_kwargs(args))
+    if result is None:
+        return 0  # not rank 0 under torchrun: rank 0 reports
+    print(format_table(result))
+    if args.json:
+        print(f"wrote {write_json(result, args.json)}")
+    if args.markdown:
+        print(f"wrote {write_markdown(result, args.markdown)}")
+    if args.plot:
+        print(f"wrote {plot_throughput(result, args.plot)}")
+    if result.get("incomplete"):
+        return 130 if result["error"] == "interrupted" else 1
+    return 0
+
+
+# Every nested benchmark: a function adding its sub-parser.
+BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [add_comm_parser, add_train_parser]

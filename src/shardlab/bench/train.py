@@ -1,0 +1,264 @@
+"""Training throughput of our data-parallel variants beside torch's DistributedDataParallel.
+
+    result = run_train_bench(cfg, ["torch_ddp", "naive", "bucketed", "overlap"], runs=3, reps=2)
+    result["rows"][1]["ratio_to_ddp"]     # > 1: that variant's median step is faster than DDP's
+
+The CLI is `shardlab bench train` (cli/bench.py); train_report.py prints and draws the result.
+
+One *run* is one launch of fresh ranks. Inside it, every variant trains the same model (same seed,
+so the same initial weights) on the same batches, in `reps` interleaved repetitions (A, B, C, D,
+then A, B, C, D again) so that a slow moment of the machine hits all of them alike. A repetition
+of a variant builds the model afresh, wraps it, runs `warmup` untimed steps, then `steps` timed
+ones. A step is train/step.py's `train_step`: forward and backward over the rank's micro-batches,
+gradient sync, clipping, AdamW; its time is the slowest rank's (a barrier before the step, an
+all_reduce MAX of the ranks' times after it). Batches are drawn before the timed steps, so drawing
+them is not timed. Last, one untimed step under a MemoryTracker gives each rank's peak tensor bytes
+(on CPU tracking slows every op, so it is never a timed step); the benchmark's own tensors (the
+batches drawn in advance, the MLP's teacher) are left out, DDP's C++-held buckets are counted.
+
+Aggregation (`aggregate`): per run and variant the median step time; over runs the median of those
+medians (reported), their min and max (the spread), and the ratio DDP median / variant median, per
+run and overall. Memory per rank is the largest seen in any run.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from shardlab.dist.env import synchronize
+from shardlab.train.config import Config
+from shardlab.train.memory import MemoryTracker, tensor_bytes
+from shardlab.train.step import lr_at, make_optimizer, train_step
+from shardlab.train.task import Task, build_task, prepare_model
+
+DDP = "torch_ddp"
+DDP_VIEW = "torch_ddp_view"
+VARIANTS: tuple[str, ...] = (DDP, "naive", "bucketed", "overlap")
+"""The default set; KNOWN adds DDP with gradient_as_bucket_view=True, whose gradients live in its
+buckets as ours do (not DDP's default, so not the yardstick, but the like-for-like design)."""
+KNOWN: tuple[str, ...] = (*VARIANTS, DDP_VIEW)
+
+
+def _wrap(variant: str, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    if variant in (DDP, DDP_VIEW):
+        from torch.nn.parallel import DistributedDataParallel
+
+        # A layer bypassed on some steps leaves parameters without gradients, which DDP must be told.
+        return DistributedDataParallel(model, bucket_cap_mb=cfg.layout.bucket_mb,
+                                       find_unused_parameters=cfg.model.skip_layer_every > 0,
+                                       gradient_as_bucket_view=variant == DDP_VIEW)
+    from shardlab.parallel import DataParallel
+
+    return DataParallel(model, mode=variant, bucket_mb=cfg.layout.bucket_mb, impl=cfg.layout.comm_impl)
+
+
+class _Collectives(TorchDispatchMode):
+    """Holds every tensor a c10d collective is given while active. DDP's reducer keeps its gradient
+    buckets in C++, out of a CPU MemoryTracker's baseline, which would then count each bucket only
+    from its all-reduce on (c10d ops return their tensors unannotated, as if new). Held here from an
+    earlier step, they are in the baseline from the tracker's entry, as our Python-held buckets are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func.namespace == "c10d":
+            self.tensors += [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return func(*args, **(kwargs or {}))
+
+
+class _Drawn:
+    """A task's batches for steps [0, n), drawn and moved to the device in advance (`Task.batch`'s
+    signature, so train_step takes it for the task)."""
+
+    def __init__(self, task: Task, n: int, dp_rank: int, dp_size: int, micro_batches: int,
+                 device: torch.device) -> None:
+        self.batches = {
+            (step, micro): tuple(t.to(device) for t in task.batch(step, dp_rank, dp_size, micro_batches, micro))
+            for step in range(n) for micro in range(micro_batches)
+        }
+
+    def batch(self, step: int, dp_rank: int, dp_size: int, micro_batches: int = 1, micro: int = 0):
+        return self.batches[(step, micro)]
+
+
+def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, steps: int,
+                     warmup: int) -> dict[str, Any] | None:
+    """One run on this rank (see the module docstring); rank 0 returns per variant the timed steps'
+    times in seconds (all repetitions, in order) and every rank's peak tensor bytes."""
+    from shardlab.train.loop import rank_device
+
+    unknown = [v for v in variants if v not in KNOWN]
+    if unknown or reps < 1 or steps < 1 or warmup < 1:
+        raise ValueError(f"variants {unknown} unknown, or reps {reps} / steps {steps} / warmup {warmup} < 1")
+    cfg = Config.from_dict(cfg_dict)
+    rank, n, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    t = cfg.train
+    model = prepare_model(cfg)
+    task = build_task(cfg, model)  # the data depend on the seed only: one task serves every variant
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    drawn = _Drawn(task, warmup + steps, rank, n, t.micro_batches, device)
+    # The benchmark's own data (pre-drawn batches, the MLP's teacher weights) is not any variant's memory.
+    data = [*vars(task.train).values(), *vars(task.val).values(), *(x for b in drawn.batches.values() for x in b)]
+    data_bytes = tensor_bytes(x for x in data if isinstance(x, torch.Tensor) and x.device == device)
+    step_kw = dict(dp_rank=rank, dp_size=n, micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
+                   skip_layer_every=cfg.model.skip_layer_every, device=device)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    peaks: dict[str, int] = {v: 0 for v in variants}
+    for _ in range(reps):
+        for variant in variants:
+            gc.collect()  # the previous variant's model, buckets and optimizer state are gone
+            wrapped = _wrap(variant, prepare_model(cfg).to(device), cfg)
+            optimizer = make_optimizer(wrapped, cfg.optim)
+            for step in range(warmup + steps):
+                dist.barrier()
+                start = time.perf_counter()
+                train_step(wrapped, optimizer, drawn, step, lr=lr_at(step, cfg), **step_kw)
+                synchronize(device)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+                if step >= warmup:
+                    times[variant].append(elapsed.item())
+            held = _Collectives()
+            if variant in (DDP, DDP_VIEW) and device.type == "cpu":
+                with held:  # one more untimed step, to find DDP's buckets
+                    train_step(wrapped, optimizer, drawn, 0, lr=lr_at(0, cfg), **step_kw)
+            gc.collect()
+            dist.barrier()
+            with MemoryTracker(device) as tracker:
+                train_step(wrapped, optimizer, task, warmup + steps, lr=lr_at(warmup + steps, cfg), **step_kw)
+                synchronize(device)
+            peaks[variant] = max(peaks[variant], tracker.peak_bytes - data_bytes)
+            del wrapped, optimizer, held
+    mine = torch.tensor([peaks[v] for v in variants], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(n)]
+    dist.all_gather(every, mine)
+    if rank != 0:
+        return None
+    per_rank = torch.stack([e.cpu() for e in every]).tolist()  # [rank][variant]
+    return {
+        "step_s": times,
+        "peak_bytes": {v: [per_rank[r][i] for r in range(n)] for i, v in enumerate(variants)},
+        "world_size": n,
+        "threads_per_rank": torch.get_num_threads(),
+        "backend": dist.get_backend(),
+        "device": device.type,
+        "params": n_params,
+        "tokens_per_row": task.tokens_per_row,
+        "flops_per_token": task.flops_per_token,
+    }
+
+
+def aggregate(runs: list[dict[str, Any]], variants: list[str], global_batch: int,
+              tokens_per_row: int) -> dict[str, Any]:
+    """Rows and per-run figures from the runs' raw results ({"step_s": {variant: [s, ...]},
+    "peak_bytes": {variant: [bytes per rank]}}). ratio_to_ddp = DDP's median step time / the
+    variant's (> 1: faster than DDP), None without a torch_ddp variant."""
+    if not runs:
+        raise ValueError("no runs to aggregate")
+    per_run = [{v: statistics.median(r["step_s"][v]) for v in variants} for r in runs]
+    has_ddp = DDP in variants
+    run_rows = [{
+        "step_ms_median": {v: m[v] * 1e3 for v in variants},
+        "ratio_to_ddp": {v: (m[DDP] / m[v] if has_ddp else None) for v in variants},
+        "peak_bytes": {v: list(r["peak_bytes"][v]) for v in variants},
+    } for m, r in zip(per_run, runs)]
+    tokens = global_batch * tokens_per_row
+    ddp_median = statistics.median(m[DDP] for m in per_run) if has_ddp else None
+    rows = []
+    for v in variants:
+        meds = [m[v] for m in per_run]
+        med, lo, hi = statistics.median(meds), min(meds), max(meds)
+        ratios = [rr["ratio_to_ddp"][v] for rr in run_rows] if has_ddp else None
+        rows.append({
+            "variant": v,
+            "step_ms_median": med * 1e3, "step_ms_min": lo * 1e3, "step_ms_max": hi * 1e3,
+            "step_ms_per_run": [x * 1e3 for x in meds],
+            "steps_per_s": 1.0 / med, "samples_per_s": global_batch / med,
+            "tokens_per_s": tokens / med, "tokens_per_s_min": tokens / hi, "tokens_per_s_max": tokens / lo,
+            "peak_bytes_per_rank": [max(col) for col in zip(*(r["peak_bytes"][v] for r in runs))],
+            "ratio_to_ddp": ddp_median / med if has_ddp else None,
+            "ratio_to_ddp_per_run": ratios,
+            "ratio_to_ddp_min": min(ratios) if ratios else None,
+            "ratio_to_ddp_max": max(ratios) if ratios else None,
+        })
+    return {"runs": run_rows, "rows": rows}
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _progress(i: int, runs: int, variants: list[str], out: dict[str, Any] | None = None) -> None:
+    _say(f"run {i + 1}/{runs}: " + ("median step " + ", ".join(
+        f"{v} {statistics.median(out['step_s'][v]) * 1e3:.1f} ms" for v in variants) if out else "..."))
+
+
+def _runs_in_place(cfg_dict: dict[str, Any], variants: list[str], reps: int, steps: int, warmup: int,
+                   runs: int, progress: bool) -> list[dict[str, Any]] | None:
+    """Under torchrun, whose process group cannot be joined again: the runs one after another in
+    torchrun's processes. Rank 0 returns their results."""
+    say = progress and dist.get_rank() == 0
+    outs = []
+    for i in range(runs):
+        if say:
+            _progress(i, runs, variants)
+        outs.append(train_bench_rank(cfg_dict, variants, reps, steps, warmup))
+        if say:
+            _progress(i, runs, variants, outs[-1])
+    return outs if dist.get_rank() == 0 else None
+
+
+def run_train_bench(cfg: Config, variants: list[str], *, runs: int = 3, reps: int = 2, steps: int = 8,
+                    warmup: int = 2, progress: bool = True, **launch_kwargs: Any) -> dict[str, Any] | None:
+    """`runs` launches of `train_bench_rank` on cfg.world_size ranks, aggregated, with the
+    environment. Under torchrun the runs share torchrun's processes and only rank 0 gets the
+    result. When a run fails after at least one has finished, the finished runs are reported with
+    `incomplete: true` and the `error`."""
+    from shardlab.bench.train_report import environment
+    from shardlab.dist import launch, under_torchrun
+
+    if runs < 1:
+        raise ValueError(f"runs must be at least 1, got {runs}")
+    variants = list(variants)
+    args = (cfg.to_dict(), variants, reps, steps, warmup)
+    raw: list[dict[str, Any]] = []
+    error = None
+    if under_torchrun():
+        raw = launch(_runs_in_place, None, *args, runs, progress, **launch_kwargs)[0]
+        if raw is None:
+            return None  # a rank other than 0
+    for i in range(0 if raw else runs):
+        if progress:
+            _progress(i, runs, variants)
+        try:
+            raw.append(launch(train_bench_rank, cfg.world_size, *args, **launch_kwargs)[0])
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - keep the finished runs, then report
+            if not raw:
+                raise
+            error = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc).splitlines()[0]
+            break
+        if progress:
+            _progress(i, runs, variants, raw[-1])
+    first = raw[0]
+    result = aggregate(raw, variants, cfg.train.global_batch, first["tokens_per_row"])
+    for r, out in zip(result["runs"], raw):
+        r["step_s"] = out["step_s"]  # every timed step, for whoever wants more than medians
+    result["meta"] = environment(first)
+    result["bench"] = dict(variants=variants, runs=len(raw), runs_asked=runs, reps=reps, steps=steps,
+                           warmup=warmup)
+    result["config"] = cfg.to_dict()
+    if error is not None:
+        result.update(incomplete=True, error=error)
+    return result
