@@ -75,6 +75,8 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
               f"writing {out_dir}/", flush=True)
 
     records: list[dict[str, Any]] = []
+    window: list[float] = []  # untraced step times since the last log line
+    steady: list[float] = []  # every untraced step time
     run_start = time.perf_counter()
     for step in range(t.steps):
         logged = step % t.log_every == 0 or step == t.steps - 1
@@ -98,6 +100,11 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         dist.all_gather(every, mine.to(device) if device.type == "cuda" else mine)
         stats = torch.stack([e.cpu() for e in every])
         step_s = stats[:, 1].max().item()
+        if tracker is None:
+            window.append(step_s)
+        # Logged steps trace memory, which slows them: their own time is recorded as is, but the
+        # console shows the untraced steps since the last log line (the steady state).
+        shown_s = sorted(window)[len(window) // 2] if window else step_s
         rec: dict[str, Any] = {
             "step": step,
             "loss": stats[:, 0].mean().item(),
@@ -106,9 +113,14 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             "step_s": step_s,
             "tokens_per_s": tokens_per_step / step_s,
             "comm_wait_share": (stats[:, 2] / stats[:, 1]).mean().item(),
-            "mfu": (task.flops_per_token * tokens_per_step / step_s) / (peak * world) if peak else None,
+            "memory_traced": tracker is not None,
             "peak_mem_bytes": [int(v) for v in stats[:, 3].tolist()] if tracker is not None else None,
+            "window_step_s": shown_s,
+            "mfu": (task.flops_per_token * tokens_per_step / shown_s) / (peak * world) if peak else None,
         }
+        if logged:
+            steady.extend(window)
+            window = []
         if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1:
             rec["val_loss"] = evaluate(plain, task, rank, lay.dp, t.eval_batches, device)
         records.append(rec)
@@ -122,13 +134,13 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         return None
     assert writer is not None
     writer.close()
-    return _finish(cfg, plain, records, wall, tokens_per_step, out_dir, device)
+    return _finish(cfg, plain, records, steady + window, wall, tokens_per_step, out_dir, device)
 
 
-def _finish(cfg: Config, model: torch.nn.Module, records: list[dict[str, Any]], wall: float,
-            tokens_per_step: int, out_dir: Path, device: torch.device) -> dict[str, Any]:
+def _finish(cfg: Config, model: torch.nn.Module, records: list[dict[str, Any]], untraced: list[float],
+            wall: float, tokens_per_step: int, out_dir: Path, device: torch.device) -> dict[str, Any]:
     """Rank 0's end of run: the plot, sampled text and summary.json."""
-    steady = sorted(r["step_s"] for r in records[1:]) or [records[0]["step_s"]]
+    steady = sorted(untraced) or sorted(r["step_s"] for r in records)
     summary: dict[str, Any] = {
         "steps": len(records),
         "first_loss": records[0]["loss"],

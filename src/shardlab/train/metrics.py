@@ -49,13 +49,14 @@ def fmt_bytes(n: float) -> str:
 
 
 def step_line(rec: dict[str, Any], steps: int) -> str:
-    """One console line for a logged step."""
+    """One console line for a logged step; speed is the median untraced step since the last line."""
+    step_s = rec.get("window_step_s") or rec["step_s"]
     parts = [
         f"step {rec['step'] + 1:>{len(str(steps))}}/{steps}",
         f"loss {rec['loss']:.4f}",
         f"lr {rec['lr']:.2e}",
-        f"{rec['tokens_per_s']:,.0f} tok/s",
-        f"{rec['step_s'] * 1e3:.0f} ms",
+        f"{rec['tokens_per_s'] * rec['step_s'] / step_s:,.0f} tok/s",
+        f"{step_s * 1e3:.0f} ms",
         f"comm wait {rec['comm_wait_share'] * 100:.0f}%",
     ]
     if rec.get("mfu") is not None:

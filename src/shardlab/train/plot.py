@@ -14,10 +14,12 @@ def plot_loss(records: list[dict[str, Any]], path: Path, title: str = "") -> Pat
 
     steps = [r["step"] + 1 for r in records]
     losses = [r["loss"] for r in records]
-    smooth, ema = [], None
-    for loss in losses:  # exponential moving average, as TensorBoard's smoothing slider does
-        ema = loss if ema is None else 0.9 * ema + 0.1 * loss
-        smooth.append(ema)
+    smooth, ema = [], 0.0
+    for i, loss in enumerate(losses, 1):
+        # Exponential moving average, debiased as TensorBoard's smoothing is, so the start is not
+        # dragged towards the first value.
+        ema = 0.9 * ema + 0.1 * loss
+        smooth.append(ema / (1 - 0.9**i))
     val = [(r["step"] + 1, r["val_loss"]) for r in records if r.get("val_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="train (per step)")
