@@ -1,6 +1,7 @@
 """Parallel training strategies built on shardlab.comm.
 
-Data parallelism (three variants side by side) and synchronised batch normalisation:
+Data parallelism (three variants side by side), ZeRO stages 1 and 2, and synchronised batch
+normalisation:
 
     from shardlab.parallel import DataParallel, SyncBatchNorm
     model = DataParallel(net, group, mode="overlap", bucket_mb=25.0, impl="ring")
@@ -9,13 +10,16 @@ Data parallelism (three variants side by side) and synchronised batch normalisat
 from shardlab.parallel.buckets import Bucket, build_buckets, trainable_params
 from shardlab.parallel.data import MODES, DataParallel
 from shardlab.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from shardlab.parallel.zero import ShardedOptimizer, ZeroDataParallel
 
 __all__ = [
     "MODES",
     "Bucket",
     "DataParallel",
+    "ShardedOptimizer",
     "SyncBatchNorm",
     "build_buckets",
     "convert_sync_batchnorm",
     "trainable_params",
+    "ZeroDataParallel",
 ]

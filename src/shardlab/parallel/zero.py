@@ -1,0 +1,381 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020): each data-parallel rank keeps the optimizer state (stage 1), and also
+the reduced gradients (stage 2), for only its 1/N share of the parameters.
+
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)   # ZeRO-1 on its own,
+    ... backward, any gradient all-reduce ...; opt.step()                     # after any grad sync
+
+    model = ZeroDataParallel(net, group, stage=2)          # the trainer's --zero 1 / --zero 2
+    opt = model.build_optimizer(param_groups, torch.optim.AdamW, lr=1e-3)
+    loss = model(x, y); loss.backward(); model.finish_gradient_sync(); opt.step()
+
+Layout. Parameters are packed (in reverse order, as backward produces them) into flat buckets,
+each padded to a multiple of N and cut into N equal chunks: rank r owns chunk r of every bucket, so
+the shares are balanced to within the padding whatever the parameter sizes, and ranks may outnumber
+parameters. Collectives are then equal-sized: a bucket's gradients are reduce-scattered (each rank
+receives the sum of its chunk) and after the step the updated chunks are all-gathered.
+
+The inner optimizer sees one *piece* per (parameter, chunk) overlap, a view into the parameter.
+Per-piece rather than per-chunk because a parameter keeps its own optimizer semantics: a piece of a
+parameter that got no gradient this step has grad None and is skipped, with its own step count, as
+the unsharded optimizer would skip it. So any element-wise optimizer (SGD, Adam, AdamW, RMSprop,
+Adagrad, ...) sharded this way takes exactly the unsharded step; one that couples elements across a
+tensor (LAMB's trust ratio, Adafactor's factored moments) would not, and is refused.
+
+Stage 1: full local gradients accumulate as usual; `finish_gradient_sync` reduce-scatters them
+bucket by bucket. Stage 2: buckets are reduce-scattered during backward as soon as their gradients
+are ready (as overlap DataParallel does), then the full gradients are freed; only the reduced chunk
+stays. Under `no_sync` stage 2 still reduces every micro-batch (accumulating into the chunk): that is
+what keeps its gradient memory at 1/N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardlab import comm
+from shardlab.parallel.buckets import trainable_params
+
+# Optimizers whose update of an element depends on that element's gradient and state only.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
+               torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD)
+
+
+@dataclass
+class Piece:
+    """Where parameter `param`'s elements [start, stop) sit in this rank's chunk of bucket `bucket`."""
+
+    param: nn.Parameter
+    start: int
+    stop: int
+    chunk_offset: int
+    tensor: nn.Parameter  # what the inner optimizer steps: a view of param's elements
+
+
+@dataclass
+class ShardBucket:
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    padded: int  # numel rounded up to a multiple of the world size
+    chunk: int  # padded // world
+    pieces: list[Piece] = field(default_factory=list)
+    ready: set[int] = field(default_factory=set)
+    grad_chunk: torch.Tensor | None = None  # this rank's reduced gradients (stages 1 and 2)
+
+
+class ShardLayout:
+    """Buckets, chunks and this rank's pieces for a list of parameters (pure bookkeeping)."""
+
+    def __init__(self, params: list[nn.Parameter], world: int, rank: int, bucket_bytes: int) -> None:
+        self.world, self.rank = world, rank
+        self.params = params
+        self.buckets: list[ShardBucket] = []
+        group: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if group and ((group[0].dtype, group[0].device) != (p.dtype, p.device) or size + nbytes > bucket_bytes):
+                self._add(group)
+                group, size = [], 0
+            group.append(p)
+            size += nbytes
+        if group:
+            self._add(group)
+
+    def _add(self, params: list[nn.Parameter]) -> None:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        padded = -(-max(total, 1) // self.world) * self.world
+        bucket = ShardBucket(len(self.buckets), params, offsets, padded, padded // self.world)
+        lo, hi = self.rank * bucket.chunk, (self.rank + 1) * bucket.chunk
+        for p, off in zip(params, offsets):
+            start, stop = max(lo, off) - off, min(hi, off + p.numel()) - off
+            if start < stop:
+                view = p.detach().view(-1)[start:stop]
+                bucket.pieces.append(Piece(p, start, stop, off + start - lo, nn.Parameter(view)))
+        self.buckets.append(bucket)
+
+    def pieces(self) -> Iterator[Piece]:
+        for b in self.buckets:
+            yield from b.pieces
+
+    @torch.no_grad()
+    def pack(self, bucket: ShardBucket) -> torch.Tensor:
+        """The bucket's local gradients as one flat padded tensor (zeros where a gradient is missing)."""
+        p0 = bucket.params[0]
+        flat = torch.zeros(bucket.padded, dtype=p0.dtype, device=p0.device)
+        for p, off in zip(bucket.params, bucket.offsets):
+            if p.grad is not None:
+                flat[off : off + p.numel()].copy_(p.grad.view(-1))
+        return flat
+
+
+def _param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [dict(g, params=list(g["params"])) for g in params]
+    return [{"params": params}]
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1: wraps `optimizer_cls` so that this rank holds state for, and steps, only its share.
+
+    Usable on its own after any gradient synchronisation (every rank holds the same full gradients):
+    `step()` takes this rank's pieces of them, steps, then all-gathers the updated parameters. Built
+    by ZeroDataParallel.build_optimizer, it instead takes the reduce-scattered gradients the wrapper
+    produced. `param_groups` are the inner optimizer's (one per given group, options kept), so
+    learning-rate schedules work as usual; `state_dict()` holds this rank's shard of the state.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
+                 group: dist.ProcessGroup | None = None, *, bucket_mb: float = 25.0, impl: str = comm.TORCH,
+                 layout: ShardLayout | None = None, **optimizer_kwargs: Any) -> None:
+        if not issubclass(optimizer_cls, ELEMENTWISE):
+            raise ValueError(f"{optimizer_cls.__name__} is not known to update elements independently; sharding "
+                             "it would change its result (supported: "
+                             f"{', '.join(c.__name__ for c in ELEMENTWISE)})")
+        self.process_group, self.impl = group, impl
+        groups = _param_groups(params)
+        listed = [p for g in groups for p in g["params"] if p.requires_grad]
+        if layout is None:
+            seen: set[int] = set()
+            unique = [p for p in listed if not (id(p) in seen or seen.add(id(p)))]
+            layout = ShardLayout(unique, dist.get_world_size(group), dist.get_rank(group), int(bucket_mb * 2**20))
+        self.layout = layout
+        self._external_grads = False  # True when a ZeroDataParallel supplies reduced gradient chunks
+        # Each piece joins the inner group of its parameter, keeping that group's options.
+        where = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        missing = [p.shape for p in layout.params if id(p) not in where]
+        if missing:
+            raise ValueError(f"parameters of shapes {missing} are sharded but in no optimizer group")
+        inner_groups = [dict(g, params=[]) for g in groups]
+        for piece in layout.pieces():
+            inner_groups[where[id(piece.param)]]["params"].append(piece.tensor)
+        if not any(g["params"] for g in inner_groups):
+            # More ranks than elements: this rank owns nothing, but must still take part in the gathers.
+            inner_groups[0]["params"].append(nn.Parameter(torch.zeros(0, device=layout.params[0].device)))
+        self.optim = optimizer_cls(inner_groups, **optimizer_kwargs)
+        super().__init__([p for g in inner_groups for p in g["params"]], self.optim.defaults)
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for piece in self.layout.pieces():
+            if not self._external_grads:
+                g = piece.param.grad
+                piece.tensor.grad = None if g is None else g.view(-1)[piece.start : piece.stop]
+        self.optim.step()
+        self.gather_parameters()
+        return loss
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """Every rank's updated chunks to every rank, written into the parameters."""
+        for bucket in self.layout.buckets:
+            p0 = bucket.params[0]
+            mine = torch.zeros(bucket.chunk, dtype=p0.dtype, device=p0.device)
+            for piece in bucket.pieces:
+                mine[piece.chunk_offset : piece.chunk_offset + piece.stop - piece.start] = piece.tensor.view(-1)
+            full = comm.all_gather(mine, self.process_group, impl=self.impl,
+                                   out=torch.empty(bucket.padded, dtype=p0.dtype, device=p0.device))
+            for p, off in zip(bucket.params, bucket.offsets):
+                p.view(-1).copy_(full[off : off + p.numel()])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.layout.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        for piece in self.layout.pieces():
+            piece.tensor.grad = None
+        for bucket in self.layout.buckets:
+            bucket.grad_chunk = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shard": self.optim.state_dict(), "rank": self.layout.rank, "world_size": self.layout.world}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if (state_dict["rank"], state_dict["world_size"]) != (self.layout.rank, self.layout.world):
+            raise ValueError(f"state of rank {state_dict['rank']} of {state_dict['world_size']} cannot load into "
+                             f"rank {self.layout.rank} of {self.layout.world}")
+        self.optim.load_state_dict(state_dict["shard"])
+
+
+class ZeroDataParallel(nn.Module):
+    """Data parallelism with ZeRO stage 1 or 2 over `group`: see the module docstring."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, stage: int = 1,
+                 bucket_mb: float = 25.0, impl: str = comm.TORCH) -> None:
+        super().__init__()
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}")
+        self.module, self.group, self.stage, self.impl = module, group, stage, impl
+        with torch.no_grad():  # every rank starts from rank 0's weights and buffers
+            seen: set[int] = set()
+            for t in [*module.parameters(), *module.buffers()]:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    comm.broadcast(t.data, 0, group)
+        self.layout = ShardLayout(trainable_params(module), dist.get_world_size(group), dist.get_rank(group),
+                                  int(bucket_mb * 2**20))
+        self._sync_enabled = True
+        self._handles: dict[int, Any] = {}
+        self._next_launch = 0
+        self._callback_queued = False
+        self._had_grad: set[int] = set()  # stage 2 frees gradients once reduced: remember which existed
+        self.comm_wait_s = 0.0
+        if stage == 2:
+            me = weakref.ref(self)
+            hooks = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad_ready, me, b.index))
+                     for b in self.layout.buckets for p in b.params]
+            weakref.finalize(self, lambda hs: [h.remove() for h in hs], hooks)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
+                        **optimizer_kwargs: Any) -> ShardedOptimizer:
+        opt = ShardedOptimizer(params, optimizer_cls, self.group, impl=self.impl, layout=self.layout,
+                               **optimizer_kwargs)
+        opt._external_grads = True
+        return opt
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stage 1: accumulate full gradients locally. Stage 2 reduces every micro-batch anyway (its
+        point is never to hold full gradients), so there this changes nothing."""
+        previous = self._sync_enabled
+        self._sync_enabled = self.stage == 2
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    @torch.no_grad()
+    def finish_gradient_sync(self) -> None:
+        if not self._sync_enabled:
+            return
+        start = time.perf_counter()
+        if self.stage == 1:
+            for bucket in self.layout.buckets:
+                self._launch(bucket)
+        self._wait_all()
+        self._assign_piece_grads()
+        self.comm_wait_s += time.perf_counter() - start
+
+    # ------------------------------------------------------------------------------ internals
+    def _launch(self, bucket: ShardBucket) -> None:
+        flat = self.layout.pack(bucket)
+        if self.stage == 2:
+            for p in bucket.params:
+                p.grad = None  # reduced from here on: the full gradient is no longer needed
+        self._handles[bucket.index] = comm.reduce_scatter(flat, "avg", self.group, impl=self.impl, async_op=True)
+        self._next_launch = bucket.index + 1
+
+    def _wait_all(self) -> None:
+        for bucket in self.layout.buckets:
+            handle = self._handles.pop(bucket.index, None)
+            if handle is not None:
+                reduced = handle.wait()
+                bucket.grad_chunk = reduced if bucket.grad_chunk is None else bucket.grad_chunk.add_(reduced)
+        self._next_launch = 0
+
+    def _assign_piece_grads(self) -> None:
+        # A parameter no rank produced a gradient for keeps grad None (skipped by the optimizer, as
+        # one process would skip it): one small all-reduce of "has a gradient" flags tells every rank.
+        flags = torch.tensor([p.grad is not None or id(p) in self._had_grad for p in self.layout.params],
+                             dtype=torch.float32)
+        comm.all_reduce(flags, "max", self.group)
+        used = {id(p) for p, f in zip(self.layout.params, flags.tolist()) if f > 0}
+        self._had_grad = set()
+        for bucket in self.layout.buckets:
+            for piece in bucket.pieces:
+                n = piece.stop - piece.start
+                piece.tensor.grad = (bucket.grad_chunk[piece.chunk_offset : piece.chunk_offset + n]
+                                     if id(piece.param) in used else None)
+
+    def _grad_ready(self, bucket_index: int, param: nn.Parameter) -> None:
+        bucket = self.layout.buckets[bucket_index]
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        bucket.ready.add(id(param))
+        while self._next_launch < len(self.layout.buckets):  # launch in bucket order on every rank
+            nxt = self.layout.buckets[self._next_launch]
+            if len(nxt.ready) < len(nxt.params):
+                return
+            self._had_grad |= {id(p) for p in nxt.params if p.grad is not None}
+            self._launch(nxt)
+
+    @torch.no_grad()
+    def _end_of_backward(self) -> None:
+        while self._next_launch < len(self.layout.buckets):
+            nxt = self.layout.buckets[self._next_launch]
+            self._had_grad |= {id(p) for p in nxt.params if p.grad is not None}
+            self._launch(nxt)
+        start = time.perf_counter()
+        self._wait_all()
+        self.comm_wait_s += time.perf_counter() - start
+        for bucket in self.layout.buckets:
+            bucket.ready.clear()
+        self._callback_queued = False
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm; each rank holds a shard, so the squares are summed across ranks."""
+        grads = [pc.tensor.grad for pc in self.layout.pieces() if pc.tensor.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=self.layout.params[0].device)
+        for g in grads:
+            sq += g.double().square().sum()
+        comm.all_reduce(sq, "sum", self.group)
+        norm = sq.sqrt().to(torch.float32)
+        coef = max_norm / (norm.item() + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """The reduced gradients gathered whole, by parameter name (for verification, not training)."""
+        out: dict[str, torch.Tensor | None] = {}
+        full_flat = {}
+        for bucket in self.layout.buckets:
+            p0 = bucket.params[0]
+            mine = bucket.grad_chunk
+            if mine is None:
+                mine = torch.zeros(bucket.chunk, dtype=p0.dtype, device=p0.device)
+            full_flat[bucket.index] = comm.all_gather(mine.contiguous(), self.group,
+                                                      out=torch.empty(bucket.padded, dtype=p0.dtype, device=p0.device))
+        where = {id(p): (b, off) for b in self.layout.buckets for p, off in zip(b.params, b.offsets)}
+        has = {id(pc.param) for pc in self.layout.pieces() if pc.tensor.grad is not None}
+        has_any = torch.tensor([id(p) in has for p in self.layout.params], dtype=torch.float32)
+        comm.all_reduce(has_any, "max", self.group)
+        used = {id(p) for p, f in zip(self.layout.params, has_any.tolist()) if f > 0}
+        for name, p in self.module.named_parameters():
+            if id(p) not in where:
+                continue
+            b, off = where[id(p)]
+            out[name] = full_flat[b.index][off : off + p.numel()].view_as(p).clone() if id(p) in used else None
+        return out
+
+
+def _on_grad_ready(wrapper: "weakref.ref[ZeroDataParallel]", bucket_index: int, param: torch.Tensor) -> None:
+    me = wrapper()
+    if me is not None and me._sync_enabled:
+        me._grad_ready(bucket_index, param)
