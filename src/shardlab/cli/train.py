@@ -42,6 +42,8 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
                      help="naive: one all-reduce per gradient after backward; bucketed: flat buckets after "
                           "backward; overlap: buckets reduced during backward (layout.dp_mode)")
     lay.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket size in MiB (layout.bucket_mb)")
+    lay.add_argument("--zero", type=int, choices=[0, 1, 2], default=None,
+                     help="ZeRO stage: 1 shards optimizer state, 2 also gradients (layout.zero)")
     lay.add_argument("--comm-impl", default=None,
                      help="all-reduce used for gradients: torch or one of ours, e.g. ring (layout.comm_impl)")
 
@@ -53,7 +55,7 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     flags = []
     for attr, key in (("model", "model.name"), ("steps", "train.steps"), ("dp", "layout.dp"),
                       ("dp_mode", "layout.dp_mode"), ("bucket_mb", "layout.bucket_mb"),
-                      ("comm_impl", "layout.comm_impl")):
+                      ("comm_impl", "layout.comm_impl"), ("zero", "layout.zero")):
         value = getattr(args, attr, None)
         if value is not None:
             flags.append(f'{key}="{value}"' if isinstance(value, str) else f"{key}={value}")

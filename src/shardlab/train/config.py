@@ -128,7 +128,12 @@ class LayoutSection:
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB (bucketed and overlap modes)."""
     comm_impl: str = "torch"
-    """Which all-reduce reduces gradients: 'torch' (the backend's) or one of ours ('ring', ...)."""
+    """Which collectives reduce gradients (and gather ZeRO's shards): 'torch' (the backend's) or
+    one of ours ('ring', ...)."""
+    zero: int = 0
+    """ZeRO stage over the data-parallel ranks: 0 (plain data parallelism), 1 (optimizer state
+    sharded, gradients reduce-scattered after backward), 2 (gradients too, reduce-scattered during
+    backward). dp_mode applies to stage 0 only."""
 
 
 @dataclass
@@ -297,6 +302,8 @@ def _problems(cfg: Config) -> list[str]:
     one_of("layout.dp_mode", lay.dp_mode, MODES)
     positive("layout.bucket_mb", lay.bucket_mb)
     one_of("layout.comm_impl", lay.comm_impl, ["torch", *sorted(ALGORITHMS)])
+    if lay.zero not in (0, 1, 2):
+        out.append(f"layout.zero = {lay.zero} must be 0, 1 or 2 (stage 3 is not implemented yet)")
     if lay.dp > 0 and t.micro_batches > 0 and t.global_batch % (lay.dp * t.micro_batches):
         out.append(
             f"train.global_batch = {t.global_batch} is not divisible by layout.dp = {lay.dp} x "

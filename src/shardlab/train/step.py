@@ -42,7 +42,10 @@ def make_optimizer(model: nn.Module, o: OptimSection) -> torch.optim.AdamW:
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    if hasattr(model, "build_optimizer"):  # a sharding wrapper (ZeRO) builds its own
+        return model.build_optimizer(groups, torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -118,9 +121,13 @@ def train_step(
             restore()
     if hasattr(model, "finish_gradient_sync"):
         model.finish_gradient_sync()
-    params = [p for p in unique_trainable(inner) if p.grad is not None]
-    # Every rank holds the same full gradients after data-parallel sync, so the local norm is global.
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf) if params else torch.zeros(())
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    if hasattr(model, "clip_grad_norm_"):  # sharded gradients: the wrapper sums the shards' squares
+        norm = model.clip_grad_norm_(max_norm)
+    else:
+        # Every rank holds the same full gradients after data-parallel sync: the local norm is global.
+        params = [p for p in unique_trainable(inner) if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
     if before_update is not None:
         before_update()
     optimizer.step()

@@ -94,8 +94,10 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     rows = []
     for step in range(t.steps):
         captured: dict[str, dict[str, torch.Tensor | None]] = {}
+        # A sharding layout's gradients live in shards: it gathers them whole for the comparison.
+        par_grads = getattr(model, "full_gradients", lambda: _grads(plain))
         res = train_step(model, opt, task, step, lr=lr_at(step, cfg), dp_rank=rank, dp_size=cfg.layout.dp,
-                         micro_batches=t.micro_batches, before_update=lambda: captured.update(par=_grads(plain)),
+                         micro_batches=t.micro_batches, before_update=lambda: captured.update(par=par_grads()),
                          **common)
         ref = train_step(reference, ref_opt, task, step, lr=lr_at(step, cfg),
                          before_update=lambda: captured.update(ref=_grads(reference)), **common)
@@ -130,8 +132,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         return None
     max_rel_loss = max(abs(r["loss_diff"]) / max(abs(r["ref_loss"]), 1e-30) for r in rows)
     report = {
-        "layout": {"dp": cfg.layout.dp, "dp_mode": cfg.layout.dp_mode, "comm_impl": cfg.layout.comm_impl,
-                   "micro_batches": t.micro_batches},
+        "layout": {"dp": cfg.layout.dp, "dp_mode": cfg.layout.dp_mode, "zero": cfg.layout.zero,
+                   "comm_impl": cfg.layout.comm_impl, "micro_batches": t.micro_batches},
         "model": cfg.model.name,
         "world_size": world,
         "steps": t.steps,
@@ -165,7 +167,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
 def format_report(report: dict[str, Any]) -> str:
     lay = report["layout"]
     lines = [
-        f"verify {report['model']}: dp {lay['dp']} ({lay['dp_mode']}, {lay['comm_impl']}), "
+        f"verify {report['model']}: dp {lay['dp']} "
+        f"({'ZeRO-' + str(lay['zero']) if lay['zero'] else lay['dp_mode']}, {lay['comm_impl']}), "
         f"{lay['micro_batches']} micro-batch(es), world size {report['world_size']}, "
         f"against one process on the whole batch, {report['steps']} steps",
         f"{'step':>4} {'loss (ref)':>11} {'loss diff':>10} {'grad abs':>9} {'grad rel':>9} "
