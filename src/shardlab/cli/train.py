@@ -42,8 +42,9 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
                      help="naive: one all-reduce per gradient after backward; bucketed: flat buckets after "
                           "backward; overlap: buckets reduced during backward (layout.dp_mode)")
     lay.add_argument("--bucket-mb", type=float, default=None, help="gradient bucket size in MiB (layout.bucket_mb)")
-    lay.add_argument("--zero", type=int, choices=[0, 1, 2], default=None,
-                     help="ZeRO stage: 1 shards optimizer state, 2 also gradients (layout.zero)")
+    lay.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
+                     help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters (FSDP) "
+                          "(layout.zero)")
     lay.add_argument("--comm-impl", default=None,
                      help="all-reduce used for gradients: torch or one of ours, e.g. ring (layout.comm_impl)")
 

@@ -3,7 +3,7 @@
 Later strategies slot in here in a fixed, documented order (pipeline split, tensor and sequence
 parallelism, expert and context parallelism, activation checkpointing, then ZeRO/FSDP or data
 parallelism last, because it wraps whatever the earlier steps produced). Today: data parallelism,
-plain or with ZeRO stage 1 or 2.
+plain or with ZeRO stage 1, 2 or 3.
 
 A wrapper may provide, besides forward: `no_sync()`, `finish_gradient_sync()`, `build_optimizer()`
 (when the optimizer must know the sharding), `clip_grad_norm_()` (when gradients are sharded) and
@@ -33,6 +33,10 @@ def apply_layout(model: nn.Module, layout: "LayoutSection", group: dist.ProcessG
     size = dist.get_world_size(group)
     if layout.dp != size:
         raise ValueError(f"layout.dp = {layout.dp} but the data-parallel group has {size} ranks")
+    if layout.zero == 3:
+        from shardlab.parallel.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, group, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
     if layout.zero:
         return ZeroDataParallel(model, group, stage=layout.zero, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
     return DataParallel(model, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)

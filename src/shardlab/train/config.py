@@ -133,7 +133,8 @@ class LayoutSection:
     zero: int = 0
     """ZeRO stage over the data-parallel ranks: 0 (plain data parallelism), 1 (optimizer state
     sharded, gradients reduce-scattered after backward), 2 (gradients too, reduce-scattered during
-    backward). dp_mode applies to stage 0 only."""
+    backward), 3 (parameters too: FSDP, gathered per unit for forward and backward). dp_mode
+    applies to stage 0 only."""
 
 
 @dataclass
@@ -302,8 +303,8 @@ def _problems(cfg: Config) -> list[str]:
     one_of("layout.dp_mode", lay.dp_mode, MODES)
     positive("layout.bucket_mb", lay.bucket_mb)
     one_of("layout.comm_impl", lay.comm_impl, ["torch", *sorted(ALGORITHMS)])
-    if lay.zero not in (0, 1, 2):
-        out.append(f"layout.zero = {lay.zero} must be 0, 1 or 2 (stage 3 is not implemented yet)")
+    if lay.zero not in (0, 1, 2, 3):
+        out.append(f"layout.zero = {lay.zero} must be 0, 1, 2 or 3")
     if lay.dp > 0 and t.micro_batches > 0 and t.global_batch % (lay.dp * t.micro_batches):
         out.append(
             f"train.global_batch = {t.global_batch} is not divisible by layout.dp = {lay.dp} x "

@@ -122,7 +122,8 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             steady.extend(window)
             window = []
         if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1:
-            rec["val_loss"] = evaluate(plain, task, rank, lay.dp, t.eval_batches, device)
+            # Through the wrapper, not the plain module: a layout that shards parameters gathers them in forward.
+            rec["val_loss"] = evaluate(model, task, rank, lay.dp, t.eval_batches, device)
         records.append(rec)
         if writer is not None:
             writer.write(rec)
@@ -130,15 +131,22 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
                 print(step_line(rec, t.steps), flush=True)
 
     wall = time.perf_counter() - run_start
+    sample = None
+    if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0:
+        from shardlab.train.sample import sample_text
+
+        # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward.
+        sample = sample_text(model, cfg.model.seq_len, cfg.log.sample_prompt, cfg.log.sample_tokens,
+                             cfg.log.sample_temperature, seed=cfg.train.seed, device=device)
     if rank != 0:
         return None
     assert writer is not None
     writer.close()
-    return _finish(cfg, plain, records, steady + window, wall, tokens_per_step, out_dir, device)
+    return _finish(cfg, sample, records, steady + window, wall, tokens_per_step, out_dir)
 
 
-def _finish(cfg: Config, model: torch.nn.Module, records: list[dict[str, Any]], untraced: list[float],
-            wall: float, tokens_per_step: int, out_dir: Path, device: torch.device) -> dict[str, Any]:
+def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untraced: list[float],
+            wall: float, tokens_per_step: int, out_dir: Path) -> dict[str, Any]:
     """Rank 0's end of run: the plot, sampled text and summary.json."""
     steady = sorted(untraced) or sorted(r["step_s"] for r in records)
     summary: dict[str, Any] = {
@@ -159,12 +167,8 @@ def _finish(cfg: Config, model: torch.nn.Module, records: list[dict[str, Any]], 
 
         title = f"{cfg.model.name} {cfg.model.n_layer}x{cfg.model.d_model}, dp {cfg.layout.dp} ({cfg.layout.dp_mode})"
         summary["plot"] = str(plot_loss(records, out_dir / "loss.png", title))
-    if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0:
-        from shardlab.train.sample import sample_text
-
-        text = sample_text(model, cfg.log.sample_prompt, cfg.log.sample_tokens,
-                           cfg.log.sample_temperature, seed=cfg.train.seed, device=device)
-        (out_dir / "samples.txt").write_text(text + "\n")
-        summary["sample"] = text
+    if sample is not None:
+        (out_dir / "samples.txt").write_text(sample + "\n")
+        summary["sample"] = sample
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -9,11 +9,11 @@ from shardlab.train.data import decode
 
 
 @torch.no_grad()
-def sample_text(model: nn.Module, prompt: str, n_tokens: int, temperature: float = 0.8, top_k: int = 40,
-                seed: int = 0, device: torch.device | None = None) -> str:
+def sample_text(model: nn.Module, seq_len: int, prompt: str, n_tokens: int, temperature: float = 0.8,
+                top_k: int = 40, seed: int = 0, device: torch.device | None = None) -> str:
     """Continue `prompt` by `n_tokens` bytes, sampling from the top_k most likely at `temperature`.
 
-    The context is cropped to the model's seq_len. No KV cache: at these sizes recomputing the
+    `model` may be a parallel wrapper (called on every rank alike). The context is cropped to seq_len. No KV cache: at these sizes recomputing the
     window is fast enough, and the model stays free of inference-only code.
     """
     was_training = model.training
@@ -21,7 +21,6 @@ def sample_text(model: nn.Module, prompt: str, n_tokens: int, temperature: float
     device = device or next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=device)
-    seq_len = model.cfg.seq_len
     for _ in range(n_tokens):
         logits = model(idx[:, -seq_len:])[:, -1, :].float() / temperature
         if top_k:

@@ -107,8 +107,13 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         grad_abs, grad_rel, grad_used, grad_name = _worst(
             [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]], 0.0, grad_tol)
         ref_params = dict(reference.named_parameters())
+        # A layout that shards parameters (ZeRO-3) gathers them whole, by their original names.
+        held = model.full_parameters() if hasattr(model, "full_parameters") else dict(plain.named_parameters())
+        missing = sorted(set(ref_params) - set(held))
+        if missing:
+            raise RuntimeError(f"the layout does not hold parameters {missing[:5]} of the reference")
         param_abs, param_rel, param_used, param_name = _worst(
-            [(n, p, ref_params[n]) for n, p in plain.named_parameters()], atol, tol)
+            [(n, held[n], ref_params[n]) for n in ref_params], atol, tol)
         # The worst over ranks: every replica must match, not just rank 0's.
         worst = torch.tensor([grad_abs, grad_rel, grad_used, param_abs, param_rel, param_used], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
