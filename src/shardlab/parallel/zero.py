@@ -23,7 +23,7 @@ Adagrad, ...) sharded this way takes exactly the unsharded step; one that couple
 tensor (LAMB's trust ratio, Adafactor's factored moments) would not, and is refused.
 
 Stage 1: full local gradients accumulate as usual; `finish_gradient_sync` reduce-scatters them
-bucket by bucket. Stage 2: buckets are reduce-scattered during backward as soon as their gradients
+bucket by bucket, then drops them (only the reduced shard is used). Stage 2: buckets are reduce-scattered during backward as soon as their gradients
 are ready (as overlap DataParallel does), then the full gradients are freed; only the reduced chunk
 stays. Under `no_sync` stage 2 still reduces every micro-batch (accumulating into the chunk): that is
 what keeps its gradient memory at 1/N.
@@ -277,6 +277,11 @@ class ZeroDataParallel(nn.Module):
                 self._launch(bucket)
         self._wait_all()
         self._assign_piece_grads()
+        if self.stage == 1:
+            # The local, unreduced gradients have served: the reduced shard is what the optimizer
+            # uses. Keeping them would mislead (they are not the batch's gradient) and cost 1/N more.
+            for p in self.layout.params:
+                p.grad = None
         self.comm_wait_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------------------ internals

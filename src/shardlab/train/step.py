@@ -87,13 +87,16 @@ def train_step(
     skip_layer_every: int = 0,
     device: torch.device | None = None,
     before_update: Callable[[], None] | None = None,
+    after_backward: Callable[[], None] | None = None,
 ) -> StepResult:
     """Forward and backward over this rank's micro-batches, gradient sync, clip, AdamW update.
 
     `model` is a plain module or a parallel wrapper with `no_sync()` and `finish_gradient_sync()`
     (DataParallel); the wrapper's communication happens only after the last micro-batch.
-    `before_update` runs after the gradients are final and before the optimizer uses them
-    (verify compares gradients there).
+    `after_backward` runs when the last backward has finished, before any synchronisation the
+    wrapper leaves to `finish_gradient_sync` (where model-state memory peaks; `shardlab memory`
+    measures it there); `before_update` runs after the gradients are final and before the
+    optimizer uses them (verify compares gradients there).
     """
     start = time.perf_counter()
     for group in optimizer.param_groups:
@@ -119,6 +122,8 @@ def train_step(
     finally:
         if restore is not None:
             restore()
+    if after_backward is not None:
+        after_backward()
     if hasattr(model, "finish_gradient_sync"):
         model.finish_gradient_sync()
     max_norm = grad_clip if grad_clip > 0 else math.inf

@@ -1,0 +1,115 @@
+"""`shardlab memory`: model-state memory per rank by ZeRO stage, predicted beside measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shardlab.cli.common import add_launch_options, int_list, launch_kwargs
+from shardlab.cli.train import add_config_options, resolve_config
+
+MEMORY_DOC = """\
+For each ZeRO stage, the bytes of parameters, gradients and optimizer state one rank holds:
+predicted by the formulas of the ZeRO paper (Rajbhandari et al. 2020), with Psi parameters, N ranks
+and the precision's bytes per parameter (fp32 AdamW: 4 + 4 + 8):
+
+  stage 0 (DDP)  (P + G + K) Psi      stage 2  P Psi + (G + K) Psi / N
+  stage 1        (P + G) Psi + K Psi / N      stage 3  (P + G + K) Psi / N
+
+and measured on real ranks: the model is wrapped by each stage, trained two steps, and when the second
+step's backward has finished the tensors each rank holds are counted by storage (never RSS, which keeps
+freed memory). The step's peak of all tensor memory, activations included, is shown beside.
+Without --config: the GPT of the default configuration (4 layers, d_model 128, 0.84 M parameters),
+global batch 12, sequence 64.
+
+examples:
+  shardlab memory --model gpt --dp 4
+  shardlab memory --config configs/mlp-2048.toml --dp 2 --stages 0,1,2 --json mem.json
+  shardlab memory --model gpt --dp 8 --predict-only     # formulas only, no ranks started
+"""
+
+MEMORY_BASE = ["train.global_batch=12", "model.seq_len=64", "train.warmup_steps=0", "data.max_bytes=2097152"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("memory", help="model-state memory per rank by ZeRO stage: formulas beside measurement",
+                       description=MEMORY_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_options(p)
+    p.add_argument("--stages", type=int_list, default=[0, 1, 2, 3], help="ZeRO stages to show (default: 0,1,2,3)")
+    p.add_argument("--precision", choices=["fp32"], default="fp32",
+                   help="bytes per parameter of the formulas (fp32: parameters 4, gradients 4, AdamW state 8)")
+    p.add_argument("--predict-only", action="store_true", help="print the formulas' figures without starting ranks")
+    p.add_argument("--json", default=None, metavar="PATH", help="write predicted and measured figures as JSON")
+    add_launch_options(p)
+    p.set_defaults(func=run)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from shardlab.dist import launch, under_torchrun
+    from shardlab.plan.memory import model_state_bytes
+    from shardlab.train.config import ConfigError
+    from shardlab.train.task import build_model
+
+    bad = [s for s in args.stages if s not in (0, 1, 2, 3)]
+    if bad:
+        print(f"shardlab memory: --stages {bad} are not ZeRO stages (0-3)", file=sys.stderr)
+        return 2
+    try:
+        cfg = resolve_config(args, base=MEMORY_BASE)
+        cfg.validate(None)
+    except ConfigError as exc:
+        print(f"shardlab memory: {exc}", file=sys.stderr)
+        return 2
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    psi = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for n, p in model.named_parameters() if not cfg.frozen(n))
+    n = cfg.layout.dp
+    measured: dict[int, dict] = {}
+    if not args.predict_only:
+        from shardlab.bench.memory import measure_stages_rank
+
+        rows = launch(measure_stages_rank, None if under_torchrun() else n, cfg.to_dict(), args.stages,
+                      **launch_kwargs(args))[0]
+        if rows is None:
+            return 0
+        measured = {r["stage"]: r for r in rows}
+    print(f"model-state memory per rank: {cfg.model.name}, {psi:,} parameters ({trainable:,} trainable), "
+          f"{n} rank(s), {args.precision} AdamW; MiB")
+    header = (f"{'stage':<8}{'predicted: params':>18}{'grads':>9}{'optim':>9}{'total':>9}"
+              + ("" if args.predict_only else
+                 f"{'measured: params':>18}{'grads':>9}{'optim':>9}{'total':>9}{'meas/pred':>10}{'step peak':>11}"))
+    print(header)
+    out = []
+    for stage in args.stages:
+        pred = model_state_bytes(psi, n, stage, args.precision, trainable)
+        name = "0 (DDP)" if stage == 0 else str(stage)
+        line = f"{name:<8}{_mib(pred.params):>18}{_mib(pred.grads):>9}{_mib(pred.optimizer):>9}{_mib(pred.total):>9}"
+        row = {"stage": stage, "predicted": {"params": pred.params, "grads": pred.grads,
+                                             "optimizer": pred.optimizer, "total": pred.total}}
+        if stage in measured:
+            ranks = measured[stage]["per_rank"]
+            worst = max(ranks, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
+            total = worst["params"] + worst["grads"] + worst["optimizer"]
+            line += (f"{_mib(worst['params']):>18}{_mib(worst['grads']):>9}{_mib(worst['optimizer']):>9}"
+                     f"{_mib(total):>9}{total / pred.total:>9.3f}x{_mib(max(r['peak'] for r in ranks)):>11}")
+            row["measured_per_rank"] = ranks
+            row["measured_over_predicted"] = total / pred.total
+        print(line)
+        out.append(row)
+    if not args.predict_only:
+        print("measured: the rank holding the most, at the larger of two counts in the second step: when its "
+              "backward has finished, and when its gradients are final")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": cfg.model.name, "psi": psi, "trainable": trainable, "world_size": n,
+                       "precision": args.precision, "stages": out, "config": cfg.to_dict()}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
