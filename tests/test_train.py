@@ -123,3 +123,32 @@ def test_training_is_the_same_at_one_and_two_ranks(pools, tmp_path):
     one, two = ([json.loads(x)["loss"] for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                 for d in ("one", "two"))
     assert one == pytest.approx(two, rel=2e-6)
+
+
+def _nan_rank(cfg_dict: dict) -> dict | None:
+    """verify with a layout whose gradient sync turns one gradient into NaN from the second step:
+    NaN compares false against every bound, so it must be caught explicitly."""
+    import shardlab.train.verify as verify
+    from shardlab.parallel import DataParallel
+
+    class Poisoned(DataParallel):
+        calls = 0
+
+        def finish_gradient_sync(self) -> None:
+            super().finish_gradient_sync()
+            Poisoned.calls += 1
+            if Poisoned.calls > 1:
+                next(p for p in self.module.parameters() if p.grad is not None).grad.fill_(float("nan"))
+
+    original = verify.apply_layout
+    verify.apply_layout = lambda model, layout: Poisoned(model, mode="naive")
+    try:
+        return verify.verify_rank(cfg_dict, 1e-6, 1e-5)
+    finally:
+        verify.apply_layout = original
+
+
+def test_nan_fails_verification(pools):
+    report = pools(2).run(_nan_rank, _verify_cfg("mlp", 2, "naive"))[0]
+    assert not report["passed"]
+    assert [r["passed"] for r in report["per_step"]] == [True, False, False, False, False]

@@ -63,6 +63,30 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     return load_config(args.config, [*args.overrides, *flags], base=base)
 
 
+def check_before_launch(cfg, make_out_dir: bool = True) -> None:
+    """What validation cannot see without building the model (on the meta device: no memory) or
+    touching the disk; raises ConfigError."""
+    import fnmatch
+    from pathlib import Path
+
+    import torch
+
+    from shardlab.train.config import ConfigError
+    from shardlab.train.task import build_model
+
+    with torch.device("meta"):
+        names = [n for n, _ in build_model(cfg.model).named_parameters()]
+    for pattern in filter(None, (p.strip() for p in cfg.model.freeze.split(","))):
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter of the {cfg.model.name} "
+                              f"(names look like {names[0]!r}, {names[-1]!r})")
+    if make_out_dir:
+        try:
+            Path(cfg.log.out_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"log.out_dir = {cfg.log.out_dir!r} cannot be created: {exc.strerror}") from exc
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the GPT or the deep MLP with a parallel layout",
                        description=TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = resolve_config(args)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
+        check_before_launch(cfg, make_out_dir=not args.dry_run)
     except ConfigError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2

@@ -7,13 +7,14 @@ import json
 import sys
 
 from shardlab.cli.common import add_launch_options, launch_kwargs
-from shardlab.cli.train import add_config_options, resolve_config
+from shardlab.cli.train import add_config_options, check_before_launch, resolve_config
 
 VERIFY_DOC = """\
 Run a parallel layout and a single-process reference from the same initial weights on the same
 global batches for K steps (train.steps), and report per step the loss difference and the largest
 gradient and parameter differences (absolute, and relative to each tensor's scale) over all ranks.
-Exit status 0 when every relative difference is within --tol, 1 otherwise.
+Exit status 0 when the loss is within --tol relative, every parameter within --atol + --tol x its
+tensor's scale and every gradient within --grad-tol x its scale, at every step; 1 otherwise.
 
 Without --config, a small model is used (2 layers, d_model 64, global batch 12, 5 steps, AdamW with
 eps 1e-4, which bounds how much Adam magnifies rounding noise on near-zero gradients) so that world
@@ -51,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
     from shardlab.train.verify import VERIFY_BASE, format_report, verify_rank
 
     try:
-        cfg = resolve_config(args, base=VERIFY_BASE)
+        # The small default model only without --config: a given file is verified as written.
+        cfg = resolve_config(args, base=None if args.config else VERIFY_BASE)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
+        check_before_launch(cfg, make_out_dir=False)
     except ConfigError as exc:
         print(f"shardlab verify: {exc}", file=sys.stderr)
         return 2

@@ -152,7 +152,7 @@ class DataParallel(nn.Module):
         params = self._params
         if not params:
             return
-        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
         comm.all_reduce(flags, "sum", self.group, impl=self.impl)
         for p, used in zip(params, flags.tolist()):
             if used == 0:
@@ -168,6 +168,9 @@ class DataParallel(nn.Module):
             if handle is not None:
                 handle.wait()
                 bucket.unpack()
+        if self.buckets and self.buckets[0].flat.is_cuda:
+            # nccl's wait only orders streams; syncing makes the measured wait the real one.
+            torch.cuda.current_stream().synchronize()
 
     # ---------------------------------------------------------------------------- overlap mode
     def _install_hooks(self) -> None:

@@ -300,12 +300,14 @@ class ZeroDataParallel(nn.Module):
                 reduced = handle.wait()
                 bucket.grad_chunk = reduced if bucket.grad_chunk is None else bucket.grad_chunk.add_(reduced)
         self._next_launch = 0
+        if self.layout.params and self.layout.params[0].is_cuda:
+            torch.cuda.current_stream().synchronize()  # nccl's wait only orders streams
 
     def _assign_piece_grads(self) -> None:
         # A parameter no rank produced a gradient for keeps grad None (skipped by the optimizer, as
         # one process would skip it): one small all-reduce of "has a gradient" flags tells every rank.
         flags = torch.tensor([p.grad is not None or id(p) in self._had_grad for p in self.layout.params],
-                             dtype=torch.float32)
+                             dtype=torch.float32, device=self.layout.params[0].device)
         comm.all_reduce(flags, "max", self.group)
         used = {id(p) for p, f in zip(self.layout.params, flags.tolist()) if f > 0}
         self._had_grad = set()
@@ -369,7 +371,8 @@ class ZeroDataParallel(nn.Module):
                                                       out=torch.empty(bucket.padded, dtype=p0.dtype, device=p0.device))
         where = {id(p): (b, off) for b in self.layout.buckets for p, off in zip(b.params, b.offsets)}
         has = {id(pc.param) for pc in self.layout.pieces() if pc.tensor.grad is not None}
-        has_any = torch.tensor([id(p) in has for p in self.layout.params], dtype=torch.float32)
+        has_any = torch.tensor([id(p) in has for p in self.layout.params], dtype=torch.float32,
+                               device=self.layout.params[0].device)
         comm.all_reduce(has_any, "max", self.group)
         used = {id(p) for p, f in zip(self.layout.params, has_any.tolist()) if f > 0}
         for name, p in self.module.named_parameters():

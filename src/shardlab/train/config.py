@@ -83,8 +83,12 @@ class OptimSection:
     min_lr: float = 1e-4
     """Learning rate at the end of decay."""
     beta1: float = 0.9
+    """Decay of the gradient's running mean (Adam's first moment)."""
     beta2: float = 0.95
+    """Decay of the squared gradient's running mean (second moment); 0.95 rather than 0.999 is the
+    usual choice for transformers, steadier when gradients spike."""
     eps: float = 1e-8
+    """Added to the second moment's root: bounds the step of elements whose gradients are ~0."""
     weight_decay: float = 0.1
     """Applied to matrices (2-D and larger) only; biases, norms and 1-D parameters get none."""
     grad_clip: float = 1.0
@@ -151,7 +155,9 @@ class LogSection:
     sample_tokens: int = 300
     """GPT: bytes of text to sample at the end (0: none)."""
     sample_prompt: str = "def "
+    """GPT: the text the sample continues."""
     sample_temperature: float = 0.8
+    """GPT: softmax temperature of the sample (lower: more likely bytes, less variety)."""
     peak_tflops: float = 0.0
     """Peak throughput per rank for MFU; 0: from the device table (known GPUs), else MFU is not shown."""
     memory: bool = True
@@ -280,6 +286,11 @@ def _problems(cfg: Config) -> list[str]:
         out.append(f"model.dropout = {m.dropout} must be in [0, 1)")
     if not 0.0 < d.val_fraction < 1.0:
         out.append(f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
+    if d.source not in ("", "stdlib") and not any(ch in d.source for ch in "*?["):
+        import os
+
+        if not os.path.exists(os.path.expanduser(d.source)):
+            out.append(f"data.source = {d.source!r} does not exist")
     if d.max_bytes < 0:
         out.append(f"data.max_bytes = {d.max_bytes} must be >= 0")
     positive("optim.lr", o.lr)
@@ -302,7 +313,10 @@ def _problems(cfg: Config) -> list[str]:
     positive("layout.dp", lay.dp)
     one_of("layout.dp_mode", lay.dp_mode, MODES)
     positive("layout.bucket_mb", lay.bucket_mb)
-    one_of("layout.comm_impl", lay.comm_impl, ["torch", *sorted(ALGORITHMS)])
+    # Plain data parallelism all-reduces; ZeRO reduce-scatters and all-gathers.
+    needed = {"all_reduce"} if lay.zero == 0 else {"reduce_scatter", "all_gather"}
+    one_of("layout.comm_impl", lay.comm_impl,
+           ["torch", *sorted(name for name, ops in ALGORITHMS.items() if needed <= set(ops))])
     if lay.zero not in (0, 1, 2, 3):
         out.append(f"layout.zero = {lay.zero} must be 0, 1, 2 or 3")
     if lay.dp > 0 and t.micro_batches > 0 and t.global_batch % (lay.dp * t.micro_batches):
@@ -347,7 +361,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        # Control characters must be escaped or tomllib refuses the file we wrote.
+        return '"' + "".join(c if c.isprintable() and c not in '"\\' else f"\\u{ord(c):04x}" for c in value) + '"'
     return repr(value)
 
 

@@ -62,6 +62,9 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     task = build_task(cfg, plain)
     model = apply_layout(plain, lay)
     optimizer = make_optimizer(model, cfg.optim)
+    # Identical weights came from the shared seed; from here each rank draws its own randomness
+    # (dropout masks must differ between the rows of different ranks, as they do within one batch).
+    torch.manual_seed(t.seed * 1_000_003 + 1 + rank)
     peak = peak_flops(device, "fp32", cfg.log.peak_tflops)
     tokens_per_step = t.global_batch * task.tokens_per_row
 
@@ -76,6 +79,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
 
     records: list[dict[str, Any]] = []
     window: list[float] = []  # untraced step times since the last log line
+    shown_s = 0.0  # their median, kept when a window is empty (consecutive logged steps)
     steady: list[float] = []  # every untraced step time
     run_start = time.perf_counter()
     for step in range(t.steps):
@@ -104,7 +108,8 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             window.append(step_s)
         # Logged steps trace memory, which slows them: their own time is recorded as is, but the
         # console shows the untraced steps since the last log line (the steady state).
-        shown_s = sorted(window)[len(window) // 2] if window else step_s
+        if window:
+            shown_s = sorted(window)[len(window) // 2]
         rec: dict[str, Any] = {
             "step": step,
             "loss": stats[:, 0].mean().item(),
@@ -115,8 +120,8 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             "comm_wait_share": (stats[:, 2] / stats[:, 1]).mean().item(),
             "memory_traced": tracker is not None,
             "peak_mem_bytes": [int(v) for v in stats[:, 3].tolist()] if tracker is not None else None,
-            "window_step_s": shown_s,
-            "mfu": (task.flops_per_token * tokens_per_step / shown_s) / (peak * world) if peak else None,
+            "window_step_s": shown_s or step_s,
+            "mfu": (task.flops_per_token * tokens_per_step / step_s) / (peak * world) if peak else None,
         }
         if logged:
             steady.extend(window)

@@ -51,18 +51,20 @@ def fmt_bytes(n: float) -> str:
 def step_line(rec: dict[str, Any], steps: int) -> str:
     """One console line for a logged step; speed is the median untraced step since the last line."""
     step_s = rec.get("window_step_s") or rec["step_s"]
+    speedup = rec["step_s"] / step_s  # the record's own figures are for its (maybe traced) step
     parts = [
         f"step {rec['step'] + 1:>{len(str(steps))}}/{steps}",
         f"loss {rec['loss']:.4f}",
         f"lr {rec['lr']:.2e}",
-        f"{rec['tokens_per_s'] * rec['step_s'] / step_s:,.0f} tok/s",
+        f"{rec['tokens_per_s'] * speedup:,.0f} tok/s",
         f"{step_s * 1e3:.0f} ms",
         f"comm wait {rec['comm_wait_share'] * 100:.0f}%",
     ]
     if rec.get("mfu") is not None:
-        parts.insert(4, f"MFU {rec['mfu'] * 100:.1f}%")
+        parts.insert(4, f"MFU {rec['mfu'] * speedup * 100:.1f}%")
     if rec.get("peak_mem_bytes"):
-        parts.append(f"peak mem {fmt_bytes(max(rec['peak_mem_bytes']))}/rank")
+        mem = rec["peak_mem_bytes"]
+        parts.append(f"peak mem {fmt_bytes(max(mem))}" + (f" (max of {len(mem)} ranks)" if len(mem) > 1 else ""))
     if rec.get("val_loss") is not None:
         parts.append(f"val {rec['val_loss']:.4f}")
     return " | ".join(parts)
@@ -79,6 +81,9 @@ class MetricsWriter:
         if tensorboard:
             from shardlab.train.tensorboard import EventWriter
 
+            # A rerun into the same directory starts a fresh curve rather than zig-zagging over the old one.
+            for old in (out_dir / "tb").glob("events.out.tfevents.*"):
+                old.unlink()
             self._tb = EventWriter(out_dir / "tb")
 
     def write(self, rec: dict[str, Any]) -> None:
@@ -90,6 +95,7 @@ class MetricsWriter:
                     self._tb.add_scalar(f"train/{key}", float(value), rec["step"])
                 elif key == "peak_mem_bytes" and value:
                     self._tb.add_scalar("train/peak_mem_bytes_max", float(max(value)), rec["step"])
+            self._tb.flush()  # a live TensorBoard sees every step; a crash loses none
 
     def close(self) -> None:
         self._jsonl.close()

@@ -105,7 +105,7 @@ def train_step(
     restore = skip_layer(inner) if skip_layer_every and step % skip_layer_every == skip_layer_every - 1 else None
     if hasattr(model, "comm_wait_s"):
         model.comm_wait_s = 0.0
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device)  # one host sync per step, not per micro-batch
     try:
         for micro in range(micro_batches):
             x, y = task.batch(step, dp_rank, dp_size, micro_batches, micro)
@@ -118,7 +118,7 @@ def train_step(
                 # the accumulated gradient the mean over the rank's rows, as one pass would give.
                 loss = model(x, y) / micro_batches
                 loss.backward()
-            total += loss.detach().double().cpu()
+            total += loss.detach().double()
     finally:
         if restore is not None:
             restore()
@@ -131,8 +131,13 @@ def train_step(
         norm = model.clip_grad_norm_(max_norm)
     else:
         # Every rank holds the same full gradients after data-parallel sync: the local norm is global.
-        params = [p for p in unique_trainable(inner) if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+        grads = [p.grad for p in unique_trainable(inner) if p.grad is not None]
+        if not grads:
+            norm = torch.zeros(())
+        elif grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in unique_trainable(inner) if p.grad is not None], max_norm)
+        else:  # the norm is still logged, but nothing is scaled
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     if before_update is not None:
         before_update()
     optimizer.step()

@@ -117,6 +117,9 @@ def build_task(cfg: Config, model: nn.Module, tokens: np.ndarray | None = None) 
         return Task(train, val, tokens_per_row=1, flops_per_token=model.flops_per_sample())
     if tokens is None:
         tokens = load_corpus(cfg)
+    if len(tokens) and int(tokens.max()) >= VOCAB_SIZE:
+        raise ValueError(f"data.source = {cfg.data.source!r} holds token ids up to {int(tokens.max())}, but the GPT "
+                         f"is byte-level (vocabulary {VOCAB_SIZE}); give text or a uint8 .bin")
     train_tokens, val_tokens = split_tokens(tokens, cfg.data.val_fraction)
     seq = cfg.model.seq_len
     return Task(
