@@ -56,11 +56,17 @@ def test_ring_reduction_and_untied_rotary_gqa_gpt(pools):
 
 def _broken_rank(cfg_dict: dict) -> dict | None:
     """verify with a layout that sums gradients instead of averaging them: it must fail."""
-    import shardlab.train.verify as verify
     from shardlab.parallel import DataParallel
 
+    return _verify_with(cfg_dict, lambda model, layout: DataParallel(model, mode=layout.dp_mode, average=False))
+
+
+def _verify_with(cfg_dict: dict, apply_layout) -> dict | None:
+    """verify_rank with `apply_layout` standing in for the real one."""
+    import shardlab.train.verify as verify
+
     original = verify.apply_layout
-    verify.apply_layout = lambda model, layout: DataParallel(model, mode=layout.dp_mode, average=False)
+    verify.apply_layout = apply_layout
     try:
         return verify.verify_rank(cfg_dict, 1e-6, 1e-5)
     finally:
@@ -128,7 +134,6 @@ def test_training_is_the_same_at_one_and_two_ranks(pools, tmp_path):
 def _nan_rank(cfg_dict: dict) -> dict | None:
     """verify with a layout whose gradient sync turns one gradient into NaN from the second step:
     NaN compares false against every bound, so it must be caught explicitly."""
-    import shardlab.train.verify as verify
     from shardlab.parallel import DataParallel
 
     class Poisoned(DataParallel):
@@ -140,12 +145,7 @@ def _nan_rank(cfg_dict: dict) -> dict | None:
             if Poisoned.calls > 1:
                 next(p for p in self.module.parameters() if p.grad is not None).grad.fill_(float("nan"))
 
-    original = verify.apply_layout
-    verify.apply_layout = lambda model, layout: Poisoned(model, mode="naive")
-    try:
-        return verify.verify_rank(cfg_dict, 1e-6, 1e-5)
-    finally:
-        verify.apply_layout = original
+    return _verify_with(cfg_dict, lambda model, layout: Poisoned(model, mode="naive"))
 
 
 def test_nan_fails_verification(pools):

@@ -19,18 +19,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from shardlab.parallel.buckets import trainable_params as unique_trainable
 from shardlab.train.config import Config, OptimSection
 from shardlab.train.task import Task, skip_layer
-
-
-def unique_trainable(model: nn.Module) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
 
 
 def make_optimizer(model: nn.Module, o: OptimSection) -> torch.optim.AdamW:
