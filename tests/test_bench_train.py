@@ -104,3 +104,15 @@ def test_command_refuses_bad_variants_and_configurations(capsys):
     # 127 rows do not split over 2 ranks: refused before any rank starts.
     assert main(["bench", "train", "--set", "train.global_batch=127"]) == 2
     assert "train.global_batch = 127" in capsys.readouterr().err
+
+
+def test_zero_variants_run_beside_torch_zero_redundancy_optimizer(pools):
+    cfg = load_config(None, TINY)
+    cfg.validate()
+    variants = ["torch_zero1", "zero1", "zero2"]
+    out, _ = pools(2).run(train_bench_rank, cfg.to_dict(), variants, 1, 2, 1)
+    param_bytes = 4 * out["params"]
+    for v in variants:
+        assert len(out["step_s"][v]) == 2 and all(t > 0 for t in out["step_s"][v]), v
+        # Weights and gradients at least (optimizer state is sharded: half of AdamW's 2 moments here).
+        assert all(p >= 2 * param_bytes for p in out["peak_bytes"][v]), (v, out["peak_bytes"][v])

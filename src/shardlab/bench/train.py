@@ -37,19 +37,26 @@ from torch.utils._pytree import tree_leaves
 from shardlab.dist.env import synchronize
 from shardlab.train.config import Config
 from shardlab.train.memory import MemoryTracker, tensor_bytes
-from shardlab.train.step import lr_at, make_optimizer, train_step
+from shardlab.train.step import adamw_kwargs, decay_groups, lr_at, make_optimizer, train_step
 from shardlab.train.task import Task, build_task, prepare_model
 
 DDP = "torch_ddp"
 DDP_VIEW = "torch_ddp_view"
+TORCH_ZERO1 = "torch_zero1"
 VARIANTS: tuple[str, ...] = (DDP, "naive", "bucketed", "overlap")
-"""The default set; KNOWN adds DDP with gradient_as_bucket_view=True, whose gradients live in its
-buckets as ours do (not DDP's default, so not the yardstick, but the like-for-like design)."""
-KNOWN: tuple[str, ...] = (*VARIANTS, DDP_VIEW)
+"""The default set. KNOWN adds DDP with gradient_as_bucket_view=True, whose gradients live in its
+buckets as ours do (not DDP's default, so not the yardstick, but the like-for-like design); our
+ZeRO stages 1 and 2 (zero1, zero2); and torch's ZeRO-1, DDP with a ZeroRedundancyOptimizer."""
+KNOWN: tuple[str, ...] = (*VARIANTS, DDP_VIEW, "zero1", "zero2", TORCH_ZERO1)
 
 
 def _wrap(variant: str, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    if variant in (DDP, DDP_VIEW):
+    if variant in ("zero1", "zero2"):
+        from shardlab.parallel import ZeroDataParallel
+
+        return ZeroDataParallel(model, stage=int(variant[-1]), bucket_mb=cfg.layout.bucket_mb,
+                                impl=cfg.layout.comm_impl)
+    if variant in (DDP, DDP_VIEW, TORCH_ZERO1):
         from torch.nn.parallel import DistributedDataParallel
 
         # A layer bypassed on some steps leaves parameters without gradients, which DDP must be told.
@@ -92,6 +99,19 @@ class _Drawn:
         return self.batches[(step, micro)]
 
 
+def _optimizer(variant: str, wrapped: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    if variant == TORCH_ZERO1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        groups = decay_groups(wrapped, cfg.optim)
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      weight_decay=groups[0]["weight_decay"], **adamw_kwargs(cfg.optim))
+        for g in groups[1:]:
+            opt.add_param_group(g)
+        return opt
+    return make_optimizer(wrapped, cfg.optim)
+
+
 def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, steps: int,
                      warmup: int) -> dict[str, Any] | None:
     """One run on this rank (see the module docstring); rank 0 returns per variant the timed steps'
@@ -120,7 +140,7 @@ def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, s
         for variant in variants:
             gc.collect()  # the previous variant's model, buckets and optimizer state are gone
             wrapped = _wrap(variant, prepare_model(cfg).to(device), cfg)
-            optimizer = make_optimizer(wrapped, cfg.optim)
+            optimizer = _optimizer(variant, wrapped, cfg)
             for step in range(warmup + steps):
                 dist.barrier()
                 start = time.perf_counter()
@@ -131,7 +151,7 @@ def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, s
                 if step >= warmup:
                     times[variant].append(elapsed.item())
             held = _Collectives()
-            if variant in (DDP, DDP_VIEW) and device.type == "cpu":
+            if variant in (DDP, DDP_VIEW, TORCH_ZERO1) and device.type == "cpu":
                 with held:  # one more untimed step, to find DDP's buckets
                     train_step(wrapped, optimizer, drawn, 0, lr=lr_at(0, cfg), **step_kw)
             gc.collect()

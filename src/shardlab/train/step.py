@@ -24,16 +24,24 @@ from shardlab.train.config import Config, OptimSection
 from shardlab.train.task import Task, skip_layer
 
 
-def make_optimizer(model: nn.Module, o: OptimSection) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (GPT-2/nanoGPT practice: decaying norms' gains and
-    biases pulls them towards zero for no regularising benefit)."""
+def decay_groups(model: nn.Module, o: OptimSection) -> list[dict]:
+    """Parameter groups with weight decay on matrices only (GPT-2/nanoGPT practice: decaying norms'
+    gains and biases pulls them towards zero for no regularising benefit)."""
     params = unique_trainable(model)
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    groups = [g for g in groups if g["params"]]
-    kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    return [g for g in groups if g["params"]]
+
+
+def adamw_kwargs(o: OptimSection) -> dict:
+    return dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def make_optimizer(model: nn.Module, o: OptimSection) -> torch.optim.Optimizer:
+    """AdamW over `decay_groups`; a sharding wrapper (ZeRO) builds its own sharded version."""
+    groups, kwargs = decay_groups(model, o), adamw_kwargs(o)
     if hasattr(model, "build_optimizer"):  # a sharding wrapper (ZeRO) builds its own
         return model.build_optimizer(groups, torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
