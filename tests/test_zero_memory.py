@@ -26,7 +26,7 @@ def test_measured_model_state_equals_the_formula(pools, ws):
 
     cfg = load_config(None, ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "train.global_batch=8",
                              "data.max_bytes=1048576", f"layout.dp={ws}", "model.freeze=pos_emb.*"])
-    rows = pools(ws).run(measure_stages_rank, cfg.to_dict(), [0, 1, 2])[0]
+    rows = pools(ws).run(measure_stages_rank, cfg.to_dict(), [0, 1, 2, 3])[0]
     for row in rows:
         pred = model_state_bytes(row["psi"], ws, row["stage"], "fp32", row["trainable"])
         for rank in row["per_rank"]:

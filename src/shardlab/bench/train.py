@@ -43,14 +43,29 @@ from shardlab.train.task import Task, build_task, prepare_model
 DDP = "torch_ddp"
 DDP_VIEW = "torch_ddp_view"
 TORCH_ZERO1 = "torch_zero1"
+TORCH_FSDP2 = "torch_fsdp2"
 VARIANTS: tuple[str, ...] = (DDP, "naive", "bucketed", "overlap")
 """The default set. KNOWN adds DDP with gradient_as_bucket_view=True, whose gradients live in its
 buckets as ours do (not DDP's default, so not the yardstick, but the like-for-like design); our
-ZeRO stages 1 and 2 (zero1, zero2); and torch's ZeRO-1, DDP with a ZeroRedundancyOptimizer."""
-KNOWN: tuple[str, ...] = (*VARIANTS, DDP_VIEW, "zero1", "zero2", TORCH_ZERO1)
+ZeRO stages 1, 2 and 3 (zero1, zero2, zero3); torch's ZeRO-1, DDP with a ZeroRedundancyOptimizer;
+and torch's FSDP2 (`fully_shard` on every block or layer, then the root), the yardstick of zero3."""
+KNOWN: tuple[str, ...] = (*VARIANTS, DDP_VIEW, "zero1", "zero2", "zero3", TORCH_ZERO1, TORCH_FSDP2)
 
 
 def _wrap(variant: str, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    if variant == "zero3":
+        from shardlab.parallel.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, bucket_mb=cfg.layout.bucket_mb, impl=cfg.layout.comm_impl)
+    if variant == TORCH_FSDP2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+        # The same units as our default policy: each GPT block or MLP layer, the rest at the root.
+        for unit in getattr(model, "blocks", None) or getattr(model, "layers", []):
+            fully_shard(unit, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     if variant in ("zero1", "zero2"):
         from shardlab.parallel import ZeroDataParallel
 

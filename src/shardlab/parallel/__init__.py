@@ -1,7 +1,7 @@
 """Parallel training strategies built on shardlab.comm.
 
-Data parallelism (three variants side by side), ZeRO stages 1 and 2, and synchronised batch
-normalisation:
+Data parallelism (three variants side by side), ZeRO stages 1, 2 and 3 (FSDP), and synchronised
+batch normalisation:
 
     from shardlab.parallel import DataParallel, SyncBatchNorm
     model = DataParallel(net, group, mode="overlap", bucket_mb=25.0, impl="ring")
@@ -9,6 +9,7 @@ normalisation:
 
 from shardlab.parallel.buckets import Bucket, build_buckets, trainable_params
 from shardlab.parallel.data import MODES, DataParallel
+from shardlab.parallel.fsdp import FullyShardedDataParallel
 from shardlab.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from shardlab.parallel.zero import ShardedOptimizer, ZeroDataParallel
 
@@ -16,6 +17,7 @@ __all__ = [
     "MODES",
     "Bucket",
     "DataParallel",
+    "FullyShardedDataParallel",
     "ShardedOptimizer",
     "SyncBatchNorm",
     "build_buckets",

@@ -1,0 +1,558 @@
+"""ZeRO stage 3 / fully sharded data parallelism: parameters, gradients and optimizer state are all
+cut into N shards, one per data-parallel rank (Rajbhandari et al., "ZeRO", SC 2020, sec. 5.3), kept
+in units as PyTorch FSDP keeps them (Zhao et al., "PyTorch FSDP", VLDB 2023, sec. 3).
+
+    model = FullyShardedDataParallel(net, group)            # the trainer's --zero 3
+    opt = model.build_optimizer(param_groups, torch.optim.AdamW, lr=1e-3)
+    loss = model(x, y); loss.backward(); model.finish_gradient_sync(); model.clip_grad_norm_(1.0); opt.step()
+
+Units. A wrapping policy picks submodules as units: by default each child of an nn.ModuleList (a GPT
+block, a DeepMLP layer); else module types, a size in elements (bottom-up: a module becomes a unit once
+the parameters under it not yet in a unit reach it) or a predicate. The root, the whole model, is a
+unit too and owns what no other does, including parameters registered in several units (tied weights,
+e.g. GPT's token embedding and head): it is gathered for the whole forward and backward, so every user
+finds them. A unit's trainable parameters are flattened into one vector padded to a multiple of N and
+cut into N equal chunks (FSDP's FlatParameter, sec. 3.2.1; zero.py's buckets): rank r keeps chunk r,
+`unit.shard`, and the parameters point at a placeholder of their shape over one NaN, so a stray read
+outside the unit shows as NaN rather than stale weights or a crash.
+
+Forward. A pre-hook all-gathers the unit (or waits for its prefetch), points its parameters at views
+of the vector and starts gathering the unit that came next in the previous forward, overlapping that
+communication with this unit's compute; a post-hook points them back at the placeholder and drops the
+vector. The root stays gathered when a backward follows, which starts with it (as FSDP, sec. 3.3).
+
+Backward. Autograd keeps what it saves for backward (weights, views of weights); were it to hold them,
+freeing after forward would free nothing. So during the root's forward a saved-tensor pack hook
+replaces a saved tensor lying in a gathered vector by a record (unit, shape, strides, offset), and the
+unpack hook, when backward needs it, gathers the unit again and rebuilds the view; a unit's first
+unpack prefetches the next unit in backward order (the reverse of the order forwards finished). No
+correctness rests on this timing: a unit needed after being freed is simply gathered again.
+
+Gradients. A post-accumulate-grad hook counts a unit's gradients; once all have arrived none of its
+parameters is needed in this backward: the gradients are packed, freed and reduce-scattered (average)
+asynchronously, the unit is freed, and the reduced chunk is added to `unit.grad_shard` (at most two
+reductions in flight). At the end of backward (autograd's queue_callback) units that got no gradient
+are reduced too, as zeros (every rank must issue the same collectives), and all is waited for and
+freed. Under `no_sync()` every micro-batch is still reduced into the shard, as in our ZeRO-2: keeping
+full gradients across micro-batches would undo what stage 3 saves. `finish_gradient_sync()` then does
+one small all-reduce of "has a gradient" flags, with the replicated parameters' gradients: a parameter
+no rank had a gradient for keeps grad None and AdamW skips it, as one process would.
+
+Replicated: parameters under `min_shard_numel` elements (default 0, none: in a flat vector a small
+parameter rides along for free) and frozen ones (no gradient; no memory saved on them) stay whole on
+every rank; trainable ones get all-reduced gradients and every rank steps them alike. The optimizer
+(`build_optimizer`) is zero.py's ShardedOptimizer over pieces that view the shards, so its step updates
+them in place with no gather after it; element-wise optimizers only.
+
+Assumptions, as torch FSDP's: every rank runs the same units and uses the same parameters in a step
+(hooks issue the collectives in autograd's order); a sharded parameter is read only in the forward of
+its unit or of one enclosing it (an Embedding made a unit whose weight the root reads as a tied head
+breaks this: the default policy keeps such layers in the root); no re-entrant checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from shardlab import comm
+from shardlab.comm import Handle
+from shardlab.parallel.zero import Piece, ShardedOptimizer
+
+Policy = Union[None, int, type, Iterable[type], Callable[[nn.Module], bool]]
+MAX_REDUCES_IN_FLIGHT = 2
+
+
+@dataclass(eq=False)
+class Unit:
+    """One unit: its sharded parameters, this rank's shard of them, and their state this step."""
+
+    index: int
+    module: nn.Module
+    params: list[nn.Parameter]  # trainable, sharded, in flat order
+    offsets: list[int]
+    padded: int  # flat length, a multiple of the world size
+    shard: torch.Tensor  # this rank's chunk: the optimizer steps views of it in place
+    pieces: list[Piece]  # this rank's share of each parameter, as zero.py's pieces
+    full: torch.Tensor | None = None  # the gathered flat parameters, while held
+    gathering: tuple[Handle, torch.Tensor] | None = None  # an all-gather in flight, and its buffer
+    grad_shard: torch.Tensor | None = None  # reduced gradient chunk, summed over micro-batches
+    ready: set[int] = field(default_factory=set)  # parameters whose gradient arrived this backward
+    reduced: bool = False  # reduce-scatter launched this backward
+    in_backward: bool = False  # first unpack in this backward seen (prefetch done)
+
+
+class _Saved(NamedTuple):
+    """What the pack hook keeps instead of a saved tensor that lies in a gathered unit."""
+
+    unit: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _unit_modules(root: nn.Module, policy: Policy) -> list[nn.Module]:
+    """The root, then the modules the policy makes units, in module order. Containers (ModuleList,
+    ModuleDict) never are: they are not called, so their hooks would never gather them."""
+    containers = (nn.ModuleList, nn.ModuleDict)
+    if policy is None:
+        chosen = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m}
+        pick: Callable[[nn.Module], bool] = lambda m: id(m) in chosen  # noqa: E731
+    elif isinstance(policy, int):
+        chosen = set()
+
+        def rest(m: nn.Module) -> int:  # elements under m not yet in a unit
+            n = sum(p.numel() for p in m._parameters.values() if p is not None) + sum(map(rest, m.children()))
+            if m is not root and n >= policy and not isinstance(m, containers):
+                chosen.add(id(m))
+                return 0
+            return n
+
+        rest(root)
+        pick = lambda m: id(m) in chosen  # noqa: E731
+    elif callable(policy) and not isinstance(policy, type):
+        pick = policy
+    else:
+        types = (policy,) if isinstance(policy, type) else tuple(policy)
+        pick = lambda m: isinstance(m, types)  # noqa: E731
+    return [root, *(m for m in root.modules() if m is not root and not isinstance(m, containers) and pick(m))]
+
+
+def _owners(root: nn.Module, units: list[nn.Module]) -> list[tuple[nn.Parameter, int]]:
+    """Each parameter once, with the unit that owns it: the innermost unit around every module that
+    registers it, or the root when those differ (tied across units)."""
+    index = {id(m): i for i, m in enumerate(units)}
+    where: dict[int, tuple[nn.Parameter, set[int]]] = {}
+
+    def walk(m: nn.Module, unit: int) -> None:
+        unit = index.get(id(m), unit)
+        for p in m._parameters.values():
+            if p is not None:
+                where.setdefault(id(p), (p, set()))[1].add(unit)
+        for child in m.children():
+            walk(child, unit)
+
+    walk(root, 0)
+    return [(p, next(iter(us)) if len(us) == 1 else 0) for p, us in where.values()]
+
+
+def _successors(order: Iterable[int]) -> dict[int, int]:
+    """{unit: the unit after its first appearance} for a sequence of units."""
+    seen = list(dict.fromkeys(order))
+    return dict(zip(seen, seen[1:]))
+
+
+def _call(ref: "weakref.ref[FullyShardedDataParallel]", method: str, *args: Any) -> Any:
+    # Hooks on modules and parameters hold the wrapper weakly (parameter hooks live in C++, where the
+    # garbage collector cannot see a cycle), so dropping the wrapper frees it and its shards.
+    me = ref()
+    return None if me is None else getattr(me, method)(*args)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3 over `group` (None: every rank); see the module docstring.
+
+    policy: which submodules are units (None: children of every nn.ModuleList; module types; a size
+        in elements; or a predicate). min_shard_numel: parameters smaller than this stay replicated.
+    bucket_mb: accepted for a constructor alike across layouts; a unit's flat vector is its bucket.
+    impl: the collectives' implementation ("torch" or one of ours, e.g. "ring").
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, bucket_mb: float = 25.0,
+                 impl: str = comm.TORCH, policy: Policy = None, min_shard_numel: int = 0) -> None:
+        super().__init__()
+        self.module, self.group, self.impl, self.bucket_mb = module, group, impl, bucket_mb
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.comm_wait_s = 0.0  # seconds blocked on communication; the trainer resets it each step
+        self.max_gathered_bytes = 0  # most bytes of gathered parameters held at once (reset freely)
+        with torch.no_grad():  # every rank starts from rank 0's weights and buffers
+            for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
+                comm.broadcast(t.data, 0, group)
+        modules = _unit_modules(module, policy)
+        owned: list[list[nn.Parameter]] = [[] for _ in modules]
+        self.replicated: list[nn.Parameter] = []
+        for p, unit in _owners(module, modules):
+            (owned[unit] if p.requires_grad and p.numel() >= min_shard_numel else self.replicated).append(p)
+        self._nan: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self.units = [self._make_unit(i, m, ps) for i, (m, ps) in enumerate(zip(modules, owned))]
+        self._device = next(module.parameters(), torch.empty(0)).device
+        self._by_ptr: dict[int, Unit] = {}  # storage address of each gathered vector -> its unit
+        self._saving: list[Any] = []  # the saved-tensor hooks context of the forward in progress
+        self._fwd_seen: list[int] = []
+        self._fwd_done: list[int] = []
+        self._next_fwd: dict[int, int] = {}
+        self._next_bwd: dict[int, int] = {}
+        self._reducing: list[tuple[Unit, Handle]] = []
+        self._had_grad: set[int] = set()  # sharded parameters with a gradient in some micro-batch
+        self._used: set[int] = set()  # parameters some rank had a gradient for (after the sync)
+        self._gathered_bytes = 0
+        self._callback_queued = False
+        self._sync_enabled = True
+        me = weakref.ref(self)
+        hooks = []
+        for u in self.units:
+            hooks.append(u.module.register_forward_pre_hook(functools.partial(_call, me, "_pre_forward", u.index)))
+            hooks.append(u.module.register_forward_hook(functools.partial(_call, me, "_post_forward", u.index),
+                                                        always_call=u.index == 0))
+            hooks += [p.register_post_accumulate_grad_hook(functools.partial(_call, me, "_grad_ready", u.index))
+                      for p in u.params]
+        weakref.finalize(self, lambda hs: [h.remove() for h in hs], hooks)
+
+    def _make_unit(self, index: int, module: nn.Module, params: list[nn.Parameter]) -> Unit:
+        if len({(p.dtype, p.device) for p in params}) > 1:
+            raise ValueError(f"unit {type(module).__name__} mixes parameter dtypes or devices; pick units that do not")
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        padded = -(-total // self.world) * self.world
+        chunk, like = padded // self.world, (params[0] if params else torch.empty(0))
+        flat = torch.zeros(padded, dtype=like.dtype, device=like.device)
+        for p, off in zip(params, offsets):
+            flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        lo = self.rank * chunk
+        shard = flat[lo : lo + chunk].clone()
+        pieces = []
+        for p, off in zip(params, offsets):
+            start, stop = max(lo, off) - off, min(lo + chunk, off + p.numel()) - off
+            if start < stop:
+                a = off + start - lo
+                pieces.append(Piece(p, start, stop, a, nn.Parameter(shard[a : a + stop - start])))
+            p.data = self._placeholder(p)
+        return Unit(index, module, params, offsets, padded, shard, pieces)
+
+    def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
+        key = (p.dtype, p.device)
+        if key not in self._nan:
+            self._nan[key] = torch.full((), float("nan"), dtype=p.dtype, device=p.device)
+        return self._nan[key].expand(p.shape)
+
+    # ------------------------------------------------------------------------------- public API
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
+                        **optimizer_kwargs: Any) -> ShardedOptimizer:
+        """`optimizer_cls` over this rank's shards, each piece in its parameter's group (options kept)."""
+        return _ShardOptimizer(params, optimizer_cls, self.group, impl=self.impl, layout=_Layout(self),
+                               **optimizer_kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation. Each micro-batch is still reduce-scattered into the shard (see the
+        module docstring); only the final flag all-reduce of `finish_gradient_sync` waits."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    @torch.no_grad()
+    def finish_gradient_sync(self) -> None:
+        """Give the optimizer's pieces their reduced gradients (None where no rank had one) and
+        average the replicated parameters' gradients: one all-reduce carries those and the flags."""
+        if not self._sync_enabled:
+            return
+        start = time.perf_counter()
+        while self._reducing:
+            self._finish_reduce()
+        sharded = [p for u in self.units for p in u.params]
+        rep = [p for p in self.replicated if p.requires_grad]
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in rep], torch.float32)
+        n_rep = sum(p.numel() for p in rep)
+        flat = torch.zeros(n_rep + len(sharded) + len(rep), dtype=dtype, device=self._device)
+        off = 0
+        for p in rep:
+            if p.grad is not None:
+                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
+            off += p.numel()
+        flags = flat[n_rep:]
+        flags.copy_(torch.tensor([id(p) in self._had_grad for p in sharded] + [p.grad is not None for p in rep]))
+        comm.all_reduce(flat, "sum", self.group, impl=self.impl)
+        self._used = {id(p) for p, f in zip(sharded + rep, flags.tolist()) if f > 0}
+        self._had_grad = set()
+        for u in self.units:
+            for pc in u.pieces:
+                used = id(pc.param) in self._used and u.grad_shard is not None
+                n = pc.stop - pc.start
+                pc.tensor.grad = u.grad_shard[pc.chunk_offset : pc.chunk_offset + n] if used else None
+        off = 0
+        for p in rep:
+            g = flat[off : off + p.numel()].div_(self.world).view(p.shape).to(p.dtype)
+            p.grad = g if id(p) in self._used else None
+            off += p.numel()
+        self.comm_wait_s += time.perf_counter() - start
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm: shards' squares summed across ranks, replicated ones once."""
+        shards = [pc.tensor.grad for u in self.units for pc in u.pieces if pc.tensor.grad is not None]
+        rep = [p.grad for p in self.replicated if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=self._device)
+        for g in shards:
+            sq += g.double().square().sum()
+        comm.all_reduce(sq, "sum", self.group)
+        for g in rep:  # identical on every rank after the sync: counted once, not N times
+            sq += g.double().square().sum()
+        norm = sq.sqrt().to(torch.float32)
+        coef = max_norm / (norm.item() + 1e-6)
+        if coef < 1.0:
+            for g in shards + rep:
+                g.mul_(coef)
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the gradients held: reduced shards, the pieces' views of them, replicated."""
+        for u in self.units:
+            for p in u.params:
+                p.grad = None
+            u.grad_shard = None if set_to_none or u.grad_shard is None else u.grad_shard.zero_()
+            for pc in u.pieces:
+                pc.tensor.grad = None if set_to_none else pc.tensor.grad
+        for p in self.replicated:
+            p.grad = None if set_to_none or p.grad is None else p.grad.zero_()
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by the module's names (a collective: call on every rank)."""
+        full = self._gather_flats(lambda u: u.shard)
+        return {n: full[id(p)] if id(p) in full else p.detach().clone() for n, p in self.module.named_parameters()}
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Every trainable parameter's reduced gradient whole, or None (after finish_gradient_sync)."""
+        full = self._gather_flats(lambda u: u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.shard))
+        out: dict[str, torch.Tensor | None] = {}
+        for n, p in self.module.named_parameters():
+            if p.requires_grad:
+                g = full[id(p)] if id(p) in full else p.grad
+                out[n] = None if g is None or id(p) not in self._used else g.detach().clone()
+        return out
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state_dict with every parameter gathered whole (tied names share a tensor)."""
+        full = self._gather_flats(lambda u: u.shard)
+        return {k: full[id(v)] if id(v) in full else v.detach().clone()
+                for k, v in self.module.state_dict(keep_vars=True).items()}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part, for a checkpoint every rank writes: each sharded parameter's elements
+        [start, stop) of its flattened tensor (concatenating every rank's parts in start order rebuilds
+        it, whatever world size reads it); replicated parameters and buffers whole."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return {
+            "world_size": self.world, "rank": self.rank,
+            "sharded": {names[id(pc.param)]: {"shape": tuple(pc.param.shape), "start": pc.start, "stop": pc.stop,
+                                               "data": pc.tensor.detach().clone()}
+                        for u in self.units for pc in u.pieces},
+            "replicated": {names[id(p)]: p.detach().clone() for p in self.replicated},
+            "buffers": {n: b.detach().clone() for n, b in self.module.named_buffers()},
+        }
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what `sharded_state_dict` gave on this rank (same world size, policy and rank)."""
+        if (state["world_size"], state["rank"]) != (self.world, self.rank):
+            raise ValueError(f"state of rank {state['rank']} of {state['world_size']} cannot load into "
+                             f"rank {self.rank} of {self.world}")
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for pc in (pc for u in self.units for pc in u.pieces):
+            part = state["sharded"][names[id(pc.param)]]
+            if (part["start"], part["stop"]) != (pc.start, pc.stop):
+                raise ValueError(f"{names[id(pc.param)]}: saved elements [{part['start']}, {part['stop']}) "
+                                 f"but this rank holds [{pc.start}, {pc.stop}): another sharding")
+            pc.tensor.copy_(part["data"])
+        for p in self.replicated:
+            p.copy_(state["replicated"][names[id(p)]])
+        for n, b in self.module.named_buffers():
+            b.copy_(state["buffers"][n])
+
+    # ------------------------------------------------------------------------- gather and free
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.full is not None or unit.gathering is not None or not unit.params:
+            return
+        buf = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+        unit.gathering = (comm.all_gather(unit.shard, self.group, out=buf, impl=self.impl, async_op=True), buf)
+        self._gathered_bytes += buf.numel() * buf.element_size()
+        self.max_gathered_bytes = max(self.max_gathered_bytes, self._gathered_bytes)
+
+    @torch.no_grad()
+    def _gather(self, unit: Unit) -> None:
+        """Hold the unit's whole parameters (waiting for its prefetch if one is in flight) and point
+        the parameters at them."""
+        if unit.full is not None or not unit.params:
+            return
+        self._start_gather(unit)
+        assert unit.gathering is not None
+        (handle, buf), unit.gathering = unit.gathering, None
+        start = time.perf_counter()
+        handle.wait()
+        self.comm_wait_s += time.perf_counter() - start
+        unit.full = buf
+        self._by_ptr[buf.untyped_storage().data_ptr()] = unit
+        for p, off in zip(unit.params, unit.offsets):
+            p.data = buf[off : off + p.numel()].view(p.shape)
+
+    def _release(self, unit: Unit) -> None:
+        """Drop the unit's whole parameters; its shard stays."""
+        if unit.gathering is not None:
+            self._gather(unit)  # a collective still writes into the buffer: let it finish first
+        if unit.full is None:
+            return
+        for p in unit.params:
+            p.data = self._placeholder(p)
+        del self._by_ptr[unit.full.untyped_storage().data_ptr()]
+        self._gathered_bytes -= unit.full.numel() * unit.full.element_size()
+        unit.full = None
+
+    # ------------------------------------------------------------------------------- forward
+    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
+        if index == 0:
+            self._fwd_seen, self._fwd_done = [], []
+            saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            saving.__enter__()
+            self._saving.append(saving)
+        self._fwd_seen.append(index)
+        self._gather(self.units[index])
+        if index in self._next_fwd:  # prefetch the unit that came next last time
+            self._start_gather(self.units[self._next_fwd[index]])
+
+    def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        self._fwd_done.append(index)
+        if index != 0:
+            self._release(self.units[index])
+            return
+        self._saving.pop().__exit__(None, None, None)
+        self._next_fwd = _successors(self._fwd_seen)
+        self._next_bwd = _successors(reversed(self._fwd_done))
+        # The root stays gathered for the backward that follows; without one, everything goes now
+        # (also after an exception, when output is None), prefetched units included.
+        if not (torch.is_grad_enabled()
+                and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))):
+            for u in self.units:
+                self._release(u)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._by_ptr and t.layout == torch.strided:
+            unit = self._by_ptr.get(t.untyped_storage().data_ptr())
+            if unit is not None and unit.full is not None and unit.full.device == t.device:
+                return _Saved(unit.index, t.size(), t.stride(), t.storage_offset())
+        return t
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        unit = self.units[saved.unit]
+        self._gather(unit)
+        if torch._C._current_graph_task_id() != -1 and not unit.in_backward:
+            unit.in_backward = True
+            self._queue_end_of_backward()
+            if unit.index in self._next_bwd:
+                self._start_gather(self.units[self._next_bwd[unit.index]])
+        assert unit.full is not None
+        return unit.full.as_strided(saved.size, saved.stride, saved.offset)
+
+    # ------------------------------------------------------------------------------ backward
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+
+    def _grad_ready(self, index: int, param: nn.Parameter) -> None:
+        self._queue_end_of_backward()
+        unit = self.units[index]
+        unit.ready.add(id(param))
+        if len(unit.ready) == len(unit.params) and not unit.reduced:
+            self._reduce(unit)
+
+    @torch.no_grad()
+    def _reduce(self, unit: Unit) -> None:
+        """The unit's backward is over: reduce-scatter its gradients, free them and its parameters."""
+        unit.reduced = True
+        flat = torch.zeros(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+        for p, off in zip(unit.params, unit.offsets):
+            if p.grad is not None:
+                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
+                self._had_grad.add(id(p))
+                p.grad = None
+        self._release(unit)
+        self._reducing.append((unit, comm.reduce_scatter(flat, "avg", self.group, impl=self.impl, async_op=True)))
+        while len(self._reducing) > MAX_REDUCES_IN_FLIGHT:
+            self._finish_reduce()
+
+    def _finish_reduce(self) -> None:
+        unit, handle = self._reducing.pop(0)
+        start = time.perf_counter()
+        reduced = handle.wait()
+        self.comm_wait_s += time.perf_counter() - start
+        unit.grad_shard = reduced if unit.grad_shard is None else unit.grad_shard.add_(reduced)
+
+    @torch.no_grad()
+    def _end_of_backward(self) -> None:
+        for u in self.units:  # no gradient here (unused this step): zeros, so the collectives match
+            if u.params and not u.reduced:
+                self._reduce(u)
+        while self._reducing:
+            self._finish_reduce()
+        for u in self.units:
+            self._release(u)
+            u.ready.clear()
+            u.reduced = u.in_backward = False
+        self._callback_queued = False
+
+    @torch.no_grad()
+    def _gather_flats(self, source: Callable[[Unit], torch.Tensor]) -> dict[int, torch.Tensor]:
+        """{id(parameter): whole tensor} from every unit's chunks of `source` (a collective)."""
+        out = {}
+        for u in self.units:
+            if u.params:
+                flat = comm.all_gather(source(u).contiguous(), self.group, impl=self.impl,
+                                       out=torch.empty(u.padded, dtype=u.shard.dtype, device=u.shard.device))
+                out.update({id(p): flat[off : off + p.numel()].view(p.shape).clone()
+                            for p, off in zip(u.params, u.offsets)})
+        return out
+
+
+@dataclass
+class _Layout:
+    """What ShardedOptimizer needs to know of the wrapper: the parameters, this rank's pieces of them."""
+
+    fsdp: FullyShardedDataParallel
+
+    def __post_init__(self) -> None:
+        self.rank, self.world = self.fsdp.rank, self.fsdp.world
+        self.params = [p for u in self.fsdp.units for p in u.params] + self._replicated()
+
+    def _replicated(self) -> list[nn.Parameter]:
+        return [p for p in self.fsdp.replicated if p.requires_grad]
+
+    def pieces(self) -> Iterator[Piece]:
+        for u in self.fsdp.units:
+            yield from u.pieces
+        for p in self._replicated():  # whole, on every rank: stepped alike everywhere
+            yield Piece(p, 0, p.numel(), 0, p)
+
+
+class _ShardOptimizer(ShardedOptimizer):
+    """ShardedOptimizer over FSDP's pieces: they view the shards, so stepping them is the update and
+    nothing is gathered after it; gradients are the wrapper's, set by finish_gradient_sync."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        self.optim.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.layout.fsdp.zero_grad(set_to_none)
