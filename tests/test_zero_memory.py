@@ -28,7 +28,8 @@ def test_measured_model_state_equals_the_formula(pools, ws):
                              "data.max_bytes=1048576", f"layout.dp={ws}", "model.freeze=pos_emb.*"])
     rows = pools(ws).run(measure_stages_rank, cfg.to_dict(), [0, 1, 2, 3])[0]
     for row in rows:
-        pred = model_state_bytes(row["psi"], ws, row["stage"], "fp32", row["trainable"])
+        pred = model_state_bytes(row["psi"], ws, row["stage"], "fp32", row["trainable"],
+                                 replicated=row["psi"] - row["trainable"])  # frozen: whole under stage 3
         for rank in row["per_rank"]:
             held = rank["params"] + rank["grads"] + rank["optimizer"]
             # Within 1%: padding to a multiple of the world size, DDP's per-bucket flags, AdamW's step

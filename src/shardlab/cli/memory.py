@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     print(header)
     out = []
     for stage in args.stages:
-        pred = model_state_bytes(psi, n, stage, args.precision, trainable)
+        # Our stage 3 keeps frozen parameters whole on every rank (they have no gradient to shard).
+        pred = model_state_bytes(psi, n, stage, args.precision, trainable, replicated=psi - trainable)
         name = "0 (DDP)" if stage == 0 else str(stage)
         line = f"{name:<8}{_mib(pred.params):>18}{_mib(pred.grads):>9}{_mib(pred.optimizer):>9}{_mib(pred.total):>9}"
         row = {"stage": stage, "predicted": {"params": pred.params, "grads": pred.grads,

@@ -38,10 +38,11 @@ class ModelState:
 
 
 def model_state_bytes(psi: int, world: int, stage: int, precision: str = "fp32",
-                      trainable: int | None = None) -> ModelState:
+                      trainable: int | None = None, replicated: int = 0) -> ModelState:
     """Predicted bytes per rank of parameters, gradients and optimizer state.
 
-    psi: all parameters; trainable: those with gradients and optimizer state (default: all).
+    psi: all parameters; trainable: those with gradients and optimizer state (default: all);
+    replicated: parameters stage 3 keeps whole on every rank (our FSDP keeps frozen ones whole).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
@@ -51,7 +52,7 @@ def model_state_bytes(psi: int, world: int, stage: int, precision: str = "fp32",
     t = psi if trainable is None else trainable
     n = world
     return ModelState(
-        params=p * psi / (n if stage >= 3 else 1),
+        params=p * (psi if stage < 3 else (psi - replicated) / n + replicated),
         grads=g * t / (n if stage >= 2 else 1),
         optimizer=k * t / (n if stage >= 1 else 1),
     )
