@@ -197,3 +197,14 @@ def test_state_bytes_counts_a_gradient_bucket_whole():
     model.weight.grad = flat[:12].view(3, 4)
     model.bias.grad = flat[12:15]
     assert state_bytes(model)["grads"] == flat.numel() * F32
+
+
+def test_storage_resized_outside_dispatch_is_counted():
+    # torch's FSDP2 frees and re-allocates gathered parameters this way, with no op in between.
+    t = torch.empty(1000)  # 4,000 bytes, in the baseline
+    with MemoryTracker("cpu", baseline=[t]) as mt:
+        t.untyped_storage().resize_(0)
+        assert mt.current_bytes == 0
+        t.untyped_storage().resize_(4000 * 4)
+        assert mt.current_bytes == 16_000 and mt.peak_bytes == 16_000
+    assert torch.UntypedStorage.resize_ is not None and mt.peak_bytes == 16_000

@@ -188,12 +188,36 @@ class MemoryTracker:
         self._peak = self._at_entry = self._current
         self._mode = _Mode(self)
         self._mode.__enter__()
+        # Storages can also change size without any op: torch's FSDP2 frees and re-allocates its
+        # gathered parameters with `untyped_storage().resize_(n)`, which never reaches dispatch.
+        self._resize_before = torch.UntypedStorage.resize_
+        tracked, before = self, self._resize_before
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = before(storage, size)
+            tracked._storage_resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
         return self
+
+    def _storage_resized(self, s: torch.UntypedStorage) -> None:
+        if s.device != self.device:
+            return
+        with self._lock:
+            ref = self._live.get(id(s))
+            if ref is None:
+                self._register(s)
+            else:
+                self._current += s.nbytes() - ref.nbytes
+                ref.nbytes = s.nbytes()
+            self._peak = max(self._peak, self._current)
 
     def __exit__(self, *exc: object) -> None:
         self._current, self._peak = self.current_bytes, self.peak_bytes  # frozen from here on
         self._cuda_live = False
         if self._mode is not None:
+            torch.UntypedStorage.resize_ = self._resize_before
             self._mode.__exit__(*exc)
             self._mode = None
             with self._lock:
