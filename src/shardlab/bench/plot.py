@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from shardlab.bench.sweep import OPS, format_size
 
@@ -69,6 +70,13 @@ def plot_busbw(result: dict, path: str | Path, title: str | None = None) -> Path
     meta = result.get("meta", {})
     fig.suptitle(title or f"shardlab bench comm: busbw vs size ({meta.get('cpu', '')}, {meta.get('cores', '?')} cores)",
                  fontsize=10)
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay out, write (creating the directory) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -161,9 +161,6 @@ def plot_throughput(result: dict[str, Any], path: str | Path) -> Path:
     ax.grid(True, axis="y", alpha=0.3)
     header = format_header(result)
     ax.set_title(header.replace(" | ", "\n", 1), fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    from shardlab.bench.plot import save_figure
+
+    return save_figure(fig, path)

@@ -85,6 +85,16 @@ def trainable_params(module: nn.Module) -> list[nn.Parameter]:
     return out
 
 
+@torch.no_grad()
+def broadcast_state(module: nn.Module, group: "torch.distributed.ProcessGroup | None") -> None:
+    """Start every rank from rank 0's weights and buffers (e.g. BatchNorm running stats), each tensor
+    once, so the replicas are equal from the first step; every data-parallel wrapper begins so."""
+    from shardlab import comm
+
+    for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
+        comm.broadcast(t.data, 0, group)
+
+
 def build_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
     """Pack `params` in *reverse* order into buckets of about `bucket_bytes` each.
 

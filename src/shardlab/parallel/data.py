@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.comm import Handle
-from shardlab.parallel.buckets import Bucket, build_buckets, trainable_params
+from shardlab.parallel.buckets import Bucket, broadcast_state, build_buckets, trainable_params
 
 Mode = Literal["naive", "bucketed", "overlap"]
 MODES: tuple[str, ...] = ("naive", "bucketed", "overlap")
@@ -80,7 +80,7 @@ class DataParallel(nn.Module):
         self._op = "avg" if average else "sum"
         self._sync_enabled = True
         self._params = trainable_params(module)
-        self._broadcast_state()
+        broadcast_state(module, group)
         self.buckets: list[Bucket] = []
         self._hooks: list[Any] = []
         if mode != "naive":
@@ -133,16 +133,6 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------------------ internals
     def _all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Any:
         return comm.all_reduce(t, self._op, self.group, impl=self.impl, async_op=async_op)
-
-    @torch.no_grad()
-    def _broadcast_state(self) -> None:
-        """Start every rank from rank 0's weights and buffers (e.g. BatchNorm running stats), so the
-        replicas are equal from the first step and stay equal as long as the gradients are."""
-        seen: set[int] = set()
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            if id(t) not in seen:
-                seen.add(id(t))
-                comm.broadcast(t.data, 0, self.group)
 
     @torch.no_grad()
     def _sync_naive(self) -> None:

@@ -57,8 +57,7 @@ import functools
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -67,29 +66,21 @@ from torch.utils._pytree import tree_leaves
 
 from shardlab import comm
 from shardlab.comm import Handle
-from shardlab.parallel.zero import Piece, ShardedOptimizer
+from shardlab.parallel.buckets import broadcast_state
+from shardlab.parallel.fsdp_units import (
+    FsdpLayout,
+    FsdpOptimizer,
+    Policy,
+    load_sharded_state,
+    sharded_state,
+    Unit,
+    make_unit,
+    owners,
+    successors,
+    unit_modules,
+)
 
-Policy = Union[None, int, type, Iterable[type], Callable[[nn.Module], bool]]
 MAX_REDUCES_IN_FLIGHT = 2
-
-
-@dataclass(eq=False)
-class Unit:
-    """One unit: its sharded parameters, this rank's shard of them, and their state this step."""
-
-    index: int
-    module: nn.Module
-    params: list[nn.Parameter]  # trainable, sharded, in flat order
-    offsets: list[int]
-    padded: int  # flat length, a multiple of the world size
-    shard: torch.Tensor  # this rank's chunk: the optimizer steps views of it in place
-    pieces: list[Piece]  # this rank's share of each parameter, as zero.py's pieces
-    full: torch.Tensor | None = None  # the gathered flat parameters, while held
-    gathering: tuple[Handle, torch.Tensor] | None = None  # an all-gather in flight, and its buffer
-    grad_shard: torch.Tensor | None = None  # reduced gradient chunk, summed over micro-batches
-    ready: set[int] = field(default_factory=set)  # parameters whose gradient arrived this backward
-    reduced: bool = False  # reduce-scatter launched this backward
-    in_backward: bool = False  # first unpack in this backward seen (prefetch done)
 
 
 class _Saved(NamedTuple):
@@ -99,57 +90,6 @@ class _Saved(NamedTuple):
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
-
-
-def _unit_modules(root: nn.Module, policy: Policy) -> list[nn.Module]:
-    """The root, then the modules the policy makes units, in module order. Containers (ModuleList,
-    ModuleDict) never are: they are not called, so their hooks would never gather them."""
-    containers = (nn.ModuleList, nn.ModuleDict)
-    if policy is None:
-        chosen = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m}
-        pick: Callable[[nn.Module], bool] = lambda m: id(m) in chosen  # noqa: E731
-    elif isinstance(policy, int):
-        chosen = set()
-
-        def rest(m: nn.Module) -> int:  # elements under m not yet in a unit
-            n = sum(p.numel() for p in m._parameters.values() if p is not None) + sum(map(rest, m.children()))
-            if m is not root and n >= policy and not isinstance(m, containers):
-                chosen.add(id(m))
-                return 0
-            return n
-
-        rest(root)
-        pick = lambda m: id(m) in chosen  # noqa: E731
-    elif callable(policy) and not isinstance(policy, type):
-        pick = policy
-    else:
-        types = (policy,) if isinstance(policy, type) else tuple(policy)
-        pick = lambda m: isinstance(m, types)  # noqa: E731
-    return [root, *(m for m in root.modules() if m is not root and not isinstance(m, containers) and pick(m))]
-
-
-def _owners(root: nn.Module, units: list[nn.Module]) -> list[tuple[nn.Parameter, int]]:
-    """Each parameter once, with the unit that owns it: the innermost unit around every module that
-    registers it, or the root when those differ (tied across units)."""
-    index = {id(m): i for i, m in enumerate(units)}
-    where: dict[int, tuple[nn.Parameter, set[int]]] = {}
-
-    def walk(m: nn.Module, unit: int) -> None:
-        unit = index.get(id(m), unit)
-        for p in m._parameters.values():
-            if p is not None:
-                where.setdefault(id(p), (p, set()))[1].add(unit)
-        for child in m.children():
-            walk(child, unit)
-
-    walk(root, 0)
-    return [(p, next(iter(us)) if len(us) == 1 else 0) for p, us in where.values()]
-
-
-def _successors(order: Iterable[int]) -> dict[int, int]:
-    """{unit: the unit after its first appearance} for a sequence of units."""
-    seen = list(dict.fromkeys(order))
-    return dict(zip(seen, seen[1:]))
 
 
 def _call(ref: "weakref.ref[FullyShardedDataParallel]", method: str, *args: Any) -> Any:
@@ -175,16 +115,14 @@ class FullyShardedDataParallel(nn.Module):
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.comm_wait_s = 0.0  # seconds blocked on communication; the trainer resets it each step
         self.max_gathered_bytes = 0  # most bytes of gathered parameters held at once (reset freely)
-        with torch.no_grad():  # every rank starts from rank 0's weights and buffers
-            for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
-                comm.broadcast(t.data, 0, group)
-        modules = _unit_modules(module, policy)
+        broadcast_state(module, group)
+        modules = unit_modules(module, policy)
         owned: list[list[nn.Parameter]] = [[] for _ in modules]
         self.replicated: list[nn.Parameter] = []
-        for p, unit in _owners(module, modules):
+        for p, unit in owners(module, modules):
             (owned[unit] if p.requires_grad and p.numel() >= min_shard_numel else self.replicated).append(p)
         self._nan: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self.units = [self._make_unit(i, m, ps) for i, (m, ps) in enumerate(zip(modules, owned))]
+        self.units = [make_unit(i, m, ps, self.world, self.rank, self._placeholder) for i, (m, ps) in enumerate(zip(modules, owned))]
         self._device = next(module.parameters(), torch.empty(0)).device
         self._by_ptr: dict[int, Unit] = {}  # storage address of each gathered vector -> its unit
         self._saving: list[Any] = []  # the saved-tensor hooks context of the forward in progress
@@ -208,29 +146,6 @@ class FullyShardedDataParallel(nn.Module):
                       for p in u.params]
         weakref.finalize(self, lambda hs: [h.remove() for h in hs], hooks)
 
-    def _make_unit(self, index: int, module: nn.Module, params: list[nn.Parameter]) -> Unit:
-        if len({(p.dtype, p.device) for p in params}) > 1:
-            raise ValueError(f"unit {type(module).__name__} mixes parameter dtypes or devices; pick units that do not")
-        offsets, total = [], 0
-        for p in params:
-            offsets.append(total)
-            total += p.numel()
-        padded = -(-total // self.world) * self.world
-        chunk, like = padded // self.world, (params[0] if params else torch.empty(0))
-        flat = torch.zeros(padded, dtype=like.dtype, device=like.device)
-        for p, off in zip(params, offsets):
-            flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
-        lo = self.rank * chunk
-        shard = flat[lo : lo + chunk].clone()
-        pieces = []
-        for p, off in zip(params, offsets):
-            start, stop = max(lo, off) - off, min(lo + chunk, off + p.numel()) - off
-            if start < stop:
-                a = off + start - lo
-                pieces.append(Piece(p, start, stop, a, nn.Parameter(shard[a : a + stop - start])))
-            p.data = self._placeholder(p)
-        return Unit(index, module, params, offsets, padded, shard, pieces)
-
     def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
         key = (p.dtype, p.device)
         if key not in self._nan:
@@ -242,10 +157,10 @@ class FullyShardedDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
-                        **optimizer_kwargs: Any) -> ShardedOptimizer:
+                        **optimizer_kwargs: Any) -> FsdpOptimizer:
         """`optimizer_cls` over this rank's shards, each piece in its parameter's group (options kept)."""
-        return _ShardOptimizer(params, optimizer_cls, self.group, impl=self.impl, layout=_Layout(self),
-                               **optimizer_kwargs)
+        return FsdpOptimizer(params, optimizer_cls, self.group, impl=self.impl, layout=FsdpLayout(self),
+                             **optimizer_kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -347,36 +262,12 @@ class FullyShardedDataParallel(nn.Module):
                 for k, v in self.module.state_dict(keep_vars=True).items()}
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's part, for a checkpoint every rank writes: each sharded parameter's elements
-        [start, stop) of its flattened tensor (concatenating every rank's parts in start order rebuilds
-        it, whatever world size reads it); replicated parameters and buffers whole."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return {
-            "world_size": self.world, "rank": self.rank,
-            "sharded": {names[id(pc.param)]: {"shape": tuple(pc.param.shape), "start": pc.start, "stop": pc.stop,
-                                               "data": pc.tensor.detach().clone()}
-                        for u in self.units for pc in u.pieces},
-            "replicated": {names[id(p)]: p.detach().clone() for p in self.replicated},
-            "buffers": {n: b.detach().clone() for n, b in self.module.named_buffers()},
-        }
+        """This rank's part of the weights, for a checkpoint every rank writes (see fsdp_units.py)."""
+        return sharded_state(self)
 
-    @torch.no_grad()
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Load what `sharded_state_dict` gave on this rank (same world size, policy and rank)."""
-        if (state["world_size"], state["rank"]) != (self.world, self.rank):
-            raise ValueError(f"state of rank {state['rank']} of {state['world_size']} cannot load into "
-                             f"rank {self.rank} of {self.world}")
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        for pc in (pc for u in self.units for pc in u.pieces):
-            part = state["sharded"][names[id(pc.param)]]
-            if (part["start"], part["stop"]) != (pc.start, pc.stop):
-                raise ValueError(f"{names[id(pc.param)]}: saved elements [{part['start']}, {part['stop']}) "
-                                 f"but this rank holds [{pc.start}, {pc.stop}): another sharding")
-            pc.tensor.copy_(part["data"])
-        for p in self.replicated:
-            p.copy_(state["replicated"][names[id(p)]])
-        for n, b in self.module.named_buffers():
-            b.copy_(state["buffers"][n])
+        load_sharded_state(self, state)
 
     # ------------------------------------------------------------------------- gather and free
     def _start_gather(self, unit: Unit) -> None:
@@ -434,8 +325,8 @@ class FullyShardedDataParallel(nn.Module):
             self._release(self.units[index])
             return
         self._saving.pop().__exit__(None, None, None)
-        self._next_fwd = _successors(self._fwd_seen)
-        self._next_bwd = _successors(reversed(self._fwd_done))
+        self._next_fwd = successors(self._fwd_seen)
+        self._next_bwd = successors(reversed(self._fwd_done))
         # The root stays gathered for the backward that follows; without one, everything goes now
         # (also after an exception, when output is None), prefetched units included.
         if not (torch.is_grad_enabled()
@@ -522,37 +413,3 @@ class FullyShardedDataParallel(nn.Module):
                 out.update({id(p): flat[off : off + p.numel()].view(p.shape).clone()
                             for p, off in zip(u.params, u.offsets)})
         return out
-
-
-@dataclass
-class _Layout:
-    """What ShardedOptimizer needs to know of the wrapper: the parameters, this rank's pieces of them."""
-
-    fsdp: FullyShardedDataParallel
-
-    def __post_init__(self) -> None:
-        self.rank, self.world = self.fsdp.rank, self.fsdp.world
-        self.params = [p for u in self.fsdp.units for p in u.params] + self._replicated()
-
-    def _replicated(self) -> list[nn.Parameter]:
-        return [p for p in self.fsdp.replicated if p.requires_grad]
-
-    def pieces(self) -> Iterator[Piece]:
-        for u in self.fsdp.units:
-            yield from u.pieces
-        for p in self._replicated():  # whole, on every rank: stepped alike everywhere
-            yield Piece(p, 0, p.numel(), 0, p)
-
-
-class _ShardOptimizer(ShardedOptimizer):
-    """ShardedOptimizer over FSDP's pieces: they view the shards, so stepping them is the update and
-    nothing is gathered after it; gradients are the wrapper's, set by finish_gradient_sync."""
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = closure() if closure is not None else None
-        self.optim.step()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.layout.fsdp.zero_grad(set_to_none)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
-from shardlab.parallel.buckets import trainable_params
+from shardlab.parallel.buckets import broadcast_state, trainable_params
 
 # Optimizers whose update of an element depends on that element's gradient and state only.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
@@ -226,12 +226,7 @@ class ZeroDataParallel(nn.Module):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}")
         self.module, self.group, self.stage, self.impl = module, group, stage, impl
-        with torch.no_grad():  # every rank starts from rank 0's weights and buffers
-            seen: set[int] = set()
-            for t in [*module.parameters(), *module.buffers()]:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    comm.broadcast(t.data, 0, group)
+        broadcast_state(module, group)
         self.layout = ShardLayout(trainable_params(module), dist.get_world_size(group), dist.get_rank(group),
                                   int(bucket_mb * 2**20))
         self._sync_enabled = True

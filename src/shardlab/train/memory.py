@@ -39,6 +39,7 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
     try:
         return t.untyped_storage()
+    # Subclasses without storage (DTensor and other wrappers) raise one of these, depending on kind.
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 
