@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 _VIEW, _NEW, _MUTATED = 0, 1, 2  # what each return of an op is, read from its schema
@@ -38,18 +38,37 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     if t.layout != torch.strided or t.device.type == "meta":
         return None
     try:
-        return t.untyped_storage()
-    # Subclasses without storage (DTensor and other wrappers) raise one of these, depending on kind.
+        s = t.untyped_storage()
+        # A wrapper subclass (DTensor) answers with a placeholder storage: sized as the whole
+        # (global) tensor but over no memory, so only its data pointer gives it away.
+        s.data_ptr()
+        return s
+    # Subclasses without storage raise one of these, depending on kind.
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def _dense(t: torch.Tensor) -> Iterable[torch.Tensor]:
+    """The tensors holding `t`'s memory: itself, or for a wrapper subclass (DTensor: its local
+    shard) the inner tensors it flattens to, recursively."""
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+        for inner in _inner(t):
+            yield from _dense(inner)
+    else:
+        yield t
+
+
+def _inner(t: torch.Tensor) -> list[torch.Tensor]:
+    # Flattening may name opaque attributes too (DTensor: its device mesh).
+    return [x for x in (getattr(t, name) for name in t.__tensor_flatten__()[0]) if isinstance(x, torch.Tensor)]
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the unique storages under `tensors` (None skipped; views and ties count once; a
     storage counts whole even where only part of it is viewed, as the memory is held all the same)."""
     seen: dict[tuple[torch.device, int], int] = {}
-    for t in tensors:
-        s = None if t is None else _storage(t)
+    for t in (d for t in tensors if t is not None for d in _dense(t)):
+        s = _storage(t)
         if s is not None:  # keyed by address: two storage objects over one memory are one memory
             seen[(t.device, s.data_ptr())] = s.nbytes()
     return sum(seen.values())
@@ -153,6 +172,10 @@ class MemoryTracker:
             for o in out:
                 self._see(o, new)
             return
+        if isinstance(out, torch.Tensor) and type(out) is not torch.Tensor and is_traceable_wrapper_subclass(out):
+            # A DTensor's op ran its local op with this mode off: its shard is seen only from here.
+            self._see(_inner(out), new)
+            return
         s = _storage(out) if isinstance(out, torch.Tensor) and out.device == self.device else None
         ref = None if s is None else self._live.get(id(s))
         if ref is None:
@@ -182,8 +205,8 @@ class MemoryTracker:
             return self
         with self._lock:
             self._live, self._current = {}, 0
-        for t in self._baseline_tensors():
-            s = _storage(t) if t is not None and t.device == self.device else None
+        for t in (d for t in self._baseline_tensors() if t is not None for d in _dense(t)):
+            s = _storage(t) if t.device == self.device else None
             if s is not None and id(s) not in self._live:
                 self._register(s)
         self._peak = self._at_entry = self._current
