@@ -152,7 +152,7 @@ def _custom_vs_reference(policy: str | None, min_shard_numel: int) -> dict[str, 
         rest = slice(half, rows) if half < rows else slice(0, rows)
         (model(idx[mine][rest], y[mine][rest], extra=i % 2 == 1) * (rest.stop - rest.start) / rows).backward()
         model.finish_gradient_sync()
-        model.clip_grad_norm_(0.5)
+        opt.clip_grad_norm_(0.5)
         opt.step()
         opt.zero_grad()
 

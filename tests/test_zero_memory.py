@@ -20,15 +20,17 @@ def test_formulas_match_the_paper():
         model_state_bytes(1, 1, 4)
 
 
-@pytest.mark.parametrize("ws", [2, 4])
-def test_measured_model_state_equals_the_formula(pools, ws):
+@pytest.mark.parametrize("ws,precision", [(2, "fp32"), (4, "fp32"), (2, "bf16")])
+def test_measured_model_state_equals_the_formula(pools, ws, precision):
     from shardlab.bench.memory import measure_stages_rank
 
     cfg = load_config(None, ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "train.global_batch=8",
-                             "data.max_bytes=1048576", f"layout.dp={ws}", "model.freeze=pos_emb.*"])
+                             "data.max_bytes=1048576", f"layout.dp={ws}", "model.freeze=pos_emb.*",
+                             f'layout.precision="{precision}"'])
     rows = pools(ws).run(measure_stages_rank, cfg.to_dict(), [0, 1, 2, 3])[0]
     for row in rows:
-        pred = model_state_bytes(row["psi"], ws, row["stage"], "fp32", row["trainable"],
+        # bf16: 2 + 2 bytes of weights and gradients, 12 of fp32 master, momentum and variance.
+        pred = model_state_bytes(row["psi"], ws, row["stage"], precision, row["trainable"],
                                  replicated=row["psi"] - row["trainable"])  # frozen: whole under stage 3
         for rank in row["per_rank"]:
             held = rank["params"] + rank["grads"] + rank["optimizer"]

@@ -29,12 +29,18 @@ from shardlab.train.task import build_task, prepare_model
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this rank holds, each storage once."""
-    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    # fp32 master weights of a mixed-precision optimizer are optimizer state (the paper's K = 12
+    # counts them there), although the inner optimizer steps them as its parameters.
+    masters = list(getattr(optimizer, "master_tensors", lambda: [])())
+    is_master = {id(m) for m in masters}
+    # The pieces (parallel/optim.py) are what a sharded optimizer holds of the weights: shards or views.
+    opt_params = [*(pc.tensor for pc in getattr(optimizer, "pieces", [])),
+                  *(p for g in optimizer.param_groups for p in g["params"] if id(p) not in is_master)]
     params = [*model.parameters(), *opt_params]
     categories = {
         "params": params,
-        "grads": [p.grad for p in params],
-        "optimizer": [t for t in tree_leaves(list(optimizer.state.values())) if isinstance(t, torch.Tensor)],
+        "grads": [p.grad for p in [*params, *masters]],
+        "optimizer": [*masters, *(t for t in tree_leaves(list(optimizer.state.values())) if isinstance(t, torch.Tensor))],
     }
     seen: set[tuple[torch.device, int]] = set()
     out = {}
@@ -55,7 +61,7 @@ def _measure(cfg: Config, device: torch.device) -> dict[str, Any]:
     trainable = sum(p.numel() for p in plain.parameters() if p.requires_grad)
     task = build_task(cfg, plain)
     model = apply_layout(plain, cfg.layout)
-    optimizer = make_optimizer(model, cfg.optim)
+    optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)
     kw = dict(dp_rank=dist.get_rank(), dp_size=cfg.layout.dp, micro_batches=cfg.train.micro_batches,
               grad_clip=cfg.optim.grad_clip, device=device)
     train_step(model, optimizer, task, 0, lr=lr_at(0, cfg), **kw)  # creates the optimizer state

@@ -124,7 +124,7 @@ def _optimizer(variant: str, wrapped: torch.nn.Module, cfg: Config) -> torch.opt
         for g in groups[1:]:
             opt.add_param_group(g)
         return opt
-    return make_optimizer(wrapped, cfg.optim)
+    return make_optimizer(wrapped, cfg.optim, cfg.layout.precision)
 
 
 def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, steps: int,

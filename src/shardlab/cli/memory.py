@@ -12,7 +12,8 @@ from shardlab.cli.train import add_config_options, resolve_config
 MEMORY_DOC = """\
 For each ZeRO stage, the bytes of parameters, gradients and optimizer state one rank holds:
 predicted by the formulas of the ZeRO paper (Rajbhandari et al. 2020), with Psi parameters, N ranks
-and the precision's bytes per parameter (fp32 AdamW: 4 + 4 + 8):
+and the precision's bytes per parameter (--precision; fp32 AdamW: 4 + 4 + 8; bf16 or fp16 with fp32
+master weights: 2 + 2 + 12, the paper's mixed-precision Adam):
 
   stage 0 (DDP)  (P + G + K) Psi      stage 2  P Psi + (G + K) Psi / N
   stage 1        (P + G) Psi + K Psi / N      stage 3  (P + G + K) Psi / N
@@ -25,6 +26,7 @@ global batch 12, sequence 64.
 
 examples:
   shardlab memory --model gpt --dp 4
+  shardlab memory --model gpt --dp 4 --precision bf16
   shardlab memory --config configs/mlp-2048.toml --dp 2 --stages 0,1,2 --json mem.json
   shardlab memory --model gpt --dp 8 --predict-only     # formulas only, no ranks started
 """
@@ -37,8 +39,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=MEMORY_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_options(p)
     p.add_argument("--stages", type=int_list, default=[0, 1, 2, 3], help="ZeRO stages to show (default: 0,1,2,3)")
-    p.add_argument("--precision", choices=["fp32"], default="fp32",
-                   help="bytes per parameter of the formulas (fp32: parameters 4, gradients 4, AdamW state 8)")
     p.add_argument("--predict-only", action="store_true", help="print the formulas' figures without starting ranks")
     p.add_argument("--json", default=None, metavar="PATH", help="write predicted and measured figures as JSON")
     add_launch_options(p)
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         measured = {r["stage"]: r for r in rows}
     print(f"model-state memory per rank: {cfg.model.name}, {psi:,} parameters ({trainable:,} trainable), "
-          f"{n} rank(s), {args.precision} AdamW; MiB")
+          f"{n} rank(s), {cfg.layout.precision} AdamW; MiB")
     header = (f"{'stage':<8}{'predicted: params':>18}{'grads':>9}{'optim':>9}{'total':>9}"
               + ("" if args.predict_only else
                  f"{'measured: params':>18}{'grads':>9}{'optim':>9}{'total':>9}{'meas/pred':>10}{'step peak':>11}"))
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     out = []
     for stage in args.stages:
         # Our stage 3 keeps frozen parameters whole on every rank (they have no gradient to shard).
-        pred = model_state_bytes(psi, n, stage, args.precision, trainable, replicated=psi - trainable)
+        pred = model_state_bytes(psi, n, stage, cfg.layout.precision, trainable, replicated=psi - trainable)
         name = "0 (DDP)" if stage == 0 else str(stage)
         line = f"{name:<8}{_mib(pred.params):>18}{_mib(pred.grads):>9}{_mib(pred.optimizer):>9}{_mib(pred.total):>9}"
         row = {"stage": stage, "predicted": {"params": pred.params, "grads": pred.grads,
@@ -111,6 +111,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": cfg.model.name, "psi": psi, "trainable": trainable, "world_size": n,
-                       "precision": args.precision, "stages": out, "config": cfg.to_dict()}, f, indent=2)
+                       "precision": cfg.layout.precision, "stages": out, "config": cfg.to_dict()}, f, indent=2)
         print(f"wrote {args.json}")
     return 0

@@ -47,6 +47,10 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
                           "(layout.zero)")
     lay.add_argument("--comm-impl", default=None,
                      help="all-reduce used for gradients: torch or one of ours, e.g. ring (layout.comm_impl)")
+    lay.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                     help="fp32, or mixed precision: bf16/fp16 weights, activations and gradient communication "
+                          "with fp32 master weights and optimizer state; fp16 adds dynamic loss scaling "
+                          "(layout.precision)")
 
 
 def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
@@ -56,7 +60,8 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     flags = []
     for attr, key in (("model", "model.name"), ("steps", "train.steps"), ("dp", "layout.dp"),
                       ("dp_mode", "layout.dp_mode"), ("bucket_mb", "layout.bucket_mb"),
-                      ("comm_impl", "layout.comm_impl"), ("zero", "layout.zero")):
+                      ("comm_impl", "layout.comm_impl"), ("zero", "layout.zero"),
+                      ("precision", "layout.precision")):
         value = getattr(args, attr, None)
         if value is not None:
             flags.append(f'{key}="{value}"' if isinstance(value, str) else f"{key}={value}")

@@ -16,6 +16,13 @@ gradient and parameter differences (absolute, and relative to each tensor's scal
 Exit status 0 when the loss is within --tol relative, every parameter within --atol + --tol x its
 tensor's scale and every gradient within --grad-tol x its scale, at every step; 1 otherwise.
 
+Mixed precision (--precision bf16|fp16): the reference runs in the same precision, and a third copy
+runs it in fp32. What the precision itself changes (G: the largest relative difference of any tensor
+between the reference and the fp32 copy so far; for the loss, their difference) is added to the
+allowances, times --mp-factor (default 2: two runs of one precision are each about G from the exact
+run, so up to 2G apart). Without --config, mixed precision also uses AdamW eps 1e-3 and, for fp16,
+an initial loss scale of 2^13.
+
 Without --config, a small model is used (2 layers, d_model 64, global batch 12, 5 steps, AdamW with
 eps 1e-4, which bounds how much Adam magnifies rounding noise on near-zero gradients) so that world
 sizes 1 to 4 verify in seconds; --set and the flags change any of it.
@@ -25,6 +32,7 @@ examples:
   shardlab verify --model mlp --dp 3 --dp-mode naive
   shardlab verify --model gpt --dp 4 --set train.micro_batches=3 --set model.freeze='pos_emb.*'
   shardlab verify --model gpt --dp 2 --comm-impl ring --set model.skip_layer_every=2
+  shardlab verify --model gpt --dp 2 --zero 3 --precision bf16
 """
 
 
@@ -40,6 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--atol", type=float, default=1e-7,
                    help="absolute allowance for parameters on top of --tol x the tensor's scale (default %(default)s: "
                         "one fp32 rounding unit at 1.0, for tensors that start at zero)")
+    p.add_argument("--mp-factor", type=float, default=2.0,
+                   help="mixed precision: allowed multiple of the precision's own error (default %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     add_launch_options(p)
     p.set_defaults(func=run)
@@ -49,18 +59,20 @@ def run(args: argparse.Namespace) -> int:
     from shardlab.dist import launch, under_torchrun
     from shardlab.dist.env import read_torchrun_env
     from shardlab.train.config import ConfigError
-    from shardlab.train.verify import VERIFY_BASE, format_report, verify_rank
+    from shardlab.train.verify import MIXED_VERIFY_BASE, VERIFY_BASE, format_report, verify_rank
 
     try:
         # The small default model only without --config: a given file is verified as written.
         cfg = resolve_config(args, base=None if args.config else VERIFY_BASE)
+        if not args.config and cfg.layout.precision != "fp32":
+            cfg = resolve_config(args, base=VERIFY_BASE + MIXED_VERIFY_BASE)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
         check_before_launch(cfg, make_out_dir=False)
     except ConfigError as exc:
         print(f"shardlab verify: {exc}", file=sys.stderr)
         return 2
     report = launch(verify_rank, None if under_torchrun() else cfg.world_size, cfg.to_dict(), args.tol, args.grad_tol, args.atol,
-                    **launch_kwargs(args))[0]
+                    args.mp_factor, **launch_kwargs(args))[0]
     if report is None:
         return 0
     print(format_report(report))

@@ -41,7 +41,9 @@ class DeepMLP(nn.Module):
                 nn.init.zeros_(layer.bias)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Outputs (batch, d_model); with `targets` given (or `targets=...` as `x`), the loss instead."""
+        """Outputs (batch, d_model); with `targets` given (or `targets=...` as `x`), the loss instead.
+        Inputs are computed in the parameters' dtype (bf16 when the model is cast to it)."""
+        x = x.to(self.layers[0].weight.dtype)
         for layer in self.layers:
             x = F.gelu(layer(x))
         if targets is None:

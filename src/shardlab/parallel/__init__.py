@@ -1,7 +1,7 @@
 """Parallel training strategies built on shardlab.comm.
 
-Data parallelism (three variants side by side), ZeRO stages 1, 2 and 3 (FSDP), and synchronised
-batch normalisation:
+Data parallelism (three variants side by side), ZeRO stages 1, 2 and 3 (FSDP), mixed precision
+(bf16/fp16 compute with fp32 master weights), and synchronised batch normalisation:
 
     from shardlab.parallel import DataParallel, SyncBatchNorm
     model = DataParallel(net, group, mode="overlap", bucket_mb=25.0, impl="ring")
@@ -10,6 +10,8 @@ batch normalisation:
 from shardlab.parallel.buckets import Bucket, build_buckets, trainable_params
 from shardlab.parallel.data import MODES, DataParallel
 from shardlab.parallel.fsdp import FullyShardedDataParallel
+from shardlab.parallel.optim import MixedPrecisionOptimizer, PieceOptimizer
+from shardlab.parallel.precision import PRECISIONS, LossScaler, Precision, apply_precision, get_precision
 from shardlab.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from shardlab.parallel.zero import ShardedOptimizer, ZeroDataParallel
 
@@ -18,6 +20,13 @@ __all__ = [
     "Bucket",
     "DataParallel",
     "FullyShardedDataParallel",
+    "LossScaler",
+    "MixedPrecisionOptimizer",
+    "PRECISIONS",
+    "PieceOptimizer",
+    "Precision",
+    "apply_precision",
+    "get_precision",
     "ShardedOptimizer",
     "SyncBatchNorm",
     "build_buckets",

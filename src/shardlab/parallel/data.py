@@ -45,6 +45,7 @@ import torch.nn as nn
 from shardlab import comm
 from shardlab.comm import Handle
 from shardlab.parallel.buckets import Bucket, broadcast_state, build_buckets, trainable_params
+from shardlab.parallel.precision import averaging_op
 
 Mode = Literal["naive", "bucketed", "overlap"]
 MODES: tuple[str, ...] = ("naive", "bucketed", "overlap")
@@ -132,7 +133,8 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------------------ internals
     def _all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Any:
-        return comm.all_reduce(t, self._op, self.group, impl=self.impl, async_op=async_op)
+        op = averaging_op(t, dist.get_world_size(self.group)) if self._op == "avg" else self._op
+        return comm.all_reduce(t, op, self.group, impl=self.impl, async_op=async_op)
 
     @torch.no_grad()
     def _sync_naive(self) -> None:

@@ -4,7 +4,7 @@ in units as PyTorch FSDP keeps them (Zhao et al., "PyTorch FSDP", VLDB 2023, sec
 
     model = FullyShardedDataParallel(net, group)            # the trainer's --zero 3
     opt = model.build_optimizer(param_groups, torch.optim.AdamW, lr=1e-3)
-    loss = model(x, y); loss.backward(); model.finish_gradient_sync(); model.clip_grad_norm_(1.0); opt.step()
+    loss = model(x, y); loss.backward(); model.finish_gradient_sync(); opt.clip_grad_norm_(1.0); opt.step()
 
 Units. A wrapping policy picks submodules as units: by default each child of an nn.ModuleList (a GPT
 block, a DeepMLP layer); else module types, a size in elements (bottom-up: a module becomes a unit once
@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_leaves
 from shardlab import comm
 from shardlab.comm import Handle
 from shardlab.parallel.buckets import broadcast_state
+from shardlab.parallel.precision import averaging_op
 from shardlab.parallel.fsdp_units import (
     FsdpLayout,
     FsdpOptimizer,
@@ -159,8 +160,7 @@ class FullyShardedDataParallel(nn.Module):
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
                         **optimizer_kwargs: Any) -> FsdpOptimizer:
         """`optimizer_cls` over this rank's shards, each piece in its parameter's group (options kept)."""
-        return FsdpOptimizer(params, optimizer_cls, self.group, impl=self.impl, layout=FsdpLayout(self),
-                             **optimizer_kwargs)
+        return FsdpOptimizer(params, optimizer_cls, FsdpLayout(self), self.group, impl=self.impl, **optimizer_kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -207,24 +207,6 @@ class FullyShardedDataParallel(nn.Module):
             p.grad = g if id(p) in self._used else None
             off += p.numel()
         self.comm_wait_s += time.perf_counter() - start
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm: shards' squares summed across ranks, replicated ones once."""
-        shards = [pc.tensor.grad for u in self.units for pc in u.pieces if pc.tensor.grad is not None]
-        rep = [p.grad for p in self.replicated if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self._device)
-        for g in shards:
-            sq += g.double().square().sum()
-        comm.all_reduce(sq, "sum", self.group)
-        for g in rep:  # identical on every rank after the sync: counted once, not N times
-            sq += g.double().square().sum()
-        norm = sq.sqrt().to(torch.float32)
-        coef = max_norm / (norm.item() + 1e-6)
-        if coef < 1.0:
-            for g in shards + rep:
-                g.mul_(coef)
-        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients held: reduced shards, the pieces' views of them, replicated."""
@@ -378,7 +360,8 @@ class FullyShardedDataParallel(nn.Module):
                 self._had_grad.add(id(p))
                 p.grad = None
         self._release(unit)
-        self._reducing.append((unit, comm.reduce_scatter(flat, "avg", self.group, impl=self.impl, async_op=True)))
+        op = averaging_op(flat, self.world)
+        self._reducing.append((unit, comm.reduce_scatter(flat, op, self.group, impl=self.impl, async_op=True)))
         while len(self._reducing) > MAX_REDUCES_IN_FLIGHT:
             self._finish_reduce()
 

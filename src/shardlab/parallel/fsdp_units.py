@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from shardlab.comm import Handle
-from shardlab.parallel.zero import Piece, ShardedOptimizer
+from shardlab.parallel.optim import Piece, PieceOptimizer
 
 Policy = Union[None, int, type, Iterable[type], Callable[[nn.Module], bool]]
 
@@ -132,20 +132,15 @@ class FsdpLayout:
         for u in self.fsdp.units:
             yield from u.pieces
         for p in self._replicated():  # whole, on every rank: stepped alike everywhere
-            yield Piece(p, 0, p.numel(), 0, p)
+            yield Piece(p, 0, p.numel(), 0, p, replicated=True)
 
 
-class FsdpOptimizer(ShardedOptimizer):
-    """ShardedOptimizer over FSDP's pieces: they view the shards, so stepping them is the update and
+class FsdpOptimizer(PieceOptimizer):
+    """The optimizer over FSDP's pieces: they view the shards, so stepping them is the update and
     nothing is gathered after it; gradients are the wrapper's, set by finish_gradient_sync."""
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = closure() if closure is not None else None
-        self.optim.step()
-        return loss
-
     def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
         self.layout.fsdp.zero_grad(set_to_none)
 
 

@@ -45,22 +45,8 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.parallel.buckets import broadcast_state, trainable_params
-
-# Optimizers whose update of an element depends on that element's gradient and state only.
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
-               torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD)
-
-
-@dataclass
-class Piece:
-    """Where parameter `param`'s elements [start, stop) sit in this rank's chunk of bucket `bucket`."""
-
-    param: nn.Parameter
-    start: int
-    stop: int
-    chunk_offset: int
-    tensor: nn.Parameter  # what the inner optimizer steps: a view of param's elements
-
+from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups, unique_trainable
+from shardlab.parallel.precision import LossScaler, averaging_op
 
 @dataclass
 class ShardBucket:
@@ -123,65 +109,36 @@ class ShardLayout:
         return flat
 
 
-def _param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    params = list(params)
-    if params and isinstance(params[0], dict):
-        return [dict(g, params=list(g["params"])) for g in params]
-    return [{"params": params}]
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(PieceOptimizer):
     """ZeRO-1: wraps `optimizer_cls` so that this rank holds state for, and steps, only its share.
 
     Usable on its own after any gradient synchronisation (every rank holds the same full gradients):
     `step()` takes this rank's pieces of them, steps, then all-gathers the updated parameters. Built
     by ZeroDataParallel.build_optimizer, it instead takes the reduce-scattered gradients the wrapper
-    produced. `param_groups` are the inner optimizer's (one per given group, options kept), so
-    learning-rate schedules work as usual; `state_dict()` holds this rank's shard of the state.
+    produced. Everything else (param_groups, fp32 masters for low-precision parameters, loss
+    scaling, clipping, state_dict of this rank's shard) is optim.py's PieceOptimizer.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
                  group: dist.ProcessGroup | None = None, *, bucket_mb: float = 25.0, impl: str = comm.TORCH,
-                 layout: ShardLayout | None = None, **optimizer_kwargs: Any) -> None:
-        if not issubclass(optimizer_cls, ELEMENTWISE):
-            raise ValueError(f"{optimizer_cls.__name__} is not known to update elements independently; sharding "
-                             "it would change its result (supported: "
-                             f"{', '.join(c.__name__ for c in ELEMENTWISE)})")
-        self.process_group, self.impl = group, impl
-        groups = _param_groups(params)
-        listed = [p for g in groups for p in g["params"] if p.requires_grad]
+                 layout: ShardLayout | None = None, loss_scaler: LossScaler | None = None,
+                 **optimizer_kwargs: Any) -> None:
+        groups = param_groups(params)
         if layout is None:
-            seen: set[int] = set()
-            unique = [p for p in listed if not (id(p) in seen or seen.add(id(p)))]
-            layout = ShardLayout(unique, dist.get_world_size(group), dist.get_rank(group), int(bucket_mb * 2**20))
-        self.layout = layout
+            layout = ShardLayout(unique_trainable(groups), dist.get_world_size(group), dist.get_rank(group),
+                                 int(bucket_mb * 2**20))
+        super().__init__(groups, optimizer_cls, layout, group, impl=impl, loss_scaler=loss_scaler,
+                         **optimizer_kwargs)
         self._external_grads = False  # True when a ZeroDataParallel supplies reduced gradient chunks
-        # Each piece joins the inner group of its parameter, keeping that group's options.
-        where = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
-        missing = [p.shape for p in layout.params if id(p) not in where]
-        if missing:
-            raise ValueError(f"parameters of shapes {missing} are sharded but in no optimizer group")
-        inner_groups = [dict(g, params=[]) for g in groups]
-        for piece in layout.pieces():
-            inner_groups[where[id(piece.param)]]["params"].append(piece.tensor)
-        if not any(g["params"] for g in inner_groups):
-            # More ranks than elements: this rank owns nothing, but must still take part in the gathers.
-            inner_groups[0]["params"].append(nn.Parameter(torch.zeros(0, device=layout.params[0].device)))
-        self.optim = optimizer_cls(inner_groups, **optimizer_kwargs)
-        super().__init__([p for g in inner_groups for p in g["params"]], self.optim.defaults)
-        self.param_groups = self.optim.param_groups
-        self.state = self.optim.state
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = closure() if closure is not None else None
-        for piece in self.layout.pieces():
-            if not self._external_grads:
+    def _attach_grads(self) -> None:
+        if not self._external_grads:
+            for piece in self.pieces:
                 g = piece.param.grad
                 piece.tensor.grad = None if g is None else g.view(-1)[piece.start : piece.stop]
-        self.optim.step()
+
+    def _after_step(self) -> None:
         self.gather_parameters()
-        return loss
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
@@ -197,24 +154,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.view(-1).copy_(full[off : off + p.numel()])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.layout.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
-        for piece in self.layout.pieces():
-            piece.tensor.grad = None
+        super().zero_grad(set_to_none)
         for bucket in self.layout.buckets:
             bucket.grad_chunk = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"shard": self.optim.state_dict(), "rank": self.layout.rank, "world_size": self.layout.world}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if (state_dict["rank"], state_dict["world_size"]) != (self.layout.rank, self.layout.world):
-            raise ValueError(f"state of rank {state_dict['rank']} of {state_dict['world_size']} cannot load into "
-                             f"rank {self.layout.rank} of {self.layout.world}")
-        self.optim.load_state_dict(state_dict["shard"])
 
 
 class ZeroDataParallel(nn.Module):
@@ -285,7 +227,8 @@ class ZeroDataParallel(nn.Module):
         if self.stage == 2:
             for p in bucket.params:
                 p.grad = None  # reduced from here on: the full gradient is no longer needed
-        self._handles[bucket.index] = comm.reduce_scatter(flat, "avg", self.group, impl=self.impl, async_op=True)
+        op = averaging_op(flat, self.layout.world)
+        self._handles[bucket.index] = comm.reduce_scatter(flat, op, self.group, impl=self.impl, async_op=True)
         self._next_launch = bucket.index + 1
 
     def _wait_all(self) -> None:
@@ -337,20 +280,6 @@ class ZeroDataParallel(nn.Module):
         for bucket in self.layout.buckets:
             bucket.ready.clear()
         self._callback_queued = False
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm; each rank holds a shard, so the squares are summed across ranks."""
-        grads = [pc.tensor.grad for pc in self.layout.pieces() if pc.tensor.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self.layout.params[0].device)
-        for g in grads:
-            sq += g.double().square().sum()
-        comm.all_reduce(sq, "sum", self.group)
-        norm = sq.sqrt().to(torch.float32)
-        coef = max_norm / (norm.item() + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return norm
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:

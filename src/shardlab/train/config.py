@@ -93,6 +93,11 @@ class OptimSection:
     """Applied to matrices (2-D and larger) only; biases, norms and 1-D parameters get none."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    loss_scale: float = 65536.0
+    """fp16 only: the initial dynamic loss scale (halved on every step whose gradients overflow,
+    which is then skipped; doubled after loss_scale_window clean steps)."""
+    loss_scale_window: int = 1000
+    """fp16 only: clean steps before the loss scale doubles."""
 
 
 @dataclass
@@ -139,6 +144,9 @@ class LayoutSection:
     sharded, gradients reduce-scattered after backward), 2 (gradients too, reduce-scattered during
     backward), 3 (parameters too: FSDP, gathered per unit for forward and backward). dp_mode
     applies to stage 0 only."""
+    precision: str = "fp32"
+    """'fp32', or mixed precision: 'bf16' or 'fp16' parameters, activations and gradient
+    communication, with fp32 master weights and optimizer state (fp16 adds dynamic loss scaling)."""
 
 
 @dataclass

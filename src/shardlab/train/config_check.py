@@ -76,6 +76,9 @@ def problems(cfg: Config) -> list[str]:
     needed = {"all_reduce"} if lay.zero == 0 else {"reduce_scatter", "all_gather"}
     one_of("layout.comm_impl", lay.comm_impl,
            ["torch", *sorted(name for name, ops in ALGORITHMS.items() if needed <= set(ops))])
+    one_of("layout.precision", lay.precision, ("fp32", "bf16", "fp16"))
+    positive("optim.loss_scale", o.loss_scale)
+    positive("optim.loss_scale_window", o.loss_scale_window)
     if lay.zero not in (0, 1, 2, 3):
         out.append(f"layout.zero = {lay.zero} must be 0, 1, 2 or 3")
     if lay.dp > 0 and t.micro_batches > 0 and t.global_batch % (lay.dp * t.micro_batches):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from shardlab.dist.env import synchronize
 from shardlab.parallel.layout import apply_layout
+from shardlab.parallel.precision import get_precision
 from shardlab.train.config import Config
 from shardlab.train.memory import MemoryTracker
 from shardlab.train.metrics import MetricsWriter, peak_flops, step_line
@@ -61,7 +62,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     plain = prepare_model(cfg).to(device)
     task = build_task(cfg, plain)
     model = apply_layout(plain, lay)
-    optimizer = make_optimizer(model, cfg.optim)
+    optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)
     # Identical weights came from the shared seed; from here each rank draws its own randomness
     # (dropout masks must differ between the rows of different ranks, as they do within one batch).
     torch.manual_seed(t.seed * 1_000_003 + 1 + rank)
@@ -123,6 +124,8 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             "window_step_s": shown_s or step_s,
             "mfu": (task.flops_per_token * tokens_per_step / step_s) / (peak * world) if peak else None,
         }
+        if get_precision(lay.precision).loss_scaling:  # fp16: the scale and whether the step was skipped
+            rec.update(loss_scale=res.loss_scale, skipped=res.skipped)
         if logged:
             steady.extend(window)
             window = []

@@ -65,6 +65,8 @@ def step_line(rec: dict[str, Any], steps: int) -> str:
     if rec.get("peak_mem_bytes"):
         mem = rec["peak_mem_bytes"]
         parts.append(f"peak mem {fmt_bytes(max(mem))}" + (f" (max of {len(mem)} ranks)" if len(mem) > 1 else ""))
+    if rec.get("loss_scale") is not None:
+        parts.append(f"loss scale {rec['loss_scale']:g}" + (" (overflow: step skipped)" if rec.get("skipped") else ""))
     if rec.get("val_loss") is not None:
         parts.append(f"val {rec['val_loss']:.4f}")
     return " | ".join(parts)

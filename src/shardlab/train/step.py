@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 
 from shardlab.parallel.buckets import trainable_params as unique_trainable
+from shardlab.parallel.optim import MixedPrecisionOptimizer
+from shardlab.parallel.precision import LossScaler, get_precision
 from shardlab.train.config import Config, OptimSection
 from shardlab.train.task import Task, skip_layer
 
@@ -39,11 +41,17 @@ def adamw_kwargs(o: OptimSection) -> dict:
     return dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
-def make_optimizer(model: nn.Module, o: OptimSection) -> torch.optim.Optimizer:
-    """AdamW over `decay_groups`; a sharding wrapper (ZeRO) builds its own sharded version."""
+def make_optimizer(model: nn.Module, o: OptimSection, precision: str = "fp32") -> torch.optim.Optimizer:
+    """AdamW over `decay_groups`; a sharding wrapper (ZeRO) builds its own sharded version. Under a
+    mixed precision the optimizer keeps fp32 master weights (and, for fp16, a dynamic loss scale)."""
     groups, kwargs = decay_groups(model, o), adamw_kwargs(o)
+    p = get_precision(precision)
+    if p.loss_scaling:
+        kwargs["loss_scaler"] = LossScaler(o.loss_scale, o.loss_scale_window)
     if hasattr(model, "build_optimizer"):  # a sharding wrapper (ZeRO) builds its own
         return model.build_optimizer(groups, torch.optim.AdamW, **kwargs)
+    if p.mixed:
+        return MixedPrecisionOptimizer(groups, torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 
@@ -70,6 +78,10 @@ class StepResult:
     """Time blocked on gradient communication this step (0 for a plain model)."""
     seconds: float
     """Wall time of the whole step on this rank."""
+    skipped: bool = False
+    """fp16: the gradients overflowed, the update was skipped and the loss scale lowered."""
+    loss_scale: float = 1.0
+    """The loss scale this step's backward used (1 unless fp16)."""
 
 
 def train_step(
@@ -104,6 +116,8 @@ def train_step(
     restore = skip_layer(inner) if skip_layer_every and step % skip_layer_every == skip_layer_every - 1 else None
     if hasattr(model, "comm_wait_s"):
         model.comm_wait_s = 0.0
+    # fp16 loss scaling: gradients come out `scale` times larger; the optimizer divides it back out.
+    scale = float(getattr(optimizer, "loss_scale", 1.0))
     total = torch.zeros((), dtype=torch.float64, device=device)  # one host sync per step, not per micro-batch
     try:
         for micro in range(micro_batches):
@@ -116,7 +130,7 @@ def train_step(
                 # Each micro-batch's loss is a mean over its rows; dividing by their count makes
                 # the accumulated gradient the mean over the rank's rows, as one pass would give.
                 loss = model(x, y) / micro_batches
-                loss.backward()
+                (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().double()
     finally:
         if restore is not None:
@@ -126,8 +140,10 @@ def train_step(
     if hasattr(model, "finish_gradient_sync"):
         model.finish_gradient_sync()
     max_norm = grad_clip if grad_clip > 0 else math.inf
-    if hasattr(model, "clip_grad_norm_"):  # sharded gradients: the wrapper sums the shards' squares
-        norm = model.clip_grad_norm_(max_norm)
+    if hasattr(optimizer, "clip_grad_norm_"):
+        # Sharded or mixed-precision optimizers (parallel/optim.py) sum the shards' squares across
+        # ranks and fold the coefficient (and 1/loss scale) into their fp32 update.
+        norm = optimizer.clip_grad_norm_(max_norm)
     else:
         # Every rank holds the same full gradients after data-parallel sync: the local norm is global.
         grads = [p.grad for p in unique_trainable(inner) if p.grad is not None]
@@ -146,4 +162,6 @@ def train_step(
         grad_norm=float(norm),
         comm_wait_s=float(getattr(model, "comm_wait_s", 0.0)),
         seconds=time.perf_counter() - start,
+        skipped=bool(getattr(optimizer, "last_step_skipped", False)),
+        loss_scale=scale,
     )

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
+from shardlab.parallel.precision import apply_precision
 from shardlab.train.config import Config, ModelSection
 from shardlab.train.data import VOCAB_SIZE, BatchSampler, load_tokens, split_tokens
 
@@ -43,14 +44,14 @@ def build_model(m: ModelSection) -> nn.Module:
 
 def prepare_model(cfg: Config) -> nn.Module:
     """Build the model from the run's seed and apply the model options that are not architecture:
-    frozen parameters and the layer-skipping stress test. Every rank and every reference built
+    frozen parameters and the compute precision (layout.precision). Every rank and every reference built
     this way starts from identical weights."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     for name, p in model.named_parameters():
         if cfg.frozen(name):
             p.requires_grad_(False)
-    return model
+    return apply_precision(model, cfg.layout.precision)
 
 
 def first_layer(model: nn.Module) -> nn.Module:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.parallel.layout import apply_layout
+from shardlab.parallel.precision import get_precision
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.step import lr_at, make_optimizer, train_step
@@ -44,6 +45,13 @@ VERIFY_BASE = [
     "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.seq_len=32", "optim.eps=1e-4",
     "train.global_batch=12", "train.steps=5", "train.warmup_steps=1", "data.max_bytes=2097152",
 ]
+# Mixed precision, on top: eps 1e-3 for the same reason as above, as bf16 gradients carry ~1e-3
+# relative rounding where fp32's carry ~1e-7 (at 1e-4 the first Adam step turned bf16 rounding of
+# a norm's bias gradient into twice the precision's own error). fp16 starts its loss scale at 2^13:
+# at torch's 2^16 this GPT's gradients sit at the top of fp16's range, where whether a step
+# overflows depends on how the batch is split across ranks (each rank's partial gradient is
+# larger than the whole batch's mean), so one run would skip a step the other takes.
+MIXED_VERIFY_BASE = ["optim.eps=1e-3", "optim.loss_scale=8192"]
 
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float]:
@@ -58,17 +66,18 @@ def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float]
 
 
 def _worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], atol: float,
-           rtol: float) -> tuple[float, float, float, str]:
+           rtol: float, rtol_extra: dict[str, float] | None = None) -> tuple[float, float, float, str]:
     """Over named pairs: the largest absolute difference, the largest difference relative to its
-    tensor's scale, the largest share of the allowance atol + rtol x scale used (<= 1 passes), and
-    the name of the tensor that used the most."""
+    tensor's scale, the largest share of the allowance atol + (rtol + rtol_extra[name]) x scale
+    used (<= 1 passes), and the name of the tensor that used the most."""
     abs_max = rel_max = used_max = 0.0
     name_max = ""
     for name, a, b in pairs:
         d, scale = _diff(a, b)
         abs_max = max(abs_max, d)
         rel_max = max(rel_max, d / scale if scale > 0 else (0.0 if d == 0 else float("inf")))
-        used = d / (atol + rtol * scale) if atol + rtol * scale > 0 else (0.0 if d == 0 else float("inf"))
+        allowed = atol + (rtol + (rtol_extra or {}).get(name, 0.0)) * scale
+        used = d / allowed if allowed > 0 else (0.0 if d == 0 else float("inf"))
         if used > used_max or not name_max:
             used_max, name_max = used, name
     return abs_max, rel_max, used_max, name_max
@@ -79,8 +88,23 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
             if p.requires_grad}
 
 
-def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: float = 1e-7) -> dict[str, Any] | None:
-    """Run the layout and the reference side by side; rank 0 returns the report."""
+def _unscaled(grads: dict[str, torch.Tensor | None], scale: float) -> dict[str, torch.Tensor | None]:
+    return grads if scale == 1.0 else {n: None if g is None else g.double() / scale for n, g in grads.items()}
+
+
+def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: float = 1e-7,
+                mp_factor: float = 2.0) -> dict[str, Any] | None:
+    """Run the layout and the reference side by side; rank 0 returns the report.
+
+    Under mixed precision (layout.precision bf16 or fp16) the reference runs in that precision too,
+    and a third copy runs the same single process in fp32. The reference's distance from it is the
+    error the precision itself makes, G (the largest so far; per gradient, relative to its scale;
+    for parameters, the worst tensor's relative figure; for the loss, the absolute difference). The
+    layout passes when it is within mp_factor x G of the reference, on top of the fp32 allowances. mp_factor 2: the layout and the reference are
+    two runs of that precision, each about G from the exact run, so up to ~2G from each other (the
+    triangle inequality); a layout bug (a wrong shard, a missing reduction) moves tensors by their
+    whole size, far more than a precision's rounding.
+    """
     cfg = Config.from_dict(cfg_dict)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
@@ -90,32 +114,63 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     reference = copy.deepcopy(plain)
     task = build_task(cfg, plain)
     model = apply_layout(plain, cfg.layout)
-    opt, ref_opt = make_optimizer(model, cfg.optim), make_optimizer(reference, cfg.optim)
+    opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
+    ref_opt = make_optimizer(reference, cfg.optim, cfg.layout.precision)
     common = dict(grad_clip=cfg.optim.grad_clip, skip_layer_every=cfg.model.skip_layer_every, device=device)
+    mixed = get_precision(cfg.layout.precision).mixed
+    if mixed:
+        cfg32 = copy.deepcopy(cfg)
+        cfg32.layout.precision = "fp32"
+        exact = prepare_model(cfg32).to(device)
+        exact_opt = make_optimizer(exact, cfg.optim)
 
     rows = []
+    gap = {"param": 0.0, "loss": 0.0}
+    grad_gap: dict[str, float] = {}
     for step in range(t.steps):
         captured: dict[str, dict[str, torch.Tensor | None]] = {}
         # A sharding layout's gradients live in shards: it gathers them whole for the comparison.
         par_grads = getattr(model, "full_gradients", lambda: _grads(plain))
+        # fp16: gradients are held multiplied by the loss scale; they are compared divided by it.
+        scales = (getattr(opt, "loss_scale", 1.0), getattr(ref_opt, "loss_scale", 1.0))
         res = train_step(model, opt, task, step, lr=lr_at(step, cfg), dp_rank=rank, dp_size=cfg.layout.dp,
-                         micro_batches=t.micro_batches, before_update=lambda: captured.update(par=par_grads()),
-                         **common)
+                         micro_batches=t.micro_batches,
+                         before_update=lambda: captured.update(par=_unscaled(par_grads(), scales[0])), **common)
         ref = train_step(reference, ref_opt, task, step, lr=lr_at(step, cfg),
-                         before_update=lambda: captured.update(ref=_grads(reference)), **common)
+                         before_update=lambda: captured.update(ref=_unscaled(_grads(reference), scales[1])), **common)
+        ref_params = dict(reference.named_parameters())
+        # What the precision itself costs (0 in fp32): the reference against the same single
+        # process in fp32, the largest so far (one step's figure can be near zero by coincidence,
+        # two errors cancelling). Gradients per tensor, relative to its scale: a layout bug shows in
+        # a gradient directly. Parameters: the worst tensor's relative figure, because Adam turns a
+        # gradient element's rounding into an update of up to lr in whichever tensor it lands.
+        # And after the first update, one rounding unit of the compute dtype, relative: the loss is
+        # then computed from weights rounded from masters that may differ in their last bits.
+        loss_floor = 0.0
+        if mixed:
+            if step > 0:
+                loss_floor = torch.finfo(get_precision(cfg.layout.precision).compute).eps / 2 * abs(ref.loss)
+            ex = train_step(exact, exact_opt, task, step, lr=lr_at(step, cfg),
+                            before_update=lambda: captured.update(exact=_grads(exact)), **common)
+            exact_params = dict(exact.named_parameters())
+            for n in captured["ref"]:
+                d, scale = _diff(captured["ref"][n], captured["exact"][n])
+                grad_gap[n] = max(grad_gap.get(n, 0.0), d / scale if scale > 0 else 0.0)
+            gap["param"] = max(gap["param"], _worst([(n, ref_params[n], exact_params[n]) for n in ref_params], 0, 1)[1])
+            gap["loss"] = max(gap["loss"], abs(ref.loss - ex.loss))
         loss = torch.tensor([res.loss], dtype=torch.float64, device=device)  # nccl reduces device tensors only
         dist.all_reduce(loss)
         loss_par = loss.item() / world
         grad_abs, grad_rel, grad_used, grad_name = _worst(
-            [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]], 0.0, grad_tol)
-        ref_params = dict(reference.named_parameters())
+            [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]], 0.0, grad_tol,
+            {n: mp_factor * g for n, g in grad_gap.items()})
         # A layout that shards parameters (ZeRO-3) gathers them whole, by their original names.
         held = model.full_parameters() if hasattr(model, "full_parameters") else dict(plain.named_parameters())
         missing = sorted(set(ref_params) - set(held))
         if missing:
             raise RuntimeError(f"the layout does not hold parameters {missing[:5]} of the reference")
         param_abs, param_rel, param_used, param_name = _worst(
-            [(n, held[n], ref_params[n]) for n in ref_params], atol, tol)
+            [(n, held[n], ref_params[n]) for n in ref_params], atol, tol + mp_factor * gap["param"])
         # The worst over ranks: every replica must match, not just rank 0's.
         worst = torch.tensor([grad_abs, grad_rel, grad_used, param_abs, param_rel, param_used], dtype=torch.float64,
                              device=device)
@@ -135,23 +190,31 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
             "max_rel_param_diff": worst[4].item(),
             "param_allowance_used": worst[5].item(),
             "worst_param": max(names, key=lambda x: x[2])[3],
+            "loss_allowance": tol * abs(ref.loss) + mp_factor * max(gap["loss"], loss_floor),
+            "skipped": res.skipped,
+            "ref_skipped": ref.skipped,
         })
         r = rows[-1]
-        rel_loss = abs(r["loss_diff"]) / max(abs(r["ref_loss"]), 1e-30)
-        r["passed"] = bool(math.isfinite(r["loss"]) and rel_loss <= tol and r["param_allowance_used"] <= 1.0
-                           and r["grad_allowance_used"] <= 1.0)
+        if mixed:
+            r.update(precision_loss_gap=gap["loss"], precision_rel_grad_gap=max(grad_gap.values(), default=0.0),
+                     precision_rel_param_gap=gap["param"])
+        r["passed"] = bool(math.isfinite(r["loss"]) and abs(r["loss_diff"]) <= r["loss_allowance"]
+                           and r["param_allowance_used"] <= 1.0 and r["grad_allowance_used"] <= 1.0
+                           and res.skipped == ref.skipped)
     if rank != 0:
         return None
     max_rel_loss = max(abs(r["loss_diff"]) / max(abs(r["ref_loss"]), 1e-30) for r in rows)
     report = {
         "layout": {"dp": cfg.layout.dp, "dp_mode": cfg.layout.dp_mode, "zero": cfg.layout.zero,
-                   "comm_impl": cfg.layout.comm_impl, "micro_batches": t.micro_batches},
+                   "comm_impl": cfg.layout.comm_impl, "micro_batches": t.micro_batches,
+                   "precision": cfg.layout.precision},
         "model": cfg.model.name,
         "world_size": world,
         "steps": t.steps,
         "tolerance": tol,
         "atol": atol,
         "grad_tolerance": grad_tol,
+        "mp_factor": mp_factor if mixed else None,
         "loss_diffs": [r["loss_diff"] for r in rows],
         "max_rel_loss_diff": max_rel_loss,
         "max_abs_grad_diff": max(r["max_abs_grad_diff"] for r in rows),
@@ -171,7 +234,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     #  * grad_tol: a gradient is a sum over the batch taken in another order (per rank, then across
     #    ranks); where its terms cancel (a norm's bias) its relative rounding error grows with the
     #    cancellation, ~1e-6 here, so gradients get a looser tolerance.
-    report["passed"] = bool(all(r["passed"] for r in rows) and max_rel_loss <= tol)
+    #  * mixed precision: on top, mp_factor x what the precision itself changes (see verify_rank).
+    report["passed"] = bool(all(r["passed"] for r in rows))
     return report
 
 
@@ -180,7 +244,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"verify {report['model']}: dp {lay['dp']} "
         f"({'ZeRO-' + str(lay['zero']) if lay['zero'] else lay['dp_mode']}, {lay['comm_impl']}), "
-        f"{lay['micro_batches']} micro-batch(es), world size {report['world_size']}, "
+        f"{lay['micro_batches']} micro-batch(es), {lay['precision']}, world size {report['world_size']}, "
         f"against one process on the whole batch, {report['steps']} steps",
         f"{'step':>4} {'loss (ref)':>11} {'loss diff':>10} {'grad abs':>9} {'grad rel':>9} "
         f"{'param abs':>9} {'param rel':>9}  {'ok':<4} closest to its bound",
@@ -198,4 +262,10 @@ def format_report(report: dict[str, Any]) -> str:
         f"(tolerance {report['tolerance']:.0e} + {report['atol']:.0e} absolute for parameters, "
         f"{report['grad_tolerance']:.0e} for gradients)"
     )
+    if report.get("mp_factor"):
+        last = report["per_step"][-1]
+        lines.append(
+            f"{lay['precision']}: allowances include {report['mp_factor']:g} x the precision's own error (the "
+            f"{lay['precision']} reference against fp32: loss {last['precision_loss_gap']:.2e}, gradients "
+            f"{last['precision_rel_grad_gap']:.2e}, parameters {last['precision_rel_param_gap']:.2e} relative)")
     return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""Mixed precision: compute in bf16 or fp16, keep fp32 master weights and optimizer state.
+
+    model = apply_precision(plain_model, "bf16")                 # parameters (and buffers) in bf16
+    opt = MixedPrecisionOptimizer(groups, torch.optim.AdamW, lr=3e-4)    # fp32 masters (optim.py)
+    (loss * opt.loss_scale).backward(); opt.clip_grad_norm_(1.0); opt.step()
+
+The recipe of Micikevicius et al., "Mixed Precision Training" (ICLR 2018), as Megatron-LM and
+DeepSpeed run it: the model's parameters are stored in the compute dtype, so forward, backward and the
+gradient collectives all run in it (half the bytes on the wire and in memory); the optimizer keeps an
+fp32 copy of every parameter it steps (the master weights) with its fp32 moments, adds the update
+there, where small updates are not lost to rounding, and writes the result back rounded to the
+compute dtype. With AdamW that is the ZeRO paper's 2 + 2 + 12 bytes per parameter.
+
+fp16 has 5 exponent bits: small gradients underflow to zero. Dynamic loss scaling multiplies the
+loss by S before backward, so gradients are S times larger, and divides them by S in fp32 before the
+update. A step whose gradients hold inf or nan (S too large) is skipped and S halved; after
+`growth_interval` clean steps S doubles (the scheme of torch.amp.GradScaler and Megatron's
+DynamicGradScaler). bf16 keeps fp32's exponent range, so it needs no scaling.
+
+Where the masters start: from the compute-dtype weights (the model is cast first), so every layout
+and its single-process reference start from the same rounded values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a layout stores and computes: `compute` for parameters, activations and gradient
+    communication; `master` for the optimizer's copy and state; `loss_scaling` for fp16."""
+
+    name: str
+    compute: torch.dtype
+    master: torch.dtype = torch.float32
+    loss_scaling: bool = False
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute != self.master
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32", torch.float32),
+    "bf16": Precision("bf16", torch.bfloat16),
+    "fp16": Precision("fp16", torch.float16, loss_scaling=True),
+}
+
+
+def get_precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r}; expected one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+def averaging_op(t: torch.Tensor, world: int) -> str:
+    """Prepare gradients `t` for an average across `world` ranks; return the reduce op to use.
+
+    A 16-bit sum of N ranks' gradients can overflow (fp16 tops out at 65504, and loss-scaled
+    gradients live near the top) even where the average would not. So 16-bit gradients are divided
+    by N first and then summed, as DDP's fp16 compression hook and Megatron-LM's gradient
+    pre-division do; fp32 is summed, then divided ('avg'), which loses nothing.
+    """
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t.div_(world)
+        return "sum"
+    return "avg"
+
+
+def apply_precision(model: nn.Module, precision: str | Precision) -> nn.Module:
+    """Cast the model's floating-point parameters and buffers to the compute dtype, in place."""
+    p = get_precision(precision) if isinstance(precision, str) else precision
+    return model.to(p.compute) if p.mixed else model
+
+
+class LossScaler:
+    """Dynamic loss scale for fp16 (see the module docstring).
+
+    init_scale: the first S; 2**16 is torch's GradScaler default. growth_interval: clean steps
+    before S doubles. min_scale: S never drops below it (a run that overflows even at S = 1 has
+    a real inf, which the trainer reports rather than scaling away).
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 1000, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, min_scale: float = 1.0) -> None:
+        if init_scale <= 0 or growth_interval < 1 or growth_factor <= 1 or not 0 < backoff_factor < 1:
+            raise ValueError(f"bad loss scaler settings: init_scale={init_scale}, growth_interval={growth_interval}, "
+                             f"growth_factor={growth_factor}, backoff_factor={backoff_factor}")
+        self.scale = float(init_scale)
+        self.growth_interval, self.growth_factor = growth_interval, growth_factor
+        self.backoff_factor, self.min_scale = backoff_factor, min_scale
+        self.good_steps = 0
+        self.skipped = 0  # steps skipped so far
+
+    def update(self, found_inf: bool) -> None:
+        """After a step: back off (the step was skipped) or count a clean step towards growth."""
+        if found_inf:
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self.good_steps = 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale, self.good_steps, self.skipped = float(state["scale"]), int(state["good_steps"]), int(state["skipped"])
