@@ -1,0 +1,116 @@
+"""A mesh of ranks with named axes, and one process group per axis.
+
+    mesh = DeviceMesh({"dp": 2, "tp": 2})        # 4 ranks: dp outermost, tp innermost
+    tp_group, dp_group = mesh.group("tp"), mesh.group("dp")
+    mesh.coords()                                # {"dp": 1, "tp": 0} on rank 2
+
+Ranks are laid out row-major in the order the axes are given, so the last axis is innermost: its
+ranks are consecutive (rank = dp_index * tp + tp_index). Put tensor parallelism last: it talks on
+every layer, so its ranks should be the closest ones (same node, NVLink), as Megatron-LM and
+torchtitan lay them out. Data parallelism, which talks once per step, goes outermost.
+
+The degrees must multiply to the world size; the error says which product is wrong. As torchtitan's
+`ParallelDims` does, the mesh is one object passed explicitly, never a global: code that needs a
+group takes it as an argument. Later axes (pp, cp, ep) are just more names.
+
+Process groups: `dist.new_group` must be called by every rank, for every group, in the same order
+(it is a collective over the default group), so each rank creates all groups of every axis in a
+fixed order and keeps the one it belongs to. An axis that spans the whole world uses the default
+group, and an axis of size 1 still gets its own one-rank group, so `group(axis)` always works.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+import torch.distributed as dist
+
+
+class DeviceMesh:
+    """Named axes with degrees over `world_size` ranks (default: the default group's)."""
+
+    def __init__(
+        self,
+        axes: Mapping[str, int] | Sequence[tuple[str, int]],
+        *,
+        world_size: int | None = None,
+        rank: int | None = None,
+        create_groups: bool = True,
+    ) -> None:
+        items = list(axes.items()) if isinstance(axes, Mapping) else [tuple(a) for a in axes]
+        self.names = [str(name) for name, _ in items]
+        self.sizes = [int(size) for _, size in items]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"mesh axes must have distinct names, got {self.names}")
+        bad = [f"{n} = {s}" for n, s in zip(self.names, self.sizes) if s < 1]
+        if bad:
+            raise ValueError(f"mesh degrees must be positive: {', '.join(bad)}")
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+        product = math.prod(self.sizes)
+        if product != self.world_size:
+            factors = " x ".join(f"{n} {s}" for n, s in zip(self.names, self.sizes))
+            raise ValueError(f"mesh {factors} = {product} ranks, but the world has {self.world_size}; "
+                             f"the degrees must multiply to the world size")
+        self.rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
+        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        if create_groups:
+            for axis in self.names:
+                self._groups[axis] = self._make_group(axis)
+
+    # ----------------------------------------------------------------------------- coordinates
+    def _strides(self) -> list[int]:
+        return [math.prod(self.sizes[i + 1:]) for i in range(len(self.sizes))]
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        """This rank's (or `rank`'s) index along every axis."""
+        r = self.rank if rank is None else rank
+        return {n: (r // st) % s for n, s, st in zip(self.names, self.sizes, self._strides())}
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        return sum(coords[n] * st for n, st in zip(self.names, self._strides()))
+
+    def ranks_along(self, axis: str, rank: int | None = None) -> list[int]:
+        """The global ranks that share every coordinate with `rank` except along `axis`, in order."""
+        self._axis(axis)
+        here = self.coords(rank)
+        return [self.rank_of({**here, axis: i}) for i in range(self.size(axis))]
+
+    def size(self, axis: str) -> int:
+        return self.sizes[self._axis(axis)]
+
+    def local_rank(self, axis: str) -> int:
+        """This rank's index along `axis` (its rank within `group(axis)`)."""
+        return self.coords()[axis]
+
+    def _axis(self, axis: str) -> int:
+        if axis not in self.names:
+            raise KeyError(f"the mesh has no axis {axis!r}; its axes are {self.names}")
+        return self.names.index(axis)
+
+    # ----------------------------------------------------------------------------------- groups
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The process group of this rank's line along `axis` (None: the default group)."""
+        self._axis(axis)
+        if axis not in self._groups:
+            raise RuntimeError("this mesh was made with create_groups=False")
+        return self._groups[axis]
+
+    def _make_group(self, axis: str) -> dist.ProcessGroup | None:
+        if self.size(axis) == self.world_size:
+            return None  # the default group already is this line
+        mine = None
+        others = [range(s) for n, s in zip(self.names, self.sizes) if n != axis]
+        # Every rank walks every line of the axis in the same order: new_group is collective.
+        for fixed in itertools.product(*others):
+            coords = dict(zip([n for n in self.names if n != axis], fixed))
+            ranks = [self.rank_of({**coords, axis: i}) for i in range(self.size(axis))]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes))
+        return f"DeviceMesh({axes}; rank {self.rank} at {self.coords()})"

@@ -1,0 +1,60 @@
+"""Tensor and sequence parallelism: a layer's matmul cut across the ranks of a group.
+
+    from shardlab.parallel.tensor import apply_tensor_parallel, GPT_PLAN, full_parameters
+    model = apply_tensor_parallel(GPT(cfg), tp_group, GPT_PLAN, sequence_parallel=True)
+    loss = model(idx, targets); loss.backward(); opt.step()
+
+Files, one concept each: layers.py (column- and row-parallel linear layers), vocab.py (vocabulary-
+parallel embedding and cross-entropy), attention.py (heads split, grouped/multi-query key/value
+heads), sequence.py (sequence parallelism: norms on sequence shards, linears that re-gather their
+input in backward), shards.py (how parameters are cut and gathered whole again), gpt.py and
+lecture_mlp.py (each model's default plan, rules and forward), plan.py (apply_tensor_parallel).
+The differentiable collectives they use are in shardlab.comm.autograd. See docs/tensor-parallel.md.
+"""
+
+from shardlab.parallel.tensor.attention import HeadParallelAttention, KVReplicaLinear, shard_attention
+from shardlab.parallel.tensor.gpt import GPT_PLAN, TensorParallelGPT
+from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from shardlab.parallel.tensor.lecture_mlp import (
+    LECTURE_MLP_PLAN, MEGATRON_MLP_PLAN, TensorParallelDeepMLP, step_comm, wire_mlp,
+)
+from shardlab.parallel.tensor.plan import FORMS, STYLES, apply_tensor_parallel, check_plan, resolve_plan
+from shardlab.parallel.tensor.sequence import SequenceParallelLayerNorm, convert_layer_norm, sequence_parallel_linears
+from shardlab.parallel.tensor.shards import (
+    ShardSpec, TensorParallelModel, clip_grad_norm_, full_gradients, full_parameters, grad_norm, shard_tensor,
+    unshard_tensor,
+)
+from shardlab.parallel.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+__all__ = [
+    "FORMS",
+    "GPT_PLAN",
+    "LECTURE_MLP_PLAN",
+    "MEGATRON_MLP_PLAN",
+    "STYLES",
+    "ColumnParallelLinear",
+    "HeadParallelAttention",
+    "KVReplicaLinear",
+    "RowParallelLinear",
+    "SequenceParallelLayerNorm",
+    "ShardSpec",
+    "TensorParallelDeepMLP",
+    "TensorParallelGPT",
+    "TensorParallelModel",
+    "VocabParallelEmbedding",
+    "apply_tensor_parallel",
+    "check_plan",
+    "clip_grad_norm_",
+    "convert_layer_norm",
+    "full_gradients",
+    "full_parameters",
+    "grad_norm",
+    "resolve_plan",
+    "sequence_parallel_linears",
+    "shard_attention",
+    "shard_tensor",
+    "step_comm",
+    "unshard_tensor",
+    "vocab_parallel_cross_entropy",
+    "wire_mlp",
+]
