@@ -1,0 +1,57 @@
+"""Pipeline parallelism: a plain model split by depth, schedules as data, a checker, an executor.
+
+    from shardlab.parallel.pipeline import (PipelineExecutor, build_stage, check, gather_parameters,
+                                            plan_split, schedule)
+    plan = plan_split(model, stages=P, virtual=V)              # which pieces go on which chunk
+    stage = build_stage(model, plan, rank=pp_rank)             # this rank's chunks, original names
+    actions = schedule("1f1b", stages=P, microbatches=M)       # every rank's action list
+    runner = PipelineExecutor(stage, actions, pp_group)        # checks the schedule before any send
+    opt = torch.optim.AdamW(stage.parameters())
+    loss = runner.run(x, y, on_step=lambda: (opt.step(), opt.zero_grad())).loss
+
+Files: actions.py (the vocabulary), schedules.py (naive, GPipe, 1F1B, interleaved, and the sends and
+receives each implies), zero_bubble.py (ZB-H1), check.py (simulation: deadlock proof and timing),
+partition.py and stages.py (the split), splitgrad.py (backward split into BI and BW), executor.py,
+params.py (tied copies, gathering by original name), timeline.py and gantt.py (traces and charts),
+measure.py (bubble and activation memory of real runs). See docs/pipeline.md.
+"""
+
+from shardlab.parallel.pipeline.actions import Action, Schedule, fmt
+from shardlab.parallel.pipeline.check import ScheduleError, Simulation, check, simulate
+from shardlab.parallel.pipeline.executor import PipelineExecutor, PipelineResult
+from shardlab.parallel.pipeline.params import clip_grad_norm_, gather_gradients, gather_parameters, sum_tied_grads
+from shardlab.parallel.pipeline.schedules import (
+    KINDS, bubble_theory, chunk_owner, compute_order, in_flight_theory, schedule, with_comms,
+)
+from shardlab.parallel.pipeline.stages import PipelineStage, SplitPlan, build_stage, plan_split, split_model
+from shardlab.parallel.pipeline.timeline import Event, Timeline
+
+__all__ = [
+    "KINDS",
+    "Action",
+    "Event",
+    "PipelineExecutor",
+    "PipelineResult",
+    "PipelineStage",
+    "Schedule",
+    "ScheduleError",
+    "Simulation",
+    "SplitPlan",
+    "Timeline",
+    "build_stage",
+    "bubble_theory",
+    "check",
+    "chunk_owner",
+    "clip_grad_norm_",
+    "compute_order",
+    "fmt",
+    "gather_gradients",
+    "gather_parameters",
+    "in_flight_theory",
+    "plan_split",
+    "schedule",
+    "simulate",
+    "split_model",
+    "sum_tied_grads",
+    "with_comms",
+]

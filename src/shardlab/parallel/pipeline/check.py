@@ -1,0 +1,299 @@
+"""Simulate every rank's action list before anything runs: prove it complete and deadlock-free, and time it.
+
+The semantics are the executor's (executor.py): a send or receive is *posted* and never blocks; a
+compute that needs a received tensor blocks until the matching send has been posted; messages
+between two ranks are matched in the order they were posted, as NCCL matches them (gloo would
+also match by tag, but a schedule that relies on it would hang on GPUs). The simulation advances
+every rank as far as it can; if some rank cannot finish, the first blocked rank, its action and what
+it waits for are named, following the chain of waits to its cycle.
+
+`check(schedule)` raises ScheduleError on the first conflict:
+  * a compute missing, duplicated or on a rank that does not own its chunk;
+  * a compute before the local compute it needs (F before the previous chunk's F on the same
+    rank, B before its F, BW before its BI, a send before its tensor exists, STEP too early);
+  * a cross-rank input with no receive posted before the compute that needs it;
+  * a channel whose k-th send and k-th receive describe different tensors (swapped order);
+  * a receive whose send never comes, or a cycle of waits (deadlock);
+  * a send never received.
+
+The returned Simulation also says, for every send, the first point of the sender's list at which the
+receiver has provably taken the tensor (vector clocks carried by the messages): the executor waits
+for the send there and frees its buffer, instead of holding every sent gradient to the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from shardlab.parallel.pipeline.actions import (
+    B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule,
+)
+
+DEFAULT_COSTS: dict[str, float] = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
+"""Time of one microbatch through one whole stage: unit forward, backward twice as long (two matmuls
+per forward matmul), split evenly into its input and weight halves."""
+
+Key = tuple[str, int, int]    # (compute op, microbatch, chunk)
+Desc = tuple[str, int, int]   # a message: ("F" or "B", microbatch, chunk that produced it)
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run; names the rank, the action index and the conflict."""
+
+    def __init__(self, rank: int, index: int, message: str) -> None:
+        self.rank, self.index = rank, index
+        super().__init__(f"rank {rank}, action {index}: {message}")
+
+
+@dataclass
+class Simulation:
+    schedule: Schedule
+    microbatches: int
+    chunks: int
+    owners: dict[int, int]
+    start: list[list[float]]
+    end: list[list[float]]
+    release: list[dict[int, list[int]]]
+    """release[r][i]: indices of r's sends known received once r has done action i."""
+    peak_in_flight: list[int]
+    """Most (microbatch, chunk) pairs whose activations each rank held at once."""
+    costs: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.schedule)
+
+    @property
+    def makespan(self) -> float:
+        return max((e for ends in self.end for e in ends), default=0.0)
+
+    def busy(self, rank: int) -> float:
+        return sum(e - s for a, s, e in zip(self.schedule[rank], self.start[rank], self.end[rank]) if a.is_compute)
+
+    def bubble_fraction(self) -> float:
+        """Idle share of compute time over all ranks between the first start and the last end."""
+        span = self.makespan
+        return 1.0 - sum(self.busy(r) for r in range(self.ranks)) / (self.ranks * span) if span else 0.0
+
+
+def _desc(a: Action) -> Desc:
+    """The message a communication action carries, named by the chunk that produced it."""
+    produced_by = {SEND_F: a.chunk, RECV_F: a.chunk - 1, SEND_B: a.chunk, RECV_B: a.chunk + 1}[a.op]
+    return ("F" if a.op in (SEND_F, RECV_F) else "B", a.microbatch, produced_by)
+
+
+def _show(d: Desc) -> str:
+    kind, mb, chunk = d
+    return f"{'activation' if kind == 'F' else 'gradient'} of mb {mb} from chunk {chunk}"
+
+
+def _static(schedule: Schedule) -> tuple[dict[int, int], int, int]:
+    """Ownership and completeness: each compute once, on the chunk's owner; every peer sensible."""
+    seen: dict[Key, tuple[int, int]] = {}
+    owners: dict[int, int] = {}
+    for r, actions in enumerate(schedule):
+        for i, a in enumerate(actions):
+            if a.is_compute:
+                key = (a.op, a.microbatch, a.chunk)
+                if key in seen:
+                    raise ScheduleError(r, i, f"{a} appears twice (also rank {seen[key][0]}, action {seen[key][1]})")
+                seen[key] = (r, i)
+                if a.op == F and owners.setdefault(a.chunk, r) != r:
+                    raise ScheduleError(r, i, f"{a}: chunk {a.chunk} is also run forward on rank {owners[a.chunk]}")
+    if not owners:
+        raise ScheduleError(0, 0, "no forward anywhere: an empty schedule")
+    chunks, mbs = max(owners) + 1, 1 + max(k[1] for k in seen)
+    for c in range(chunks):
+        if c not in owners:
+            raise ScheduleError(0, 0, f"chunk {c} is run forward on no rank")
+    for (op, mb, c), (r, i) in seen.items():
+        if c not in owners or owners[c] != r:
+            raise ScheduleError(r, i, f"{op}(mb {mb}, chunk {c}) is not on the rank that runs chunk {c} forward")
+    for mb in range(mbs):
+        for c in range(chunks):
+            whole, split = (B, mb, c) in seen, (BI, mb, c) in seen or (BW, mb, c) in seen
+            missing = [k for k in [(F, mb, c)] + ([(BI, mb, c), (BW, mb, c)] if split else [(B, mb, c)]) if k not in seen]
+            if whole and split:
+                raise ScheduleError(*seen[(B, mb, c)], f"mb {mb}, chunk {c} has both B and a BI/BW pair")
+            if missing:
+                op, m_, c_ = missing[0]
+                raise ScheduleError(owners[c], 0, f"{op}(mb {m_}, chunk {c_}) appears on no rank")
+    ranks = len(schedule)
+    for r, actions in enumerate(schedule):
+        for i, a in enumerate(actions):
+            if not a.is_comm:
+                continue
+            if a.chunk >= chunks or owners[a.chunk] != r:
+                raise ScheduleError(r, i, f"{a}: rank {r} does not own chunk {a.chunk}")
+            step = 1 if a.op in (SEND_F, RECV_B) else -1
+            if not 0 <= a.chunk + step < chunks:
+                raise ScheduleError(r, i, f"{a}: chunk {a.chunk} has no chunk {a.chunk + step} to talk to")
+            if not 0 <= a.peer < ranks or a.peer != owners[a.chunk + step]:
+                raise ScheduleError(r, i, f"{a}: chunk {a.chunk + step} is on rank {owners[a.chunk + step]}, "
+                                          f"not rank {a.peer}")
+    return owners, mbs, chunks
+
+
+def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, latency: float = 0.0) -> Simulation:
+    """Run the schedule on paper. `costs`: time of each op for one microbatch through a whole stage
+    (a chunk of an interleaved schedule takes 1/v of it); `latency`: a message's time in flight."""
+    owners, mbs, chunks = _static(schedule)
+    ranks = len(schedule)
+    v = max(1, chunks // ranks)
+    cost = {**DEFAULT_COSTS, **(costs or {})}
+    cost = {op: t / v if op in (F, B, BI, BW) else t for op, t in cost.items()}
+    pc, clock = [0] * ranks, [0.0] * ranks
+    start = [[0.0] * len(a) for a in schedule]
+    end = [[0.0] * len(a) for a in schedule]
+    done: list[dict[Key, float]] = [{} for _ in range(ranks)]
+    vc = [[0] * ranks for _ in range(ranks)]
+    # channel (src, dst) -> posted sends [(desc, time, vc snapshot, index)] and receives [(desc, index)]
+    sends: dict[tuple[int, int], list] = {}
+    recvs: dict[tuple[int, int], list] = {}
+    posted: list[dict[Desc, int]] = [{} for _ in range(ranks)]   # desc -> k on its channel
+    consumed: dict[tuple[int, int, int], int] = {}                # (src, dst, k) -> consuming index at dst
+    unreleased: list[list[tuple[int, int, int]]] = [[] for _ in range(ranks)]  # (dst, k, send index)
+    release: list[dict[int, list[int]]] = [{} for _ in range(ranks)]
+    holding, peak = [0] * ranks, [0] * ranks
+
+    def match(src: int, dst: int, k: int) -> None:
+        s, rv = sends[(src, dst)], recvs.get((src, dst), [])
+        if k < len(s) and k < len(rv) and s[k][0] != rv[k][0]:
+            raise ScheduleError(dst, rv[k][1], f"{schedule[dst][rv[k][1]]} is matched with rank {src}'s action "
+                                f"{s[k][3]} ({schedule[src][s[k][3]]}): message #{k} from rank {src} to rank {dst} "
+                                f"is the {_show(s[k][0])}, but rank {dst} expects the {_show(rv[k][0])}")
+
+    def need_local(r: int, i: int, a: Action, keys: list[Key], what: str) -> float:
+        for key in keys:
+            if key in done[r]:
+                return done[r][key]
+        raise ScheduleError(r, i, f"{a} needs {what} first, which rank {r} has not run before it")
+
+    def need_message(r: int, i: int, a: Action, d: Desc, src: int) -> float | None:
+        if d not in posted[r]:
+            raise ScheduleError(r, i, f"{a} needs the {_show(d)} from rank {src}, but no receive for it is "
+                                      f"posted before this action")
+        k = posted[r][d]
+        s = sends.get((src, r), [])
+        if k >= len(s):
+            return None  # blocked: the sender has not posted it yet
+        if (src, r, k) not in consumed:
+            consumed[(src, r, k)] = i
+            vc[r] = [max(x, y) for x, y in zip(vc[r], s[k][2])]
+        return s[k][1] + latency
+
+    def try_run(r: int, i: int, a: Action) -> bool:
+        ready = clock[r]
+        mb, c = a.microbatch, a.chunk
+        if a.op == F and c > 0:
+            if owners[c - 1] == r:
+                ready = max(ready, need_local(r, i, a, [(F, mb, c - 1)], f"F(mb {mb}, chunk {c - 1})"))
+            else:
+                t = need_message(r, i, a, ("F", mb, c - 1), owners[c - 1])
+                if t is None:
+                    return False
+                ready = max(ready, t)
+        elif a.op in (B, BI):
+            need_local(r, i, a, [(F, mb, c)], f"F(mb {mb}, chunk {c})")
+            if c < chunks - 1:
+                if owners[c + 1] == r:
+                    ready = max(ready, need_local(r, i, a, [(B, mb, c + 1), (BI, mb, c + 1)],
+                                                  f"the backward of (mb {mb}, chunk {c + 1})"))
+                else:
+                    t = need_message(r, i, a, ("B", mb, c + 1), owners[c + 1])
+                    if t is None:
+                        return False
+                    ready = max(ready, t)
+        elif a.op == BW:
+            need_local(r, i, a, [(BI, mb, c)], f"BI(mb {mb}, chunk {c})")
+        elif a.op == SEND_F:
+            need_local(r, i, a, [(F, mb, c)], f"F(mb {mb}, chunk {c})")
+        elif a.op == SEND_B:
+            need_local(r, i, a, [(B, mb, c), (BI, mb, c)], f"the backward of (mb {mb}, chunk {c})")
+        elif a.op == STEP:
+            for c_ in (c_ for c_, o in owners.items() if o == r):
+                for m_ in range(mbs):
+                    need_local(r, i, a, [(B, m_, c_), (BW, m_, c_)], f"every backward (mb {m_}, chunk {c_})")
+        start[r][i] = ready
+        end[r][i] = clock[r] = ready + cost.get(a.op, 0.0)
+        if a.is_compute:
+            done[r][(a.op, mb, c)] = end[r][i]
+            if a.op == F:
+                holding[r] += 1
+                peak[r] = max(peak[r], holding[r])
+            elif a.op in (B, BW):
+                holding[r] -= 1
+        vc[r][r] = i + 1
+        if a.op in (SEND_F, SEND_B):
+            ch = sends.setdefault((r, a.peer), [])
+            ch.append((_desc(a), clock[r], list(vc[r]), i))
+            unreleased[r].append((a.peer, len(ch) - 1, i))
+            match(r, a.peer, len(ch) - 1)
+        elif a.op in (RECV_F, RECV_B):
+            ch = recvs.setdefault((a.peer, r), [])
+            if _desc(a) in posted[r]:
+                raise ScheduleError(r, i, f"{a} is posted twice")
+            posted[r][_desc(a)] = len(ch)
+            ch.append((_desc(a), i))
+            if (a.peer, r) in sends:
+                match(a.peer, r, len(ch) - 1)
+        known = [(d, k, j) for d, k, j in unreleased[r] if (r, d, k) in consumed and vc[r][d] > consumed[(r, d, k)]]
+        if known:
+            release[r][i] = [j for _, _, j in known]
+            unreleased[r] = [u for u in unreleased[r] if u not in known]
+        return True
+
+    while any(pc[r] < len(schedule[r]) for r in range(ranks)):
+        progress = False
+        for r in range(ranks):
+            while pc[r] < len(schedule[r]) and try_run(r, pc[r], schedule[r][pc[r]]):
+                pc[r] += 1
+                progress = True
+        if not progress:
+            raise _deadlock(schedule, pc, owners, sends, posted)
+    for (src, dst), ch in sends.items():
+        got = len(recvs.get((src, dst), []))
+        if len(ch) > got:
+            d, _, _, i = ch[got]
+            raise ScheduleError(src, i, f"{schedule[src][i]} is never received: rank {dst} posts only {got} "
+                                        f"receive(s) from rank {src}")
+    for r in range(ranks):
+        for d, k in posted[r].items():
+            src = owners[d[2]]
+            if (src, r, k) not in consumed:
+                i = recvs[(src, r)][k][1]
+                raise ScheduleError(r, i, f"{schedule[r][i]}: no compute on rank {r} uses the {_show(d)}")
+    return Simulation(schedule, mbs, chunks, owners, start, end, release, peak, cost)
+
+
+def _deadlock(schedule: Schedule, pc: list[int], owners: dict[int, int], sends: dict, posted: list) -> ScheduleError:
+    """Follow the waits from the first blocked rank to their root: a message never sent (reported
+    at the rank waiting for it) or a cycle (reported at the first blocked rank), the chain included."""
+    first = min(r for r in range(len(schedule)) if pc[r] < len(schedule[r]))
+    chain, r, seen = [], first, set()
+    while True:
+        if r in seen:
+            return ScheduleError(first, pc[first], "blocked: " + "; ".join(chain) + ": a cycle of waits, deadlock")
+        seen.add(r)
+        a = schedule[r][pc[r]]
+        if a.op == F:
+            d, src = ("F", a.microbatch, a.chunk - 1), owners[a.chunk - 1]
+        else:
+            d, src = ("B", a.microbatch, a.chunk + 1), owners[a.chunk + 1]
+        k = posted[r][d]
+        sent = len(sends.get((src, r), []))
+        rest = [j for j in range(pc[src], len(schedule[src]))
+                if schedule[src][j].op in (SEND_F, SEND_B) and schedule[src][j].peer == r]
+        where = f"rank {r} at action {pc[r]} ({a}) waits for the {_show(d)} (message #{k} from rank {src})"
+        if sent + len(rest) <= k:
+            root = f"{where}, which rank {src} never sends (it sends rank {r} only {sent + len(rest)} message(s))"
+            behind = f" (blocking: {'; '.join(chain)})" if chain else ""
+            return ScheduleError(r, pc[r], f"blocked: {root}{behind}")
+        chain.append(f"{where}, which rank {src} would send at action {rest[k - sent]}")
+        r = src
+
+
+def check(schedule: Schedule) -> Simulation:
+    """Prove the schedule runs to completion under the executor's semantics, or raise ScheduleError."""
+    return simulate(schedule)

@@ -1,0 +1,206 @@
+"""Run one rank's action list: forward and backward of its chunks, point-to-point between stages.
+
+    stage = build_stage(model, plan_split(model, P), rank=pp_rank)
+    runner = PipelineExecutor(stage, schedule("1f1b", P, M), pp_group)
+    result = runner.run(x, y, on_step=optimizer_step)   # result.loss on every rank
+
+Semantics (the ones check.py proves a schedule safe under):
+  * RECV_* posts an irecv into a fresh buffer and returns; SEND_* posts an isend and returns. The
+    schedules post each receive one compute early, so a transfer overlaps the compute before the one
+    that needs it; sends overlap everything after them.
+  * A compute waits for the receive it needs (that wait is recorded as a WAIT event). A send is
+    waited for, and its tensor freed, at the first action after which the simulation proves the
+    receiver has taken it; the rest at the end of the step.
+  * The last chunk scales each microbatch's mean loss by its share of the rows, so the gradients
+    accumulated over microbatches are the gradient of the whole batch's mean loss, as one process
+    computes it (microbatches may differ in size by one row when M does not divide the batch).
+  * BI/BW split the backward (splitgrad.py); B runs it whole.
+  * STEP: tied copies' gradients are summed across ranks, then `on_step` runs (data-parallel sync,
+    clipping, the optimizer); without STEP in the list this happens after the last action.
+  * The loss is broadcast from the rank of the last chunk, so every rank returns it.
+
+Every rank passes the same-shaped batch: the first chunk reads the inputs, the last the targets,
+and every other rank only their shapes (to size its receive buffers). No global state: the pipeline
+group is passed in, and its group ranks are the schedule's ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardlab import comm
+from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule
+from shardlab.parallel.pipeline.check import check
+from shardlab.parallel.pipeline.params import TIED_TAG, clip_grad_norm_, sum_tied_grads
+from shardlab.parallel.pipeline.schedules import chunk_owner
+from shardlab.parallel.pipeline.splitgrad import WeightGradStore, defer_weight_grads
+from shardlab.parallel.pipeline.stages import PipelineStage
+from shardlab.parallel.pipeline.timeline import WAIT, Event
+
+
+@dataclass
+class PipelineResult:
+    loss: float
+    """The whole batch's mean loss (this data-parallel replica's batch), on every pipeline rank."""
+    events: list[Event]
+    """This rank's measured timeline (time.perf_counter seconds): merge ranks with Timeline.merge."""
+
+
+class PipelineExecutor:
+    """Runs `schedule[group rank]` on `stage` over the pipeline process group `group`."""
+
+    def __init__(self, stage: PipelineStage, schedule: Schedule, group: dist.ProcessGroup | None = None,
+                 *, timeout_s: float | None = None) -> None:
+        self.stage, self.group, self.timeout_s = stage, group, timeout_s
+        self.rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if len(schedule) != size:
+            raise ValueError(f"the schedule has {len(schedule)} ranks but the pipeline group has {size}")
+        if stage.rank != self.rank or stage.plan.stages != size:
+            raise ValueError(f"stage built for rank {stage.rank} of {stage.plan.stages}, run on rank {self.rank} of {size}")
+        self.sim = check(schedule)  # every rank checks the same lists: all refuse together, before any send
+        if self.sim.chunks != stage.plan.chunks:
+            raise ValueError(f"the schedule runs {self.sim.chunks} chunks but the model is split into {stage.plan.chunks}")
+        for c, r in self.sim.owners.items():
+            if r != chunk_owner(c, size):
+                raise ValueError(f"the schedule runs chunk {c} on rank {r}; the split placed it on {chunk_owner(c, size)}")
+        self.actions = schedule[self.rank]
+        self.microbatches, self.chunks = self.sim.microbatches, self.sim.chunks
+        if 2 * self.microbatches * self.chunks + 2 >= TIED_TAG:
+            raise ValueError(f"{self.microbatches} microbatches x {self.chunks} chunks exceed the message tags")
+        self.last_rank = self.sim.owners[self.chunks - 1]
+        self.split = {(a.microbatch, a.chunk) for a in self.actions if a.op == BI}
+        self.dtype = next((p.dtype for p in stage.parameters() if p.is_floating_point()), torch.float32)
+
+    def _tag(self, kind: str, mb: int, producer: int) -> int:
+        return 1 + 2 * (mb * self.chunks + producer) + (kind == "B")
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor | None,
+            on_step: Callable[[], None] | None = None) -> PipelineResult:
+        m = self.microbatches
+        if inputs.shape[0] < m:
+            raise ValueError(f"a batch of {inputs.shape[0]} rows cannot make {m} microbatches")
+        self.xs = torch.tensor_split(inputs, m)
+        self.ys = torch.tensor_split(targets, m) if targets is not None else [None] * m
+        self.rows = inputs.shape[0]
+        self.events: list[Event] = []
+        self.recvs: dict[tuple[str, int, int], comm.Handle] = {}
+        self.sends: dict[int, tuple[comm.Handle, torch.Tensor]] = {}
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}   # tensors for sends and local hand-offs
+        self.stores: dict[tuple[int, int], WeightGradStore] = {}
+        self.loss = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        stepped = False
+        for i, a in enumerate(self.actions):
+            start = time.perf_counter()
+            if a.op in (RECV_F, RECV_B):
+                self._post_recv(a, inputs.device)
+            elif a.op in (SEND_F, SEND_B):
+                kind = "F" if a.op == SEND_F else "B"
+                t = self.outgoing.pop((kind, a.microbatch, a.chunk))
+                self.sends[i] = (comm.isend(t, a.peer, self.group, tag=self._tag(kind, a.microbatch, a.chunk),
+                                            timeout_s=self.timeout_s), t)
+            elif a.op == F:
+                start = self._forward(a)
+            elif a.op in (B, BI):
+                start = self._backward(a)
+            elif a.op == BW:
+                self.stores.pop((a.microbatch, a.chunk)).flush()
+            elif a.op == STEP:
+                self._finish(on_step)
+                stepped = True
+            end = time.perf_counter()
+            # Posting can cost time too (gloo writes a message inline when its receiver is ready).
+            if a.is_compute or a.op == STEP or end - start > 5e-5:
+                self.events.append(Event(self.rank, a.op, a.microbatch, a.chunk, start, end))
+            for j in self.sim.release[self.rank].get(i, []):
+                self._wait_send(j)
+        for j in list(self.sends):
+            self._wait_send(j)
+        if not stepped:
+            self._finish(on_step)
+        comm.broadcast(self.loss, self.last_rank, self.group, timeout_s=self.timeout_s)
+        leftovers = [k for d in (self.saved, self.outgoing, self.stores, self.recvs) for k in d]
+        if leftovers:  # check() makes this impossible; a guard against state leaking into the next step
+            raise RuntimeError(f"rank {self.rank}: pipeline state left over after the step: {leftovers[:4]}")
+        return PipelineResult(float(self.loss.item()), self.events)
+
+    # ------------------------------------------------------------------------------ actions
+    def _post_recv(self, a: Action, device: torch.device) -> None:
+        kind = "F" if a.op == RECV_F else "B"
+        producer = a.chunk - 1 if kind == "F" else a.chunk + 1
+        buf = torch.empty(self.stage.activation_shape(self.xs[a.microbatch]), dtype=self.dtype, device=device)
+        self.recvs[(kind, a.microbatch, a.chunk)] = comm.irecv(
+            buf, a.peer, self.group, tag=self._tag(kind, a.microbatch, producer), timeout_s=self.timeout_s)
+
+    def _take(self, kind: str, mb: int, c: int) -> torch.Tensor:
+        start = time.perf_counter()
+        t = self.recvs.pop((kind, mb, c)).wait()
+        self.events.append(Event(self.rank, WAIT, mb, c, start, time.perf_counter()))
+        return t
+
+    def _wait_send(self, index: int) -> None:
+        handle, _ = self.sends.pop(index)
+        start = time.perf_counter()
+        handle.wait()
+        end = time.perf_counter()
+        if end - start > 1e-4:  # only waits long enough to matter clutter the timeline
+            self.events.append(Event(self.rank, WAIT, -1, -1, start, end))
+
+    def _forward(self, a: Action) -> float:
+        mb, c = a.microbatch, a.chunk
+        if c == 0:
+            inp = self.xs[mb]
+        elif chunk_owner(c - 1, self.stage.plan.stages) == self.rank:
+            inp = self.outgoing.pop(("L", mb, c - 1)).detach().requires_grad_()
+        else:
+            inp = self._take("F", mb, c).requires_grad_()
+        start = time.perf_counter()
+        last = c == self.chunks - 1
+        defer = contextlib.nullcontext()
+        if (mb, c) in self.split:
+            store = self.stores[(mb, c)] = WeightGradStore()
+            defer = defer_weight_grads(store)
+        with defer:
+            out = self.stage.chunk(c)(inp, self.ys[mb] if last else None)
+        if last:
+            # Each microbatch's loss is a mean over its rows: weighting by its share of the rows
+            # makes the sum over microbatches (and its gradient) the whole batch's mean.
+            out = out * (self.xs[mb].shape[0] / self.rows)
+            self.loss += out.detach().double()
+        else:
+            local = chunk_owner(c + 1, self.stage.plan.stages) == self.rank
+            self.outgoing[("L" if local else "F", mb, c)] = out if local else out.detach()
+        self.saved[(mb, c)] = (inp, out)
+        return start
+
+    def _backward(self, a: Action) -> float:
+        mb, c = a.microbatch, a.chunk
+        inp, out = self.saved.pop((mb, c))
+        grad = None
+        if c < self.chunks - 1:
+            if chunk_owner(c + 1, self.stage.plan.stages) == self.rank:
+                grad = self.outgoing.pop(("G", mb, c + 1))
+            else:
+                grad = self._take("B", mb, c)
+        start = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        if c > 0:
+            local = chunk_owner(c - 1, self.stage.plan.stages) == self.rank
+            self.outgoing[("G" if local else "B", mb, c)] = inp.grad
+        return start
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The whole model's gradient norm over the pipeline group, clipping to `max_norm` (the
+        method `train_step` looks for on a model whose gradients are spread over ranks)."""
+        return clip_grad_norm_(self.stage, max_norm, self.group)
+
+    def _finish(self, on_step: Callable[[], None] | None) -> None:
+        sum_tied_grads(self.stage, self.group)
+        if on_step is not None:
+            on_step()

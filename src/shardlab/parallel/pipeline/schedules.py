@@ -1,0 +1,195 @@
+"""Pipeline schedules as data: for every rank, the ordered list of actions it will take.
+
+    from shardlab.parallel.pipeline import schedule, check
+    plan = schedule("1f1b", stages=4, microbatches=8)      # list[list[Action]], one list per rank
+    check(plan)                                             # refuses a schedule that cannot run
+
+Each kind is first written as the order of *compute* on every rank (which microbatch and chunk to
+run forward or backward next); `with_comms` then adds the sends and receives that order implies, so
+a schedule's essence fits in a few lines and its communication is always complete and consistent.
+
+  naive        one microbatch at a time through the whole pipeline: no overlap at all; with M = 1
+               it is plain model parallelism (bubble (p-1)/p).
+  gpipe        all forwards, then all backwards (Huang et al. 2019, arXiv 1811.06965): M microbatches
+               of activations held at once on every stage.
+  1f1b         PipeDream-flush (Narayanan et al. 2021, arXiv 2104.04473, sec. 2.2): p - r - 1 warm-up
+               forwards on rank r, then one forward one backward: at most p - r microbatches in flight,
+               the same bubble as GPipe.
+  interleaved  1F1B over v chunks per rank, chunk c on rank c mod p (ibid., sec. 2.2 and Megatron's
+               schedule): the bubble shrinks by v at the price of v times more messages.
+  zb1          ZB-H1 (Qi et al. 2023, arXiv 2401.10241): backward split into its input-gradient half
+               BI (on the critical path) and weight-gradient half BW (deferred into the bubbles),
+               with 1F1B's activation memory. See zero_bubble.py.
+"""
+
+from __future__ import annotations
+
+from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule
+from shardlab.parallel.pipeline.zero_bubble import zb_h1_order
+
+KINDS: tuple[str, ...] = ("naive", "gpipe", "1f1b", "interleaved", "zb1")
+
+# One compute step of a rank: (op, microbatch, global chunk).
+Compute = tuple[str, int, int]
+
+
+def chunk_owner(chunk: int, stages: int) -> int:
+    """The rank holding a chunk: Megatron's loop placement (rank r holds chunks r, r + p, r + 2p...),
+    so each microbatch's forward visits every rank v times, in rank order each time."""
+    return chunk % stages
+
+
+def schedule(kind: str, stages: int, microbatches: int, virtual: int = 1, *, prefetch: bool = True) -> Schedule:
+    """Every rank's action list for `kind` (see KINDS) on `stages` ranks, `microbatches` microbatches
+    and `virtual` chunks per rank (interleaved only). `prefetch` posts each receive one compute
+    early, so the transfer overlaps that compute instead of starting when the data is needed."""
+    orders = compute_order(kind, stages, microbatches, virtual)
+    return with_comms(orders, stages, stages * virtual, prefetch=prefetch)
+
+
+def compute_order(kind: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Compute]]:
+    """The order of forward and backward computations on every rank, before communication is added."""
+    p, m, v = stages, microbatches, virtual
+    if kind not in KINDS:
+        raise ValueError(f"unknown schedule {kind!r}; expected one of {KINDS}")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"stages, microbatches and virtual must be positive, got {p}, {m}, {v}")
+    if kind != "interleaved" and v != 1:
+        raise ValueError(f"schedule {kind!r} runs one chunk per rank; virtual = {v} needs 'interleaved'")
+    if kind == "interleaved":
+        return [_interleaved(r, p, m, v) for r in range(p)]
+    if kind == "zb1":
+        return zb_h1_order(p, m)
+    make = {"naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b}[kind]
+    return [make(r, p, m) for r in range(p)]
+
+
+def _naive(r: int, p: int, m: int) -> list[Compute]:
+    # Each microbatch's backward before the next forward: a rank never holds two in flight and
+    # never overlaps with another; p - 1 of every p time slots are idle.
+    return [step for i in range(m) for step in ((F, i, r), (B, i, r))]
+
+
+def _gpipe(r: int, p: int, m: int) -> list[Compute]:
+    return [(F, i, r) for i in range(m)] + [(B, i, r) for i in range(m)]
+
+
+def _one_f_one_b(r: int, p: int, m: int) -> list[Compute]:
+    # Warm-up fills the pipeline: rank r's first backward arrives after p - r - 1 more forwards.
+    warm = min(p - r - 1, m)
+    order = [(F, i, r) for i in range(warm)]
+    for i in range(m - warm):
+        order += [(F, warm + i, r), (B, i, r)]
+    return order + [(B, i, r) for i in range(m - warm, m)]
+
+
+def _interleaved(r: int, p: int, m: int, v: int) -> list[Compute]:
+    """Megatron-LM's interleaved 1F1B (forward_backward_pipelining_with_interleaving): the k-th
+    forward runs microbatch group k // (p v), chunk (k mod p v) // p of that group; backward visits
+    chunks in reverse. Warm-up is 2 (p - r - 1) + (v - 1) p forwards."""
+    if v < 2:
+        raise ValueError("interleaved needs virtual >= 2 chunks per rank (with 1 it is 1f1b)")
+    if m % p:
+        raise ValueError(f"interleaved needs microbatches divisible by stages (Megatron's grouping of p "
+                         f"microbatches per chunk round): {m} microbatches on {p} stages")
+    total = m * v
+
+    def at(k: int, forward: bool) -> Compute:
+        group, in_group = divmod(k, p * v)
+        local = in_group // p
+        if not forward:
+            local = v - 1 - local
+        return (F if forward else B, group * p + in_group % p, local * p + r)
+
+    warm = total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total)
+    order = [at(k, True) for k in range(warm)]
+    for k in range(total - warm):
+        order += [at(warm + k, True), at(k, False)]
+    return order + [at(k, False) for k in range(total - warm, total)]
+
+
+def with_comms(orders: list[list[Compute]], stages: int, chunks: int, *, prefetch: bool = True) -> Schedule:
+    """Add the sends and receives a compute order implies, and a final STEP on every rank.
+
+    A send follows the compute that produced its tensor at once. A receive is posted just before the
+    compute that needs it, or (prefetch) just before the compute ahead of that one. Receives keep the
+    order of the computes needing them, and senders send in their compute order; check() proves the
+    two orders agree on every channel.
+    """
+    out: Schedule = []
+    for r, order in enumerate(orders):
+        recvs: list[list[Action]] = []
+        sends: list[list[Action]] = []
+        for op, mb, c in order:
+            recv, send = [], []
+            if op == F:
+                if c > 0 and chunk_owner(c - 1, stages) != r:
+                    recv.append(Action(RECV_F, mb, c, chunk_owner(c - 1, stages)))
+                if c < chunks - 1 and chunk_owner(c + 1, stages) != r:
+                    send.append(Action(SEND_F, mb, c, chunk_owner(c + 1, stages)))
+            elif op in (B, BI):
+                if c < chunks - 1 and chunk_owner(c + 1, stages) != r:
+                    recv.append(Action(RECV_B, mb, c, chunk_owner(c + 1, stages)))
+                if c > 0 and chunk_owner(c - 1, stages) != r:
+                    send.append(Action(SEND_B, mb, c, chunk_owner(c - 1, stages)))
+            elif op != BW:
+                raise ValueError(f"rank {r}: {op!r} is not a compute op")
+            recvs.append(recv)
+            sends.append(send)
+        actions: list[Action] = []
+        if prefetch and recvs:
+            actions += recvs[0]
+        for k, (op, mb, c) in enumerate(order):
+            if prefetch:
+                if k + 1 < len(order):
+                    actions += recvs[k + 1]
+            else:
+                actions += recvs[k]
+            actions.append(Action(op, mb, c))
+            actions += sends[k]
+        actions.append(Action(STEP))
+        out.append(actions)
+    return out
+
+
+def bubble_theory(kind: str, stages: int, microbatches: int, virtual: int = 1,
+                  t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
+    """Idle share of each rank's step time the papers predict, as bubble / (bubble + work).
+
+    t_f, t_b, t_w: times of a forward, an input-gradient backward and a weight-gradient backward of
+    one microbatch on one stage (a full backward is t_b + t_w). GPipe and 1F1B idle for
+    (p-1)(t_f+t_b+t_w), i.e. (p-1)/(m+p-1); interleaving divides the bubble time by v, giving
+    (p-1)/(v m + p-1) as a share; ZB-H1 idles (p-1)(t_f+t_b-t_w) (Qi et al. 2023, sec. 3.1), which
+    with equal times is (p-1)/(3m+p-1); naive runs one stage at a time: (p-1)/p.
+    """
+    p, m, v = stages, microbatches, virtual
+    work = m * (t_f + t_b + t_w)
+    if kind == "naive":
+        return (p - 1) / p
+    if kind in ("gpipe", "1f1b"):
+        bubble = (p - 1) * (t_f + t_b + t_w)
+    elif kind == "interleaved":
+        bubble = (p - 1) * (t_f + t_b + t_w) / v
+    elif kind == "zb1":
+        bubble = (p - 1) * max(t_f + t_b - t_w, 0.0)
+    else:
+        raise ValueError(f"unknown schedule {kind!r}; expected one of {KINDS}")
+    return bubble / (bubble + work)
+
+
+def in_flight_theory(kind: str, stages: int, microbatches: int, rank: int, virtual: int = 1) -> int:
+    """Most microbatches whose activations rank `rank` holds at once, from forward to the end of
+    their (weight-gradient) backward; chunk-microbatches for interleaved. GPipe holds all m, 1F1B
+    p - rank, ZB-H1 p on every rank (p - rank before BI, the rest only weight-gradient inputs), naive 1."""
+    p, m = stages, microbatches
+    if kind == "naive":
+        return 1
+    if kind == "gpipe":
+        return m
+    if kind == "1f1b":
+        return min(p - rank, m)
+    if kind == "zb1":
+        return min(p, m)
+    if kind == "interleaved":
+        return m * virtual if m == p else min(2 * (p - rank - 1) + (virtual - 1) * p + 1, m * virtual)
+    raise ValueError(f"unknown schedule {kind!r}; expected one of {KINDS}")
