@@ -20,7 +20,10 @@ would leave it (AdamW then skips it, just as it would without data parallelism).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -70,6 +73,16 @@ class Bucket:
 
 def _is_view_of(grad: torch.Tensor, slot: torch.Tensor) -> bool:
     return grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape and grad.stride() == slot.stride()
+
+
+@contextlib.contextmanager
+def sync_enabled_as(wrapper: Any, enabled: bool) -> Iterator[None]:
+    """Set `wrapper._sync_enabled` for the block, then restore it: every wrapper's `no_sync()`."""
+    previous, wrapper._sync_enabled = wrapper._sync_enabled, enabled
+    try:
+        yield
+    finally:
+        wrapper._sync_enabled = previous
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:

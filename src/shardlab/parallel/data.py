@@ -35,7 +35,6 @@ import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -44,7 +43,7 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.comm import Handle
-from shardlab.parallel.buckets import Bucket, broadcast_state, build_buckets, trainable_params
+from shardlab.parallel.buckets import Bucket, broadcast_state, build_buckets, sync_enabled_as, trainable_params
 from shardlab.parallel.precision import averaging_op
 
 Mode = Literal["naive", "bucketed", "overlap"]
@@ -100,15 +99,9 @@ class DataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside accumulate gradients locally, with no communication."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
+        return sync_enabled_as(self, False)
 
     def finish_gradient_sync(self) -> None:
         """Average the gradients across the group (naive and bucketed modes).

@@ -56,7 +56,7 @@ import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardlab import comm
 from shardlab.comm import Handle
-from shardlab.parallel.buckets import broadcast_state
+from shardlab.parallel.buckets import broadcast_state, sync_enabled_as
 from shardlab.parallel.precision import averaging_op
 from shardlab.parallel.fsdp_units import (
     FsdpLayout,
@@ -162,15 +162,10 @@ class FullyShardedDataParallel(nn.Module):
         """`optimizer_cls` over this rank's shards, each piece in its parameter's group (options kept)."""
         return FsdpOptimizer(params, optimizer_cls, FsdpLayout(self), self.group, impl=self.impl, **optimizer_kwargs)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Gradient accumulation. Each micro-batch is still reduce-scattered into the shard (see the
         module docstring); only the final flag all-reduce of `finish_gradient_sync` waits."""
-        previous, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
+        return sync_enabled_as(self, False)
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:

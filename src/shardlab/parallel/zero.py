@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
-from shardlab.parallel.buckets import broadcast_state, trainable_params
+from shardlab.parallel.buckets import broadcast_state, sync_enabled_as, trainable_params
 from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups, unique_trainable
 from shardlab.parallel.precision import LossScaler, averaging_op
 
@@ -193,16 +193,10 @@ class ZeroDataParallel(nn.Module):
         opt._external_grads = True
         return opt
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Stage 1: accumulate full gradients locally. Stage 2 reduces every micro-batch anyway (its
         point is never to hold full gradients), so there this changes nothing."""
-        previous = self._sync_enabled
-        self._sync_enabled = self.stage == 2
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
+        return sync_enabled_as(self, self.stage == 2)
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
