@@ -10,9 +10,11 @@ pieces are its shards and need nothing). So mixed precision and clipping are wri
   * masters (precision.py): a piece in bf16/fp16 gets an fp32 copy that the inner optimizer steps;
     its gradient is cast to fp32 inside `step()`, multiplied there by the clip coefficient and by
     1/loss_scale, so the low-precision gradient is never rescaled (nor held twice) outside `step()`.
-  * the global norm: squares summed in fp64 over this rank's pieces, sharded pieces all-reduced
-    across the group, replicated ones (whole on every rank) counted once. A non-finite norm is how
-    fp16 overflow is found: every rank computes the same norm, so every rank skips alike.
+  * the global norm (gradnorm.py): squares summed in fp64 over this rank's pieces, sharded pieces
+    all-reduced across the group, replicated ones (whole on every rank) counted once; under tensor
+    parallelism (`tp`) the squares of tp-sharded parameters are summed over the tp group too. A
+    non-finite norm is how fp16 overflow is found: every rank computes the same norm, so every rank
+    skips alike.
 
 Element-wise only: one piece of a parameter must be updated exactly as the whole parameter's
 elements would be. LAMB's trust ratio or Adafactor's factored moments couple elements and are refused.
@@ -30,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
+from shardlab.parallel.gradnorm import TensorSharding, clip_coefficient, global_grad_norm
 from shardlab.parallel.precision import LossScaler
 
 # Optimizers whose update of an element depends on that element's gradient and state only.
@@ -89,16 +92,20 @@ class PieceOptimizer(torch.optim.Optimizer):
     `param_groups` are the inner optimizer's (one per given group, options kept), so learning-rate
     schedules work as usual. `loss_scaler`: a LossScaler for fp16; multiply the loss by
     `loss_scale` before backward. `last_step_skipped` tells whether the last step was skipped.
+    `tp`: the parameters are a tensor-parallel model's, cut over another group as it says (their
+    norm is summed over it as well; see gradnorm.py).
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], layout: PieceLayout,
                  group: dist.ProcessGroup | None = None, *, impl: str = comm.TORCH,
-                 loss_scaler: LossScaler | None = None, **optimizer_kwargs: Any) -> None:
+                 loss_scaler: LossScaler | None = None, tp: TensorSharding | None = None,
+                 **optimizer_kwargs: Any) -> None:
         if not issubclass(optimizer_cls, ELEMENTWISE):
             raise ValueError(f"{optimizer_cls.__name__} is not known to update elements independently; sharding "
                              "it would change its result (supported: "
                              f"{', '.join(c.__name__ for c in ELEMENTWISE)})")
         self.process_group, self.impl, self.layout, self.loss_scaler = group, impl, layout, loss_scaler
+        self.tp = tp
         groups = param_groups(params)
         self.pieces: list[Piece] = list(layout.pieces())
         # A low-precision piece is stepped through its fp32 master; an fp32 piece is its own master.
@@ -146,15 +153,11 @@ class PieceOptimizer(torch.optim.Optimizer):
         """The whole model's gradient L2 norm (unscaled), the same on every rank: a collective."""
         self._attach_grads()
         device = self.layout.params[0].device if self.layout.params else None
-        sharded = torch.zeros((), dtype=torch.float64, device=device)
-        replicated = torch.zeros((), dtype=torch.float64, device=device)
-        for pc in self.pieces:
-            if pc.tensor.grad is not None:
-                s = pc.tensor.grad.double().square().sum()
-                (replicated if pc.replicated else sharded).add_(s)
-        if self.layout.world > 1:
-            comm.all_reduce(sharded, "sum", self.process_group)
-        self._norm = (sharded + replicated).sqrt() / self.loss_scale
+        tp = self.tp
+        grads = ((pc.tensor.grad, not pc.replicated, tp is not None and tp.cuts(pc.param))
+                 for pc in self.pieces if pc.tensor.grad is not None)
+        norm = global_grad_norm(grads, device, dp_group=self.process_group, dp_size=self.layout.world, tp=tp)
+        self._norm = norm / self.loss_scale
         return self._norm.to(torch.float32)
 
     @torch.no_grad()
@@ -162,8 +165,7 @@ class PieceOptimizer(torch.optim.Optimizer):
         """Scale the gradients so that their global norm is at most `max_norm`; return the norm before.
         fp32 pieces are scaled in place now; low-precision ones when step() casts them to fp32."""
         norm = self.grad_norm()
-        total = float(norm)
-        coef = max_norm / (total + 1e-6) if math.isfinite(total) else 1.0
+        coef = clip_coefficient(norm, max_norm)
         if coef < 1.0:
             self._coef = coef
             for pc, master in zip(self.pieces, self.masters):

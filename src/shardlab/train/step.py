@@ -20,8 +20,10 @@ import torch
 import torch.nn as nn
 
 from shardlab.parallel.buckets import trainable_params as unique_trainable
+from shardlab.parallel.gradnorm import clip_grad_norm_
 from shardlab.parallel.optim import MixedPrecisionOptimizer
 from shardlab.parallel.precision import LossScaler, get_precision
+from shardlab.parallel.tensor import tensor_sharding
 from shardlab.train.config import Config, OptimSection
 from shardlab.train.task import Task, skip_layer
 
@@ -43,15 +45,17 @@ def adamw_kwargs(o: OptimSection) -> dict:
 
 def make_optimizer(model: nn.Module, o: OptimSection, precision: str = "fp32") -> torch.optim.Optimizer:
     """AdamW over `decay_groups`; a sharding wrapper (ZeRO) builds its own sharded version. Under a
-    mixed precision the optimizer keeps fp32 master weights (and, for fp16, a dynamic loss scale)."""
+    mixed precision the optimizer keeps fp32 master weights (and, for fp16, a dynamic loss scale).
+    Those optimizers clip over the whole model themselves, so they are told which parameters a
+    tensor-parallel model cuts over its tp group."""
     groups, kwargs = decay_groups(model, o), adamw_kwargs(o)
     p = get_precision(precision)
     if p.loss_scaling:
         kwargs["loss_scaler"] = LossScaler(o.loss_scale, o.loss_scale_window)
     if hasattr(model, "build_optimizer"):  # a sharding wrapper (ZeRO) builds its own
-        return model.build_optimizer(groups, torch.optim.AdamW, **kwargs)
+        return model.build_optimizer(groups, torch.optim.AdamW, tp=tensor_sharding(model), **kwargs)
     if p.mixed:
-        return MixedPrecisionOptimizer(groups, torch.optim.AdamW, **kwargs)
+        return MixedPrecisionOptimizer(groups, torch.optim.AdamW, tp=tensor_sharding(model), **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 
@@ -139,20 +143,15 @@ def train_step(
         after_backward()
     if hasattr(model, "finish_gradient_sync"):
         model.finish_gradient_sync()
-    max_norm = grad_clip if grad_clip > 0 else math.inf
+    max_norm = grad_clip if grad_clip > 0 else math.inf  # inf: the norm is still logged, nothing scaled
     if hasattr(optimizer, "clip_grad_norm_"):
         # Sharded or mixed-precision optimizers (parallel/optim.py) sum the shards' squares across
         # ranks and fold the coefficient (and 1/loss scale) into their fp32 update.
         norm = optimizer.clip_grad_norm_(max_norm)
     else:
-        # Every rank holds the same full gradients after data-parallel sync: the local norm is global.
-        grads = [p.grad for p in unique_trainable(inner) if p.grad is not None]
-        if not grads:
-            norm = torch.zeros(())
-        elif grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_([p for p in unique_trainable(inner) if p.grad is not None], max_norm)
-        else:  # the norm is still logged, but nothing is scaled
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        # Every rank holds whole gradients after data-parallel sync; a tensor-parallel model's
+        # are its shards and replicas, whose squares parallel/gradnorm.py sums over its tp group.
+        norm = clip_grad_norm_(unique_trainable(inner), max_norm, tensor_sharding(inner))
     if before_update is not None:
         before_update()
     optimizer.step()

@@ -18,11 +18,13 @@ from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLin
 from shardlab.parallel.tensor.lecture_mlp import (
     LECTURE_MLP_PLAN, MEGATRON_MLP_PLAN, TensorParallelDeepMLP, step_comm, wire_mlp,
 )
-from shardlab.parallel.tensor.plan import FORMS, STYLES, apply_tensor_parallel, check_plan, resolve_plan
+from shardlab.parallel.tensor.plan import (
+    FORMS, PLAN_NAMES, STYLES, apply_tensor_parallel, check_plan, named_plan, resolve_plan,
+)
 from shardlab.parallel.tensor.sequence import SequenceParallelLayerNorm, convert_layer_norm, sequence_parallel_linears
 from shardlab.parallel.tensor.shards import (
-    ShardSpec, TensorParallelModel, clip_grad_norm_, full_gradients, full_parameters, grad_norm, shard_tensor,
-    unshard_tensor,
+    ShardSpec, TensorParallelModel, clip_grad_norm_, find_tensor_parallel, full_gradients, full_parameters, grad_norm,
+    shard_tensor, tensor_sharding, unshard_tensor, whole_tensors,
 )
 from shardlab.parallel.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
@@ -31,6 +33,7 @@ __all__ = [
     "GPT_PLAN",
     "LECTURE_MLP_PLAN",
     "MEGATRON_MLP_PLAN",
+    "PLAN_NAMES",
     "STYLES",
     "ColumnParallelLinear",
     "HeadParallelAttention",
@@ -46,15 +49,19 @@ __all__ = [
     "check_plan",
     "clip_grad_norm_",
     "convert_layer_norm",
+    "find_tensor_parallel",
     "full_gradients",
     "full_parameters",
     "grad_norm",
+    "named_plan",
     "resolve_plan",
     "sequence_parallel_linears",
     "shard_attention",
     "shard_tensor",
     "step_comm",
+    "tensor_sharding",
     "unshard_tensor",
     "vocab_parallel_cross_entropy",
+    "whole_tensors",
     "wire_mlp",
 ]

@@ -46,9 +46,12 @@ from shardlab.models.gpt import GPT
 from shardlab.models.mlp import DeepMLP
 from shardlab.parallel.tensor.attention import head_problems
 from shardlab.parallel.tensor.gpt import convert_gpt, gpt_plan, gpt_problems
-from shardlab.parallel.tensor.lecture_mlp import MEGATRON_MLP_PLAN, convert_mlp, mlp_problems
+from shardlab.parallel.tensor.lecture_mlp import LECTURE_MLP_PLAN, MEGATRON_MLP_PLAN, convert_mlp, mlp_problems
 
 STYLES = ("column", "row", "vocab", "heads", "lecture", "replicate")
+PLAN_NAMES = ("megatron", "lecture")
+"""The plans a configuration names (layout.tp_plan): 'megatron', each model's default (GPT_PLAN;
+MEGATRON_MLP_PLAN), and 'lecture', the deep MLP's lecture form (LECTURE_MLP_PLAN)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,16 @@ def _form(model: nn.Module) -> Form:
         if isinstance(model, cls):
             return form
     raise TypeError(f"no tensor-parallel form for {type(model).__name__}; known: {[c.__name__ for c in FORMS]}")
+
+
+def named_plan(model: nn.Module, name: str) -> Mapping[str, str]:
+    """The plan `name` (one of PLAN_NAMES) for `model`."""
+    if name == "megatron":
+        return _form(model).default_plan(model)
+    if name == "lecture" and isinstance(model, DeepMLP):
+        return LECTURE_MLP_PLAN
+    raise ValueError(f"no tensor-parallel plan {name!r} for {type(model).__name__}: 'megatron' fits every model, "
+                     f"'lecture' the DeepMLP only")
 
 
 def resolve_plan(model: nn.Module, plan: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
@@ -146,7 +159,6 @@ def check_plan(model: nn.Module, plan: Mapping[str, str] | None = None, tp: int 
     for name, style in styles.items():
         problems += _style_problems(name, modules[name], style, tp)
     return problems + form.problems(model, styles, tp, sequence_parallel)
-    return problems
 
 
 def apply_tensor_parallel(model: nn.Module, group_or_mesh: Group | DeviceMesh = None,

@@ -16,15 +16,16 @@ model's tensor-parallel group: call them on every rank.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardlab.comm.autograd import all_reduce_, gather_along
+from shardlab.comm.autograd import gather_along
 from shardlab.comm.dispatch import Group
+from shardlab.parallel.gradnorm import TensorSharding, whole_grad_norm
+from shardlab.parallel.gradnorm import clip_grad_norm_ as clip_grads
 
 
 class ShardSpec(NamedTuple):
@@ -59,13 +60,28 @@ def param_specs(model: nn.Module) -> dict[int, ShardSpec]:
     return out
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The tensor-parallel model under data-parallel wrappers (which keep it as `.module`)."""
+def find_tensor_parallel(model: nn.Module) -> nn.Module | None:
+    """The tensor-parallel model, `model` itself or under data-parallel wrappers (which keep it as
+    `.module`); None when there is none."""
     while not hasattr(model, "tp_group") and hasattr(model, "module"):
         model = model.module
-    if not hasattr(model, "tp_group"):
+    return model if hasattr(model, "tp_group") else None
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    found = find_tensor_parallel(model)
+    if found is None:
         raise TypeError(f"{type(model).__name__} is not a tensor-parallel model (see apply_tensor_parallel)")
-    return model
+    return found
+
+
+def tensor_sharding(model: nn.Module) -> TensorSharding | None:
+    """Which parameters of `model` (or of the tensor-parallel model under its wrappers) are cut over
+    its tp group, for the gradient norm (parallel/gradnorm.py); None when it is not tensor-parallel."""
+    found = find_tensor_parallel(model)
+    if found is None:
+        return None
+    return TensorSharding(found.tp_group, dist.get_world_size(found.tp_group), frozenset(param_specs(found)))
 
 
 def _assemble(pieces: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -108,6 +124,19 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def whole_tensors(model: nn.Module, tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """`tensors`, this rank's shards of parameters or gradients by the plain names (None kept), made
+    whole over the tp group: e.g. a data-parallel wrapper's views, already whole over dp. A collective."""
+    model = _unwrap(model)
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise KeyError(f"{unknown[:5]} are not parameters of {type(model).__name__}")
+    whole = _whole(model, [(n, params[n], t) for n, t in tensors.items()])
+    return {n: whole.get(n) for n in tensors}
+
+
+@torch.no_grad()
 def full_gradients(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Every trainable parameter's gradient whole (None where it has none), by the plain names.
 
@@ -123,38 +152,15 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     """The whole model's gradient 2-norm: shards' squares summed over the group, replicated
     gradients (equal on every rank) counted once. A collective over the tensor-parallel group."""
     model = _unwrap(model)
-    specs = param_specs(model)
-    seen: set[int] = set()
-    sharded = replicated = None
-    for p in model.parameters():
-        if p.grad is None or id(p) in seen:
-            continue
-        seen.add(id(p))
-        sq = p.grad.detach().double().square().sum()
-        if id(p) in specs:
-            sharded = sq if sharded is None else sharded + sq
-        else:
-            replicated = sq if replicated is None else replicated + sq
-    device = next(model.parameters()).device
-    sharded = torch.zeros((), dtype=torch.float64, device=device) if sharded is None else sharded
-    # Every rank issues the reduction, with or without local gradients, so the calls stay matched.
-    total = all_reduce_(sharded.reshape(1), model.tp_group)[0]
-    if replicated is not None:
-        total = total + replicated
-    return total.sqrt()
+    return whole_grad_norm(model.parameters(), tensor_sharding(model))
 
 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Scale every gradient so that the whole model's norm is at most `max_norm`; return the norm."""
-    norm = grad_norm(model)
-    if math.isfinite(max_norm):
-        # torch.nn.utils.clip_grad_norm_'s rule, so a clipped step matches the single-process one.
-        scale = min(max_norm / (norm.item() + 1e-6), 1.0)
-        for p in {id(p): p for p in _unwrap(model).parameters()}.values():
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm.float()
+    """Scale every gradient so that the whole model's norm is at most `max_norm`; return the norm.
+    The rule and the norm are parallel/gradnorm.py's, which the trainer's other layouts use too."""
+    model = _unwrap(model)
+    return clip_grads(model.parameters(), max_norm, tensor_sharding(model))
 
 
 class SharesGroups:
