@@ -43,7 +43,7 @@ def test_every_command_has_help(capfd):
         assert info.value.code == 0
     out = capfd.readouterr().out
     assert "busbw" in out and "--world-size" in out and "--impl" in out
-    assert "--dry-run" in out and "--dp-mode" in out and "--grad-tol" in out
+    assert "--dry-run" in out and "--dp-mode" in out and "--grad-tol" in out and "--tp" in out and "--sp" in out
 
 
 def test_train_dry_run_prints_the_resolved_config_and_parameter_count(capfd):
@@ -69,6 +69,23 @@ def test_verify_command_writes_the_report(capfd, tmp_path):
     assert {"layout", "world_size", "steps", "loss_diffs", "max_abs_param_diff", "max_rel_param_diff",
             "passed"} <= set(report)
     assert report["passed"] is True and report["world_size"] == 2 and len(report["loss_diffs"]) == 5
+
+
+def test_verify_tensor_and_sequence_parallel(capfd):
+    assert main(["verify", "--model", "gpt", "--tp", "2", "--sp", "--threads", "1"]) == 0
+    out = capfd.readouterr().out
+    assert "verify gpt: dp 1 (overlap, torch) x tp 2 + sp (megatron)" in out and "world size 2" in out
+    assert "PASS" in out and "gradient norm" in out
+
+
+def test_verify_refuses_a_tensor_parallel_layout_that_does_not_fit(capfd):
+    assert main(["verify", "--model", "gpt", "--dp", "2", "--tp", "3", "--sp", "--set", "model.seq_len=32"]) == 2
+    err = capfd.readouterr().err
+    assert ("layout.tp = 3 with layout.sp, layout.tp_plan = 'megatron': blocks.*.attn: 4 query heads do not divide "
+            "over tp 3 (model.n_head = 4, model.n_kv_head = 4)") in err
+    assert "sequence parallelism: seq_len 32 does not divide over tp 3 (model.seq_len = 32)" in err
+    assert main(["train", "--model", "gpt", "--tp", "2", "--tp-plan", "lecture", "--dry-run"]) == 2
+    assert "layout.tp_plan = 'lecture' is the deep MLP's form" in capfd.readouterr().err
 
 
 def test_train_under_torchrun(tmp_path):

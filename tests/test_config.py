@@ -99,3 +99,66 @@ def test_lr_schedule_warms_up_then_decays_to_min():
     assert lr_at(10, cfg) == pytest.approx(0.1)
     cfg.override(['train.decay="constant"'])
     assert lr_at(9, cfg) == 1.0
+
+
+def test_tensor_parallel_degrees_multiply_to_the_world_size():
+    cfg = Config()
+    cfg.override(["layout.dp=2", "layout.tp=2", "layout.sp=true", 'layout.tp_plan="megatron"'])
+    assert cfg.world_size == 4
+    cfg.validate(world_size=4)
+    with pytest.raises(ConfigError, match=r"layout needs 4 ranks \(layout.dp = 2 x layout.tp = 2\) but the job "
+                                          r"has world size 2"):
+        cfg.validate(world_size=2)
+
+
+def test_tensor_parallel_plans_that_do_not_fit_are_refused_with_fields_and_numbers():
+    cfg = Config()
+    cfg.override(["layout.tp=4", "layout.sp=true", "model.d_model=96", "model.n_head=6", "model.n_kv_head=3",
+                  "model.d_ff=102", "model.seq_len=18", "model.n_layer=3", "layout.tp=0"])
+    with pytest.raises(ConfigError, match=r"layout.tp = 0 must be positive"):
+        cfg.validate()
+    cfg.override(["layout.tp=4"])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    text = str(info.value)
+    where = "layout.tp = 4 with layout.sp, layout.tp_plan = 'megatron': "
+    # One line per kind of module, not per block; each names the fields that size it.
+    assert text.count("blocks.*.attn: 6 query heads") == 1 and "blocks.0" not in text
+    assert where + "blocks.*.attn: 6 query heads do not divide over tp 4 (model.n_head = 6, model.n_kv_head = 3)" in text
+    assert (where + "blocks.*.mlp.fc: column splits its 102 output features over tp 4, which does not divide them "
+            "(model.d_ff = 102)") in text
+    assert where + "sequence parallelism: seq_len 18 does not divide over tp 4 (model.seq_len = 18)" in text
+    cfg = Config()
+    cfg.override(['model.name="mlp"', "model.d_model=100", "layout.tp=3", "layout.dp=2", "train.global_batch=12",
+                  "train.micro_batches=2", "layout.sp=true"])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    text = str(info.value)
+    assert ("layout.tp = 3 with layout.sp, layout.tp_plan = 'megatron': layers.*: column splits its 100 output "
+            "features over tp 3, which does not divide them (model.d_model = 100)") in text
+    assert ("layout.sp splits the mlp's rows over layout.tp = 3, but each micro-batch has train.global_batch = 12 / "
+            "(layout.dp = 2 x train.micro_batches = 2) = 3 rows") not in text  # 3 rows divide over 3
+    cfg.override(["layout.tp=2", "model.d_model=64"])
+    with pytest.raises(ConfigError, match=r"train.global_batch = 12 / \(layout.dp = 2 x train.micro_batches = 2\) "
+                                          r"= 3 rows"):
+        cfg.validate()
+
+
+def test_what_tensor_parallelism_cannot_do_yet_is_refused():
+    cfg = Config()
+    cfg.override(['layout.tp_plan="lecture"', "layout.tp=2", "model.dropout=0.1", 'layout.tp_plan="fast"'])
+    with pytest.raises(ConfigError, match=r"layout.tp_plan = 'fast' must be one of 'megatron', 'lecture'"):
+        cfg.validate()
+    cfg.override(['layout.tp_plan="lecture"'])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    text = str(info.value)
+    assert "layout.tp_plan = 'lecture' is the deep MLP's form" in text and "the gpt takes 'megatron'" in text
+    assert "model.dropout = 0.1 with layout.tp = 2: the ranks of a tp group would draw the same dropout masks" in text
+    cfg = Config()
+    cfg.override(['model.name="mlp"', "layout.tp=2", "model.skip_layer_every=2"])
+    with pytest.raises(ConfigError, match=r"model.skip_layer_every = 2 with layout.tp_plan = 'megatron' at "
+                                          r"layout.tp = 2: the mlp's layer 0 is column-parallel"):
+        cfg.validate()
+    cfg.override(['layout.tp_plan="lecture"', "layout.zero=3", "layout.dp=2", 'layout.precision="bf16"'])
+    cfg.validate()  # the lecture form's layers are whole between layers; ZeRO-3 and bf16 compose with tp

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from shardlab.dist.env import synchronize
-from shardlab.parallel.layout import apply_layout
+from shardlab.parallel.layout import apply_layout, build_mesh
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.memory import MemoryTracker, _storage
@@ -60,9 +60,10 @@ def _measure(cfg: Config, device: torch.device) -> dict[str, Any]:
     psi = sum(p.numel() for p in plain.parameters())
     trainable = sum(p.numel() for p in plain.parameters() if p.requires_grad)
     task = build_task(cfg, plain)
-    model = apply_layout(plain, cfg.layout)
+    mesh = build_mesh(cfg.layout)
+    model = apply_layout(plain, cfg.layout, mesh)
     optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)
-    kw = dict(dp_rank=dist.get_rank(), dp_size=cfg.layout.dp, micro_batches=cfg.train.micro_batches,
+    kw = dict(dp_rank=mesh.local_rank("dp"), dp_size=cfg.layout.dp, micro_batches=cfg.train.micro_batches,
               grad_clip=cfg.optim.grad_clip, device=device)
     train_step(model, optimizer, task, 0, lr=lr_at(0, cfg), **kw)  # creates the optimizer state
     # Counted at two moments, and the larger total kept: when backward has finished (full gradients

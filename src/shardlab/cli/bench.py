@@ -308,6 +308,10 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         cfg = resolve_config(args, base=base)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
+        if cfg.layout.tp > 1 or cfg.layout.sp:
+            raise ConfigError(f"layout.tp = {cfg.layout.tp}, layout.sp = {cfg.layout.sp}: bench train compares "
+                              f"data-parallel variants with torch's over every rank; tensor parallelism is measured by "
+                              f"python -m shardlab.bench.tensor_parallel (and timed by shardlab train)")
     except ConfigError as exc:
         print(f"shardlab bench train: {exc}", file=sys.stderr)
         return 2

@@ -64,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = resolve_config(args, base=MEMORY_BASE)
         cfg.validate(None)
+        if cfg.layout.tp > 1 or cfg.layout.sp:
+            # The formulas count Psi / N per ZeRO stage over data-parallel ranks; a tp-sharded model
+            # would need Psi / tp for its sharded part and whole replicas for the rest: not modelled yet.
+            raise ConfigError(f"layout.tp = {cfg.layout.tp}, layout.sp = {cfg.layout.sp}: the memory formulas and "
+                              f"measurement cover data parallelism and ZeRO only; use tp 1 without sp")
     except ConfigError as exc:
         print(f"shardlab memory: {exc}", file=sys.stderr)
         return 2

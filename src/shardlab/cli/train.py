@@ -22,6 +22,7 @@ examples:
   shardlab train --config configs/gpt-small.toml --dp 2
   shardlab train --config configs/gpt-small.toml --set train.steps=50 --set optim.lr=3e-4
   shardlab train --model mlp --set model.d_model=512 --dp 2 --dp-mode naive
+  shardlab train --config configs/gpt-small.toml --dp 2 --tp 2 --sp       # 4 ranks: dp 2 x tp 2
   shardlab train --config configs/gpt-small.toml --dry-run
   shardlab train --help-config                      # every configuration field, documented
   torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
@@ -38,6 +39,15 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=None, help="shortcut for --set train.steps=...")
     lay = p.add_argument_group("layout")
     lay.add_argument("--dp", type=int, default=None, help="data-parallel degree (ranks); layout.dp")
+    lay.add_argument("--tp", type=int, default=None,
+                     help="tensor-parallel degree: ranks splitting every layer, innermost on a dp x tp mesh; world "
+                          "size = dp x tp (layout.tp)")
+    lay.add_argument("--sp", action="store_true", default=None,
+                     help="sequence parallelism on top of tensor parallelism: norms and the residual stream hold "
+                          "1/tp of the tokens (layout.sp)")
+    lay.add_argument("--tp-plan", choices=["megatron", "lecture"], default=None,
+                     help="megatron (every model: column/row pairs, GPT vocabulary and heads) or lecture (the MLP: "
+                          "every layer d x d/tp, gathered after each) (layout.tp_plan)")
     lay.add_argument("--dp-mode", choices=["naive", "bucketed", "overlap"], default=None,
                      help="naive: one all-reduce per gradient after backward; bucketed: flat buckets after "
                           "backward; overlap: buckets reduced during backward (layout.dp_mode)")
@@ -58,12 +68,15 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     from shardlab.train.config import load_config
 
     flags = []
-    for attr, key in (("model", "model.name"), ("steps", "train.steps"), ("dp", "layout.dp"),
+    for attr, key in (("model", "model.name"), ("steps", "train.steps"), ("dp", "layout.dp"), ("tp", "layout.tp"),
+                      ("sp", "layout.sp"), ("tp_plan", "layout.tp_plan"),
                       ("dp_mode", "layout.dp_mode"), ("bucket_mb", "layout.bucket_mb"),
                       ("comm_impl", "layout.comm_impl"), ("zero", "layout.zero"),
                       ("precision", "layout.precision")):
         value = getattr(args, attr, None)
-        if value is not None:
+        if isinstance(value, bool):  # TOML spells them lower-case
+            flags.append(f"{key}={str(value).lower()}")
+        elif value is not None:
             flags.append(f'{key}="{value}"' if isinstance(value, str) else f"{key}={value}")
     return load_config(args.config, [*args.overrides, *flags], base=base)
 
@@ -147,5 +160,6 @@ def dry_run(cfg) -> int:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for n, p in model.named_parameters() if not cfg.frozen(n))
     print(cfg.to_toml())
-    print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}")
+    print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
+          + (f" (dp {cfg.layout.dp} x tp {cfg.layout.tp})" if cfg.layout.tp > 1 else ""))
     return 0

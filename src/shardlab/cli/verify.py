@@ -14,7 +14,9 @@ Run a parallel layout and a single-process reference from the same initial weigh
 global batches for K steps (train.steps), and report per step the loss difference and the largest
 gradient and parameter differences (absolute, and relative to each tensor's scale) over all ranks.
 Exit status 0 when the loss is within --tol relative, every parameter within --atol + --tol x its
-tensor's scale and every gradient within --grad-tol x its scale, at every step; 1 otherwise.
+tensor's scale and every gradient (and the gradient norm clipped with) within --grad-tol x its
+scale, at every step; 1 otherwise. Sharded layouts (ZeRO, tensor parallelism) are compared whole,
+by the plain model's parameter names.
 
 Mixed precision (--precision bf16|fp16): the reference runs in the same precision, and a third copy
 runs it in fp32. What the precision itself changes (G: the largest relative difference of any tensor
@@ -33,6 +35,9 @@ examples:
   shardlab verify --model gpt --dp 4 --set train.micro_batches=3 --set model.freeze='pos_emb.*'
   shardlab verify --model gpt --dp 2 --comm-impl ring --set model.skip_layer_every=2
   shardlab verify --model gpt --dp 2 --zero 3 --precision bf16
+  shardlab verify --model gpt --tp 4 --sp                  # tensor + sequence parallel, 4 ranks
+  shardlab verify --model mlp --tp 2 --tp-plan lecture     # the lecture's MLP form
+  shardlab verify --model gpt --dp 2 --tp 2 --zero 2       # ZeRO-2 over each dp group of a dp x tp mesh
 """
 
 

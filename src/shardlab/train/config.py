@@ -1,7 +1,7 @@
 """The typed run configuration: dataclasses with documented fields, TOML files, `--set` overrides.
 
-    cfg = load_config("configs/gpt-small.toml", ["optim.lr=3e-4", "layout.dp=2"])
-    cfg.validate(world_size=2)       # raises ConfigError naming every field that does not fit
+    cfg = load_config("configs/gpt-small.toml", ["optim.lr=3e-4", "layout.dp=2", "layout.tp=2"])
+    cfg.validate(world_size=4)       # raises ConfigError naming every field that does not fit
     print(cfg.to_toml())             # the resolved configuration, loadable again
 
 One file holds everything a run needs (model, data, optimizer, schedule, layout, logging), so a
@@ -131,6 +131,18 @@ class LayoutSection:
 
     dp: int = 1
     """Data-parallel degree: ranks that each take a slice of every global batch."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split every layer's matmuls (Megatron-LM) and take the same
+    rows. The ranks form a dp x tp mesh, tp innermost (a tp group's ranks are consecutive: the closest
+    ones, since it talks on every layer); data parallelism and ZeRO run over the dp groups."""
+    sp: bool = False
+    """Sequence parallelism (Korthikanti et al. 2022) on top of tensor parallelism: norms and the
+    residual stream hold 1/tp of the tokens (GPT: model.seq_len must divide by tp; MLP: its rows per
+    micro-batch). With tp 1 it runs the tensor-parallel code on one-rank groups (a check of that code)."""
+    tp_plan: str = "megatron"
+    """Tensor-parallel plan: 'megatron' (GPT: embedding and head split by vocabulary, attention by
+    heads, MLP column then row; deep MLP: layers paired column then row, one all-reduce per pair) or
+    'lecture' (deep MLP only: every layer d x d/tp, all-gathered after each). docs/tensor-parallel.md."""
     dp_mode: str = "overlap"
     """'naive' (one all-reduce per gradient after backward), 'bucketed' (flat buckets after
     backward) or 'overlap' (buckets reduced during backward)."""
@@ -239,7 +251,7 @@ class Config:
     @property
     def world_size(self) -> int:
         """Ranks this layout needs: the product of its degrees."""
-        return self.layout.dp
+        return self.layout.dp * self.layout.tp
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError listing every problem, each naming the fields and values involved.
@@ -251,10 +263,8 @@ class Config:
 
         problems = find_problems(self)
         if world_size is not None and world_size != self.world_size:
-            problems.append(
-                f"layout needs {self.world_size} ranks (layout.dp = {self.layout.dp}) but the job has "
-                f"world size {world_size}"
-            )
+            degrees = f"layout.dp = {self.layout.dp}" + (f" x layout.tp = {self.layout.tp}" if self.layout.tp != 1 else "")
+            problems.append(f"layout needs {self.world_size} ranks ({degrees}) but the job has world size {world_size}")
         if problems:
             raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

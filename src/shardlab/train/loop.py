@@ -1,12 +1,14 @@
 """The training loop: one function that every rank runs, locally launched or under torchrun.
 
     shardlab train --config configs/gpt-small.toml --dp 2
+    shardlab train --config configs/gpt-small.toml --dp 2 --tp 2 --sp      # 4 ranks: dp 2 x tp 2
     torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
 
 Each step: this rank's micro-batches forward and backward, gradient sync by the layout, clipping,
 AdamW (train/step.py). Every step's loss, step time and communication wait are gathered from all
-ranks (one tiny all_gather) so the curve is the global loss; logged steps also measure peak tensor
-memory per rank. Rank 0 writes metrics.jsonl, TensorBoard events, and at the end loss.png, the
+ranks (one tiny all_gather) so the curve is the global loss: the mean over dp ranks, since the
+ranks of a tp group compute the same loss on the same rows; logged steps also measure peak tensor
+memory per rank. Throughput and MFU count the plain model's FLOPs over every rank. Rank 0 writes metrics.jsonl, TensorBoard events, and at the end loss.png, the
 sampled text and summary.json into log.out_dir.
 """
 
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.dist.env import synchronize
-from shardlab.parallel.layout import apply_layout
+from shardlab.parallel.layout import apply_layout, build_mesh
 from shardlab.parallel.precision import get_precision
 from shardlab.train.config import Config
 from shardlab.train.memory import MemoryTracker
@@ -38,8 +40,9 @@ def rank_device() -> torch.device:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, batches: int,
-             device: torch.device) -> float:
-    """Mean loss over `batches` held-out global batches, each rank taking its rows."""
+             device: torch.device, dp_group: dist.ProcessGroup | None = None) -> float:
+    """Mean loss over `batches` held-out global batches, each dp rank taking its rows (the ranks of a
+    tp group take the same rows and get the same loss: summed over dp only, not counted tp times)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -48,8 +51,17 @@ def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, bat
         total += model(x.to(device), y.to(device)).double()
     model.train(was_training)
     total /= batches
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=dp_group)
     return total.item() / dp_size
+
+
+def layout_name(cfg: Config) -> str:
+    """'dp 2 (overlap)', 'dp 2 (ZeRO-2) x tp 2 + sp (megatron)', ... for headers and titles."""
+    lay = cfg.layout
+    text = f"dp {lay.dp} ({'ZeRO-' + str(lay.zero) if lay.zero else lay.dp_mode})"
+    if lay.tp > 1 or lay.sp:
+        text += f" x tp {lay.tp}{' + sp' if lay.sp else ''} ({lay.tp_plan})"
+    return text + ("" if lay.precision == "fp32" else f", {lay.precision}")
 
 
 def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
@@ -60,12 +72,19 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     t, lay = cfg.train, cfg.layout
 
     plain = prepare_model(cfg).to(device)
+    # The plain model's size and FLOPs, before tensor parallelism cuts it to this rank's shards.
     task = build_task(cfg, plain)
-    model = apply_layout(plain, lay)
+    n_params = sum(p.numel() for p in plain.parameters())
+    mesh = build_mesh(lay)
+    dp_rank, dp_group = mesh.local_rank("dp"), mesh.group("dp")
+    # Each dp rank's loss, counted once: the ranks of a tp group all hold it (tp innermost).
+    dp_leaders = [mesh.rank_of({"dp": i, "tp": 0}) for i in range(lay.dp)]
+    model = apply_layout(plain, lay, mesh)
     optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)
-    # Identical weights came from the shared seed; from here each rank draws its own randomness
-    # (dropout masks must differ between the rows of different ranks, as they do within one batch).
-    torch.manual_seed(t.seed * 1_000_003 + 1 + rank)
+    # Identical weights came from the shared seed; from here each dp rank draws its own randomness
+    # (dropout masks must differ between the rows of different ranks, as they do within one batch),
+    # and the ranks of a tp group draw alike, so the activations they replicate stay equal.
+    torch.manual_seed(t.seed * 1_000_003 + 1 + dp_rank)
     peak = peak_flops(device, "fp32", cfg.log.peak_tflops)
     tokens_per_step = t.global_batch * task.tokens_per_row
 
@@ -73,8 +92,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     writer = MetricsWriter(out_dir, cfg.log.tensorboard) if rank == 0 else None
     if rank == 0:
         (out_dir / "config.toml").write_text(cfg.to_toml())
-        n = sum(p.numel() for p in plain.parameters())
-        print(f"{cfg.model.name}: {n:,} parameters | {world} rank(s), dp {lay.dp} ({lay.dp_mode}) | "
+        print(f"{cfg.model.name}: {n_params:,} parameters | {world} rank(s), {layout_name(cfg)} | "
               f"global batch {t.global_batch} x {task.tokens_per_row} tokens | {t.steps} steps | "
               f"writing {out_dir}/", flush=True)
 
@@ -90,7 +108,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             tracker.__enter__()
         try:
             res = train_step(
-                model, optimizer, task, step, lr=lr_at(step, cfg), dp_rank=rank, dp_size=lay.dp,
+                model, optimizer, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=lay.dp,
                 micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
                 skip_layer_every=cfg.model.skip_layer_every, device=device,
             )
@@ -113,7 +131,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             shown_s = sorted(window)[len(window) // 2]
         rec: dict[str, Any] = {
             "step": step,
-            "loss": stats[:, 0].mean().item(),
+            "loss": stats[dp_leaders, 0].mean().item(),
             "lr": lr_at(step, cfg),
             "grad_norm": res.grad_norm,
             "step_s": step_s,
@@ -131,7 +149,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             window = []
         if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1:
             # Through the wrapper, not the plain module: a layout that shards parameters gathers them in forward.
-            rec["val_loss"] = evaluate(model, task, rank, lay.dp, t.eval_batches, device)
+            rec["val_loss"] = evaluate(model, task, dp_rank, lay.dp, t.eval_batches, device, dp_group)
         records.append(rec)
         if writer is not None:
             writer.write(rec)
@@ -144,8 +162,10 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         from shardlab.train.sample import sample_text
 
         # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward.
+        # Sequence parallelism splits every sequence over tp: the window is padded to a multiple of it.
         sample = sample_text(model, cfg.model.seq_len, cfg.log.sample_prompt, cfg.log.sample_tokens,
-                             cfg.log.sample_temperature, seed=cfg.train.seed, device=device)
+                             cfg.log.sample_temperature, seed=cfg.train.seed, device=device,
+                             multiple=lay.tp if lay.sp else 1)
     if rank != 0:
         return None
     assert writer is not None
@@ -173,7 +193,7 @@ def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untr
     if cfg.log.plot:
         from shardlab.train.plot import plot_loss
 
-        title = f"{cfg.model.name} {cfg.model.n_layer}x{cfg.model.d_model}, dp {cfg.layout.dp} ({cfg.layout.dp_mode})"
+        title = f"{cfg.model.name} {cfg.model.n_layer}x{cfg.model.d_model}, {layout_name(cfg)}"
         summary["plot"] = str(plot_loss(records, out_dir / "loss.png", title))
     if sample is not None:
         (out_dir / "samples.txt").write_text(sample + "\n")

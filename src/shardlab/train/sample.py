@@ -10,11 +10,13 @@ from shardlab.train.data import decode
 
 @torch.no_grad()
 def sample_text(model: nn.Module, seq_len: int, prompt: str, n_tokens: int, temperature: float = 0.8,
-                top_k: int = 40, seed: int = 0, device: torch.device | None = None) -> str:
+                top_k: int = 40, seed: int = 0, device: torch.device | None = None, multiple: int = 1) -> str:
     """Continue `prompt` by `n_tokens` bytes, sampling from the top_k most likely at `temperature`.
 
     `model` may be a parallel wrapper (called on every rank alike). The context is cropped to seq_len. No KV cache: at these sizes recomputing the
-    window is fast enough, and the model stays free of inference-only code.
+    window is fast enough, and the model stays free of inference-only code. `multiple`: the window's
+    length must divide by it (sequence parallelism splits it over tp ranks); it is padded at the
+    end, which a causal model's logits up to the last real token never see.
     """
     was_training = model.training
     model.eval()
@@ -22,7 +24,12 @@ def sample_text(model: nn.Module, seq_len: int, prompt: str, n_tokens: int, temp
     gen = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=device)
     for _ in range(n_tokens):
-        logits = model(idx[:, -seq_len:])[:, -1, :].float() / temperature
+        window = idx[:, -seq_len:]
+        t = window.shape[1]
+        pad = -t % multiple
+        if pad:
+            window = torch.cat([window, window.new_zeros((1, pad))], dim=1)
+        logits = model(window)[:, t - 1, :].float() / temperature
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

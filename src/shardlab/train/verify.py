@@ -1,13 +1,17 @@
 """The equivalence harness: a parallel layout must compute the same training as one process.
 
     shardlab verify --model gpt --dp 2 --json v.json
+    shardlab verify --model gpt --dp 2 --tp 2 --sp        # 4 ranks
 
 Every rank builds the model from the run's seed and keeps an untouched copy as the single-process
 reference. Then, for K steps, the layout trains on its ranks' shares of each global batch while the
 reference trains on the whole global batch in one pass (no micro-batching, no communication), both
 through train/step.py, the code the trainer runs. After each step every rank compares what it holds
 with the reference: the loss, every gradient just before the optimizer uses it, and every parameter
-after the update. The largest differences over all ranks are reported.
+after the update. The largest differences over all ranks are reported. Sharded layouts are compared
+whole, by the plain model's parameter names: the data-parallel wrapper's views gathered over dp,
+then tensor-parallel shards gathered over tp (parallel/layout.py). The layout's loss is its dp
+ranks' mean; every rank of a tp group holds it, and each rank's is compared.
 
 Differences are relative to each tensor's scale, max|a - b| / max|b|, not per element: a gradient
 element that is 1e-9 where its neighbours are 1e-2 carries rounding noise of the neighbours' size,
@@ -25,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardlab.parallel.layout import apply_layout
+from shardlab.parallel.layout import apply_layout, build_mesh, full_gradients, full_parameters, uses_tensor_parallel
 from shardlab.parallel.precision import get_precision
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
@@ -83,6 +87,13 @@ def _worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], at
     return abs_max, rel_max, used_max, name_max
 
 
+def _norm_diff(a: float, b: float) -> float:
+    """|a - b| for gradient norms; 0 when both are the same infinity (an fp16 overflow both skipped)."""
+    if math.isfinite(a) and math.isfinite(b):
+        return abs(a - b)
+    return 0.0 if a == b else math.inf
+
+
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()
             if p.requires_grad}
@@ -113,7 +124,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     plain = prepare_model(cfg).to(device)
     reference = copy.deepcopy(plain)
     task = build_task(cfg, plain)
-    model = apply_layout(plain, cfg.layout)
+    mesh = build_mesh(cfg.layout)
+    dp_rank, dp_group = mesh.local_rank("dp"), mesh.group("dp")
+    model = apply_layout(plain, cfg.layout, mesh)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     ref_opt = make_optimizer(reference, cfg.optim, cfg.layout.precision)
     common = dict(grad_clip=cfg.optim.grad_clip, skip_layer_every=cfg.model.skip_layer_every, device=device)
@@ -125,17 +138,17 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         exact_opt = make_optimizer(exact, cfg.optim)
 
     rows = []
-    gap = {"param": 0.0, "loss": 0.0}
+    gap = {"param": 0.0, "loss": 0.0, "norm": 0.0}
     grad_gap: dict[str, float] = {}
     for step in range(t.steps):
         captured: dict[str, dict[str, torch.Tensor | None]] = {}
-        # A sharding layout's gradients live in shards: it gathers them whole for the comparison.
-        par_grads = getattr(model, "full_gradients", lambda: _grads(plain))
         # fp16: gradients are held multiplied by the loss scale; they are compared divided by it.
         scales = (getattr(opt, "loss_scale", 1.0), getattr(ref_opt, "loss_scale", 1.0))
-        res = train_step(model, opt, task, step, lr=lr_at(step, cfg), dp_rank=rank, dp_size=cfg.layout.dp,
+        res = train_step(model, opt, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=cfg.layout.dp,
                          micro_batches=t.micro_batches,
-                         before_update=lambda: captured.update(par=_unscaled(par_grads(), scales[0])), **common)
+                         # Sharded gradients are gathered whole for the comparison.
+                         before_update=lambda: captured.update(par=_unscaled(full_gradients(model), scales[0])),
+                         **common)
         ref = train_step(reference, ref_opt, task, step, lr=lr_at(step, cfg),
                          before_update=lambda: captured.update(ref=_unscaled(_grads(reference), scales[1])), **common)
         ref_params = dict(reference.named_parameters())
@@ -145,10 +158,12 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         # a gradient directly. Parameters: the worst tensor's relative figure, because Adam turns a
         # gradient element's rounding into an update of up to lr in whichever tensor it lands.
         # And after the first update, one rounding unit of the compute dtype, relative: the loss is
-        # then computed from weights rounded from masters that may differ in their last bits.
+        # then computed from weights rounded from masters that may differ in their last bits. Under
+        # tensor parallelism from the first step: a row layer sums the ranks' partial outputs in the
+        # compute dtype, one more rounding than the single process's matmul makes.
         loss_floor = 0.0
         if mixed:
-            if step > 0:
+            if step > 0 or uses_tensor_parallel(cfg.layout):
                 loss_floor = torch.finfo(get_precision(cfg.layout.precision).compute).eps / 2 * abs(ref.loss)
             ex = train_step(exact, exact_opt, task, step, lr=lr_at(step, cfg),
                             before_update=lambda: captured.update(exact=_grads(exact)), **common)
@@ -158,25 +173,34 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                 grad_gap[n] = max(grad_gap.get(n, 0.0), d / scale if scale > 0 else 0.0)
             gap["param"] = max(gap["param"], _worst([(n, ref_params[n], exact_params[n]) for n in ref_params], 0, 1)[1])
             gap["loss"] = max(gap["loss"], abs(ref.loss - ex.loss))
+            if math.isfinite(ref.grad_norm) and math.isfinite(ex.grad_norm):
+                gap["norm"] = max(gap["norm"], abs(ref.grad_norm - ex.grad_norm))
+        # The mean over dp ranks (a tp group's ranks each hold their rows' loss: not summed again).
         loss = torch.tensor([res.loss], dtype=torch.float64, device=device)  # nccl reduces device tensors only
-        dist.all_reduce(loss)
-        loss_par = loss.item() / world
+        dist.all_reduce(loss, group=dp_group)
+        loss_par = loss.item() / cfg.layout.dp
         grad_abs, grad_rel, grad_used, grad_name = _worst(
             [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]], 0.0, grad_tol,
             {n: mp_factor * g for n, g in grad_gap.items()})
-        # A layout that shards parameters (ZeRO-3) gathers them whole, by their original names.
-        held = model.full_parameters() if hasattr(model, "full_parameters") else dict(plain.named_parameters())
+        # Sharded parameters (ZeRO-3, tensor parallelism) gathered whole, by their original names.
+        held = full_parameters(model)
         missing = sorted(set(ref_params) - set(held))
         if missing:
             raise RuntimeError(f"the layout does not hold parameters {missing[:5]} of the reference")
         param_abs, param_rel, param_used, param_name = _worst(
             [(n, held[n], ref_params[n]) for n in ref_params], atol, tol + mp_factor * gap["param"])
+        # The gradient norm the step clipped with and logged: a sharded layout sums it over its groups
+        # (parallel/gradnorm.py), so a group left out shows here. Allowed: what the gradients are.
+        norm_allowed = ((grad_tol + mp_factor * max(grad_gap.values(), default=0.0)) * abs(ref.grad_norm)
+                        + mp_factor * gap["norm"])
+        norm_used = _norm_diff(res.grad_norm, ref.grad_norm) / norm_allowed if norm_allowed > 0 else 0.0
         # The worst over ranks: every replica must match, not just rank 0's.
-        worst = torch.tensor([grad_abs, grad_rel, grad_used, param_abs, param_rel, param_used], dtype=torch.float64,
-                             device=device)
+        worst = torch.tensor([grad_abs, grad_rel, grad_used, param_abs, param_rel, param_used, norm_used],
+                             dtype=torch.float64, device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         names: list[Any] = [None] * world
-        dist.all_gather_object(names, (grad_used, grad_name, param_used, param_name))
+        dist.all_gather_object(names, (grad_used, grad_name, param_used, param_name, loss_par))
+        loss_par = max((x[4] for x in names), key=lambda v: abs(v - ref.loss))  # the worst rank's
         rows.append({
             "step": step,
             "loss": loss_par,
@@ -190,6 +214,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
             "max_rel_param_diff": worst[4].item(),
             "param_allowance_used": worst[5].item(),
             "worst_param": max(names, key=lambda x: x[2])[3],
+            "grad_norm": res.grad_norm,
+            "ref_grad_norm": ref.grad_norm,
+            "grad_norm_allowance_used": worst[6].item(),
             "loss_allowance": tol * abs(ref.loss) + mp_factor * max(gap["loss"], loss_floor),
             "skipped": res.skipped,
             "ref_skipped": ref.skipped,
@@ -200,12 +227,13 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                      precision_rel_param_gap=gap["param"])
         r["passed"] = bool(math.isfinite(r["loss"]) and abs(r["loss_diff"]) <= r["loss_allowance"]
                            and r["param_allowance_used"] <= 1.0 and r["grad_allowance_used"] <= 1.0
-                           and res.skipped == ref.skipped)
+                           and r["grad_norm_allowance_used"] <= 1.0 and res.skipped == ref.skipped)
     if rank != 0:
         return None
     max_rel_loss = max(abs(r["loss_diff"]) / max(abs(r["ref_loss"]), 1e-30) for r in rows)
     report = {
         "layout": {"dp": cfg.layout.dp, "dp_mode": cfg.layout.dp_mode, "zero": cfg.layout.zero,
+                   "tp": cfg.layout.tp, "sp": cfg.layout.sp, "tp_plan": cfg.layout.tp_plan,
                    "comm_impl": cfg.layout.comm_impl, "micro_batches": t.micro_batches,
                    "precision": cfg.layout.precision},
         "model": cfg.model.name,
@@ -223,6 +251,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         "max_rel_param_diff": max(r["max_rel_param_diff"] for r in rows),
         "param_allowance_used": max(r["param_allowance_used"] for r in rows),
         "grad_allowance_used": max(r["grad_allowance_used"] for r in rows),
+        "max_rel_grad_norm_diff": max(_norm_diff(r["grad_norm"], r["ref_grad_norm"]) / max(abs(r["ref_grad_norm"]), 1e-30)
+                                      for r in rows),
         "per_step": rows,
         "config": cfg.to_dict(),
     }
@@ -241,9 +271,11 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
 
 def format_report(report: dict[str, Any]) -> str:
     lay = report["layout"]
+    tp = lay.get("tp", 1)
+    tensor = f" x tp {tp}{' + sp' if lay.get('sp') else ''} ({lay.get('tp_plan')})" if tp > 1 or lay.get("sp") else ""
     lines = [
         f"verify {report['model']}: dp {lay['dp']} "
-        f"({'ZeRO-' + str(lay['zero']) if lay['zero'] else lay['dp_mode']}, {lay['comm_impl']}), "
+        f"({'ZeRO-' + str(lay['zero']) if lay['zero'] else lay['dp_mode']}, {lay['comm_impl']}){tensor}, "
         f"{lay['micro_batches']} micro-batch(es), {lay['precision']}, world size {report['world_size']}, "
         f"against one process on the whole batch, {report['steps']} steps",
         f"{'step':>4} {'loss (ref)':>11} {'loss diff':>10} {'grad abs':>9} {'grad rel':>9} "
@@ -258,9 +290,9 @@ def format_report(report: dict[str, Any]) -> str:
     verdict = "PASS" if report["passed"] else "FAIL"
     lines.append(
         f"{verdict}: largest relative differences: loss {report['max_rel_loss_diff']:.2e}, gradients "
-        f"{report['max_rel_grad_diff']:.2e}, parameters {report['max_rel_param_diff']:.2e} "
-        f"(tolerance {report['tolerance']:.0e} + {report['atol']:.0e} absolute for parameters, "
-        f"{report['grad_tolerance']:.0e} for gradients)"
+        f"{report['max_rel_grad_diff']:.2e}, parameters {report['max_rel_param_diff']:.2e}, gradient norm "
+        f"{report['max_rel_grad_norm_diff']:.2e} (tolerance {report['tolerance']:.0e} + {report['atol']:.0e} absolute for parameters, "
+        f"{report['grad_tolerance']:.0e} for gradients and their norm)"
     )
     if report.get("mp_factor"):
         last = report["per_step"][-1]
