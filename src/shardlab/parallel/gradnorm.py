@@ -1,11 +1,18 @@
 """The global gradient norm and clipping, written once for every layout.
 
-A rank's gradients may be cut two ways at once: into pieces of flat vectors over the data-parallel
-group (ZeRO, FSDP: `over_dp`) and into tensor-parallel shards over the tp group (`over_tp`). The
-whole model's norm counts every element's square once: a square cut over a group is summed over
+A rank's gradients may be cut three ways at once: into pieces of flat vectors over the data-parallel
+group (ZeRO, FSDP: `over_dp`), into tensor-parallel shards over the tp group (`over_tp`), and by
+depth into pipeline stages (`pp`: every parameter of a rank's stage is cut over the pipeline group).
+The whole model's norm counts every element's square once: a square cut over a group is summed over
 it; one replicated over a group (equal on all its ranks) is taken as it is. So the squares fall
 into four sums, [whole, tp-cut, dp-cut, cut both ways], reduced over dp (the dp-cut ones) and then
-over tp (the tp-cut ones): at most two small all-reduces per step, the same result on every rank.
+over tp (the tp-cut ones), and their total over pp: at most three small all-reduces per step, the
+same result on every rank.
+
+Pipeline stages hold disjoint parameters with one exception: a weight tied between the first and
+the last stage (the GPT's embedding and head) has a copy on each, with equal gradients after the
+pipeline sums them. `PipelineSharding.duplicates` names the copies a rank holds but another rank
+counts, and callers leave them out, so a tied weight is counted once, as one process counts it.
 
 Squares are summed in fp64: the norm then agrees with the single-process one to ~1e-16 however the
 model is cut, so a clipped step scales the gradients by the reference's coefficient, not one that
@@ -41,12 +48,28 @@ class TensorSharding:
         return id(p) in self.sharded
 
 
+@dataclass(frozen=True)
+class PipelineSharding:
+    """A pipeline stage's parameters: cut by depth over `group` (`size` stages), so their squares
+    are summed over it, except the tied copies in `duplicates` (by id()), which another stage counts."""
+
+    group: Group
+    size: int
+    duplicates: frozenset[int]
+
+    def counts(self, p: torch.Tensor) -> bool:
+        """Whether this rank's square of `p` belongs in the whole model's norm."""
+        return id(p) not in self.duplicates
+
+
 @torch.no_grad()
 def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, bool]], device: torch.device | None, *,
-                     dp_group: Group = None, dp_size: int = 1, tp: TensorSharding | None = None) -> torch.Tensor:
+                     dp_group: Group = None, dp_size: int = 1, tp: TensorSharding | None = None,
+                     pp: PipelineSharding | None = None) -> torch.Tensor:
     """The whole model's gradient 2-norm (fp64 scalar, equal on every rank) from this rank's
-    (gradient, cut over dp, cut over tp) triples. A collective over each group of more than one
-    rank: call it on every rank, with or without gradients of its own."""
+    (gradient, cut over dp, cut over tp) triples; under a pipeline (`pp`) the caller has left out
+    the tied copies `pp.counts` refuses. A collective over each group of more than one rank: call
+    it on every rank, with or without gradients of its own."""
     sq = torch.zeros(4, dtype=torch.float64, device=device)  # [whole, tp-cut, dp-cut, both]
     for g, over_dp, over_tp in grads:
         sq[2 * bool(over_dp) + bool(over_tp)] += g.detach().double().square().sum()
@@ -58,7 +81,13 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, bool]], device: t
         cut = (sq[1] + sq[3]).reshape(1)
         comm.all_reduce(cut, "sum", tp.group)
         sq[1], sq[3] = cut[0], 0.0
-    return sq.sum().sqrt()
+    total = sq.sum()
+    if pp is not None and pp.size > 1:
+        # Last, on one number: the stages' sums are each already whole over dp and tp.
+        total = total.reshape(1)
+        comm.all_reduce(total, "sum", pp.group)
+        total = total[0]
+    return total.sqrt()
 
 
 def clip_coefficient(norm: float | torch.Tensor, max_norm: float) -> float:
@@ -72,21 +101,26 @@ def clip_coefficient(norm: float | torch.Tensor, max_norm: float) -> float:
 
 
 @torch.no_grad()
-def whole_grad_norm(params: Iterable[nn.Parameter], tp: TensorSharding | None = None) -> torch.Tensor:
+def whole_grad_norm(params: Iterable[nn.Parameter], tp: TensorSharding | None = None,
+                    pp: PipelineSharding | None = None) -> torch.Tensor:
     """The norm (fp64) of gradients that are whole over data parallelism: one process, plain data
-    parallelism, or a tensor-parallel model's shards and replicas under it. A collective over tp."""
+    parallelism, a tensor-parallel model's shards and replicas under it, or a pipeline stage's
+    parameters (`pp`). A collective over tp and pp."""
     unique = list({id(p): p for p in params}.values())
     device = unique[0].device if unique else None  # the collectives' device, with or without gradients
-    grads = ((p.grad, False, tp is not None and tp.cuts(p)) for p in unique if p.grad is not None)
-    return global_grad_norm(grads, device, tp=tp)
+    grads = ((p.grad, False, tp is not None and tp.cuts(p)) for p in unique
+             if p.grad is not None and (pp is None or pp.counts(p)))
+    return global_grad_norm(grads, device, tp=tp, pp=pp)
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: TensorSharding | None = None) -> torch.Tensor:
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: TensorSharding | None = None,
+                    pp: PipelineSharding | None = None) -> torch.Tensor:
     """Scale gradients whole over data parallelism (see whole_grad_norm) so that the model's norm
-    is at most max_norm (math.inf: measure only); return the norm before, in fp32."""
+    is at most max_norm (math.inf: measure only); return the norm before, in fp32. Tied copies a
+    pipeline stage does not count are scaled too: every copy takes the same step."""
     params = list(params)
-    norm = whole_grad_norm(params, tp)
+    norm = whole_grad_norm(params, tp, pp)
     coef = clip_coefficient(norm, max_norm)
     if coef < 1.0:
         torch._foreach_mul_([p.grad for p in {id(p): p for p in params}.values() if p.grad is not None], coef)

@@ -47,12 +47,13 @@ def make_optimizer(model: nn.Module, o: OptimSection, precision: str = "fp32") -
     """AdamW over `decay_groups`; a sharding wrapper (ZeRO) builds its own sharded version. Under a
     mixed precision the optimizer keeps fp32 master weights (and, for fp16, a dynamic loss scale).
     Those optimizers clip over the whole model themselves, so they are told which parameters a
-    tensor-parallel model cuts over its tp group."""
+    tensor-parallel model cuts over its tp group. A pipeline stage builds its own (StageOptimizer:
+    the same, with the norm summed over the stages)."""
     groups, kwargs = decay_groups(model, o), adamw_kwargs(o)
     p = get_precision(precision)
     if p.loss_scaling:
         kwargs["loss_scaler"] = LossScaler(o.loss_scale, o.loss_scale_window)
-    if hasattr(model, "build_optimizer"):  # a sharding wrapper (ZeRO) builds its own
+    if hasattr(model, "build_optimizer"):  # a sharding wrapper (ZeRO) or a pipeline stage builds its own
         return model.build_optimizer(groups, torch.optim.AdamW, tp=tensor_sharding(model), **kwargs)
     if p.mixed:
         return MixedPrecisionOptimizer(groups, torch.optim.AdamW, tp=tensor_sharding(model), **kwargs)
@@ -107,60 +108,87 @@ def train_step(
     """Forward and backward over this rank's micro-batches, gradient sync, clip, AdamW update.
 
     `model` is a plain module or a parallel wrapper with `no_sync()` and `finish_gradient_sync()`
-    (DataParallel); the wrapper's communication happens only after the last micro-batch.
-    `after_backward` runs when the last backward has finished, before any synchronisation the
-    wrapper leaves to `finish_gradient_sync` (where model-state memory peaks; `shardlab memory`
-    measures it there); `before_update` runs after the gradients are final and before the
-    optimizer uses them (verify compares gradients there).
+    (DataParallel); the wrapper's communication happens only after the last micro-batch. A pipeline
+    stage (`run_schedule`, parallel/pipeline/model.py) takes this rank's rows whole and runs its
+    schedule's `micro_batches` microbatches itself; the rest of the step happens at the schedule's
+    STEP, in the same code. `after_backward` runs when the last backward has finished, before any
+    synchronisation the wrapper leaves to `finish_gradient_sync` (where model-state memory peaks;
+    `shardlab memory` measures it there); `before_update` runs after the gradients are final and
+    before the optimizer uses them (verify compares gradients there).
     """
     start = time.perf_counter()
     for group in optimizer.param_groups:
         group["lr"] = lr
     inner = getattr(model, "module", model)
-    restore = skip_layer(inner) if skip_layer_every and step % skip_layer_every == skip_layer_every - 1 else None
+    skip = skip_layer_every and step % skip_layer_every == skip_layer_every - 1
+    restore = (model.skip_first_layer() if hasattr(model, "skip_first_layer") else skip_layer(inner)) if skip else None
     if hasattr(model, "comm_wait_s"):
         model.comm_wait_s = 0.0
     # fp16 loss scaling: gradients come out `scale` times larger; the optimizer divides it back out.
     scale = float(getattr(optimizer, "loss_scale", 1.0))
-    total = torch.zeros((), dtype=torch.float64, device=device)  # one host sync per step, not per micro-batch
+    norms: list[torch.Tensor] = []
+
+    def update() -> None:
+        """Everything after the last backward: sync, clip, the optimizer step."""
+        if after_backward is not None:
+            after_backward()
+        if hasattr(model, "finish_gradient_sync"):
+            model.finish_gradient_sync()
+        max_norm = grad_clip if grad_clip > 0 else math.inf  # inf: the norm is still logged, nothing scaled
+        if hasattr(optimizer, "clip_grad_norm_"):
+            # Sharded, mixed-precision or pipeline-stage optimizers (parallel/optim.py; a stage's is
+            # pipeline/model.py's) sum the squares across the ranks that cut the model and fold the
+            # coefficient (and 1/loss scale) into their fp32 update.
+            norms.append(optimizer.clip_grad_norm_(max_norm))
+        else:
+            # Every rank holds whole gradients after data-parallel sync; a tensor-parallel model's
+            # are its shards and replicas, whose squares parallel/gradnorm.py sums over its tp group.
+            norms.append(clip_grad_norm_(unique_trainable(inner), max_norm, tensor_sharding(inner)))
+        if before_update is not None:
+            before_update()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     try:
-        for micro in range(micro_batches):
-            x, y = task.batch(step, dp_rank, dp_size, micro_batches, micro)
+        if hasattr(model, "run_schedule"):
+            # Pipeline: every stage takes the same rows (the first reads the inputs, the last the
+            # targets, the others their shapes); the executor splits them into the microbatches.
+            x, y = task.batch(step, dp_rank, dp_size)
             if device is not None:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            last = micro == micro_batches - 1
-            quiet = model.no_sync() if (hasattr(model, "no_sync") and not last) else contextlib.nullcontext()
-            with quiet:
-                # Each micro-batch's loss is a mean over its rows; dividing by their count makes
-                # the accumulated gradient the mean over the rank's rows, as one pass would give.
-                loss = model(x, y) / micro_batches
-                (loss * scale if scale != 1.0 else loss).backward()
-            total += loss.detach().double()
+            loss = model.run_schedule(x, y, micro_batches, on_step=update, loss_scale=scale)
+        else:
+            loss = _accumulate(model, task, step, dp_rank, dp_size, micro_batches, scale, device)
     finally:
         if restore is not None:
             restore()
-    if after_backward is not None:
-        after_backward()
-    if hasattr(model, "finish_gradient_sync"):
-        model.finish_gradient_sync()
-    max_norm = grad_clip if grad_clip > 0 else math.inf  # inf: the norm is still logged, nothing scaled
-    if hasattr(optimizer, "clip_grad_norm_"):
-        # Sharded or mixed-precision optimizers (parallel/optim.py) sum the shards' squares across
-        # ranks and fold the coefficient (and 1/loss scale) into their fp32 update.
-        norm = optimizer.clip_grad_norm_(max_norm)
-    else:
-        # Every rank holds whole gradients after data-parallel sync; a tensor-parallel model's
-        # are its shards and replicas, whose squares parallel/gradnorm.py sums over its tp group.
-        norm = clip_grad_norm_(unique_trainable(inner), max_norm, tensor_sharding(inner))
-    if before_update is not None:
-        before_update()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if not hasattr(model, "run_schedule"):
+        update()
     return StepResult(
-        loss=total.item(),
-        grad_norm=float(norm),
+        loss=loss,
+        grad_norm=float(norms[0]),
         comm_wait_s=float(getattr(model, "comm_wait_s", 0.0)),
         seconds=time.perf_counter() - start,
         skipped=bool(getattr(optimizer, "last_step_skipped", False)),
         loss_scale=scale,
     )
+
+
+def _accumulate(model: nn.Module, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
+                scale: float, device: torch.device | None) -> float:
+    """Forward and backward of this rank's micro-batches, communicating only after the last; returns
+    the mean loss over the rank's rows."""
+    total = torch.zeros((), dtype=torch.float64, device=device)  # one host sync per step, not per micro-batch
+    for micro in range(micro_batches):
+        x, y = task.batch(step, dp_rank, dp_size, micro_batches, micro)
+        if device is not None:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last = micro == micro_batches - 1
+        quiet = model.no_sync() if (hasattr(model, "no_sync") and not last) else contextlib.nullcontext()
+        with quiet:
+            # Each micro-batch's loss is a mean over its rows; dividing by their count makes
+            # the accumulated gradient the mean over the rank's rows, as one pass would give.
+            loss = model(x, y) / micro_batches
+            (loss * scale if scale != 1.0 else loss).backward()
+        total += loss.detach().double()
+    return total.item()

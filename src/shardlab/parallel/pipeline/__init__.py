@@ -12,14 +12,18 @@
 Files: actions.py (the vocabulary), schedules.py (naive, GPipe, 1F1B, interleaved, and the sends and
 receives each implies), zero_bubble.py (ZB-H1), check.py (simulation: deadlock proof and timing),
 partition.py and stages.py (the split), splitgrad.py (backward split into BI and BW), executor.py,
-params.py (tied copies, gathering by original name), timeline.py and gantt.py (traces and charts),
+params.py (tied copies, gathering by original name), model.py (a stage packaged for the trainer:
+PipelineParallel, its forward-only pass and StageOptimizer), timeline.py and gantt.py (traces and charts),
 measure.py (bubble and activation memory of real runs). See docs/pipeline.md.
 """
 
 from shardlab.parallel.pipeline.actions import Action, Schedule, fmt
 from shardlab.parallel.pipeline.check import ScheduleError, Simulation, check, simulate
 from shardlab.parallel.pipeline.executor import PipelineExecutor, PipelineResult
-from shardlab.parallel.pipeline.params import clip_grad_norm_, gather_gradients, gather_parameters, sum_tied_grads
+from shardlab.parallel.pipeline.model import PipelineParallel, StageOptimizer, forward_only
+from shardlab.parallel.pipeline.params import (
+    clip_grad_norm_, gather_gradients, gather_parameters, stage_sharding, sum_tied_grads,
+)
 from shardlab.parallel.pipeline.schedules import (
     KINDS, bubble_theory, chunk_owner, compute_order, in_flight_theory, schedule, with_comms,
 )
@@ -31,12 +35,14 @@ __all__ = [
     "Action",
     "Event",
     "PipelineExecutor",
+    "PipelineParallel",
     "PipelineResult",
     "PipelineStage",
     "Schedule",
     "ScheduleError",
     "Simulation",
     "SplitPlan",
+    "StageOptimizer",
     "Timeline",
     "build_stage",
     "bubble_theory",
@@ -45,6 +51,7 @@ __all__ = [
     "clip_grad_norm_",
     "compute_order",
     "fmt",
+    "forward_only",
     "gather_gradients",
     "gather_parameters",
     "in_flight_theory",
@@ -52,6 +59,7 @@ __all__ = [
     "schedule",
     "simulate",
     "split_model",
+    "stage_sharding",
     "sum_tied_grads",
     "with_comms",
 ]

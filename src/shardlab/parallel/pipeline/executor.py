@@ -81,8 +81,12 @@ class PipelineExecutor:
         return 1 + 2 * (mb * self.chunks + producer) + (kind == "B")
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor | None,
-            on_step: Callable[[], None] | None = None) -> PipelineResult:
+            on_step: Callable[[], None] | None = None, *, loss_scale: float = 1.0) -> PipelineResult:
+        """One step over the batch `inputs` (and `targets`, read by the last chunk). `loss_scale`:
+        fp16's dynamic loss scale, multiplied into the loss before backward (the gradients come out
+        that many times larger; the optimizer divides it back out); the loss returned is unscaled."""
         m = self.microbatches
+        self.loss_scale = float(loss_scale)
         if inputs.shape[0] < m:
             raise ValueError(f"a batch of {inputs.shape[0]} rows cannot make {m} microbatches")
         self.xs = torch.tensor_split(inputs, m)
@@ -188,11 +192,17 @@ class PipelineExecutor:
                 grad = self.outgoing.pop(("G", mb, c + 1))
             else:
                 grad = self._take("B", mb, c)
+        elif self.loss_scale != 1.0:
+            grad = torch.full_like(out, self.loss_scale)  # d(scale x loss) / d(loss)
         start = time.perf_counter()
-        torch.autograd.backward(out, grad)
+        # A first chunk whose parameters are all frozen or bypassed this step (train.task's
+        # skip_layer) produces an output with no graph: nothing in it needs a gradient.
+        if out.requires_grad:
+            torch.autograd.backward(out, grad)
         if c > 0:
             local = chunk_owner(c - 1, self.stage.plan.stages) == self.rank
-            self.outgoing[("G" if local else "B", mb, c)] = inp.grad
+            # An output that does not depend on the input has a zero gradient with respect to it.
+            self.outgoing[("G" if local else "B", mb, c)] = inp.grad if inp.grad is not None else torch.zeros_like(inp)
         return start
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
     sum_tied_grads(stage, pp_group)            # before the optimizer step (the executor's STEP does it)
     norm = clip_grad_norm_(stage, 1.0, pp_group)  # the whole model's gradient norm, tied weights once
+    sharding = stage_sharding(stage, pp_group)    # the same, for parallel/gradnorm.py and optimizers
     full = gather_parameters(stage, pp_group)  # {original name: tensor} of the whole model, every rank
     grads = gather_gradients(stage, pp_group)
 
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from shardlab.parallel.gradnorm import PipelineSharding
+from shardlab.parallel.gradnorm import clip_grad_norm_ as clip_whole_grads_
 from shardlab.parallel.pipeline.stages import PipelineStage
 
 # Tied-weight exchanges travel above every tag the executor uses for activations and gradients.
@@ -46,25 +49,20 @@ def sum_tied_grads(stage: PipelineStage, group: dist.ProcessGroup | None = None)
         p.grad = total
 
 
+def stage_sharding(stage: PipelineStage, group: dist.ProcessGroup | None = None) -> PipelineSharding:
+    """How `stage`'s parameters enter the whole model's gradient norm (parallel/gradnorm.py): summed
+    over the pipeline group, each tied weight counted by its owner (the lowest rank holding it) only."""
+    duplicates = frozenset(id(p) for name, p in stage.stage_named_parameters() if not stage.owns(name))
+    return PipelineSharding(group, dist.get_world_size(group), duplicates)
+
+
 def clip_grad_norm_(stage: PipelineStage, max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The whole model's gradient norm (each tied weight counted once, by its owner), and every
     gradient of this rank scaled by min(1, max_norm / (norm + 1e-6)) as torch's clip_grad_norm_
-    does; max_norm = inf only measures. Every rank of the pipeline group must call it."""
-    params = list(stage.stage_named_parameters())
-    device = params[0][1].device if params else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for name, p in params:
-        if p.grad is not None and stage.owns(name):
-            squares += p.grad.detach().double().square().sum()
-    # Data-parallel replicas hold equal gradients after their sync: the pipeline group's sum is global.
-    comm.all_reduce(squares, "sum", group)
-    norm = squares.sqrt().float()
-    coef = max_norm / (norm.item() + 1e-6)
-    if coef < 1.0:
-        for _, p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return norm
+    does; max_norm = inf only measures. Every rank of the pipeline group must call it. Data-parallel
+    replicas hold equal gradients after their sync, so the pipeline group's sum is the global one."""
+    params = [p for _, p in stage.stage_named_parameters()]
+    return clip_whole_grads_(params, max_norm, pp=stage_sharding(stage, group))
 
 
 def _gather(stage: PipelineStage, group: dist.ProcessGroup | None, grads: bool) -> dict[str, torch.Tensor | None]:

@@ -96,6 +96,8 @@ class MLPChunk(nn.Module):
         self.layers = nn.ModuleDict({k.split(".")[1]: m for k, m in modules.items()})
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        # As DeepMLP does: inputs computed in the parameters' dtype (bf16 when the model is cast).
+        x = x.to(next(iter(self.layers.values())).weight.dtype)
         for layer in self.layers.values():
             x = F.gelu(layer(x))
         if not self.last or targets is None:
@@ -249,6 +251,14 @@ class PipelineStage(nn.Module):
 
     def activation_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         return next(iter(self.chunks.values())).activation_shape(x)
+
+    def first_layer(self) -> nn.Module | None:
+        """The model's layer 0 (the GPT's first block, the MLP's first layer) if this rank holds it."""
+        for chunk in self.chunks.values():
+            layers = chunk.blocks if isinstance(chunk, GPTChunk) else chunk.layers
+            if "0" in layers:
+                return layers["0"]
+        return None
 
 
 def build_stage(model: nn.Module, plan: SplitPlan, rank: int) -> PipelineStage:

@@ -1,0 +1,194 @@
+"""One rank's stage packaged for the trainer: the schedule's step, a forward-only pass for
+evaluation and sampling, the whole model's views for verify, and the stage's optimizer.
+
+    stage = build_stage(plain, plan_split(plain, P, V), rank=pp_rank)
+    model = PipelineParallel(stage, "1f1b", pp_group,
+                             data_parallel=DataParallel(stage, dp_group, mode="bucketed"))
+    opt = model.build_optimizer(groups, torch.optim.AdamW, lr=1e-3)   # the whole model's norm
+    loss = model.run_schedule(x, y, M, on_step=update)   # this replica's batch mean, every stage
+    val = model(x_val, y_val)                            # forward only: the loss, every stage
+
+parallel/layout.py builds it from [layout]; train/step.py's `train_step` drives it: the executor's
+microbatches replace the step's micro-batch loop, and `on_step` (at the schedule's STEP, after the
+tied copies' gradients are summed) does what every layout does after backward: data-parallel sync,
+clipping, the optimizer step.
+
+`forward` is not the training path (the schedule is): it runs the whole batch chunk after chunk
+under no_grad, one stage busy at a time, and broadcasts the last chunk's result (the loss, or the
+logits when no targets are given) to every stage, so `evaluate` and `sample_text` run unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardlab import comm
+from shardlab.parallel.gradnorm import PipelineSharding, global_grad_norm
+from shardlab.parallel.optim import PieceOptimizer, WholeLayout, param_groups, unique_trainable
+from shardlab.parallel.pipeline.executor import PipelineExecutor
+from shardlab.parallel.pipeline.params import TIED_TAG, gather_gradients, gather_parameters, stage_sharding
+from shardlab.parallel.pipeline.schedules import chunk_owner, compute_order, schedule
+from shardlab.parallel.pipeline.stages import PipelineStage
+from shardlab.parallel.pipeline.timeline import WAIT
+from shardlab.parallel.precision import LossScaler
+
+# Above the executor's activation/gradient tags and the tied-weight exchange's, below the tags
+# validation adds to every point-to-point message (comm/p2p.py, from 1 << 20).
+FORWARD_TAG = TIED_TAG + (1 << 18)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _dtype(stage: PipelineStage) -> torch.dtype:
+    return next((p.dtype for p in stage.parameters() if p.is_floating_point()), torch.float32)
+
+
+@torch.no_grad()
+def forward_only(stage: PipelineStage, inputs: torch.Tensor, targets: torch.Tensor | None,
+                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The whole model's forward on `inputs`, chunk after chunk: the mean loss with `targets`, else
+    the last chunk's output. Every rank of the pipeline group calls it with same-shaped inputs and
+    gets the result. Nothing is kept for backward and the batch is not split: one stage busy at a
+    time is the price of the simplest correct order, acceptable for evaluation and sampling."""
+    p, chunks, rank = stage.plan.stages, stage.plan.chunks, stage.rank
+    out = None
+    for c in range(chunks):
+        if chunk_owner(c, p) != rank:
+            continue
+        if c == 0:
+            inp = inputs
+        elif chunk_owner(c - 1, p) == rank:  # one stage: the chunks follow each other locally
+            inp = out
+        else:
+            buf = torch.empty(stage.activation_shape(inputs), dtype=_dtype(stage), device=inputs.device)
+            inp = comm.recv(buf, chunk_owner(c - 1, p), group, tag=FORWARD_TAG + c)
+        out = stage.chunk(c)(inp, targets if c == chunks - 1 else None)
+        if c < chunks - 1 and chunk_owner(c + 1, p) != rank:
+            comm.send(out.contiguous(), chunk_owner(c + 1, p), group, tag=FORWARD_TAG + c + 1)
+    last = chunk_owner(chunks - 1, p)
+    if dist.get_world_size(group) == 1:
+        return out
+    # The shape and dtype of the result first (a loss, logits or the MLP's output: only the last
+    # rank knows which), then the result itself.
+    header = torch.zeros(8, dtype=torch.int64, device=inputs.device)
+    if rank == last:
+        header[0], header[1] = out.dim(), _DTYPES.index(out.dtype)
+        header[2:2 + out.dim()] = torch.tensor(out.shape)
+    comm.broadcast(header, last, group)
+    ndim, code = int(header[0]), int(header[1])
+    if rank != last:
+        out = torch.empty(header[2:2 + ndim].tolist(), dtype=_DTYPES[code], device=inputs.device)
+    return comm.broadcast(out.contiguous(), last, group)
+
+
+class StageOptimizer(PieceOptimizer):
+    """One stage's optimizer: optim.py's PieceOptimizer over the stage's whole parameters (fp32
+    masters for 16-bit ones, fp16 loss scaling and overflow skips), with the gradient norm of the
+    whole model: this stage's squares, tied copies counted by their owner only, summed over the
+    pipeline group (parallel/gradnorm.py). Data-parallel replicas of a stage hold equal gradients
+    after their sync, so no dp reduction enters the norm."""
+
+    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], pp: PipelineSharding, *,
+                 loss_scaler: LossScaler | None = None, **optimizer_kwargs: Any) -> None:
+        groups = param_groups(params)
+        super().__init__(groups, optimizer_cls, WholeLayout(unique_trainable(groups)), loss_scaler=loss_scaler,
+                         **optimizer_kwargs)
+        self.pp = pp
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The whole model's gradient norm (unscaled), the same on every stage: a collective over pp."""
+        device = self.layout.params[0].device if self.layout.params else None
+        grads = ((pc.tensor.grad, False, False) for pc in self.pieces
+                 if pc.tensor.grad is not None and self.pp.counts(pc.param))
+        self._norm = global_grad_norm(grads, device, pp=self.pp) / self.loss_scale
+        return self._norm.to(torch.float32)
+
+
+class PipelineParallel(nn.Module):
+    """This rank's stage of a pipeline over `group`, trained by the schedule `kind` (schedules.KINDS;
+    the stage's plan gives the stages and the virtual chunks per rank), with `data_parallel` (a
+    DataParallel wrapping the same stage) over its replicas. The microbatch count is the step's:
+    a schedule is made and checked the first time each count is asked for."""
+
+    def __init__(self, stage: PipelineStage, kind: str, group: dist.ProcessGroup | None = None,
+                 *, data_parallel: nn.Module | None = None) -> None:
+        super().__init__()
+        if data_parallel is not None and getattr(data_parallel, "module", None) is not stage:
+            raise ValueError("data_parallel must wrap this pipeline's stage")
+        p, v = stage.plan.stages, stage.plan.virtual
+        compute_order(kind, p, p, v)  # an unknown kind, or virtual chunks it cannot run, fail here
+        self.module = stage  # as wrappers keep theirs: train_step and the layout views find it here
+        self.data_parallel = data_parallel
+        self.kind, self.group = kind, group
+        self.runners: dict[int, PipelineExecutor] = {}
+        self.comm_wait_s = 0.0
+        self.last_events: list = []
+
+    def runner(self, microbatches: int) -> PipelineExecutor:
+        """The executor of this pipeline's schedule for `microbatches` (checked on every rank)."""
+        if microbatches not in self.runners:
+            plan = self.module.plan
+            actions = schedule(self.kind, plan.stages, microbatches, plan.virtual)
+            self.runners[microbatches] = PipelineExecutor(self.module, actions, self.group)
+        return self.runners[microbatches]
+
+    @property
+    def stage(self) -> PipelineStage:
+        return self.module
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return forward_only(self.module, inputs, targets, self.group)
+
+    def run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+                     on_step: Callable[[], None] | None = None, *, loss_scale: float = 1.0) -> float:
+        """One training step's forward and backward of `microbatches` by the schedule, `on_step` at
+        its STEP; returns this replica's batch mean loss (every stage). Sets `comm_wait_s`: the
+        seconds blocked on the pipeline's messages plus those of the data-parallel sync."""
+        if self.data_parallel is not None:
+            self.data_parallel.comm_wait_s = 0.0
+        result = self.runner(microbatches).run(inputs, targets, on_step, loss_scale=loss_scale)
+        self.last_events = result.events
+        waits = sum(e.end - e.start for e in result.events if e.op == WAIT)
+        self.comm_wait_s = waits + float(getattr(self.data_parallel, "comm_wait_s", 0.0))
+        return result.loss
+
+    def finish_gradient_sync(self) -> None:
+        if self.data_parallel is not None:
+            self.data_parallel.finish_gradient_sync()
+
+    def sharding(self) -> PipelineSharding:
+        """How this stage's gradients enter the whole model's norm (parallel/gradnorm.py)."""
+        return stage_sharding(self.module, self.group)
+
+    def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], *,
+                        tp: Any = None, **optimizer_kwargs: Any) -> StageOptimizer:
+        if tp is not None:
+            raise ValueError("a pipeline stage cut by tensor parallelism is not supported yet (issue 8)")
+        return StageOptimizer(params, optimizer_cls, self.sharding(), **optimizer_kwargs)
+
+    def skip_first_layer(self) -> Callable[[], None]:
+        """Bypass the model's layer 0 on the rank holding it (its output becomes its input) until
+        the returned function is called: train/task.py's skip_layer stress test, for a stage."""
+        layer = self.module.first_layer()
+        if layer is None:
+            return lambda: None
+        return layer.register_forward_hook(lambda mod, args, out: args[0]).remove
+
+    def _on_device(self, tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        device = next(self.module.parameters()).device
+        return {n: None if t is None else t.to(device) for n, t in tensors.items()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the whole model by its original name, on every stage (gathered over
+        the pipeline group: for verification, not the training loop)."""
+        return self._on_device(gather_parameters(self.module, self.group))  # type: ignore[return-value]
+
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's gradient by original name (None where it has none; tied copies already
+        summed), once the gradients are final: data-parallel gradients are whole after their sync."""
+        return self._on_device(gather_gradients(self.module, self.group))
