@@ -44,6 +44,7 @@ def test_every_command_has_help(capfd):
     out = capfd.readouterr().out
     assert "busbw" in out and "--world-size" in out and "--impl" in out
     assert "--dry-run" in out and "--dp-mode" in out and "--grad-tol" in out and "--tp" in out and "--sp" in out
+    assert "--pp" in out and "--schedule" in out and "--microbatches" in out and "--virtual-stages" in out
 
 
 def test_train_dry_run_prints_the_resolved_config_and_parameter_count(capfd):
@@ -86,6 +87,29 @@ def test_verify_refuses_a_tensor_parallel_layout_that_does_not_fit(capfd):
     assert "sequence parallelism: seq_len 32 does not divide over tp 3 (model.seq_len = 32)" in err
     assert main(["train", "--model", "gpt", "--tp", "2", "--tp-plan", "lecture", "--dry-run"]) == 2
     assert "layout.tp_plan = 'lecture' is the deep MLP's form" in capfd.readouterr().err
+
+
+def test_verify_a_pipeline_and_refuse_one_that_cannot_run(capfd, tmp_path):
+    path = tmp_path / "v.json"
+    assert main(["verify", "--model", "gpt", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
+                 "--json", str(path), "--threads", "1"]) == 0
+    out = capfd.readouterr().out
+    assert "verify gpt: pp 2 (1f1b) x dp 1" in out and "4 micro-batch(es)" in out and "world size 2" in out
+    report = json.loads(path.read_text())
+    assert report["passed"] is True and report["layout"]["pp"] == 2 and report["layout"]["micro_batches"] == 4
+    # Refused before any rank starts, with the fields and values, exit status 2.
+    assert main(["verify", "--model", "gpt", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                 "--microbatches", "3", "--set", "train.global_batch=12"]) == 2
+    assert ("layout.schedule = 'interleaved' needs train.micro_batches = 3 divisible by layout.pp = 2"
+            in capfd.readouterr().err)
+    assert main(["train", "--model", "gpt", "--pp", "2", "--tp", "2", "--dry-run"]) == 2
+    assert "layout.pp = 2 with layout.tp = 2" in capfd.readouterr().err
+    # What the command line changes for a pipeline, it says; the dry run shows the split.
+    assert main(["train", "--model", "mlp", "--pp", "2", "--dp", "2", "--schedule", "interleaved",
+                 "--microbatches", "4", "--dry-run"]) == 0
+    out, err = capfd.readouterr()
+    assert "layout.dp_mode 'overlap' -> 'bucketed'" in err and "layout.virtual_stages 1 -> 2" in err
+    assert "world size 4 (pp 2 x dp 2)" in out and "# chunk 3 (rank 1): layers.3" in out
 
 
 def test_train_under_torchrun(tmp_path):

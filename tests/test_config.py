@@ -162,3 +162,66 @@ def test_what_tensor_parallelism_cannot_do_yet_is_refused():
         cfg.validate()
     cfg.override(['layout.tp_plan="lecture"', "layout.zero=3", "layout.dp=2", 'layout.precision="bf16"'])
     cfg.validate()  # the lecture form's layers are whole between layers; ZeRO-3 and bf16 compose with tp
+
+
+def test_pipeline_degrees_multiply_to_the_world_size():
+    cfg = Config()
+    cfg.override(["layout.pp=4", "layout.dp=2", 'layout.dp_mode="bucketed"', "train.micro_batches=4"])
+    assert cfg.world_size == 8
+    cfg.validate(world_size=8)
+    with pytest.raises(ConfigError, match=r"layout needs 8 ranks \(layout.dp = 2 x layout.pp = 4\) but the job "
+                                          r"has world size 4"):
+        cfg.validate(world_size=4)
+
+
+def test_pipeline_layouts_that_cannot_run_are_refused_with_fields_and_numbers():
+    cfg = Config()
+    cfg.override(["layout.pp=0", 'layout.schedule="pipedream"', "layout.virtual_stages=0"])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    text = str(info.value)
+    assert "layout.pp = 0 must be positive" in text and "layout.virtual_stages = 0 must be positive" in text
+    assert "layout.schedule = 'pipedream' must be one of 'naive', 'gpipe', '1f1b', 'interleaved', 'zb1'" in text
+
+    def problems(*overrides: str) -> str:
+        cfg = Config()
+        cfg.override(list(overrides))
+        with pytest.raises(ConfigError) as info:
+            cfg.validate()
+        return str(info.value)
+
+    assert ("layout.schedule = 'interleaved' needs layout.virtual_stages >= 2 chunks per rank, got 1"
+            in problems("layout.pp=2", 'layout.schedule="interleaved"'))
+    assert ("layout.schedule = 'interleaved' needs train.micro_batches = 2 divisible by layout.pp = 4"
+            in problems("layout.pp=4", 'layout.schedule="interleaved"', "layout.virtual_stages=2",
+                        "train.micro_batches=2", "model.n_layer=6"))
+    assert ("layout.virtual_stages = 2 with layout.schedule = 'zb1': only 'interleaved' runs more than one chunk"
+            in problems("layout.pp=2", 'layout.schedule="zb1"', "layout.virtual_stages=2"))
+    assert "layout.virtual_stages = 2 splits each pipeline rank's layers into chunks, but layout.pp = 1" in problems(
+        "layout.virtual_stages=2")
+    # More chunks than pieces: the GPT's are its blocks, the embedding and the head; the MLP's its layers.
+    assert ("layout.pp = 4 x layout.virtual_stages = 2 = 8 chunks, but the gpt has only 6 pieces to split "
+            "(model.n_layer = 4 blocks, the embedding and the head)") in problems(
+        "layout.pp=4", 'layout.schedule="interleaved"', "layout.virtual_stages=2", "train.micro_batches=4")
+    assert ("layout.pp = 4 x layout.virtual_stages = 1 = 4 chunks, but the mlp has only 3 pieces to split "
+            "(model.n_layer = 3 layers)") in problems('model.name="mlp"', "model.n_layer=3", "layout.pp=4")
+    assert "train.global_batch = 32 is not divisible by layout.dp = 2 x train.micro_batches = 3 = 6" in problems(
+        "layout.pp=2", "layout.dp=2", 'layout.dp_mode="bucketed"', "train.micro_batches=3")
+
+
+def test_what_a_pipeline_cannot_be_combined_with_yet_is_refused_with_the_reason():
+    cfg = Config()
+    cfg.override(["layout.pp=2", "layout.dp=2", "layout.tp=2", "layout.zero=1", "train.micro_batches=2"])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    text = str(info.value)
+    assert "layout.pp = 2 with layout.tp = 2: pipeline stages cut by tensor parallelism" in text and "issue 8" in text
+    assert "layout.zero = 1 with layout.pp = 2: not supported yet: its sharded optimizer's gradient norm" in text
+    assert ("layout.dp_mode = 'overlap' with layout.pp = 2 x layout.dp = 2: a stage's gradients are complete only "
+            "after the schedule's last backward") in text
+    assert "blocks.*" not in text  # the tensor-parallel plan is not checked for a layout refused anyway
+    cfg.override(["layout.tp=1", "layout.zero=0", 'layout.dp_mode="naive"', "model.skip_layer_every=2",
+                  'layout.precision="fp16"', 'layout.schedule="naive"', "train.micro_batches=8"])
+    cfg.validate()  # naive with m > 1 is accumulation through the pipeline; fp16 and skipped layers run
+    cfg.override(["layout.dp=1", 'layout.dp_mode="overlap"'])
+    cfg.validate()  # no data parallelism: nothing to overlap

@@ -23,6 +23,9 @@ examples:
   shardlab train --config configs/gpt-small.toml --set train.steps=50 --set optim.lr=3e-4
   shardlab train --model mlp --set model.d_model=512 --dp 2 --dp-mode naive
   shardlab train --config configs/gpt-small.toml --dp 2 --tp 2 --sp       # 4 ranks: dp 2 x tp 2
+  shardlab train --config configs/gpt-small.toml --pp 2 --schedule 1f1b --microbatches 4
+  shardlab train --config configs/gpt-small.toml --pp 2 --dp 2 --schedule interleaved \
+      --virtual-stages 2 --microbatches 4                                    # 4 ranks: pp 2 x dp 2
   shardlab train --config configs/gpt-small.toml --dry-run
   shardlab train --help-config                      # every configuration field, documented
   torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
@@ -63,6 +66,45 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
                           "(layout.precision)")
 
 
+def add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    """The pipeline flags of `train` and `verify`."""
+    g = p.add_argument_group("pipeline parallelism (docs/pipeline.md)")
+    g.add_argument("--pp", type=int, default=None,
+                   help="pipeline-parallel degree: ranks each holding a contiguous slice of the layers (a stage), "
+                        "outermost on a pp x dp x tp mesh; world size = dp x tp x pp (layout.pp)")
+    g.add_argument("--schedule", choices=["naive", "gpipe", "1f1b", "interleaved", "zb1"], default=None,
+                   help="order of the stages' forwards and backwards: naive (one microbatch through the whole "
+                        "pipeline at a time), gpipe (all forwards, then all backwards), 1f1b (default: one forward, "
+                        "one backward; activations of at most pp microbatches), interleaved (1F1B over "
+                        "--virtual-stages chunks per rank: smaller bubble, more messages; needs --microbatches "
+                        "divisible by --pp), zb1 (zero-bubble ZB-H1: weight gradients deferred into the bubbles) "
+                        "(layout.schedule)")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step per data-parallel rank: its rows are split into this many; with "
+                        "--pp they flow through the stages, the more the smaller the bubble; without, they are "
+                        "gradient accumulation (train.micro_batches)")
+    g.add_argument("--virtual-stages", type=int, default=None,
+                   help="chunks of layers per pipeline rank for --schedule interleaved (>= 2; chunk c on rank c "
+                        "mod pp) (layout.virtual_stages)")
+
+
+def pipeline_adjustments(cfg) -> list[tuple[str, str]]:
+    """What the command line changes so that a pipeline runs, as (section.key=value, why) pairs:
+    data parallelism over a stage's replicas cannot overlap its all-reduce with backward (the
+    gradients are final only after the schedule's last backward), so 'overlap', the default,
+    becomes 'bucketed'; and 'interleaved' with one chunk per rank gets two. Config.validate refuses
+    both for callers that do not come through here."""
+    lay, out = cfg.layout, []
+    if lay.pp > 1 and lay.dp > 1 and lay.dp_mode == "overlap":
+        out.append(('layout.dp_mode="bucketed"',
+                    f"layout.pp = {lay.pp}: layout.dp_mode 'overlap' -> 'bucketed' (a stage's gradients are final "
+                    f"only after the schedule's last backward; they are all-reduced once, at its end)"))
+    if lay.pp > 1 and lay.schedule == "interleaved" and lay.virtual_stages == 1:
+        out.append(("layout.virtual_stages=2", "layout.schedule 'interleaved': layout.virtual_stages 1 -> 2 "
+                                               "(interleaving needs at least 2 chunks per rank)"))
+    return out
+
+
 def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags."""
     from shardlab.train.config import load_config
@@ -72,7 +114,8 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
                       ("sp", "layout.sp"), ("tp_plan", "layout.tp_plan"),
                       ("dp_mode", "layout.dp_mode"), ("bucket_mb", "layout.bucket_mb"),
                       ("comm_impl", "layout.comm_impl"), ("zero", "layout.zero"),
-                      ("precision", "layout.precision")):
+                      ("precision", "layout.precision"), ("pp", "layout.pp"), ("schedule", "layout.schedule"),
+                      ("microbatches", "train.micro_batches"), ("virtual_stages", "layout.virtual_stages")):
         value = getattr(args, attr, None)
         if isinstance(value, bool):  # TOML spells them lower-case
             flags.append(f"{key}={str(value).lower()}")
@@ -109,6 +152,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the GPT or the deep MLP with a parallel layout",
                        description=TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_options(p)
+    add_pipeline_options(p)
     p.add_argument("--dry-run", action="store_true",
                    help="validate, print the resolved configuration and parameter count, and stop")
     p.add_argument("--help-config", action="store_true", help="print every configuration field with its documentation")
@@ -126,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         cfg = resolve_config(args)
+        for assignment, why in pipeline_adjustments(cfg):
+            cfg.override([assignment])
+            print(f"shardlab train: {why}", file=sys.stderr)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
         check_before_launch(cfg, make_out_dir=not args.dry_run)
     except ConfigError as exc:
@@ -160,6 +207,13 @@ def dry_run(cfg) -> int:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for n, p in model.named_parameters() if not cfg.frozen(n))
     print(cfg.to_toml())
+    lay = cfg.layout
+    degrees = [f"{k} {v}" for k, v in (("pp", lay.pp), ("dp", lay.dp), ("tp", lay.tp)) if k == "dp" or v > 1]
     print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
-          + (f" (dp {cfg.layout.dp} x tp {cfg.layout.tp})" if cfg.layout.tp > 1 else ""))
+          + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
+    if lay.pp > 1:
+        from shardlab.parallel.pipeline import plan_split
+
+        # The split is pure (parameter counts of the meta model): what each rank will hold.
+        print("# " + plan_split(model, lay.pp, lay.virtual_stages).describe().replace("\n", "\n# "))
     return 0

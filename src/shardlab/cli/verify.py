@@ -7,7 +7,9 @@ import json
 import sys
 
 from shardlab.cli.common import add_launch_options, launch_kwargs
-from shardlab.cli.train import add_config_options, check_before_launch, resolve_config
+from shardlab.cli.train import (
+    add_config_options, add_pipeline_options, check_before_launch, pipeline_adjustments, resolve_config,
+)
 
 VERIFY_DOC = """\
 Run a parallel layout and a single-process reference from the same initial weights on the same
@@ -27,7 +29,8 @@ an initial loss scale of 2^13.
 
 Without --config, a small model is used (2 layers, d_model 64, global batch 12, 5 steps, AdamW with
 eps 1e-4, which bounds how much Adam magnifies rounding noise on near-zero gradients) so that world
-sizes 1 to 4 verify in seconds; --set and the flags change any of it.
+sizes 1 to 4 verify in seconds; the global batch grows to a multiple of dp x microbatches when 12 is
+not one (16 for 8 microbatches); --set and the flags change any of it.
 
 examples:
   shardlab verify --model gpt --dp 2 --json v.json
@@ -38,6 +41,15 @@ examples:
   shardlab verify --model gpt --tp 4 --sp                  # tensor + sequence parallel, 4 ranks
   shardlab verify --model mlp --tp 2 --tp-plan lecture     # the lecture's MLP form
   shardlab verify --model gpt --dp 2 --tp 2 --zero 2       # ZeRO-2 over each dp group of a dp x tp mesh
+  shardlab verify --model gpt --pp 2 --schedule 1f1b --microbatches 4 --json v.json
+  shardlab verify --model gpt --pp 4 --schedule interleaved --virtual-stages 2 --microbatches 4 \
+      --set model.n_layer=6                                # 8 chunks: the GPT needs 6 blocks + 2
+  shardlab verify --model mlp --pp 2 --dp 2 --schedule zb1 --microbatches 3   # 4 ranks: pp 2 x dp 2
+
+Under a pipeline (--pp), the stages' parameters and gradients are gathered by their original names
+over the pipeline group, tied copies (the GPT's embedding and head) counted once. Without --config
+and with --pp 4, the small model gets as many layers as the pipeline needs pieces (GPT: pp x
+virtual - 2 blocks, at least 2; MLP: pp x virtual layers).
 """
 
 
@@ -45,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check a layout against a single-process run, step by step",
                        description=VERIFY_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_options(p)
+    add_pipeline_options(p)
     p.add_argument("--tol", type=float, default=1e-6,
                    help="largest relative difference allowed for the loss and the parameters (default %(default)s, fp32)")
     p.add_argument("--grad-tol", type=float, default=1e-5,
@@ -64,13 +77,18 @@ def run(args: argparse.Namespace) -> int:
     from shardlab.dist import launch, under_torchrun
     from shardlab.dist.env import read_torchrun_env
     from shardlab.train.config import ConfigError
-    from shardlab.train.verify import MIXED_VERIFY_BASE, VERIFY_BASE, format_report, verify_rank
+    from shardlab.train.verify import VERIFY_BASE, format_report, verify_base, verify_rank
 
     try:
         # The small default model only without --config: a given file is verified as written.
         cfg = resolve_config(args, base=None if args.config else VERIFY_BASE)
-        if not args.config and cfg.layout.precision != "fp32":
-            cfg = resolve_config(args, base=VERIFY_BASE + MIXED_VERIFY_BASE)
+        adjustments = pipeline_adjustments(cfg)
+        cfg.override([a for a, _ in adjustments])
+        if not args.config:  # sized for the layout: precision, batch, pipeline chunks
+            cfg = resolve_config(args, base=verify_base(cfg))
+            cfg.override([a for a, _ in adjustments])
+        for _, why in adjustments:
+            print(f"shardlab verify: {why}", file=sys.stderr)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
         check_before_launch(cfg, make_out_dir=False)
     except ConfigError as exc:

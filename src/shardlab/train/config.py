@@ -109,8 +109,10 @@ class TrainSection:
     global_batch: int = 32
     """Sequences (GPT) or rows (MLP) per optimizer step, over all data-parallel ranks."""
     micro_batches: int = 1
-    """Gradient accumulation: each rank splits its share into this many forward/backward passes
-    and communicates only after the last."""
+    """Micro-batches per step per data-parallel rank: the rank's rows (global_batch / layout.dp)
+    are split into this many forward/backward passes. Without a pipeline that is gradient
+    accumulation, communicating only after the last; with layout.pp > 1 they are the schedule's
+    microbatches (m), the units that flow through the stages (`--microbatches`)."""
     warmup_steps: int = 20
     """Linear warm-up from 0 to optim.lr."""
     decay: str = "cosine"
@@ -133,8 +135,8 @@ class LayoutSection:
     """Data-parallel degree: ranks that each take a slice of every global batch."""
     tp: int = 1
     """Tensor-parallel degree: ranks that split every layer's matmuls (Megatron-LM) and take the same
-    rows. The ranks form a dp x tp mesh, tp innermost (a tp group's ranks are consecutive: the closest
-    ones, since it talks on every layer); data parallelism and ZeRO run over the dp groups."""
+    rows. The ranks form a (pp x) dp x tp mesh, tp innermost (a tp group's ranks are consecutive: the
+    closest ones, since it talks on every layer); data parallelism and ZeRO run over the dp groups."""
     sp: bool = False
     """Sequence parallelism (Korthikanti et al. 2022) on top of tensor parallelism: norms and the
     residual stream hold 1/tp of the tokens (GPT: model.seq_len must divide by tp; MLP: its rows per
@@ -143,9 +145,25 @@ class LayoutSection:
     """Tensor-parallel plan: 'megatron' (GPT: embedding and head split by vocabulary, attention by
     heads, MLP column then row; deep MLP: layers paired column then row, one all-reduce per pair) or
     'lecture' (deep MLP only: every layer d x d/tp, all-gathered after each). docs/tensor-parallel.md."""
+    pp: int = 1
+    """Pipeline-parallel degree: ranks that each hold a contiguous slice of the layers (a stage) and
+    pass activations forward and gradients back, microbatch by microbatch. Ranks form a pp x dp x tp
+    mesh, pp outermost; world size = dp x tp x pp. docs/pipeline.md."""
+    schedule: str = "1f1b"
+    """Pipeline schedule (layout.pp > 1): 'naive' (one microbatch at a time through the whole
+    pipeline, one stage busy at a time; with m > 1 that is gradient accumulation with no overlap),
+    'gpipe' (all forwards, then all backwards), '1f1b' (one forward one backward: GPipe's bubble,
+    at most pp microbatches of activations), 'interleaved' (1F1B over layout.virtual_stages chunks
+    per rank: a bubble v times smaller; m must divide by pp) or 'zb1' (ZB-H1: backward split into
+    input and weight gradients, the latter filling the bubbles)."""
+    virtual_stages: int = 1
+    """Chunks of layers per pipeline rank (v): 1, or >= 2 with schedule 'interleaved' (chunk c on
+    rank c mod pp). pp x v must not exceed the model's pieces (GPT: n_layer + 2, MLP: n_layer)."""
     dp_mode: str = "overlap"
     """'naive' (one all-reduce per gradient after backward), 'bucketed' (flat buckets after
-    backward) or 'overlap' (buckets reduced during backward)."""
+    backward) or 'overlap' (buckets reduced during backward). A pipeline stage (layout.pp > 1 with
+    layout.dp > 1) syncs once per step, at the schedule's end: 'naive' or 'bucketed' (the command
+    line turns the default 'overlap' into 'bucketed' and says so)."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB (bucketed and overlap modes)."""
     comm_impl: str = "torch"
@@ -251,7 +269,7 @@ class Config:
     @property
     def world_size(self) -> int:
         """Ranks this layout needs: the product of its degrees."""
-        return self.layout.dp * self.layout.tp
+        return self.layout.dp * self.layout.tp * self.layout.pp
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError listing every problem, each naming the fields and values involved.
@@ -263,7 +281,9 @@ class Config:
 
         problems = find_problems(self)
         if world_size is not None and world_size != self.world_size:
-            degrees = f"layout.dp = {self.layout.dp}" + (f" x layout.tp = {self.layout.tp}" if self.layout.tp != 1 else "")
+            degrees = " x ".join([f"layout.dp = {self.layout.dp}"]
+                                 + [f"layout.{k} = {v}" for k, v in (("tp", self.layout.tp), ("pp", self.layout.pp))
+                                    if v != 1])
             problems.append(f"layout needs {self.world_size} ranks ({degrees}) but the job has world size {world_size}")
         if problems:
             raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))

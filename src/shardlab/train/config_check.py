@@ -16,6 +16,7 @@ def problems(cfg: Config) -> list[str]:
     from shardlab.comm.algorithms import ALGORITHMS
     from shardlab.parallel.data import MODES
     from shardlab.parallel.layout import uses_tensor_parallel
+    from shardlab.parallel.pipeline.schedules import KINDS
     from shardlab.parallel.tensor import PLAN_NAMES
 
     m, t, o, lay, d = cfg.model, cfg.train, cfg.optim, cfg.layout, cfg.data
@@ -92,9 +93,74 @@ def problems(cfg: Config) -> list[str]:
         out.append(f"log.sample_temperature = {cfg.log.sample_temperature} must be positive")
     positive("layout.tp", lay.tp)
     one_of("layout.tp_plan", lay.tp_plan, PLAN_NAMES)
-    if lay.tp > 0 and uses_tensor_parallel(lay):
-        model_ok = not any(p.startswith("model.") for p in out)
+    model_ok = not any(p.startswith("model.") for p in out)
+    if lay.tp > 0 and uses_tensor_parallel(lay) and lay.pp == 1:
         out += tensor_parallel_problems(cfg, model_ok)
+    positive("layout.pp", lay.pp)
+    one_of("layout.schedule", lay.schedule, KINDS)
+    positive("layout.virtual_stages", lay.virtual_stages)
+    if lay.pp > 1 and lay.virtual_stages > 0 and lay.schedule in KINDS:
+        out += pipeline_problems(cfg, model_ok)
+    elif lay.pp == 1 and lay.virtual_stages > 1:
+        out.append(f"layout.virtual_stages = {lay.virtual_stages} splits each pipeline rank's layers into chunks, "
+                   f"but layout.pp = 1: there is no pipeline (set layout.pp > 1 or layout.virtual_stages = 1)")
+    return out
+
+
+def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
+    """What keeps the pipeline layout from running: the schedule's own rules (interleaving), the
+    split (every chunk needs one of the model's pieces), and what a stage cannot be combined with
+    yet, each with the reason."""
+    import torch
+
+    from shardlab.parallel.pipeline.schedules import compute_order
+    from shardlab.parallel.pipeline.stages import model_pieces
+    from shardlab.train.task import build_model
+
+    m, lay, t = cfg.model, cfg.layout, cfg.train
+    p, v, kind, mb = lay.pp, lay.virtual_stages, lay.schedule, t.micro_batches
+    where = f"layout.pp = {p}"
+    out: list[str] = []
+    if kind == "interleaved" and v < 2:
+        out.append(f"layout.schedule = 'interleaved' needs layout.virtual_stages >= 2 chunks per rank, got {v} "
+                   f"(with one chunk per rank it is '1f1b')")
+    elif kind != "interleaved" and v != 1:
+        out.append(f"layout.virtual_stages = {v} with layout.schedule = {kind!r}: only 'interleaved' runs more "
+                   f"than one chunk per rank")
+    elif kind == "interleaved" and mb > 0 and mb % p:
+        out.append(f"layout.schedule = 'interleaved' needs train.micro_batches = {mb} divisible by {where} "
+                   f"(Megatron's order runs the microbatches in rounds of pp)")
+    elif mb > 0:
+        try:  # whatever else the schedule itself refuses, in its own words
+            compute_order(kind, p, mb, v)
+        except ValueError as exc:
+            out.append(f"layout.schedule = {kind!r} at {where}, train.micro_batches = {mb}, layout.virtual_stages = "
+                       f"{v}: {exc}")
+    if model_ok:
+        with torch.device("meta"):
+            pieces = model_pieces(build_model(m))
+        what = (f"model.n_layer = {m.n_layer} blocks, the embedding and the head" if m.name == "gpt"
+                else f"model.n_layer = {m.n_layer} layers")
+        if p * v > len(pieces):
+            out.append(f"{where} x layout.virtual_stages = {v} = {p * v} chunks, but the {m.name} has only "
+                       f"{len(pieces)} pieces to split ({what}): every chunk needs at least one")
+    if lay.tp > 1 or lay.sp:
+        out.append(f"{where} with layout.tp = {lay.tp}{' and layout.sp' if lay.sp else ''}: pipeline stages cut by "
+                   f"tensor parallelism need the full pp x dp x tp mesh wiring, which comes with the mesh issue "
+                   f"(issue 8); use layout.tp = 1 without layout.sp")
+    if lay.zero:
+        why = {1: "its sharded optimizer's gradient norm has no pipeline dimension yet, so each stage would clip "
+                  "by its own norm",
+               2: "it reduce-scatters and frees gradients during every microbatch's backward, but a tied "
+                  "embedding's copies are summed from whole gradients at the schedule's end",
+               3: "it gathers parameters in the wrapper's forward, which the schedule bypasses (it calls the "
+                  "stage's chunks directly)"}.get(lay.zero, "")
+        out.append(f"layout.zero = {lay.zero} with {where}: not supported yet: {why}; use layout.zero = 0 (plain "
+                   f"data parallelism over each stage's replicas)")
+    if lay.dp > 1 and lay.dp_mode == "overlap":
+        out.append(f"layout.dp_mode = 'overlap' with {where} x layout.dp = {lay.dp}: a stage's gradients are complete "
+                   f"only after the schedule's last backward (every microbatch, every chunk), so they are reduced "
+                   f"once, at its end; use 'bucketed' or 'naive'")
     return out
 
 

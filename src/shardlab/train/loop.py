@@ -2,13 +2,16 @@
 
     shardlab train --config configs/gpt-small.toml --dp 2
     shardlab train --config configs/gpt-small.toml --dp 2 --tp 2 --sp      # 4 ranks: dp 2 x tp 2
+    shardlab train --config configs/gpt-small.toml --pp 2 --schedule 1f1b --microbatches 4
     torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
 
-Each step: this rank's micro-batches forward and backward, gradient sync by the layout, clipping,
-AdamW (train/step.py). Every step's loss, step time and communication wait are gathered from all
-ranks (one tiny all_gather) so the curve is the global loss: the mean over dp ranks, since the
-ranks of a tp group compute the same loss on the same rows; logged steps also measure peak tensor
-memory per rank. Throughput and MFU count the plain model's FLOPs over every rank. Rank 0 writes metrics.jsonl, TensorBoard events, and at the end loss.png, the
+Each step: this rank's micro-batches forward and backward (under a pipeline, its schedule's),
+gradient sync by the layout, clipping, AdamW (train/step.py). Every step's loss, step time and
+communication wait are gathered from all ranks (one tiny all_gather) so the curve is the global
+loss: the mean over dp ranks, since the ranks of a tp group compute the same loss on the same rows
+and every stage of a pipeline returns its replica's loss; logged steps also measure peak tensor
+memory per rank. A pipeline's communication wait is its time blocked on activations and gradients
+from the other stages (the bubble shows there) plus its data-parallel sync. Throughput and MFU count the plain model's FLOPs over every rank. Rank 0 writes metrics.jsonl, TensorBoard events, and at the end loss.png, the
 sampled text and summary.json into log.out_dir.
 """
 
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.dist.env import synchronize
-from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.parallel.layout import apply_layout, build_mesh, uses_pipeline
 from shardlab.parallel.precision import get_precision
 from shardlab.train.config import Config
 from shardlab.train.memory import MemoryTracker
@@ -56,9 +59,13 @@ def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, bat
 
 
 def layout_name(cfg: Config) -> str:
-    """'dp 2 (overlap)', 'dp 2 (ZeRO-2) x tp 2 + sp (megatron)', ... for headers and titles."""
+    """'dp 2 (overlap)', 'dp 2 (ZeRO-2) x tp 2 + sp (megatron)', 'pp 4 (1f1b, m 8) x dp 2 (bucketed)',
+    ... for headers and titles."""
     lay = cfg.layout
     text = f"dp {lay.dp} ({'ZeRO-' + str(lay.zero) if lay.zero else lay.dp_mode})"
+    if lay.pp > 1:
+        v = f", v {lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+        text = f"pp {lay.pp} ({lay.schedule}, m {cfg.train.micro_batches}{v}) x " + text
     if lay.tp > 1 or lay.sp:
         text += f" x tp {lay.tp}{' + sp' if lay.sp else ''} ({lay.tp_plan})"
     return text + ("" if lay.precision == "fp32" else f", {lay.precision}")
@@ -77,9 +84,11 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     n_params = sum(p.numel() for p in plain.parameters())
     mesh = build_mesh(lay)
     dp_rank, dp_group = mesh.local_rank("dp"), mesh.group("dp")
-    # Each dp rank's loss, counted once: the ranks of a tp group all hold it (tp innermost).
-    dp_leaders = [mesh.rank_of({"dp": i, "tp": 0}) for i in range(lay.dp)]
+    # Each dp rank's loss, counted once: the ranks of a tp group and the stages of a pipeline all hold it.
+    dp_leaders = [mesh.rank_of({"pp": 0, "dp": i, "tp": 0}) for i in range(lay.dp)]
     model = apply_layout(plain, lay, mesh)
+    split = model.stage.plan.describe() if uses_pipeline(lay) else None
+    del plain  # a pipeline stage holds copies of its layers: the whole model is not kept
     optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)
     # Identical weights came from the shared seed; from here each dp rank draws its own randomness
     # (dropout masks must differ between the rows of different ranks, as they do within one batch),
@@ -95,6 +104,8 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         print(f"{cfg.model.name}: {n_params:,} parameters | {world} rank(s), {layout_name(cfg)} | "
               f"global batch {t.global_batch} x {task.tokens_per_row} tokens | {t.steps} steps | "
               f"writing {out_dir}/", flush=True)
+        if split:
+            print(split, flush=True)
 
     records: list[dict[str, Any]] = []
     window: list[float] = []  # untraced step times since the last log line
@@ -161,7 +172,8 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0:
         from shardlab.train.sample import sample_text
 
-        # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward.
+        # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward,
+        # and a pipeline's forward passes through every stage and hands the logits to all of them.
         # Sequence parallelism splits every sequence over tp: the window is padded to a multiple of it.
         sample = sample_text(model, cfg.model.seq_len, cfg.log.sample_prompt, cfg.log.sample_tokens,
                              cfg.log.sample_temperature, seed=cfg.train.seed, device=device,

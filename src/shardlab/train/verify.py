@@ -2,6 +2,7 @@
 
     shardlab verify --model gpt --dp 2 --json v.json
     shardlab verify --model gpt --dp 2 --tp 2 --sp        # 4 ranks
+    shardlab verify --model gpt --pp 2 --schedule 1f1b --microbatches 4
 
 Every rank builds the model from the run's seed and keeps an untouched copy as the single-process
 reference. Then, for K steps, the layout trains on its ranks' shares of each global batch while the
@@ -10,8 +11,9 @@ through train/step.py, the code the trainer runs. After each step every rank com
 with the reference: the loss, every gradient just before the optimizer uses it, and every parameter
 after the update. The largest differences over all ranks are reported. Sharded layouts are compared
 whole, by the plain model's parameter names: the data-parallel wrapper's views gathered over dp,
-then tensor-parallel shards gathered over tp (parallel/layout.py). The layout's loss is its dp
-ranks' mean; every rank of a tp group holds it, and each rank's is compared.
+then tensor-parallel shards gathered over tp, or pipeline stages gathered over pp
+(parallel/layout.py). The layout's loss is its dp ranks' mean; every rank of a tp group and every
+stage of a pipeline holds it, and each rank's is compared.
 
 Differences are relative to each tensor's scale, max|a - b| / max|b|, not per element: a gradient
 element that is 1e-9 where its neighbours are 1e-2 carries rounding noise of the neighbours' size,
@@ -56,6 +58,25 @@ VERIFY_BASE = [
 # overflows depends on how the batch is split across ranks (each rank's partial gradient is
 # larger than the whole batch's mean), so one run would skip a step the other takes.
 MIXED_VERIFY_BASE = ["optim.eps=1e-3", "optim.loss_scale=8192"]
+
+
+def verify_base(cfg: Config) -> list[str]:
+    """VERIFY_BASE and what the layout `cfg` (resolved on it) needs on top, as base entries that
+    --set still overrides: MIXED_VERIFY_BASE under mixed precision; a global batch of 12 raised to
+    the next multiple of layout.dp x train.micro_batches (16 for 8 microbatches); and for a pipeline
+    enough layers that every chunk holds a piece (the GPT's pieces are its blocks plus the embedding
+    and the head: 2 blocks fill 4 chunks; the MLP's are its layers)."""
+    base = list(VERIFY_BASE)
+    if cfg.layout.precision != "fp32":
+        base += MIXED_VERIFY_BASE
+    rows = cfg.layout.dp * cfg.train.micro_batches
+    if rows > 0 and 12 % rows:
+        base.append(f"train.global_batch={rows * math.ceil(12 / rows)}")
+    chunks = cfg.layout.pp * cfg.layout.virtual_stages
+    layers = chunks - 2 if cfg.model.name == "gpt" else chunks
+    if cfg.layout.pp > 1 and layers > 2:
+        base.append(f"model.n_layer={layers}")
+    return base
 
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float]:
@@ -235,7 +256,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         "layout": {"dp": cfg.layout.dp, "dp_mode": cfg.layout.dp_mode, "zero": cfg.layout.zero,
                    "tp": cfg.layout.tp, "sp": cfg.layout.sp, "tp_plan": cfg.layout.tp_plan,
                    "comm_impl": cfg.layout.comm_impl, "micro_batches": t.micro_batches,
-                   "precision": cfg.layout.precision},
+                   "precision": cfg.layout.precision, "pp": cfg.layout.pp, "schedule": cfg.layout.schedule,
+                   "virtual_stages": cfg.layout.virtual_stages},
         "model": cfg.model.name,
         "world_size": world,
         "steps": t.steps,
@@ -273,8 +295,11 @@ def format_report(report: dict[str, Any]) -> str:
     lay = report["layout"]
     tp = lay.get("tp", 1)
     tensor = f" x tp {tp}{' + sp' if lay.get('sp') else ''} ({lay.get('tp_plan')})" if tp > 1 or lay.get("sp") else ""
+    pp = lay.get("pp", 1)
+    v = lay.get("virtual_stages", 1)
+    pipeline = f"pp {pp} ({lay.get('schedule')}{f', v {v}' if v > 1 else ''}) x " if pp > 1 else ""
     lines = [
-        f"verify {report['model']}: dp {lay['dp']} "
+        f"verify {report['model']}: {pipeline}dp {lay['dp']} "
         f"({'ZeRO-' + str(lay['zero']) if lay['zero'] else lay['dp_mode']}, {lay['comm_impl']}){tensor}, "
         f"{lay['micro_batches']} micro-batch(es), {lay['precision']}, world size {report['world_size']}, "
         f"against one process on the whole batch, {report['steps']} steps",
