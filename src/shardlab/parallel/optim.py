@@ -219,6 +219,13 @@ class PieceOptimizer(torch.optim.Optimizer):
                 "masters": [m.detach().clone() for m in self.master_tensors()],
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
 
+    def load_inner_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the inner optimizer's own state dict (checkpoint/load.py builds one per layout).
+        torch's load_state_dict replaces its param_groups and state objects: ours must follow, or a
+        learning rate set through this optimizer (as train_step does) would no longer reach it."""
+        self.optim.load_state_dict(state_dict)
+        self.param_groups, self.state = self.optim.param_groups, self.optim.state
+
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if (state_dict["rank"], state_dict["world_size"]) != (self.layout.rank, self.layout.world):
@@ -230,7 +237,7 @@ class PieceOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state holds {len(saved)} master tensors, this optimizer {len(mine)}")
         for m, s in zip(mine, saved):
             m.copy_(s)
-        self.optim.load_state_dict(state_dict["shard"])
+        self.load_inner_state_dict(state_dict["shard"])
         if self.loss_scaler is not None and state_dict.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 

@@ -1,0 +1,212 @@
+"""What a rank holds of a model and its optimizer, as named slices of whole tensors.
+
+    held = local_tensors(model, optimizer)   # [Held(name, slice, live tensor), ...]
+
+Works for every layout `apply_layout` builds, and for a pipeline stage, by asking each layer of
+wrapping what it cuts rather than which layout it is:
+
+  * names: the plain model's (a tensor-parallel model and a pipeline stage keep them; data-parallel
+    wrappers hold the model as `.module`);
+  * the tensor-parallel cut of each parameter: its module's `tp_specs` and the tp group's rank/size;
+  * the optimizer's pieces (parallel/optim.py): flat ranges of those (local) parameters, each with
+    its fp32 master when the parameter is 16-bit, and the inner optimizer's state keyed by the
+    master. A plain torch optimizer's pieces are its whole parameters.
+
+A rank holds a parameter whole (one process, data parallelism, ZeRO 1-2: the save writes each
+replicated tensor once, spread over its holders) except FSDP's sharded parameters, which it holds
+only as its unit shards (the parameter points at a placeholder between forwards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardlab.checkpoint.slices import CheckpointError, Slice
+from shardlab.parallel.optim import PieceOptimizer
+
+
+@dataclass
+class Held:
+    """A tensor this rank holds: `slice` of the whole tensor `name`; `tensor` is the live one (read
+    when saving, written in place when loading), of slice.numel elements in any shape."""
+
+    name: str
+    slice: Slice
+    tensor: torch.Tensor
+
+
+@dataclass
+class OptPiece:
+    """Elements [start, stop) of `param` (this rank's, perhaps a tensor-parallel shard) as an
+    optimizer steps them: `master` is their fp32 copy (None when the model's own tensor is fp32
+    and stepped directly), `key` what the inner optimizer keys their state by."""
+
+    param: nn.Parameter
+    start: int
+    stop: int
+    master: torch.Tensor | None
+    key: torch.Tensor
+
+
+# ------------------------------------------------------------------------------ the model side
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model under data-parallel wrappers (each holds the one it wraps as `.module`)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(plain model's name, parameter) for every parameter this rank holds, each once."""
+    inner = unwrap(model)
+    if hasattr(inner, "stage_named_parameters"):  # a pipeline stage: original names
+        return list(inner.stage_named_parameters())
+    return list(inner.named_parameters())
+
+
+def aliases(model: nn.Module) -> dict[str, str]:
+    """Other names of tied parameters -> the name they are saved under (e.g. head.weight -> tok_emb.weight)."""
+    inner = unwrap(model)
+    if hasattr(inner, "stage_named_parameters"):
+        return {}
+    canonical = {id(p): n for n, p in inner.named_parameters()}
+    return {n: canonical[id(p)] for n, p in inner.named_parameters(remove_duplicate=False) if canonical[id(p)] != n}
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a state_dict would hold (non-persistent ones, e.g. caches, are rebuilt, not saved)."""
+    inner = unwrap(model)
+    if hasattr(inner, "stage_named_parameters"):
+        return []
+    out = []
+    for mod_name, mod in inner.named_modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{name}" if mod_name else name, b))
+    return out
+
+
+def tensor_cuts(model: nn.Module) -> dict[int, tuple[int, int, int, int]]:
+    """id(parameter) -> (dim, parts, index, count) for each tensor-parallel shard this rank holds."""
+    from shardlab.parallel.tensor.shards import param_specs
+
+    inner = unwrap(model)
+    specs = param_specs(inner)
+    if not specs:
+        return {}
+    holder = next((m for m in inner.modules() if hasattr(m, "tp_group")), None)
+    if holder is None:
+        raise CheckpointError(f"{type(inner).__name__} has tensor-parallel shards but no tp_group to say whose they are")
+    group = holder.tp_group  # None: the default group (tp spans every rank)
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    return {pid: (spec.dim, spec.parts, rank, n) for pid, spec in specs.items()}
+
+
+def whole_slice(p: torch.Tensor, cut: tuple[int, int, int, int] | None, start: int = 0,
+                stop: int | None = None) -> Slice:
+    """The slice a local tensor `p` (or its elements [start, stop)) is of its whole tensor."""
+    if cut is None:
+        return Slice.make(p.shape, start, stop)
+    dim, parts, index, count = cut
+    shape = list(p.shape)
+    shape[dim] *= count
+    return Slice.make(shape, start, stop, dim=dim, parts=parts, index=index, count=count)
+
+
+def find_fsdp(model: nn.Module) -> nn.Module | None:
+    """The FullyShardedDataParallel wrapper in `model`'s chain of wrappers, if any."""
+    from shardlab.parallel.fsdp import FullyShardedDataParallel
+
+    m: nn.Module | None = model
+    while m is not None and not isinstance(m, FullyShardedDataParallel):
+        m = m.module if isinstance(getattr(m, "module", None), nn.Module) else None
+    return m
+
+
+# ------------------------------------------------------------------------------ the optimizer side
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer that holds the state: a PieceOptimizer's inner one, or the optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, PieceOptimizer) else optimizer
+
+
+def optimizer_pieces(optimizer: torch.optim.Optimizer | None) -> list[OptPiece]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, PieceOptimizer):
+        return [OptPiece(pc.param, pc.start, pc.stop, None if m is pc.tensor else m, m)
+                for pc, m in zip(optimizer.pieces, optimizer.masters)]
+    seen: set[int] = set()
+    out = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(OptPiece(p, 0, p.numel(), None, p))
+    return out
+
+
+def group_of(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, int]:
+    """Parameter name -> index of its optimizer group (a PieceOptimizer's inner groups hold masters)."""
+    inner = inner_optimizer(optimizer)
+    index = {id(t): i for i, g in enumerate(inner.param_groups) for t in g["params"]}
+    return {names[id(pc.param)]: index[id(pc.key)] for pc in optimizer_pieces(optimizer)
+            if id(pc.param) in names and id(pc.key) in index}
+
+
+def state_slice(value: torch.Tensor, piece_slice: Slice, name: str, key: str) -> Slice:
+    """How an optimizer state tensor is cut: like its piece (exp_avg, ...) or a scalar (step)."""
+    if value.dim() == 0:
+        return Slice.make(())
+    if value.numel() == piece_slice.numel:
+        return piece_slice
+    raise CheckpointError(f"optimizer state {key!r} of {name} has {value.numel()} elements, its piece "
+                          f"{piece_slice.numel}: only element-wise state (or scalars) can be sharded")
+
+
+# ------------------------------------------------------------------------------ together
+def local_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                  with_state: bool = True) -> list[Held]:
+    """Every tensor of model and optimizer state this rank holds, as named slices (see the module
+    docstring). with_state False: leave out the inner optimizer's state (a load creates it) but
+    keep the masters."""
+    names = {id(p): n for n, p in named_parameters(model)}
+    cuts = tensor_cuts(model)
+    held: list[Held] = []
+    fsdp = find_fsdp(model)
+    # FSDP holds the parameters it shards as this rank's pieces of its units' flat shards only.
+    sharded = {id(p) for u in fsdp.units for p in u.params} if fsdp is not None else set()
+    for n, p in named_parameters(model):
+        if id(p) not in sharded:
+            held.append(Held(f"model/{n}", whole_slice(p, cuts.get(id(p))), p))
+    for pc in (pc for u in fsdp.units for pc in u.pieces) if fsdp is not None else ():
+        if id(pc.param) in names:
+            held.append(Held(f"model/{names[id(pc.param)]}",
+                             whole_slice(pc.param, cuts.get(id(pc.param)), pc.start, pc.stop), pc.tensor))
+    held += [Held(f"model/{n}", Slice.make(b.shape), b) for n, b in persistent_buffers(model)]
+    for pc in optimizer_pieces(optimizer):
+        if id(pc.param) not in names:
+            continue
+        n, s = names[id(pc.param)], whole_slice(pc.param, cuts.get(id(pc.param)), pc.start, pc.stop)
+        if pc.master is not None:
+            held.append(Held(f"optim/{n}/master", s, pc.master))
+        if with_state:
+            for key, value in inner_optimizer(optimizer).state.get(pc.key, {}).items():
+                if isinstance(value, torch.Tensor):
+                    held.append(Held(f"optim/{n}/{key}", state_slice(value, s, n, key), value))
+    return held
+
+
+def non_tensor_state(optimizer: torch.optim.Optimizer | None, names: dict[int, str]) -> dict[str, dict]:
+    """Per parameter, the optimizer state that is not a tensor (rare: most keep even `step` as one)."""
+    out: dict[str, dict] = {}
+    for pc in optimizer_pieces(optimizer):
+        if id(pc.param) in names:
+            state = inner_optimizer(optimizer).state.get(pc.key, {})
+            plain = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+            if plain:
+                out[names[id(pc.param)]] = plain
+    return out

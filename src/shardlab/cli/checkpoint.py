@@ -1,0 +1,91 @@
+"""`shardlab checkpoint`: look into a checkpoint, or turn it into one whole state dict.
+
+    shardlab checkpoint inspect runs/gpt-small/checkpoints          # the newest one under a root
+    shardlab checkpoint inspect runs/gpt-small/checkpoints/step_00000200 --json -
+    shardlab checkpoint consolidate runs/gpt-small/checkpoints --out model.pt
+    python -c "import torch; m.load_state_dict(torch.load('model.pt', weights_only=True))"
+
+Neither starts ranks nor needs the layout the checkpoint was saved under: the metadata says where
+every slice of every tensor is (docs/checkpoints.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="inspect a checkpoint, or consolidate it into one state dict",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    ins = actions.add_parser("inspect", help="what a checkpoint holds: step, ranks, files, every tensor's slices")
+    ins.add_argument("path", help="a checkpoint directory, or a root holding checkpoints (its newest is shown)")
+    ins.add_argument("--json", metavar="PATH", help="write the description as JSON ('-' for stdout only)")
+    ins.add_argument("--all", action="store_true", help="list every tensor (default: parameters, then a count)")
+    con = actions.add_parser("consolidate", help="write the whole model state dict to one file")
+    con.add_argument("path", help="a checkpoint directory, or a root holding checkpoints (its newest is used)")
+    con.add_argument("--out", required=True, help="the file to write (torch.save; load with weights_only=True)")
+    con.add_argument("--optimizer", action="store_true",
+                     help="also the optimizer state: writes {'model': ..., 'optimizer': ..., 'step': N}")
+    p.set_defaults(func=run)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_description(d: dict[str, Any], show_all: bool = False) -> str:
+    lines = [f"{d['path']}", f"  step {d['step']}, saved by {d['world_size']} rank(s) at {d['created'] or '?'}",
+             f"  {d['parameters']:,} parameter elements; {len(d['files'])} file(s), {_size(d['bytes'])}"]
+    layout = (d.get("config") or {}).get("layout")
+    if layout:
+        lines.append("  layout: " + ", ".join(f"{k} {layout[k]}" for k in ("pp", "dp", "tp", "zero", "precision")
+                                               if k in layout))
+    opt = d.get("optimizer")
+    if opt:
+        scaler = opt.get("loss_scaler")
+        lines.append(f"  optimizer: {opt['class']}, {len(opt['groups'])} group(s)"
+                     + (f", loss scale {scaler['scale']:g}" if scaler else ""))
+    for f, info in sorted(d["files"].items()):
+        lines.append(f"    {f}: rank {info['rank']}, {_size(info['bytes'])}")
+    shown = [t for t in d["tensors"] if show_all or t["name"].startswith("model/")]
+    width = max((len(t["name"]) for t in shown), default=10)
+    lines.append(f"  {'tensor':<{width}}  {'shape':<16} {'dtype':<9} slices  files")
+    for t in shown:
+        files = ",".join(f.removeprefix("rank").removesuffix(".pt").lstrip("0") or "0" for f in t["files"])
+        lines.append(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<16} {t['dtype']:<9} {t['slices']:>6}  "
+                     f"ranks {files}")
+    hidden = len(d["tensors"]) - len(shown)
+    if hidden:
+        lines.append(f"  ... and {hidden} optimizer tensors (--all lists them)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardlab.checkpoint import CheckpointError, consolidate, describe
+
+    try:
+        if args.action == "inspect":
+            d = describe(args.path)
+            if args.json == "-":
+                print(json.dumps(d, indent=1))
+                return 0
+            print(format_description(d, args.all))
+            if args.json:
+                Path(args.json).write_text(json.dumps(d, indent=1) + "\n")
+                print(f"\nwrote {args.json}")
+            return 0
+        out = consolidate(args.path, args.out, optimizer=args.optimizer)
+        print(f"wrote {out} ({_size(out.stat().st_size)})")
+        return 0
+    except CheckpointError as exc:
+        print(f"shardlab checkpoint {args.action}: {exc}", file=sys.stderr)
+        return 1
