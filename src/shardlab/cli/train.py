@@ -26,9 +26,13 @@ examples:
   shardlab train --config configs/gpt-small.toml --pp 2 --schedule 1f1b --microbatches 4
   shardlab train --config configs/gpt-small.toml --pp 2 --dp 2 --schedule interleaved \
       --virtual-stages 2 --microbatches 4                                    # 4 ranks: pp 2 x dp 2
+  shardlab train --config configs/gpt-small.toml --dp 2 --zero 3 --save-every 50   # sharded checkpoints
+  shardlab train --config configs/gpt-small.toml --tp 2 --resume    # continue under another layout
   shardlab train --config configs/gpt-small.toml --dry-run
   shardlab train --help-config                      # every configuration field, documented
   torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
+  torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m shardlab train --config \
+      configs/gpt-small.toml --dp 2 --save-every 20 --resume        # a restarted job resumes itself
 """
 
 
@@ -88,6 +92,25 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
                         "mod pp) (layout.virtual_stages)")
 
 
+def add_checkpoint_options(p: argparse.ArgumentParser) -> None:
+    """The checkpoint flags of `train` (docs/checkpoints.md)."""
+    g = p.add_argument_group("checkpoints (docs/checkpoints.md)")
+    g.add_argument("--save-every", type=int, default=None, metavar="N",
+                   help="save a sharded checkpoint every N steps and after the last one (checkpoint.every; 0: never)")
+    g.add_argument("--keep", type=int, default=None, metavar="K",
+                   help="keep the K newest checkpoints (checkpoint.keep, default 3; 0: all)")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="where step_N/ checkpoints go (checkpoint.dir; default: <log.out_dir>/checkpoints)")
+    g.add_argument("--no-async-save", dest="async_save", action="store_false", default=None,
+                   help="write checkpoints on the training thread (default: in the background after a copy to "
+                        "host memory) (checkpoint.async_save)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|DIR",
+                   help="continue from the newest complete checkpoint (or the step_N directory given): same "
+                        "losses and parameters as an uninterrupted run; any layout loads any other's. "
+                        "'latest' starts afresh when there is none, so a job restarted by torchrun "
+                        "--max-restarts resumes by itself (checkpoint.resume)")
+
+
 def pipeline_adjustments(cfg) -> list[tuple[str, str]]:
     """What the command line changes so that a pipeline runs, as (section.key=value, why) pairs:
     data parallelism over a stage's replicas cannot overlap its all-reduce with backward (the
@@ -115,7 +138,10 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
                       ("dp_mode", "layout.dp_mode"), ("bucket_mb", "layout.bucket_mb"),
                       ("comm_impl", "layout.comm_impl"), ("zero", "layout.zero"),
                       ("precision", "layout.precision"), ("pp", "layout.pp"), ("schedule", "layout.schedule"),
-                      ("microbatches", "train.micro_batches"), ("virtual_stages", "layout.virtual_stages")):
+                      ("microbatches", "train.micro_batches"), ("virtual_stages", "layout.virtual_stages"),
+                      ("resume", "checkpoint.resume"), ("save_every", "checkpoint.every"),
+                      ("keep", "checkpoint.keep"), ("async_save", "checkpoint.async_save"),
+                      ("checkpoint_dir", "checkpoint.dir")):
         value = getattr(args, attr, None)
         if isinstance(value, bool):  # TOML spells them lower-case
             flags.append(f"{key}={str(value).lower()}")
@@ -153,6 +179,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_options(p)
     add_pipeline_options(p)
+    add_checkpoint_options(p)
     p.add_argument("--dry-run", action="store_true",
                    help="validate, print the resolved configuration and parameter count, and stop")
     p.add_argument("--help-config", action="store_true", help="print every configuration field with its documentation")

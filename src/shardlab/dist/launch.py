@@ -260,6 +260,19 @@ def _supervise(procs: list, workdir: str) -> None:
         wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
 
 
+def _init_attempt_group(backend: str, timeout: datetime.timedelta) -> None:
+    """init_process_group from torchrun's variables, with the store's keys under this attempt's
+    prefix. A job restarted by `torchrun --max-restarts` reuses the agent's store, where the
+    previous attempt's ranks left their gloo addresses: without a prefix, the new ranks read the
+    dead ones' and fail to connect (measured with torch 2.13, --standalone)."""
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world_size = next(rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"shardlab/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def _run_under_torchrun(
     fn: Callable[..., Any],
     world_size: int | None,
@@ -285,7 +298,7 @@ def _run_under_torchrun(
         sys.stdout = open(os.devnull, "w")
     initialised_here = not dist.is_initialized()
     if initialised_here:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        _init_attempt_group(backend, datetime.timedelta(seconds=timeout_s))
     try:
         result = fn(*args, **kwargs)
     finally:

@@ -202,6 +202,23 @@ class LogSection:
     """Measure peak tensor memory per rank on logged steps (on CPU this traces every op of those steps)."""
 
 
+@dataclass
+class CheckpointSection:
+    """Sharded checkpoints (docs/checkpoints.md): every rank writes its own slices, published atomically."""
+
+    dir: str = ""
+    """Where step_N/ checkpoints go; '': <log.out_dir>/checkpoints."""
+    every: int = 0
+    """Save every N steps and after the last step; 0: never."""
+    keep: int = 3
+    """How many of the newest checkpoints to keep; 0: all."""
+    async_save: bool = True
+    """Write in the background: training stalls only for the copy to host memory."""
+    resume: str = ""
+    """'' (start afresh), 'latest' (the newest complete checkpoint under dir; afresh when there is
+    none, so a restarted job resumes by itself) or a step_N directory. Any layout loads any other's."""
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "data": DataSection,
@@ -209,6 +226,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainSection,
     "layout": LayoutSection,
     "log": LogSection,
+    "checkpoint": CheckpointSection,
 }
 
 
@@ -220,6 +238,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     layout: LayoutSection = field(default_factory=LayoutSection)
     log: LogSection = field(default_factory=LogSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     # ------------------------------------------------------------------------------ building
     @classmethod

@@ -104,6 +104,22 @@ def problems(cfg: Config) -> list[str]:
     elif lay.pp == 1 and lay.virtual_stages > 1:
         out.append(f"layout.virtual_stages = {lay.virtual_stages} splits each pipeline rank's layers into chunks, "
                    f"but layout.pp = 1: there is no pipeline (set layout.pp > 1 or layout.virtual_stages = 1)")
+    out += checkpoint_problems(cfg)
+    return out
+
+
+def checkpoint_problems(cfg: Config) -> list[str]:
+    """The [checkpoint] section: counts non-negative; a named checkpoint must be a complete one."""
+    ck, out = cfg.checkpoint, []
+    for name in ("every", "keep"):
+        if getattr(ck, name) < 0:
+            out.append(f"checkpoint.{name} = {getattr(ck, name)} must be >= 0")
+    if ck.resume not in ("", "latest"):
+        from pathlib import Path
+
+        if not (Path(ck.resume).expanduser() / "metadata.json").is_file():
+            out.append(f"checkpoint.resume = {ck.resume!r} is not a checkpoint directory (no metadata.json there); "
+                       f"use 'latest' for the newest under checkpoint.dir")
     return out
 
 

@@ -98,7 +98,11 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     tokens_per_step = t.global_batch * task.tokens_per_row
 
     out_dir = Path(cfg.log.out_dir)
-    writer = MetricsWriter(out_dir, cfg.log.tensorboard) if rank == 0 else None
+    # After the seeding above: a checkpoint restores every rank's random streams over it. The step
+    # is also the data position (the samplers are keyed by (seed, step)).
+    checkpointer, start_step, resumed = open_checkpoints(cfg, model, optimizer)
+    writer = MetricsWriter(out_dir, cfg.log.tensorboard, resume_step=start_step if resumed else None) \
+        if rank == 0 else None
     if rank == 0:
         (out_dir / "config.toml").write_text(cfg.to_toml())
         print(f"{cfg.model.name}: {n_params:,} parameters | {world} rank(s), {layout_name(cfg)} | "
@@ -106,13 +110,16 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
               f"writing {out_dir}/", flush=True)
         if split:
             print(split, flush=True)
+        if resumed:
+            print(f"resumed from {resumed} at step {start_step}", flush=True)
 
     records: list[dict[str, Any]] = []
     window: list[float] = []  # untraced step times since the last log line
     shown_s = 0.0  # their median, kept when a window is empty (consecutive logged steps)
     steady: list[float] = []  # every untraced step time
     run_start = time.perf_counter()
-    for step in range(t.steps):
+    for step in range(start_step, t.steps):
+        inject_fault(step, rank)
         logged = step % t.log_every == 0 or step == t.steps - 1
         tracker = MemoryTracker(device) if (logged and cfg.log.memory) else None
         if tracker is not None:
@@ -166,7 +173,11 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             writer.write(rec)
             if logged or "val_loss" in rec:
                 print(step_line(rec, t.steps), flush=True)
+        if checkpointer is not None and ((step + 1) % cfg.checkpoint.every == 0 or step == t.steps - 1):
+            checkpointer.save(step + 1, model, optimizer, config=cfg.to_dict())
 
+    if checkpointer is not None:
+        checkpointer.close()  # waits for an asynchronous save still in flight
     wall = time.perf_counter() - run_start
     sample = None
     if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0:
@@ -182,7 +193,50 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         return None
     assert writer is not None
     writer.close()
-    return _finish(cfg, sample, records, steady + window, wall, tokens_per_step, out_dir)
+    if not records:  # resumed from a checkpoint of the last step: nothing left to train
+        return {"steps": 0, "resumed_from": resumed, "out_dir": str(out_dir), "metrics": str(writer.path)}
+    summary = _finish(cfg, sample, records, steady + window, wall, tokens_per_step, out_dir)
+    if resumed:
+        summary["resumed_from"] = resumed
+    return summary
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.log.out_dir) / "checkpoints").expanduser()
+
+
+def open_checkpoints(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                     ) -> tuple[Any, int, str | None]:
+    """The checkpointer (None when checkpoint.every is 0), the step to start from, and the
+    checkpoint resumed from (None: afresh). Every rank, at the same point: loading is collective."""
+    from shardlab.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+
+    ck, root = cfg.checkpoint, checkpoint_dir(cfg)
+    checkpointer = Checkpointer(root, keep=ck.keep or None, async_save=ck.async_save) if ck.every else None
+    path = latest_checkpoint(root, agreed=True) if ck.resume == "latest" else (Path(ck.resume) if ck.resume else None)
+    if path is None:
+        return checkpointer, 0, None
+    info = load_checkpoint(path, model, optimizer)
+    if info.step > cfg.train.steps:
+        raise ValueError(f"checkpoint {info.path} is at step {info.step}, past train.steps = {cfg.train.steps}")
+    return checkpointer, info.step, str(info.path)
+
+
+def inject_fault(step: int, rank: int) -> None:
+    """A testing aid for recovery: SHARDLAB_FAULT='STEP:RANK' kills that rank (SIGKILL: no cleanup,
+    as a machine failure) when it reaches that step, on a job's first attempt only, so a job
+    restarted by torchrun --max-restarts goes through."""
+    import os
+
+    fault = os.environ.get("SHARDLAB_FAULT", "")
+    if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    at_step, _, at_rank = fault.partition(":")
+    if int(at_step) == step and int(at_rank or 0) == rank:
+        import signal
+
+        print(f"SHARDLAB_FAULT: killing rank {rank} at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untraced: list[float],

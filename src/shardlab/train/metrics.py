@@ -75,17 +75,26 @@ def step_line(rec: dict[str, Any], steps: int) -> str:
 class MetricsWriter:
     """Appends records to out_dir/metrics.jsonl and scalars to TensorBoard (rank 0 only)."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None = None) -> None:
+        """resume_step: the run continues from a checkpoint at that step; earlier records are kept
+        (those of later steps, written after the checkpoint by the run that died, are dropped)."""
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
+        kept = []
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", -1) < resume_step]
         self._jsonl = self.path.open("w")
+        self._jsonl.writelines(line + "\n" for line in kept)
         self._tb = None
         if tensorboard:
             from shardlab.train.tensorboard import EventWriter
 
-            # A rerun into the same directory starts a fresh curve rather than zig-zagging over the old one.
-            for old in (out_dir / "tb").glob("events.out.tfevents.*"):
-                old.unlink()
+            # A rerun into the same directory starts a fresh curve rather than zig-zagging over the old
+            # one; a resumed run adds a new event file (TensorBoard shows the latest value per step).
+            if resume_step is None:
+                for old in (out_dir / "tb").glob("events.out.tfevents.*"):
+                    old.unlink()
             self._tb = EventWriter(out_dir / "tb")
 
     def write(self, rec: dict[str, Any]) -> None:
