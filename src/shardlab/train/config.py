@@ -98,6 +98,10 @@ class OptimSection:
     which is then skipped; doubled after loss_scale_window clean steps)."""
     loss_scale_window: int = 1000
     """fp16 only: clean steps before the loss scale doubles."""
+    on_nonfinite: str = "stop"
+    """A step whose gradient norm is inf or nan (outside fp16, whose loss scaling skips such steps
+    itself): 'stop' the run with an error naming the step and the parameters at fault, or 'skip'
+    the update (the gradients are dropped, the weights and optimizer state stay as they were)."""
 
 
 @dataclass

@@ -80,6 +80,7 @@ def problems(cfg: Config) -> list[str]:
     one_of("layout.comm_impl", lay.comm_impl,
            ["torch", *sorted(name for name, ops in ALGORITHMS.items() if needed <= set(ops))])
     one_of("layout.precision", lay.precision, ("fp32", "bf16", "fp16"))
+    one_of("optim.on_nonfinite", o.on_nonfinite, ("stop", "skip"))
     positive("optim.loss_scale", o.loss_scale)
     positive("optim.loss_scale_window", o.loss_scale_window)
     if lay.zero not in (0, 1, 2, 3):

@@ -128,7 +128,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             res = train_step(
                 model, optimizer, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=lay.dp,
                 micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
-                skip_layer_every=cfg.model.skip_layer_every, device=device,
+                skip_layer_every=cfg.model.skip_layer_every, device=device, on_nonfinite=cfg.optim.on_nonfinite,
             )
             synchronize(device)
         finally:
@@ -162,6 +162,8 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         }
         if get_precision(lay.precision).loss_scaling:  # fp16: the scale and whether the step was skipped
             rec.update(loss_scale=res.loss_scale, skipped=res.skipped)
+        elif res.skipped:  # a non-finite gradient norm under optim.on_nonfinite = 'skip'
+            rec["skipped"] = True
         if logged:
             steady.extend(window)
             window = []

@@ -84,7 +84,8 @@ class StepResult:
     seconds: float
     """Wall time of the whole step on this rank."""
     skipped: bool = False
-    """fp16: the gradients overflowed, the update was skipped and the loss scale lowered."""
+    """The update was skipped: fp16 gradients overflowed (and the loss scale was lowered), or the
+    gradient norm was not finite under on_nonfinite='skip'."""
     loss_scale: float = 1.0
     """The loss scale this step's backward used (1 unless fp16)."""
 
@@ -104,6 +105,7 @@ def train_step(
     device: torch.device | None = None,
     before_update: Callable[[], None] | None = None,
     after_backward: Callable[[], None] | None = None,
+    on_nonfinite: str = "stop",
 ) -> StepResult:
     """Forward and backward over this rank's micro-batches, gradient sync, clip, AdamW update.
 
@@ -114,7 +116,9 @@ def train_step(
     STEP, in the same code. `after_backward` runs when the last backward has finished, before any
     synchronisation the wrapper leaves to `finish_gradient_sync` (where model-state memory peaks;
     `shardlab memory` measures it there); `before_update` runs after the gradients are final and
-    before the optimizer uses them (verify compares gradients there).
+    before the optimizer uses them (verify compares gradients there). A non-finite gradient norm
+    outside fp16 loss scaling raises NonFiniteError, or with on_nonfinite='skip' drops the update;
+    the norm is the same on every rank, so every rank decides alike.
     """
     start = time.perf_counter()
     for group in optimizer.param_groups:
@@ -127,6 +131,8 @@ def train_step(
     # fp16 loss scaling: gradients come out `scale` times larger; the optimizer divides it back out.
     scale = float(getattr(optimizer, "loss_scale", 1.0))
     norms: list[torch.Tensor] = []
+    dropped: list[bool] = []
+    loss_scaling = getattr(optimizer, "loss_scaler", None) is not None
 
     def update() -> None:
         """Everything after the last backward: sync, clip, the optimizer step."""
@@ -144,6 +150,12 @@ def train_step(
             # Every rank holds whole gradients after data-parallel sync; a tensor-parallel model's
             # are its shards and replicas, whose squares parallel/gradnorm.py sums over its tp group.
             norms.append(clip_grad_norm_(unique_trainable(inner), max_norm, tensor_sharding(inner)))
+        if not loss_scaling and not math.isfinite(float(norms[-1])):
+            if on_nonfinite != "skip":
+                raise NonFiniteError(step, float(norms[-1]), nonfinite_gradients(inner))
+            optimizer.zero_grad(set_to_none=True)
+            dropped.append(True)
+            return
         if before_update is not None:
             before_update()
         optimizer.step()
@@ -169,9 +181,29 @@ def train_step(
         grad_norm=float(norms[0]),
         comm_wait_s=float(getattr(model, "comm_wait_s", 0.0)),
         seconds=time.perf_counter() - start,
-        skipped=bool(getattr(optimizer, "last_step_skipped", False)),
+        skipped=bool(dropped) or bool(getattr(optimizer, "last_step_skipped", False)),
         loss_scale=scale,
     )
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's gradients hold inf or nan (every rank raises it alike: the norm is global)."""
+
+    def __init__(self, step: int, norm: float, names: list[str]) -> None:
+        where = (f"non-finite gradients on this rank in {', '.join(names[:5])}"
+                 + (f" and {len(names) - 5} more" if len(names) > 5 else "")) if names else \
+            "this rank's own gradients are finite (another rank's are not)"
+        super().__init__(f"step {step}: the gradient norm is {norm}; {where}. The update was not applied; "
+                         f"set optim.on_nonfinite = 'skip' to drop such steps and go on, or resume from the "
+                         f"last checkpoint with a lower optim.lr")
+        self.step, self.norm, self.names = step, norm, names
+
+
+@torch.no_grad()
+def nonfinite_gradients(model: nn.Module) -> list[str]:
+    """The names of this rank's parameters whose local gradient holds inf or nan."""
+    return [n for n, p in model.named_parameters()
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
 
 def _accumulate(model: nn.Module, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
