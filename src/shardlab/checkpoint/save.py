@@ -50,6 +50,7 @@ from shardlab.checkpoint.format import (
     step_dir_name, write_tensor_file,
 )
 from shardlab.checkpoint.slices import CheckpointError, Slice
+from shardlab.dist.env import group_timeout
 
 # Tests set this to kill a rank at a named point of the protocol (see tests/test_checkpoint_crash.py).
 FAULT_HOOK: Callable[[str, int, Path], None] | None = None
@@ -91,13 +92,8 @@ def coordination_group(own: bool, timeout_s: float | None = None) -> dist.Proces
         return None
     if not own and dist.get_backend() == "gloo":
         return None
-    if timeout_s is None:
-        try:  # the default group's own timeout, so a rank lost mid-save is noticed as soon as in training
-            timeout = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
-        except Exception:  # noqa: BLE001 - private API; torch's default then
-            timeout = None
-    else:
-        timeout = datetime.timedelta(seconds=timeout_s)
+    # The job's own timeout, so a rank lost mid-save is noticed as soon as in training.
+    timeout = group_timeout() if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     return dist.new_group(backend="gloo", timeout=timeout)
 
 

@@ -27,8 +27,9 @@ def add_launch_options(parser: argparse.ArgumentParser, world_size_default: int 
     g.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per rank (default: cores / local ranks, at least 1; "
                         "SHARDLAB_THREADS or OMP_NUM_THREADS also set it)")
-    g.add_argument("--timeout", type=float, default=float(os.environ.get("SHARDLAB_TIMEOUT", "300")),
-                   help="seconds any collective may wait for its peers before failing (default: %(default)s)")
+    g.add_argument("--timeout", type=float, default=float(os.environ.get("SHARDLAB_TIMEOUT", "60")),
+                   help="seconds any collective may wait for its peers before failing: the bound within which "
+                        "the other ranks stop when one dies (default: %(default)s; SHARDLAB_TIMEOUT sets it)")
     g.add_argument("--master-addr", default=None,
                    help="address the rendezvous listens on (default: 127.0.0.1, loopback only)")
     g.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: any free port)")

@@ -81,3 +81,18 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU), so host timers measure finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def group_timeout():
+    """The timeout every process group of this job gets: the launcher's (--timeout, recorded in
+    SHARDLAB_GROUP_TIMEOUT when the default group was made). torch's new_group does not inherit the
+    default group's timeout, so groups made later (a mesh's axes, the checkpointer's) would wait up
+    to 30 minutes for a dead rank without it."""
+    import datetime
+
+    return datetime.timedelta(seconds=float(os.environ.get("SHARDLAB_GROUP_TIMEOUT", DEFAULT_TIMEOUT_S)))
+
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDLAB_TIMEOUT", "60"))
+"""How long a collective waits for its peers before failing: a rank that died is noticed within it."""
+

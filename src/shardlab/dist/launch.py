@@ -31,7 +31,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from shardlab.dist.env import default_backend, device_for, read_torchrun_env, threads_per_rank, under_torchrun
+from shardlab.dist.env import (  # DEFAULT_TIMEOUT_S: 60 s, SHARDLAB_TIMEOUT overrides
+    DEFAULT_TIMEOUT_S,
+    default_backend,
+    device_for,
+    read_torchrun_env,
+    threads_per_rank,
+    under_torchrun,
+)
 from shardlab.dist.rank import (
     OUTPUT_MODES,
     RankSpec,
@@ -43,7 +50,6 @@ from shardlab.dist.rank import (
     write_error_report,
 )
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDLAB_TIMEOUT", "300"))
 # After the first rank fails, how long to let the others write their own reports before choosing
 # the root cause by time (a peer of a crashed rank fails too, a moment later, with "connection reset").
 _FAILURE_GRACE_S = 1.0
@@ -269,6 +275,7 @@ def _init_attempt_group(backend: str, timeout: datetime.timedelta) -> None:
 
     store, rank, world_size = next(rendezvous("env://", timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    os.environ["SHARDLAB_GROUP_TIMEOUT"] = str(timeout.total_seconds())  # for later groups (env.group_timeout)
     store = dist.PrefixStore(f"shardlab/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 

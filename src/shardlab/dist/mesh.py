@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
+from shardlab.dist.env import group_timeout
+
 
 class DeviceMesh:
     """Named axes with degrees over `world_size` ranks (default: the default group's)."""
@@ -106,7 +108,7 @@ class DeviceMesh:
         for fixed in itertools.product(*others):
             coords = dict(zip([n for n in self.names if n != axis], fixed))
             ranks = [self.rank_of({**coords, axis: i}) for i in range(self.size(axis))]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=group_timeout())
             if self.rank in ranks:
                 mine = group
         return mine

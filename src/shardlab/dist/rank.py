@@ -123,6 +123,7 @@ def init_rank(spec: RankSpec) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads_per_rank(local_world, spec.threads))
     timeout = datetime.timedelta(seconds=spec.timeout_s)
+    os.environ["SHARDLAB_GROUP_TIMEOUT"] = str(spec.timeout_s)  # for the groups made later (env.group_timeout)
     store = dist.TCPStore(spec.store_addr, spec.store_port, None, False, timeout=timeout)
     device = device_for(spec.backend, spec.rank)
     if device.type == "cuda":
