@@ -117,8 +117,9 @@ def train_step(
     synchronisation the wrapper leaves to `finish_gradient_sync` (where model-state memory peaks;
     `shardlab memory` measures it there); `before_update` runs after the gradients are final and
     before the optimizer uses them (verify compares gradients there). A non-finite gradient norm
-    outside fp16 loss scaling raises NonFiniteError, or with on_nonfinite='skip' drops the update;
-    the norm is the same on every rank, so every rank decides alike.
+    outside fp16 loss scaling raises NonFiniteError, or with on_nonfinite='skip' drops the update
+    ('apply', for verify only: steps as computed); the norm is the same on every rank, so every rank
+    decides alike.
     """
     start = time.perf_counter()
     for group in optimizer.param_groups:
@@ -150,7 +151,7 @@ def train_step(
             # Every rank holds whole gradients after data-parallel sync; a tensor-parallel model's
             # are its shards and replicas, whose squares parallel/gradnorm.py sums over its tp group.
             norms.append(clip_grad_norm_(unique_trainable(inner), max_norm, tensor_sharding(inner)))
-        if not loss_scaling and not math.isfinite(float(norms[-1])):
+        if not loss_scaling and on_nonfinite != "apply" and not math.isfinite(float(norms[-1])):
             if on_nonfinite != "skip":
                 raise NonFiniteError(step, float(norms[-1]), nonfinite_gradients(inner))
             optimizer.zero_grad(set_to_none=True)

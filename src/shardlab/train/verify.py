@@ -150,7 +150,10 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     model = apply_layout(plain, cfg.layout, mesh)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     ref_opt = make_optimizer(reference, cfg.optim, cfg.layout.precision)
-    common = dict(grad_clip=cfg.optim.grad_clip, skip_layer_every=cfg.model.skip_layer_every, device=device)
+    # on_nonfinite "apply": a layout that produces nan is compared as it is (nan fails every bound,
+    # step by step) rather than stopped at its first nan, so the report shows where it went wrong.
+    common = dict(grad_clip=cfg.optim.grad_clip, skip_layer_every=cfg.model.skip_layer_every, device=device,
+                  on_nonfinite="apply")
     mixed = get_precision(cfg.layout.precision).mixed
     if mixed:
         cfg32 = copy.deepcopy(cfg)
