@@ -27,7 +27,7 @@ import gc
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -127,6 +127,22 @@ def _optimizer(variant: str, wrapped: torch.nn.Module, cfg: Config) -> torch.opt
     return make_optimizer(wrapped, cfg.optim, cfg.layout.precision)
 
 
+def timed_steps(run_step: Callable[[int], object], warmup: int, steps: int, device: torch.device) -> list[float]:
+    """Run steps 0 .. warmup + steps - 1 and return the timed ones' seconds. A step's time is its
+    slowest rank's: a barrier before it, an all_reduce MAX of the ranks' times after it."""
+    times = []
+    for step in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        run_step(step)
+        synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+        if step >= warmup:
+            times.append(elapsed.item())
+    return times
+
+
 def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, steps: int,
                      warmup: int) -> dict[str, Any] | None:
     """One run on this rank (see the module docstring); rank 0 returns per variant the timed steps'
@@ -156,15 +172,9 @@ def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, s
             gc.collect()  # the previous variant's model, buckets and optimizer state are gone
             wrapped = _wrap(variant, prepare_model(cfg).to(device), cfg)
             optimizer = _optimizer(variant, wrapped, cfg)
-            for step in range(warmup + steps):
-                dist.barrier()
-                start = time.perf_counter()
-                train_step(wrapped, optimizer, drawn, step, lr=lr_at(step, cfg), **step_kw)
-                synchronize(device)
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-                if step >= warmup:
-                    times[variant].append(elapsed.item())
+            times[variant] += timed_steps(
+                lambda step, w=wrapped, o=optimizer: train_step(w, o, drawn, step, lr=lr_at(step, cfg), **step_kw),
+                warmup, steps, device)
             held = _Collectives()
             if variant in (DDP, DDP_VIEW, TORCH_ZERO1) and device.type == "cpu":
                 with held:  # one more untimed step, to find DDP's buckets
@@ -195,27 +205,30 @@ def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, s
     }
 
 
-def aggregate(runs: list[dict[str, Any]], variants: list[str], global_batch: int,
-              tokens_per_row: int) -> dict[str, Any]:
+def aggregate(runs: list[dict[str, Any]], variants: list[str], global_batch: int, tokens_per_row: int,
+              refs: dict[str, str] | None = None, key: str = "ratio_to_ddp") -> dict[str, Any]:
     """Rows and per-run figures from the runs' raw results ({"step_s": {variant: [s, ...]},
-    "peak_bytes": {variant: [bytes per rank]}}). ratio_to_ddp = DDP's median step time / the
-    variant's (> 1: faster than DDP), None without a torch_ddp variant."""
+    "peak_bytes": {variant: [bytes per rank]}}). Each variant's ratio (under `key`) is its yardstick's
+    median step time / its own (> 1: faster than the yardstick); `refs` maps a variant to its
+    yardstick, by default torch_ddp for every variant when it ran. None where a variant has none."""
     if not runs:
         raise ValueError("no runs to aggregate")
+    if refs is None:
+        refs = {v: DDP for v in variants} if DDP in variants else {}
+    refs = {v: r for v, r in refs.items() if v in variants and r in variants}
     per_run = [{v: statistics.median(r["step_s"][v]) for v in variants} for r in runs]
-    has_ddp = DDP in variants
     run_rows = [{
         "step_ms_median": {v: m[v] * 1e3 for v in variants},
-        "ratio_to_ddp": {v: (m[DDP] / m[v] if has_ddp else None) for v in variants},
+        key: {v: (m[refs[v]] / m[v] if v in refs else None) for v in variants},
         "peak_bytes": {v: list(r["peak_bytes"][v]) for v in variants},
     } for m, r in zip(per_run, runs)]
     tokens = global_batch * tokens_per_row
-    ddp_median = statistics.median(m[DDP] for m in per_run) if has_ddp else None
+    medians = {v: statistics.median(m[v] for m in per_run) for v in variants}
     rows = []
     for v in variants:
         meds = [m[v] for m in per_run]
-        med, lo, hi = statistics.median(meds), min(meds), max(meds)
-        ratios = [rr["ratio_to_ddp"][v] for rr in run_rows] if has_ddp else None
+        med, lo, hi = medians[v], min(meds), max(meds)
+        ratios = [rr[key][v] for rr in run_rows] if v in refs else None
         rows.append({
             "variant": v,
             "step_ms_median": med * 1e3, "step_ms_min": lo * 1e3, "step_ms_max": hi * 1e3,
@@ -223,10 +236,13 @@ def aggregate(runs: list[dict[str, Any]], variants: list[str], global_batch: int
             "steps_per_s": 1.0 / med, "samples_per_s": global_batch / med,
             "tokens_per_s": tokens / med, "tokens_per_s_min": tokens / hi, "tokens_per_s_max": tokens / lo,
             "peak_bytes_per_rank": [max(col) for col in zip(*(r["peak_bytes"][v] for r in runs))],
-            "ratio_to_ddp": ddp_median / med if has_ddp else None,
-            "ratio_to_ddp_per_run": ratios,
-            "ratio_to_ddp_min": min(ratios) if ratios else None,
-            "ratio_to_ddp_max": max(ratios) if ratios else None,
+            "ref": refs.get(v),
+            key: medians[refs[v]] / med if v in refs else None,
+            f"{key}_per_run": ratios,
+            f"{key}_min": min(ratios) if ratios else None,
+            f"{key}_max": max(ratios) if ratios else None,
+            # Robust to a run the machine slowed as a whole: each run's ratio is of interleaved steps.
+            f"{key}_run_median": statistics.median(ratios) if ratios else None,
         })
     return {"runs": run_rows, "rows": rows}
 
@@ -240,8 +256,8 @@ def _progress(i: int, runs: int, variants: list[str], out: dict[str, Any] | None
         f"{v} {statistics.median(out['step_s'][v]) * 1e3:.1f} ms" for v in variants) if out else "..."))
 
 
-def _runs_in_place(cfg_dict: dict[str, Any], variants: list[str], reps: int, steps: int, warmup: int,
-                   runs: int, progress: bool) -> list[dict[str, Any]] | None:
+def _runs_in_place(rank_fn: Callable[..., Any], args: tuple, variants: list[str], runs: int,
+                   progress: bool) -> list[dict[str, Any]] | None:
     """Under torchrun, whose process group cannot be joined again: the runs one after another in
     torchrun's processes. Rank 0 returns their results."""
     say = progress and dist.get_rank() == 0
@@ -249,7 +265,7 @@ def _runs_in_place(cfg_dict: dict[str, Any], variants: list[str], reps: int, ste
     for i in range(runs):
         if say:
             _progress(i, runs, variants)
-        outs.append(train_bench_rank(cfg_dict, variants, reps, steps, warmup))
+        outs.append(rank_fn(*args))
         if say:
             _progress(i, runs, variants, outs[-1])
     return outs if dist.get_rank() == 0 else None
@@ -257,28 +273,34 @@ def _runs_in_place(cfg_dict: dict[str, Any], variants: list[str], reps: int, ste
 
 def run_train_bench(cfg: Config, variants: list[str], *, runs: int = 3, reps: int = 2, steps: int = 8,
                     warmup: int = 2, progress: bool = True, **launch_kwargs: Any) -> dict[str, Any] | None:
-    """`runs` launches of `train_bench_rank` on cfg.world_size ranks, aggregated, with the
-    environment. Under torchrun the runs share torchrun's processes and only rank 0 gets the
-    result. When a run fails after at least one has finished, the finished runs are reported with
-    `incomplete: true` and the `error`."""
+    """`runs` launches of the rank function on cfg.world_size ranks, aggregated, with the
+    environment: `train_bench_rank` (data parallelism), or with layout.tp > 1 or layout.sp
+    bench/train_tp.py's `tp_bench_rank` (tensor parallelism vs torch's). Under torchrun the runs
+    share torchrun's processes and only rank 0 gets the result. When a run fails after at least one
+    has finished, the finished runs are reported with `incomplete: true` and the `error`."""
     from shardlab.bench.train_report import environment
     from shardlab.dist import launch, under_torchrun
 
     if runs < 1:
         raise ValueError(f"runs must be at least 1, got {runs}")
     variants = list(variants)
+    tensor_parallel = cfg.layout.tp > 1 or cfg.layout.sp
+    if tensor_parallel:
+        from shardlab.bench.train_tp import tp_bench_rank as rank_fn
+    else:
+        rank_fn = train_bench_rank
     args = (cfg.to_dict(), variants, reps, steps, warmup)
     raw: list[dict[str, Any]] = []
     error = None
     if under_torchrun():
-        raw = launch(_runs_in_place, None, *args, runs, progress, **launch_kwargs)[0]
+        raw = launch(_runs_in_place, None, rank_fn, args, variants, runs, progress, **launch_kwargs)[0]
         if raw is None:
             return None  # a rank other than 0
     for i in range(0 if raw else runs):
         if progress:
             _progress(i, runs, variants)
         try:
-            raw.append(launch(train_bench_rank, cfg.world_size, *args, **launch_kwargs)[0])
+            raw.append(launch(rank_fn, cfg.world_size, *args, **launch_kwargs)[0])
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - keep the finished runs, then report
             if not raw:
                 raise
@@ -287,12 +309,20 @@ def run_train_bench(cfg: Config, variants: list[str], *, runs: int = 3, reps: in
         if progress:
             _progress(i, runs, variants, raw[-1])
     first = raw[0]
-    result = aggregate(raw, variants, cfg.train.global_batch, first["tokens_per_row"])
+    if tensor_parallel:
+        from shardlab.bench.tp_report import summarize
+        from shardlab.bench.train_tp import YARDSTICK
+
+        result = aggregate(raw, variants, cfg.train.global_batch, first["tokens_per_row"], refs=YARDSTICK,
+                           key="ratio_to_torch")
+        result["tp"] = summarize(raw, cfg)
+    else:
+        result = aggregate(raw, variants, cfg.train.global_batch, first["tokens_per_row"])
     for r, out in zip(result["runs"], raw):
         r["step_s"] = out["step_s"]  # every timed step, for whoever wants more than medians
     result["meta"] = environment(first)
     result["bench"] = dict(variants=variants, runs=len(raw), runs_asked=runs, reps=reps, steps=steps,
-                           warmup=warmup)
+                           warmup=warmup, ratio_key="ratio_to_torch" if tensor_parallel else "ratio_to_ddp")
     result["config"] = cfg.to_dict()
     if error is not None:
         result.update(incomplete=True, error=error)

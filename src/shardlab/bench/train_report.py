@@ -9,6 +9,20 @@ from typing import Any
 MiB = 2**20
 COLUMNS = ["variant", "step ms median", "min-max over runs", "steps/s", "tokens/s", "peak MiB per rank",
            "vs torch DDP"]
+# The ratio each kind of run reports: its JSON key, its column, what it means.
+RATIOS = {
+    "ratio_to_ddp": ("vs torch DDP", "DDP's median step time / the variant's (> 1 is faster than DDP)"),
+    "ratio_to_torch": ("vs torch", "the median step time of torch's version of the same layout (torch_tp for tp, "
+                                   "torch_tp_sp for tp_sp) / the variant's (> 1 is faster than torch's)"),
+}
+
+
+def ratio_key(result: dict[str, Any]) -> str:
+    return result["bench"].get("ratio_key", "ratio_to_ddp")
+
+
+def columns(result: dict[str, Any]) -> list[str]:
+    return [*COLUMNS[:-1], RATIOS[ratio_key(result)][0]]
 
 
 def environment(first: dict[str, Any]) -> dict[str, Any]:
@@ -32,7 +46,7 @@ def environment(first: dict[str, Any]) -> dict[str, Any]:
                                  "tokens_per_row", "flops_per_token")},
         "units": {"step_ms": "median over a run's timed steps of the slowest rank's step time; then over runs",
                   "tokens_per_s": "global_batch x tokens_per_row / step time",
-                  "ratio_to_ddp": "torch_ddp's median step time / the variant's (> 1: faster than DDP)",
+                  **{key: text for key, (_, text) in RATIOS.items()},
                   "peak_bytes_per_rank": "peak live tensor bytes in one untimed step, per rank, max over runs"},
     }
 
@@ -44,10 +58,12 @@ def format_header(result: dict[str, Any]) -> str:
     if model["name"] == "mlp":
         what = f"deep MLP d={model['d_model']} x {model['n_layer']} layers"
     else:
-        what = f"GPT d={model['d_model']} x {model['n_layer']} layers, seq {model['seq_len']}"
+        what = f"GPT d={model['d_model']} x {model['n_layer']} layers, {model['n_head']} heads, seq {model['seq_len']}"
     micro = f" in {t['micro_batches']} micro-batches" if t["micro_batches"] > 1 else ""
+    lay = cfg["layout"]
+    mesh = f"dp {lay['dp']} x tp {lay['tp']}, " if lay.get("tp", 1) > 1 else ""
     return (f"{what} ({_count(m['params'])} params), global batch {t['global_batch']}{micro}, fp32 AdamW | "
-            f"world size {m['world_size']} ({m['backend']}, {m['device']}), {m['threads_per_rank']} thread(s)/rank, "
+            f"world size {m['world_size']} ({mesh}{m['backend']}, {m['device']}), {m['threads_per_rank']} thread(s)/rank, "
             f"{m['cores']} cores | {b['runs']} runs x {b['reps']} reps x {b['steps']} steps "
             f"(+{b['warmup']} warm-up) per variant")
 
@@ -68,12 +84,12 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
 
 
-def _ratio(row: dict[str, Any], runs: int) -> str:
-    if row["ratio_to_ddp"] is None:
+def _ratio(row: dict[str, Any], runs: int, key: str) -> str:
+    if row.get(key) is None:
         return "-"
-    text = f"{row['ratio_to_ddp']:.2f}x"
+    text = f"{row[key]:.2f}x"
     if runs > 1:
-        text += f" ({row['ratio_to_ddp_min']:.2f}-{row['ratio_to_ddp_max']:.2f})"
+        text += f" ({row[key + '_min']:.2f}-{row[key + '_max']:.2f})"
     return text
 
 
@@ -86,22 +102,23 @@ def table_cells(result: dict[str, Any]) -> list[list[str]]:
         f"{r['steps_per_s']:.2f}",
         f"{r['tokens_per_s']:,.0f}",
         _peaks(r),
-        _ratio(r, runs),
+        _ratio(r, runs, ratio_key(result)),
     ] for r in result["rows"]]
 
 
 def format_table(result: dict[str, Any]) -> str:
     """The header line, then a row per variant (numbers right-aligned)."""
-    cells = table_cells(result)
-    widths = [max(len(c[i]) for c in [COLUMNS, *cells]) for i in range(len(COLUMNS))]
+    cells, heads = table_cells(result), columns(result)
+    widths = [max(len(c[i]) for c in [heads, *cells]) for i in range(len(heads))]
 
     def line(row: list[str]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
 
-    lines = [format_header(result), "", line(COLUMNS), "  ".join("-" * w for w in widths)]
+    lines = [format_header(result), "", line(heads), "  ".join("-" * w for w in widths)]
     lines += [line(c) for c in cells]
-    if any(r["ratio_to_ddp"] is not None for r in result["rows"]):
-        note = "vs torch DDP: DDP's median step time / the variant's (> 1 is faster than DDP)"
+    key = ratio_key(result)
+    if any(r.get(key) is not None for r in result["rows"]):
+        note = f"{RATIOS[key][0]}: {RATIOS[key][1]}"
         if result["bench"]["runs"] > 1:
             note += "; in brackets the same ratio's min-max over runs"
         lines += ["", note]
@@ -112,10 +129,15 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def format_markdown(result: dict[str, Any]) -> str:
-    cells = table_cells(result)
-    rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
+    cells, heads = table_cells(result), columns(result)
+    rows = ["| " + " | ".join(heads) + " |", "|" + "|".join(["---"] + ["---:"] * (len(heads) - 1)) + "|"]
     rows += ["| " + " | ".join(c) + " |" for c in cells]
-    return f"{format_header(result)}\n\n" + "\n".join(rows) + "\n"
+    text = f"{format_header(result)}\n\n" + "\n".join(rows) + "\n"
+    if "tp" in result:
+        from shardlab.bench.tp_report import format_tp
+
+        text += "\n" + format_tp(result, markdown=True) + "\n"
+    return text
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> Path:
@@ -146,13 +168,16 @@ def plot_throughput(result: dict[str, Any], path: str | Path) -> Path:
     values = [r["tokens_per_s"] for r in rows]
     err = [[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
            [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows]]
-    colors = ["0.55" if n == "torch_ddp" else c
+    key = ratio_key(result)
+    yardsticks = {r["ref"] for r in rows if r.get("ref")} or {"torch_ddp"}
+    colors = ["0.55" if n in yardsticks else c
               for n, c in zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"])]
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2.5, 4.2))
     bars = ax.bar(names, values, color=colors, yerr=err, capsize=6, ecolor="0.2")
+    short = "DDP" if key == "ratio_to_ddp" else "torch"
     for bar, r in zip(bars, rows):
-        label = "DDP" if r["variant"] == "torch_ddp" else (
-            f"{r['ratio_to_ddp']:.2f}x DDP" if r["ratio_to_ddp"] is not None else "")
+        label = short if r["variant"] in yardsticks else (
+            f"{r[key]:.2f}x {short}" if r.get(key) is not None else "")
         # Low on the bar, clear of the error bar around its top.
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() * 0.08, label, ha="center", va="bottom",
                 color="white", fontsize=10, fontweight="bold")

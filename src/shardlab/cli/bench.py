@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Callable
 
+from shardlab.cli.bench_pipeline import add_pipeline_parser
 from shardlab.cli.common import add_launch_options, int_list, launch_kwargs, name_list
 
 COMM_DOC = """\
@@ -221,6 +222,17 @@ batch 128, fp32, AdamW (as configs/mlp-2048.toml), on 2 ranks. --set and the fla
 layout.bucket_mb sets every variant's bucket size (DDP's bucket_cap_mb) and layout.comm_impl our
 variants' all-reduce (DDP always uses the backend's). layout.dp_mode is ignored: see --variants.
 
+Tensor parallelism (--tp N, world size dp x tp, dp 1 unless set): our tensor parallelism (tp, and
+tp_sp with sequence parallelism: the trainer's apply_layout) beside torch's DTensor parallelize_module
+with ColwiseParallel/RowwiseParallel on the same GPT (torch_tp, and torch_tp_sp with SequenceParallel
+norms), each ratio to torch's version of the same layout. Before timing, every variant's loss (at
+step 0 and after one AdamW step) must equal one process's on the same batch, else nothing is timed.
+Then per variant: collectives per step counted at the dispatcher (ours also by count_comm), per
+layer and at the edges beside Megatron's formula, and activation memory per rank (held for backward,
+peak). Without --config the model is the tensor-parallel bar: GPT d=256, 4 layers, 8 heads, seq 256,
+global batch 8. --sp runs only the sequence-parallel pair; --variants picks any of
+torch_tp,tp,torch_tp_sp,tp_sp.
+
 examples:
   shardlab bench train                                      # the bar: 3 runs, 2 ranks
   shardlab bench train --config configs/mlp-2048.toml --world-size 2 --json dp.json --plot dp.png
@@ -228,6 +240,9 @@ examples:
   shardlab bench train --variants torch_ddp,overlap --set layout.bucket_mb=4 --markdown dp.md
   shardlab bench train --model gpt --set train.global_batch=16 --world-size 2
   torchrun --standalone --nproc-per-node 2 -m shardlab bench train --runs 1
+  shardlab bench train --tp 2                               # TP bar: tp, tp_sp vs torch_tp, torch_tp_sp
+  shardlab bench train --tp 2 --sp --runs 1 --reps 1 --steps 3
+  shardlab bench train --tp 2 --json tp.json --markdown tp.md --plot tp.png
 """
 
 # The data-parallel performance bar's model (configs/mlp-2048.toml), used without --config.
@@ -237,14 +252,22 @@ PERF_BAR_BASE = [
 ]
 
 
+# The tensor-parallel bar's model, used with --tp and without --config: large enough that matmuls,
+# not per-op overheads, fill most of a step on a CPU core (docs/tensor-parallel.md, "Benchmark").
+TP_BAR_BASE = ["model.name=gpt", "model.n_layer=4", "model.d_model=256", "model.n_head=8",
+               "model.seq_len=256", "train.global_batch=8"]
+
+
 def _variants(text: str) -> list[str]:
     from shardlab.bench.train import KNOWN
+    from shardlab.bench.train_tp import TP_KNOWN
 
     names = name_list(text)
-    unknown = [v for v in names if v not in KNOWN]
+    unknown = [v for v in names if v not in KNOWN + TP_KNOWN]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; "
-                                         f"choose from {','.join(KNOWN)}")
+                                         f"choose from {','.join(KNOWN)} (data parallel) or "
+                                         f"{','.join(TP_KNOWN)} (with --tp)")
     return list(dict.fromkeys(names))
 
 
@@ -269,12 +292,13 @@ def add_train_parser(benches: argparse._SubParsersAction) -> None:
     add_config_options(p)
     b = p.add_argument_group("benchmark")
     b.add_argument("--world-size", "-n", "--dp", dest="dp", type=_positive, default=None, metavar="N",
-                   help="ranks, the data-parallel degree; overrides layout.dp (default: the configuration's "
-                        "layout.dp, else 2; under torchrun, its WORLD_SIZE)")
+                   help="the data-parallel degree (world size = dp x tp); overrides layout.dp (default: the "
+                        "configuration's layout.dp, else 2, or 1 with --tp; under torchrun, WORLD_SIZE / tp)")
     b.add_argument("--dp-mode", default=None, help=argparse.SUPPRESS)  # the variants say which modes run
-    b.add_argument("--variants", type=_variants, default=list(VARIANTS),
+    b.add_argument("--variants", type=_variants, default=None,
                    help=f"comma-separated, in the order they take turns (default: {','.join(VARIANTS)}; also "
-                        "torch_ddp_view: DDP with gradient_as_bucket_view=True)")
+                        "torch_ddp_view: DDP with gradient_as_bucket_view=True, zero1-3, torch_zero1, torch_fsdp2; "
+                        "with --tp: torch_tp,tp,torch_tp_sp,tp_sp, or the --sp pair)")
     b.add_argument("--runs", type=_positive, metavar="N", default=3,
                    help="separate launches; the table reports the median over them (default: %(default)s)")
     b.add_argument("--reps", type=_positive, metavar="N", default=2,
@@ -292,41 +316,84 @@ def add_train_parser(benches: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_train)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    from shardlab.bench.train import run_train_bench
-    from shardlab.bench.train_report import format_table, plot_throughput, write_json, write_markdown
+def _train_config(args: argparse.Namespace):
+    """The configuration: defaults, this command's base (the DP or TP bar's model when no --config),
+    the file, --set, the flags; validated, with sequence parallelism's rules when an SP variant runs."""
+    import copy
+
     from shardlab.cli.train import resolve_config
     from shardlab.dist import under_torchrun
     from shardlab.dist.env import read_torchrun_env
-    from shardlab.train.config import ConfigError
 
+    tp_flags = (args.tp or 1) > 1 or bool(args.sp)
     if args.dp is None and under_torchrun():
-        args.dp = read_torchrun_env().world_size
-    base = ["layout.dp=2"]
-    if args.config is None and args.model in (None, "mlp"):
+        args.dp = read_torchrun_env().world_size // (args.tp or 1)
+    base = ["layout.dp=1" if tp_flags else "layout.dp=2"]
+    if args.config is None and args.model in (None, "mlp") and not tp_flags:
         base += PERF_BAR_BASE
-    try:
-        cfg = resolve_config(args, base=base)
-        cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
-        if cfg.layout.tp > 1 or cfg.layout.sp:
-            raise ConfigError(f"layout.tp = {cfg.layout.tp}, layout.sp = {cfg.layout.sp}: bench train compares "
-                              f"data-parallel variants with torch's over every rank; tensor parallelism is measured by "
-                              f"python -m shardlab.bench.tensor_parallel (and timed by shardlab train)")
-    except ConfigError as exc:
-        print(f"shardlab bench train: {exc}", file=sys.stderr)
-        return 2
-    torch_variants = [v for v in args.variants if v.startswith("torch_")]
+    if args.config is None and args.model in (None, "gpt") and tp_flags:
+        base += TP_BAR_BASE
+    cfg = resolve_config(args, base=base)
+    world = read_torchrun_env().world_size if under_torchrun() else None
+    cfg.validate(world)
+    if cfg.layout.tp > 1 or cfg.layout.sp:
+        with_sp = copy.deepcopy(cfg)
+        with_sp.layout.sp = True
+        with_sp.validate(world)
+    return cfg
+
+
+def _check_variants(cfg, variants: list[str]) -> str | None:
+    """Why these variants cannot run on this configuration (None: they can)."""
+    from shardlab.bench.train import KNOWN
+    from shardlab.bench.train_tp import TP_KNOWN
+
+    tensor = cfg.layout.tp > 1 or cfg.layout.sp
+    wrong = [v for v in variants if v not in (TP_KNOWN if tensor else KNOWN)]
+    if wrong:
+        kind = (f"with layout.tp = {cfg.layout.tp}, layout.sp = {cfg.layout.sp} (tensor parallelism)" if tensor
+                else "without --tp (data parallelism)")
+        return f"variant(s) {','.join(wrong)} do not run {kind}; choose from {','.join(TP_KNOWN if tensor else KNOWN)}"
+    torch_variants = [v for v in variants if v.startswith("torch_")]
     if cfg.layout.precision != "fp32" and torch_variants:
         # torch's variants would need their own mixed-precision setup (FSDP2's MixedPrecisionPolicy,
         # DDP with an fp32 master copy) to be a like-for-like comparison; not built yet.
-        print(f"shardlab bench train: --precision {cfg.layout.precision} runs our variants only; drop "
-              f"{','.join(torch_variants)} from --variants", file=sys.stderr)
+        return f"--precision {cfg.layout.precision} runs our variants only; drop {','.join(torch_variants)} from --variants"
+    if tensor and cfg.model.name != "gpt":
+        return "the tensor-parallel benchmark runs the GPT (--model gpt): its yardstick and formula are the GPT's"
+    if tensor and torch_variants and cfg.layout.dp != 1:
+        return (f"torch's tensor parallelism is compared at dp 1 (layout.dp = {cfg.layout.dp}); drop "
+                f"{','.join(torch_variants)} or use --dp 1")
+    return None
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from shardlab.bench.train import VARIANTS, run_train_bench
+    from shardlab.bench.train_report import format_table, plot_throughput, write_json, write_markdown
+    from shardlab.bench.train_tp import TORCH_TP_SP, TP_SP, TP_VARIANTS
+    from shardlab.train.config import ConfigError
+
+    try:
+        cfg = _train_config(args)
+    except ConfigError as exc:
+        print(f"shardlab bench train: {exc}", file=sys.stderr)
         return 2
-    result = run_train_bench(cfg, args.variants, runs=args.runs, reps=args.reps, steps=args.timed_steps,
+    tensor = cfg.layout.tp > 1 or cfg.layout.sp
+    variants = args.variants or (([TORCH_TP_SP, TP_SP] if cfg.layout.sp else list(TP_VARIANTS)) if tensor
+                                 else list(VARIANTS))
+    problem = _check_variants(cfg, variants)
+    if problem:
+        print(f"shardlab bench train: {problem}", file=sys.stderr)
+        return 2
+    result = run_train_bench(cfg, variants, runs=args.runs, reps=args.reps, steps=args.timed_steps,
                              warmup=args.warmup, progress=not args.quiet, **launch_kwargs(args))
     if result is None:
         return 0  # not rank 0 under torchrun: rank 0 reports
     print(format_table(result))
+    if tensor:
+        from shardlab.bench.tp_report import format_tp
+
+        print("\n" + format_tp(result))
     if args.json:
         print(f"wrote {write_json(result, args.json)}")
     if args.markdown:
@@ -339,4 +406,4 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 # Every nested benchmark: a function adding its sub-parser.
-BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [add_comm_parser, add_train_parser]
+BENCHES: list[Callable[[argparse._SubParsersAction], None]] = [add_comm_parser, add_train_parser, add_pipeline_parser]

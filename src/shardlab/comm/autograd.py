@@ -22,9 +22,10 @@ the split suffices (gather_from_group). When each rank then does its own part of
 each rank's gradient is only its layer-part's contribution and the parts must be summed
 (gather_from_sequence: reduce-scatter). The lecture-form MLP uses both (parallel/tensor/lecture_mlp.py).
 
-All collectives work along dim 0 (shardlab.comm), so another dim is moved to the front and back;
-the chunk of rank r along `dim` is the r-th of n equal parts (the size must divide by n). A group of
-one rank makes every operator the identity, with no communication.
+All collectives work along dim 0 (shardlab.comm): along another dim a gather stacks the ranks'
+blocks and concatenates them, a reduce-scatter stacks the chunks in front first (one copy each, with
+contiguous results); the chunk of rank r along `dim` is the r-th of n equal parts (the size must
+divide by n). A group of one rank makes every operator the identity, with no communication.
 
 `count_comm()` records every collective these operators issue (calls and bytes by operation), so
 the communication of two tensor-parallel forms can be compared per step.
@@ -34,8 +35,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,37 +102,83 @@ def _chunk(size: int, n: int, dim: int, what: str) -> int:
     return size // n
 
 
+class Pending:
+    """A collective in flight (from a `start_*` helper below): `wait()` returns its result. Holds the
+    buffers it reads, so they live until it completes."""
+
+    def __init__(self, handle: object | None, then: Callable[[Any], torch.Tensor], *keep: torch.Tensor) -> None:
+        self._handle, self._then, self._keep = handle, then, keep
+
+    def wait(self) -> torch.Tensor:
+        out = self._then(self._handle.wait() if self._handle is not None else None)
+        self._keep = ()
+        return out
+
+
+def _done(x: torch.Tensor) -> Pending:
+    return Pending(None, lambda _: x)
+
+
+def start_all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> Pending:
+    """Reduce `x` across the group, in place, without waiting (counted)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return _done(x)
+    handle = comm.all_reduce(x, op, group, async_op=True)
+    _record("all_reduce", x, n)
+    return Pending(handle, lambda _: x)
+
+
 def all_reduce_(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     """Reduce `x` across the group, in place (counted)."""
+    return start_all_reduce(x, group, op).wait()
+
+
+def start_gather(x: torch.Tensor, group: Group, dim: int) -> Pending:
+    """Every rank's `x` concatenated along `dim`, in group-rank order, without waiting (counted).
+    The result is contiguous. Along dim 0 the ranks' blocks land in place; along another dim each
+    rank's block is gathered whole into a stack and the stack concatenated along `dim`: one copy,
+    where moving `dim` to the front would copy the input and leave a non-contiguous result that
+    each consumer copies again."""
     n = dist.get_world_size(group)
-    if n > 1:
-        comm.all_reduce(x, op, group)
-        _record("all_reduce", x, n)
-    return x
+    if n == 1:
+        return _done(x)
+    d = dim % x.dim()
+    part = x.contiguous()
+    if d == 0:
+        out = part.new_empty((n * part.shape[0], *part.shape[1:]))
+        handle = comm.all_gather(part, group, out=out, async_op=True)
+        _record("all_gather", out, n)
+        return Pending(handle, lambda got: got, part)
+    stack = part.new_empty((n, *part.shape))
+    handle = comm.all_gather(part.unsqueeze(0), group, out=stack, async_op=True)
+    _record("all_gather", stack, n)
+    return Pending(handle, lambda got: torch.cat(got.unbind(0), dim=d), part)
 
 
 def gather_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """Every rank's `x` concatenated along `dim`, in group-rank order (counted)."""
+    """Every rank's `x` concatenated along `dim`, in group-rank order (counted); contiguous."""
+    return start_gather(x, group, dim).wait()
+
+
+def start_reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> Pending:
+    """The sum across the group of `x`, of which this rank keeps its chunk along `dim`, without
+    waiting (counted); contiguous. Along another dim than 0 the chunks are stacked in front first
+    (one copy)."""
     n = dist.get_world_size(group)
     if n == 1:
-        return x
-    rows = x.movedim(dim, 0).contiguous()
-    out = rows.new_empty((n * rows.shape[0], *rows.shape[1:]))
-    comm.all_gather(rows, group, out=out)
-    _record("all_gather", out, n)
-    return out.movedim(0, dim)
+        return _done(x)
+    d = dim % x.dim()
+    size = _chunk(x.shape[d], n, d, "reduce_scatter")
+    rows = x.unflatten(d, (n, size)).movedim(d, 0).contiguous()  # (n, ..., size, ...): chunk r = rows[r]
+    handle = comm.reduce_scatter(rows, "sum", group, async_op=True)
+    _record("reduce_scatter", rows, n)
+    return Pending(handle, lambda got: got.squeeze(0), rows)
 
 
 def reduce_scatter_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """The sum across the group of `x`, of which this rank keeps its chunk along `dim` (counted)."""
-    n = dist.get_world_size(group)
-    if n == 1:
-        return x
-    _chunk(x.shape[dim], n, dim, "reduce_scatter")
-    rows = x.movedim(dim, 0).contiguous()
-    out = comm.reduce_scatter(rows, "sum", group)
-    _record("reduce_scatter", rows, n)
-    return out.movedim(0, dim)
+    return start_reduce_scatter(x, group, dim).wait()
 
 
 def split_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:

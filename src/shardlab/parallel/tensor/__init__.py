@@ -6,8 +6,9 @@
 
 Files, one concept each: layers.py (column- and row-parallel linear layers), vocab.py (vocabulary-
 parallel embedding and cross-entropy), attention.py (heads split, grouped/multi-query key/value
-heads), sequence.py (sequence parallelism: norms on sequence shards, linears that re-gather their
-input in backward), shards.py (how parameters are cut and gathered whole again), gpt.py and
+heads), sequence.py (sequence parallelism: norms on sequence shards, partial gradients summed once
+per part), shared_input.py (column linears sharing one input collective, their backward's
+collectives overlapped with the weight gradients), shards.py (how parameters are cut and gathered whole again), gpt.py and
 lecture_mlp.py (each model's default plan, rules and forward), plan.py (apply_tensor_parallel).
 The differentiable collectives they use are in shardlab.comm.autograd. See docs/tensor-parallel.md.
 """
@@ -21,7 +22,8 @@ from shardlab.parallel.tensor.lecture_mlp import (
 from shardlab.parallel.tensor.plan import (
     FORMS, PLAN_NAMES, STYLES, apply_tensor_parallel, check_plan, named_plan, resolve_plan,
 )
-from shardlab.parallel.tensor.sequence import SequenceParallelLayerNorm, convert_layer_norm, sequence_parallel_linears
+from shardlab.parallel.tensor.sequence import SequenceParallelLayerNorm, convert_layer_norm
+from shardlab.parallel.tensor.shared_input import copied_linears, sequence_parallel_linears
 from shardlab.parallel.tensor.shards import (
     ShardSpec, TensorParallelModel, clip_grad_norm_, find_tensor_parallel, full_gradients, full_parameters, grad_norm,
     shard_tensor, tensor_sharding, unshard_tensor, whole_tensors,
@@ -49,6 +51,7 @@ __all__ = [
     "check_plan",
     "clip_grad_norm_",
     "convert_layer_norm",
+    "copied_linears",
     "find_tensor_parallel",
     "full_gradients",
     "full_parameters",

@@ -34,7 +34,7 @@ from shardlab.comm.autograd import copy_to_group
 from shardlab.comm.dispatch import Group
 from shardlab.models.gpt import CausalSelfAttention, _rotate
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
-from shardlab.parallel.tensor.sequence import sequence_parallel_linears
+from shardlab.parallel.tensor.shared_input import copied_linears, sequence_parallel_linears
 from shardlab.parallel.tensor.shards import SharesGroups
 
 
@@ -84,15 +84,21 @@ class HeadParallelAttention(SharesGroups, CausalSelfAttention):
 
     tp_group: Group
     sequence_parallel: bool
+    tokens: tuple[int, int] | None
+    """Under SP: the (batch, sequence) shape of the tokens whose flattened chunk x holds (set by the
+    model's forward: x itself, (b t / n, h), cannot tell)."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         params = [self.q.local_params(), self.kv.local_params()]
-        if self.sequence_parallel:  # x: this rank's tokens; gathered once for both projections
-            q, kv = sequence_parallel_linears(x, self.tp_group, 1, params)
+        if self.sequence_parallel:  # x: this rank's chunk of the tokens; gathered once for both
+            if self.tokens is None:
+                raise RuntimeError("sequence-parallel attention needs the batch's shape (tokens), set by "
+                                   "TensorParallelGPT.forward")
+            b, t = self.tokens
+            q, kv = sequence_parallel_linears(x, self.tp_group, 0, params)
         else:  # x: whole on every rank; f sums the two projections' input gradients in one all-reduce
-            x = copy_to_group(x, self.tp_group)
-            q, kv = (F.linear(x, w, b) for w, b in params)
-        b, t, _ = q.shape
+            q, kv = copied_linears(x, self.tp_group, params)
+            b, t = x.shape[:2]
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
         k, v = kv.view(b, t, 2, -1, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -102,7 +108,8 @@ class HeadParallelAttention(SharesGroups, CausalSelfAttention):
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        y = y.transpose(1, 2)
+        return self.proj(y.reshape(b * t, -1) if self.sequence_parallel else y.reshape(b, t, -1))
 
 
 def shard_attention(attn: CausalSelfAttention, group: Group, sequence_parallel: bool = False) -> HeadParallelAttention:
@@ -117,8 +124,8 @@ def shard_attention(attn: CausalSelfAttention, group: Group, sequence_parallel: 
     else:
         attn.kv = KVReplicaLinear(attn.kv, group, attn.n_kv_head, attn.head_dim)
     attn.proj = RowParallelLinear.from_linear(
-        attn.proj, group, output_op="reduce_scatter_seq" if sequence_parallel else "all_reduce", seq_dim=1)
+        attn.proj, group, output_op="reduce_scatter_seq" if sequence_parallel else "all_reduce", seq_dim=0)
     attn.n_head, attn.n_kv_head = attn.n_head // n, max(attn.n_kv_head // n, 1)
     attn.__class__ = HeadParallelAttention
-    attn.tp_group, attn.sequence_parallel = group, sequence_parallel
+    attn.tp_group, attn.sequence_parallel, attn.tokens = group, sequence_parallel, None
     return attn

@@ -7,8 +7,10 @@
     for the MLP (Shoeybi et al. 2019, fig. 3). The loss is the vocabulary-parallel cross-entropy.
 
 With sequence_parallel=True the replicated regions (norms, residual stream, dropout, positions) hold
-only this rank's tokens; each all-reduce becomes a reduce-scatter plus an all-gather (sequence.py).
-The sequence length must then divide by the degree.
+only this rank's tokens, a contiguous 1/n of the batch's tokens flattened (TensorParallelGPT.
+_sequence_shard says why not a slice of each sequence); each all-reduce becomes a reduce-scatter plus
+an all-gather (sequence.py), neither of which copies. The sequence length must divide by the degree
+(as the plan's rule says; the flattened split itself needs only the batch's tokens to).
 
 The conversion happens in place: modules are replaced under their own names (so parameter names
 are the plain model's) and the model's class becomes TensorParallelGPT, a subclass whose forward
@@ -27,12 +29,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardlab.comm.autograd import copy_to_group, gather_from_group
+from shardlab.comm.autograd import gather_from_group
 from shardlab.comm.dispatch import Group
 from shardlab.models.gpt import GPT
 from shardlab.parallel.tensor.attention import shard_attention
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
-from shardlab.parallel.tensor.sequence import convert_layer_norm
+from shardlab.parallel.tensor.sequence import (
+    SequenceParallelLayerNorm, SumScope, convert_layer_norm, replicated, summing,
+)
 from shardlab.parallel.tensor.shards import TensorParallelModel
 from shardlab.parallel.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
@@ -110,29 +114,45 @@ class TensorParallelGPT(TensorParallelModel, GPT):
             raise ValueError(f"sequence of {t} tokens is longer than seq_len {self.cfg.seq_len}")
         group, sp = self.tp_group, self.sequence_parallel
         n = dist.get_world_size(group)
-        if sp and t % n:
+        if sp and t % n:  # (the flattened split needs only b t to divide; kept as the plan's rule)
             raise ValueError(f"sequence parallelism splits each sequence's {t} tokens over tp {n}, "
                              f"which does not divide them")
-        x = self.tok_emb(idx)  # whole, or this rank's tokens under sequence parallelism
-        rope = None
-        if self.pos_emb is not None and sp:
-            # This rank's tokens are positions [r t/n, (r+1) t/n); each rank's table gradient covers
-            # only those rows, so the table is used through copy_to_group to sum them.
-            lo = dist.get_rank(group) * (t // n)
-            x = x + copy_to_group(self.pos_emb.weight, group)[lo : lo + t // n]
-        elif self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(t, device=idx.device))
-        else:
-            rope = self._rope(t, idx.device, x.dtype)  # attention sees every token, so the whole table
-        for block in self.blocks:
-            x = block(x, rope)
-        logits = self.head(self.ln_f(x))
+        rope = None if self.pos_emb is not None else self._rope(t, idx.device, self.tok_emb.weight.dtype)
+        # Under SP, the replicated parameters used on sequence shards get one all-reduce of their
+        # partial gradients per block and backward, not one each (sequence.py's SumScope).
+        with summing(self.sum_scopes):
+            if sp:
+                x = self._sequence_shard(idx, b, t, n)
+            else:
+                x = self.tok_emb(idx)
+                if self.pos_emb is not None:
+                    x = x + self.pos_emb(torch.arange(t, device=idx.device))
+            for block in self.blocks:
+                x = block(x, rope)  # rotary: attention sees every token, so the whole table
+            logits = self.head(self.ln_f(x))  # (b, t, V/n), or (b t, V/n) under SP
         if not isinstance(self.head, ColumnParallelLinear):  # a replicated head: the plain loss
             return logits if targets is None else self._loss(logits, targets)
         if targets is None:
-            return gather_from_group(logits, group, -1)
+            return gather_from_group(logits, group, -1).view(b, t, -1)
         losses = vocab_parallel_cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), group)
         return losses.mean()
+
+    def _sequence_shard(self, idx: torch.Tensor, b: int, t: int, n: int) -> torch.Tensor:
+        """This rank's tokens of the batch, embedded: the b x t tokens flattened in order, rank r's
+        the r-th of n contiguous chunks (whole sequences when n divides b). Megatron keeps its
+        activations sequence-first, [s, b, h], so that its sequence chunks are contiguous and its
+        collectives copy nothing; ours are batch-first, and the flattened tokens are what is
+        contiguous. Norms, residuals and dropout work token by token, so which tokens a rank holds
+        does not matter; attention gathers them all (`tokens` tells it the batch's shape)."""
+        for block in self.blocks:
+            block.attn.tokens = (b, t)
+        x = self.tok_emb(idx.reshape(-1))  # reduce-scattered: (b t / n, h)
+        if self.pos_emb is not None:
+            # Each rank's table gradient covers only its tokens' positions: summed over the group.
+            lo = dist.get_rank(self.tp_group) * (b * t // n)
+            positions = torch.arange(lo, lo + b * t // n, device=idx.device) % t
+            x = x + replicated(self.pos_emb, "weight", self.tp_group)[positions]
+        return x
 
     @staticmethod
     def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -142,7 +162,7 @@ class TensorParallelGPT(TensorParallelModel, GPT):
 def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_parallel: bool) -> TensorParallelGPT:
     """Apply checked `styles` to `model` in place (see plan.py for the checks)."""
     sp = sequence_parallel
-    edge = dict(seq_dim=1)
+    edge = dict(seq_dim=0)  # under SP the shards are chunks of the flattened tokens (b t, h)
     tied = model.head.weight is model.tok_emb.weight
     if _effective(styles, "tok_emb") == "vocab":
         model.tok_emb = VocabParallelEmbedding.from_embedding(
@@ -160,6 +180,10 @@ def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_paral
                 block.mlp.proj, group, output_op="reduce_scatter_seq" if sp else "all_reduce", **edge)
     if sp:
         convert_layer_norm(model.ln_f, group)
+        # One sum of partial gradients per block, and one for the rest (positions, final norm).
+        model.sum_scopes = [SumScope(_partial_in(block)) for block in model.blocks]
+        model.sum_scopes.append(SumScope(([(model.pos_emb, "weight")] if model.pos_emb is not None else [])
+                                         + [(model.ln_f, "weight"), (model.ln_f, "bias")]))
     if _effective(styles, "head") == "vocab":
         model.head = ColumnParallelLinear.from_linear(model.head, group, input_op="gather_seq" if sp else "copy",
                                                       **edge)
@@ -167,4 +191,17 @@ def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_paral
             model.head.weight = model.tok_emb.weight
     model.__class__ = TensorParallelGPT
     model.tp_group, model.sequence_parallel = group, sp
+    if not sp:
+        model.sum_scopes = []
     return model
+
+
+def _partial_in(block: nn.Module) -> list[tuple[nn.Module, str]]:
+    """A block's replicated parameters that sequence parallelism uses on each rank's tokens only."""
+    owners: list[tuple[nn.Module, str]] = []
+    for m in block.modules():
+        if isinstance(m, SequenceParallelLayerNorm):
+            owners += [(m, "weight"), (m, "bias")]
+        elif isinstance(m, RowParallelLinear) and m.output_op == "reduce_scatter_seq":
+            owners.append((m, "bias"))
+    return owners

@@ -28,7 +28,7 @@ What a layer does at its edges is chosen when it is built, because it depends on
 
 A row layer's bias is added once, after the reduction (adding it on every rank before would add it
 n times). Under sequence parallelism that bias meets only this rank's tokens, so its gradient is
-summed over the group through copy_to_group.
+summed over the group (sequence.py's `replicated`).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardlab.comm.autograd import (
-    copy_to_group, gather_from_group, gather_from_sequence, reduce_from_group, reduce_scatter_to_sequence,
-    split_to_group,
+    gather_from_group, gather_from_sequence, reduce_from_group, reduce_scatter_to_sequence, split_to_group,
 )
 from shardlab.comm.dispatch import Group
-from shardlab.parallel.tensor.sequence import sequence_parallel_linears
+from shardlab.parallel.tensor.sequence import replicated
+from shardlab.parallel.tensor.shared_input import copied_linears, sequence_parallel_linears
 from shardlab.parallel.tensor.shards import SharesGroups, ShardSpec, shard_tensor
 
 ColumnInput = Literal["copy", "gather_seq", "none"]
@@ -124,9 +124,9 @@ class ColumnParallelLinear(SharesGroups, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_op == "gather_seq":
             y = sequence_parallel_linears(x, self.group, self.seq_dim, [self.local_params()])[0]
+        elif self.input_op == "copy":  # f, its backward all-reduce overlapped (shared_input.py)
+            y = copied_linears(x, self.group, [self.local_params()])[0]
         else:
-            if self.input_op == "copy":
-                x = copy_to_group(x, self.group)
             y = F.linear(x, *self.local_params())
         if self.output_op == "gather":
             return gather_from_group(y, self.group, -1)
@@ -180,7 +180,7 @@ class RowParallelLinear(SharesGroups, nn.Module):
         partial = F.linear(x, self.weight)
         if self.output_op == "reduce_scatter_seq":
             y = reduce_scatter_to_sequence(partial, self.group, self.seq_dim)
-            return y if self.bias is None else y + copy_to_group(self.bias, self.group)
+            return y if self.bias is None else y + replicated(self, "bias", self.group)
         y = reduce_from_group(partial, self.group)
         return y if self.bias is None else y + self.bias
 

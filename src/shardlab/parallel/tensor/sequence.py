@@ -14,68 +14,86 @@ Two things make it correct and make it pay:
 * Replicated parameters used in the sharded region (norm gains and biases, a row-parallel layer's
   bias, learned positions) see only this rank's tokens, so each rank's gradient is partial. They
   are used through `copy_to_group` (identity forward, all-reduce backward), so after backward every
-  rank holds the whole gradient, under any number of micro-batches. Megatron instead all-reduces
-  such gradients in one bucket after the last micro-batch; ours is one small all-reduce per tensor,
-  simpler and composable with any data-parallel wrapper, at the price of more calls.
+  rank holds the whole gradient, under any number of micro-batches and any data-parallel wrapper.
+  A model groups them by part (`SumScope`: a block's norms and row biases; the positions and the
+  final norm): the part's parameters are concatenated into one vector used through copy_to_group,
+  of which each module uses its view, so backward sums the part's partial gradients in a single
+  call once the last of them is complete: L + 1 all-reduces per backward instead of 4L + 3 (6L + 3
+  with biases). Megatron all-reduces them in one bucket after the last micro-batch; ours is once
+  per micro-batch, which keeps micro-batching and the data-parallel wrappers unaware of it. A layer
+  used alone, outside a scope, all-reduces each tensor on its own.
 * The linear layers after the all-gather need their whole input again in backward (for the weight
   gradient). Saving the gathered input would keep t times the sharded activation alive; instead
-  `sequence_parallel_linears` saves the shard and gathers it again in backward (sec. 4.2.2),
-  trading one more all-gather for the memory. It serves several linears at once (the query and
-  key/value projections share one gathered input).
+  `sequence_parallel_linears` (shared_input.py) saves the shard and gathers it again in backward
+  (sec. 4.2.2), trading one more all-gather for the memory, overlapped with the input gradient's
+  matmul as the gradient's reduce-scatter is with the weights'. It serves several linears at once
+  (the query and key/value projections share one gathered input).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardlab.comm.autograd import copy_to_group, gather_along, reduce_scatter_along
+from shardlab.comm.autograd import copy_to_group
 from shardlab.comm.dispatch import Group
 from shardlab.parallel.tensor.shards import SharesGroups
 
-WeightBias = tuple[torch.Tensor, torch.Tensor | None]
+class SumScope:
+    """Replicated parameters of one part of a model (a block; the rest) whose partial gradients are
+    summed in one all-reduce per backward while the scope is active: on first use in a forward, all
+    of them are concatenated into one vector used through copy_to_group, and each use takes its view.
+    Built lazily, inside the part's own forward, so that a wrapper that gathers the part's
+    parameters only for its forward (ZeRO-3) has gathered them. Holds modules, not groups."""
+
+    def __init__(self, owners: list[tuple[nn.Module, str]]) -> None:
+        self.owners = owners
+        self.active = False
+        self.views: dict[tuple[int, str], torch.Tensor] | None = None
+        for m, _ in owners:
+            m._sum_scope = self
+
+    def view(self, module: nn.Module, name: str, group: Group) -> torch.Tensor | None:
+        if self.views is None:
+            params = [(m, n, p) for m, n in self.owners if (p := getattr(m, n)) is not None and p.requires_grad]
+            self.views = {}
+            if len(params) > 1 and len({p.dtype for _, _, p in params}) == 1:
+                flat = copy_to_group(torch.cat([p.reshape(-1) for _, _, p in params]), group)
+                for (m, n, p), v in zip(params, flat.split([p.numel() for _, _, p in params])):
+                    self.views[(id(m), n)] = v.view_as(p)
+        got = self.views.get((id(module), name))
+        return got if got is not None else _each(module, name, group)
 
 
-class _GatheredLinears(torch.autograd.Function):
-    """outputs_i = gather(x) @ W_i^T + b_i; saves the shard x, not the gathered input."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int, *params: torch.Tensor | None):  # noqa: ANN001, ANN205
-        ctx.group, ctx.dim = group, dim
-        ctx.has_bias = [b is not None for b in params[1::2]]
-        full = gather_along(x, group, dim)
-        outs = tuple(F.linear(full, w, b) for w, b in zip(params[0::2], params[1::2]))
-        ctx.save_for_backward(x, *params[0::2])
-        return outs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # noqa: ANN001, ANN205
-        x, *weights = ctx.saved_tensors
-        full = gather_along(x, ctx.group, ctx.dim)  # the gather again, instead of having kept it
-        flat_in = full.reshape(-1, full.shape[-1])
-        need = ctx.needs_input_grad
-        dx_full = None
-        param_grads: list[torch.Tensor | None] = []
-        for i, (g, w) in enumerate(zip(grads, weights)):
-            flat_g = g.reshape(-1, g.shape[-1])
-            param_grads.append(flat_g.t() @ flat_in if need[3 + 2 * i] else None)
-            param_grads.append(flat_g.sum(0) if ctx.has_bias[i] and need[4 + 2 * i] else None)
-            if need[0]:
-                dx_full = g @ w if dx_full is None else dx_full + g @ w
-        # Each rank's dx_full is its heads' (columns') share of the whole input's gradient: summing
-        # the shares and keeping this rank's tokens is one reduce-scatter.
-        dx = reduce_scatter_along(dx_full, ctx.group, ctx.dim) if need[0] else None
-        return (dx, None, None, *param_grads)
+@contextlib.contextmanager
+def summing(scopes: list[SumScope]) -> Iterator[None]:
+    """Activate `scopes` for one forward (a model's): each builds its vector afresh, on first use."""
+    for sc in scopes:
+        sc.active, sc.views = torch.is_grad_enabled(), None
+    try:
+        yield
+    finally:  # the views belong to this forward's graph only
+        for sc in scopes:
+            sc.active, sc.views = False, None
 
 
-def sequence_parallel_linears(x: torch.Tensor, group: Group, dim: int,
-                              params: list[WeightBias]) -> tuple[torch.Tensor, ...]:
-    """Gather the sequence shards `x` along `dim` once, apply each (weight, bias), return the outputs.
+def _each(module: nn.Module, name: str, group: Group) -> torch.Tensor | None:
+    p = getattr(module, name)
+    return None if p is None else copy_to_group(p, group)
 
-    Backward: one all-gather (the input again), one reduce-scatter (the input's gradient)."""
-    flat: list[torch.Tensor | None] = [t for wb in params for t in wb]
-    return _GatheredLinears.apply(x, group, dim, *flat)
+
+def replicated(module: nn.Module, name: str, group: Group) -> torch.Tensor | None:
+    """`module`'s replicated parameter `name` as used on this rank's sequence shard, so that its
+    gradient is summed over the group: its view of its active SumScope's vector, else the
+    parameter through copy_to_group (one all-reduce of its own)."""
+    scope = getattr(module, "_sum_scope", None)
+    if scope is not None and scope.active:
+        return scope.view(module, name, group)
+    return _each(module, name, group)
 
 
 class SequenceParallelLayerNorm(SharesGroups, nn.LayerNorm):
@@ -88,8 +106,7 @@ class SequenceParallelLayerNorm(SharesGroups, nn.LayerNorm):
     tp_group: Group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else copy_to_group(self.weight, self.tp_group)
-        b = None if self.bias is None else copy_to_group(self.bias, self.tp_group)
+        w, b = replicated(self, "weight", self.tp_group), replicated(self, "bias", self.tp_group)
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 
 
