@@ -1,0 +1,240 @@
+"""`shardlab plan`: predict memory and step time of a layout, or rank every layout that fits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+PLAN_DOC = """\
+Predict, before anything runs, which parallel layouts of a model fit in a cluster's memory and how
+fast they train: per-rank memory (parameters, gradients and optimizer state by ZeRO stage;
+activations tensor by tensor, Korthikanti et al. 2022; micro-batches in flight by pipeline schedule;
+buffers) and time per step (matmuls and memory-bound ops on a roofline, each collective on the links
+its group crosses, the pipeline bubble, overlap, the optimizer), with tokens/s and MFU.
+
+With --dp, --tp or --pp: that one layout, in full (unset degrees are 1; dp fills the rest).
+Otherwise: every layout that divides and fits, ranked by predicted throughput; other layout flags
+given (--zero, --schedule, --recompute, --micro-batch, --sp ...) are kept fixed in the search.
+Model: a preset (--model), a shardlab configuration (--config), or any GPT shape (--layers,
+--hidden, --heads ... override a preset's fields). The model, its sources and its validation
+against published and measured runs: docs/planner.md.
+
+examples:
+  shardlab plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536 --seq 2048
+  shardlab plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536 --json plan.json
+  shardlab plan --model megatron-175b --gpus 64 --global-batch 64 --tp 8 --pp 8 --sp --recompute selective
+  shardlab plan --model llama3-70b --gpus 256 --hardware h100-sxm --global-batch 512 --zero 1
+  shardlab plan --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --seq 8192 \\
+      --gated --gpus 64 --hardware h200 --global-batch 256
+  shardlab plan --validate                        # Korthikanti et al. 2022 Tables 4-5, predicted vs published
+  shardlab plan --validate-local                  # this machine: predicted vs measured memory and step time
+  shardlab plan --calibrate cal.json              # measure this machine (matmuls, copies, collectives)
+  shardlab plan --config configs/gpt-small.toml --hardware this-cpu --calibration cal.json --gpus 2 --dp 2
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from shardlab.plan.hardware import PRESETS as HW
+    from shardlab.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES
+    from shardlab.plan.models import PRESETS as MODELS
+
+    p = sub.add_parser("plan", help="predict memory and step time of parallel layouts; rank those that fit",
+                       description=PLAN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (a preset, a configuration, or a shape; shape flags override the first two)")
+    m.add_argument("--model", choices=list(MODELS), default=None, help="a built-in model (default: gpt3-175b)")
+    m.add_argument("--config", default=None, metavar="FILE", help="a shardlab TOML configuration's GPT")
+    for flag, text in (("layers", "transformer blocks"), ("hidden", "model width"), ("heads", "attention heads"),
+                       ("kv-heads", "key-value heads (grouped-query attention)"), ("ffn", "feed-forward width"),
+                       ("vocab", "vocabulary size"), ("seq", "sequence length (tokens per sample)"),
+                       ("experts", "experts per MoE layer (1: dense)"), ("top-k", "experts each token uses")):
+        m.add_argument(f"--{flag}", type=int, default=None, help=text)
+    m.add_argument("--gated", action="store_true", default=None, help="SwiGLU-style MLP (three matrices)")
+    m.add_argument("--attention", choices=["eager", "flash"], default=None,
+                   help="eager keeps the s x s probabilities for backward (Megatron-LM 2022); flash does not")
+    m.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=None, help="dropout layers present")
+    m.add_argument("--norm", choices=["layernorm", "rmsnorm"], default=None, help="normalisation layers")
+    m.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                   help="output head tied to the token embedding")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--hardware", default="a100-80gb", help=f"{', '.join(HW)}, or this-cpu (needs --calibration)")
+    c.add_argument("--gpus", type=int, default=None,
+                   help="devices (ranks) in all (default: the layout's product, or 8)")
+    c.add_argument("--devices-per-node", type=int, default=None, help="devices sharing the fast intra-node links")
+    c.add_argument("--calibration", default=None, metavar="PATH",
+                   help="this-cpu's measured rates (default: docs/results/plan_calibration.json)")
+    c.add_argument("--bench-comm", default=None, metavar="PATH",
+                   help="a `shardlab bench comm --json` file: its fitted alpha-beta per collective and group size "
+                        "replace the link model (a measured cluster)")
+    c.add_argument("--mem-fraction", type=float, default=0.9,
+                   help="share of device memory a layout may use (the rest: framework, allocator, workspaces)")
+    lay = p.add_argument_group("layout (a degree given means: evaluate that layout; otherwise search)")
+    for d, text in (("dp", "data-parallel"), ("tp", "tensor-parallel"), ("pp", "pipeline-parallel"),
+                    ("cp", "context-parallel (sequence split, ring attention)"), ("ep", "expert-parallel")):
+        lay.add_argument(f"--{d}", type=int, default=None, help=f"{text} degree")
+    lay.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="ZeRO stage over data parallelism")
+    lay.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (default 1f1b)")
+    lay.add_argument("--virtual", type=int, default=None, help="interleaved schedule: model chunks per pipeline rank")
+    lay.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch per data-parallel rank")
+    lay.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                     help="sequence parallelism with tp (default in a search: on when tp > 1)")
+    lay.add_argument("--recompute", choices=RECOMPUTE, default=None, help="activation recomputation")
+    lay.add_argument("--precision", choices=PRECISIONS, default=None,
+                     help="weights and activations (default bf16, or the configuration's)")
+    lay.add_argument("--grad-fp32", action="store_true", help="accumulate and reduce gradients in fp32 (Megatron-LM)")
+    lay.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: 8 x dp)")
+    o = p.add_argument_group("output and other modes")
+    o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
+    o.add_argument("--json", default=None, metavar="PATH", help="write the result (all ranked rows up to 50) as JSON")
+    o.add_argument("--validate", action="store_true",
+                   help="compare with Korthikanti et al. 2022 (Tables 4 and 5, memory), mm_eff refitted")
+    o.add_argument("--validate-local", action="store_true",
+                   help="calibrate this machine (or use --calibration), run small GPT layouts with the trainer's "
+                        "code and compare predicted with measured memory and step time")
+    o.add_argument("--plot", default=None, metavar="PATH",
+                   help="a PNG: the ranked layouts' time by component, or with --validate/--validate-local the "
+                        "predicted-vs-reference plot")
+    o.add_argument("--calibrate", default=None, metavar="PATH",
+                   help="measure this machine (matmul grid, copy bandwidth, op cost, collective fits) on "
+                        "--world-size ranks and write the calibration to PATH")
+    o.add_argument("--world-size", type=int, default=2, help="ranks for --calibrate (default 2)")
+    o.add_argument("--threads", type=int, default=1,
+                   help="threads per rank for --calibrate and --validate-local (default 1)")
+    p.set_defaults(func=run)
+
+
+def build_spec(args: argparse.Namespace):
+    from shardlab.plan.models import ModelSpec, get_model, spec_from_config
+
+    if args.config:
+        from shardlab.train.config import load_config
+
+        spec = spec_from_config(load_config(args.config, []).model)
+    elif args.model or args.layers is None:
+        spec = get_model(args.model or "gpt3-175b")
+    else:
+        missing = [f for f in ("hidden", "heads") if getattr(args, f) is None]
+        if missing:
+            raise ValueError(f"a custom shape needs --{' and --'.join(missing)}")
+        spec = ModelSpec("custom", layers=args.layers, hidden=args.hidden, heads=args.heads, attention="flash",
+                         dropout=False)
+    fields = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads", "ffn": "ffn",
+              "vocab": "vocab", "seq": "seq", "experts": "experts", "top_k": "top_k", "gated": "gated_mlp",
+              "attention": "attention", "dropout": "dropout", "norm": "norm", "tied": "tied_embeddings"}
+    changes = {field: getattr(args, arg) for arg, field in fields.items() if getattr(args, arg) is not None}
+    return replace(spec, **changes) if changes else spec
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    if args.validate_local:
+        from shardlab.plan.validate_report import print_local_validation
+
+        return print_local_validation(args.calibration, args.json, args.plot, args.threads)
+    from shardlab.plan.hardware import get_hardware
+    from shardlab.plan.layout import LayoutError, PlanLayout
+
+    try:
+        spec = build_spec(args)
+        hw = get_hardware(args.hardware, args.calibration)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"shardlab plan: {exc}", file=sys.stderr)
+        return 2
+    if args.devices_per_node:
+        hw = hw.with_nodes(args.devices_per_node)
+    if args.bench_comm:
+        from shardlab.plan.alphabeta import load_fits
+
+        hw = replace(hw, fits=tuple(f for f in load_fits(args.bench_comm) if f.impl == "torch"))
+    if args.validate:
+        from shardlab.plan.validate_report import print_validation
+
+        return print_validation(args.json, args.plot)
+    names = ("dp", "tp", "pp", "cp", "ep", "zero", "schedule", "virtual", "micro_batch", "sp", "recompute", "precision")
+    given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    base, config_batch = PlanLayout(precision="bf16"), None
+    if args.config:
+        # A shardlab configuration brings its layout and batch; flags override them.
+        from shardlab.plan.validate_local import plan_from_config
+        from shardlab.train.config import load_config
+
+        _, base, config_batch = plan_from_config(load_config(args.config, []))
+        given.setdefault("dp", base.dp)
+    base = replace(base, **given, grad_fp32=args.grad_fp32 or base.grad_fp32)
+    single = any(k in given for k in ("dp", "tp", "pp"))
+    gpus = args.gpus
+    if single:
+        rest = base.tp * base.pp * base.cp
+        gpus = gpus or (base.dp * rest if "dp" in given else rest)
+        if "dp" not in given:
+            base = replace(base, dp=max(1, gpus // rest))
+    gpus = gpus or 8
+    gb = args.global_batch or config_batch or 8 * (base.dp if single else gpus)
+    print(spec.summary())
+    print(f"{gpus} x {hw.name} ({hw.memory_bytes / 1e9:.0f} GB, {hw.devices_per_node} per node), "
+          f"global batch {gb} x {spec.seq} tokens, {base.precision}")
+    try:
+        if single:
+            return _one(spec, base, hw, gpus, gb, args)
+        return _search(spec, base, set(given), hw, gpus, gb, args)
+    except LayoutError as exc:
+        print(f"shardlab plan: {exc}", file=sys.stderr)
+        return 2
+
+
+def _one(spec, lay, hw, gpus, gb, args) -> int:
+    from dataclasses import asdict
+
+    from shardlab.plan.report import format_one
+    from shardlab.plan.search import evaluate
+
+    lay.check(spec, world=gpus, global_batch=gb)
+    e = evaluate(spec, lay, hw, gb, args.mem_fraction)
+    print(format_one(e))
+    if args.json:
+        _write(args.json, {"tool": "shardlab plan", "model": asdict(spec), "hardware": hw.to_dict(),
+                           "gpus": gpus, "global_batch": gb, "evaluation": e.to_dict()})
+    return 0 if e.fits else 1
+
+
+def _search(spec, base, pinned, hw, gpus, gb, args) -> int:
+    from shardlab.plan.report import explain, format_ranked, result_json
+    from shardlab.plan.search import search
+
+    result = search(spec, hw, gpus, gb, base, pinned, args.mem_fraction)
+    shown = min(args.top, len(result.ranked))
+    print(f"{result.considered:,} layouts considered, {len(result.ranked):,} fit; the fastest {shown}:")
+    print(format_ranked(result, args.top))
+    print()
+    print("\n".join(explain(result, spec, gpus)))
+    if args.json:
+        _write(args.json, result_json(result, spec, hw, gpus, gb))
+    if args.plot and result.ranked:
+        from shardlab.plan.plot import plot_breakdown
+
+        title = f"{spec.name} on {gpus} x {hw.name}, global batch {gb}: the fastest layouts"
+        print(f"wrote {plot_breakdown(result.ranked[:args.top], args.plot, title)}")
+    return 0 if result.ranked else 1
+
+
+def _write(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.write("\n")
+    print(f"wrote {path}")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from shardlab.plan.calibrate import save_calibration
+    from shardlab.plan.validate_local import calibrate_here
+
+    print(f"calibrating this machine on {args.world_size} rank(s), {args.threads} thread(s) each ...")
+    cal = calibrate_here(args.threads, args.world_size)
+    save_calibration(cal, args.calibrate)
+    print(f"matmul {cal['matmul_flops'] / 1e9:.1f} GFLOP/s (median of {len(cal['matmul_grid'])} shapes), copy "
+          f"{cal['copy_bandwidth'] / 1e9:.1f} GB/s, {cal['op_overhead_s'] * 1e6:.0f} us per op, "
+          f"{len(cal.get('fits', []))} collective fits, overlap cost {cal.get('overlap_cost', 1.0):.2f}")
+    print(f"wrote {args.calibrate}")
+    return 0

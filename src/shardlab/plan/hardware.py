@@ -1,0 +1,198 @@
+"""What the planner is told about a cluster: each device's peak rates and memory, its links, and
+how much of each peak real kernels reach.
+
+    hw = get_hardware("a100-80gb")
+    hw = this_cpu(calibration)          # this machine: measured matmul rate, copy bandwidth, collective fits
+
+Peak figures are the vendors' data sheets (dense, no sparsity). The achievable fractions are the
+model's parameters: `mem_eff` and `link_eff` are assumptions stated here, `mm_eff` for the A100 is
+the one number fitted to Korthikanti et al. (2022) Table 5 (`shardlab.plan.validate.calibrate`
+refits it; docs/planner.md). For other GPUs the A100's fraction is carried over, an assumption:
+report their predictions as such.
+
+A measured cluster replaces the link model by the alpha-beta fits of `shardlab bench comm`
+(plan/alphabeta.py): one fit per (collective, group size), used by comm.py as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from shardlab.plan.alphabeta import AlphaBeta, load_fits
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link class: per-device bandwidth in one direction (bytes/s) and the latency of one step."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: dict[str, float]        # dense matmul FLOP/s by precision
+    memory_bytes: float                 # device memory
+    memory_bw: float                    # device memory bandwidth, bytes/s
+    devices_per_node: int
+    intra: Link                         # inside a node (NVLink/NVSwitch; shared memory on a CPU)
+    inter: Link                         # across nodes, per device (its NIC)
+    mm_eff: float = 0.7                 # achievable fraction of peak for large matmuls
+    mem_eff: float = 0.8                # achievable fraction of memory bandwidth for elementwise ops
+    link_eff: float = 0.8               # achievable fraction of link bandwidth for collectives
+    kernel_overhead_s: float = 0.0      # per op that cannot hide behind the previous one (CPU eager)
+    overlap_cost: float = 0.0          # share of hidden communication time still charged to compute
+    jitter: float = 0.0                 # relative step-to-step spread of a rank's compute (stragglers)
+    sms: int = 0                        # streaming multiprocessors, for wave quantization (0: none)
+    tile: tuple[int, int] = (256, 128)  # output tile of a large 16-bit matmul
+    fits: tuple[AlphaBeta, ...] = ()    # measured collectives (override the link model)
+    matmul_grid: tuple[dict, ...] = ()  # measured matmul FLOP/s by shape (override peak x mm_eff)
+    attention_flops: float = 0.0        # measured fused-attention FLOP/s, as flops.py counts them (0: roofline)
+    activation_bandwidth: float = 0.0   # measured bytes/s of activation functions (0: roofline)
+    source: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def peak(self, precision: str) -> float:
+        try:
+            return self.peak_flops[precision]
+        except KeyError:
+            raise ValueError(f"{self.name} has no {precision} peak; known: {', '.join(self.peak_flops)}") from None
+
+    def with_nodes(self, devices_per_node: int) -> Hardware:
+        return replace(self, devices_per_node=devices_per_node)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
+            "memory_gb": self.memory_bytes / GB, "memory_bw_gbps": self.memory_bw / GB,
+            "devices_per_node": self.devices_per_node,
+            "intra": {"gbps": self.intra.bandwidth / GB, "latency_us": self.intra.latency * 1e6},
+            "inter": {"gbps": self.inter.bandwidth / GB, "latency_us": self.inter.latency * 1e6},
+            "mm_eff": self.mm_eff, "mem_eff": self.mem_eff, "link_eff": self.link_eff,
+            "kernel_overhead_us": self.kernel_overhead_s * 1e6, "measured_fits": len(self.fits),
+            "source": self.source,
+        }
+
+
+# Communication hidden behind compute still takes SMs and memory bandwidth from it (NCCL's kernels
+# run beside the matmuls): a share of the hidden time is charged. 0.3 is an assumption, set by hand
+# against the backward times of Korthikanti et al.'s Table 4 (one 22B layer), not fitted.
+GPU_OVERLAP_COST = 0.3
+
+# The fraction of A100 bf16 peak that Korthikanti et al.'s large matmuls reach, fitted by
+# validate.calibrate() to their Table 5 (tests/test_plan_published.py refits it and checks this value).
+A100_MM_EFF = 0.7877
+
+_NVIDIA = "NVIDIA data sheets (A100 2020/2021, H100 SXM5 2022, H200 2023); dense bf16, no sparsity"
+_LINKS = ("SMs: A100 108, H100 SXM5 and H200 132; the 256 x 128 output tile of large 16-bit matmuls is an "
+          "assumption about cuBLAS's choice; intra: NVLink per GPU per direction (A100 NVLink3 12 x 25 GB/s; "
+          "H100/H200 NVLink4 18 x 25 GB/s); "
+          "inter: one InfiniBand NIC per GPU (A100: HDR 200 Gb/s; H100/H200: NDR 400 Gb/s); "
+          "latencies are assumed typical NCCL figures, not measured")
+_ASSUMED = ("mem_eff 0.8 and link_eff 0.8 are assumptions (sustained copy bandwidth and NCCL bus bandwidth "
+            "are commonly 75-90% of peak), not fitted; overlap_cost 0.3 set by hand against Korthikanti et al. "
+            "Table 4")
+
+
+def _gpu(name: str, bf16: float, fp32: float, mem_gb: float, bw_gbps: float, nvlink_gbps: float,
+         ib_gbps: float, sms: int, mm_eff: float, extra: str = "") -> Hardware:
+    return Hardware(
+        name, {"bf16": bf16 * 1e12, "fp16": bf16 * 1e12, "fp32": fp32 * 1e12}, mem_gb * GB, bw_gbps * GB, 8,
+        intra=Link(nvlink_gbps * GB, 5e-6), inter=Link(ib_gbps * GB, 10e-6), mm_eff=mm_eff, sms=sms,
+        overlap_cost=GPU_OVERLAP_COST,
+        source=f"{_NVIDIA}; {_LINKS}", notes=(_ASSUMED,) + ((extra,) if extra else ()),
+    )
+
+
+_CARRIED = "mm_eff carried over from the A100 fit (not validated on this GPU)"
+# fp32 column: TF32 tensor-core rate (what frameworks use for fp32 matmuls when TF32 is allowed).
+PRESETS: dict[str, Hardware] = {h.name: h for h in [
+    _gpu("a100-40gb", 312, 156, 40, 1555, 300, 25, 108, A100_MM_EFF),
+    _gpu("a100-80gb", 312, 156, 80, 2039, 300, 25, 108, A100_MM_EFF),
+    _gpu("h100-sxm", 989, 495, 80, 3350, 450, 50, 132, A100_MM_EFF, _CARRIED),
+    _gpu("h200", 989, 495, 141, 4800, 450, 50, 132, A100_MM_EFF, _CARRIED),
+]}
+
+
+def get_hardware(name: str, calibration: str | Path | None = None) -> Hardware:
+    """A preset by name, or 'this-cpu' built from a calibration file (calibrate.py)."""
+    if name == "this-cpu":
+        from shardlab.plan.calibrate import default_calibration_path, load_calibration
+
+        return this_cpu(load_calibration(calibration or default_calibration_path()))
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(PRESETS)}, this-cpu") from None
+
+
+def this_cpu(cal: dict) -> Hardware:
+    """This machine as the planner sees it: one rank = one device running `threads` threads.
+
+    `cal` (calibrate.py): measured fp32 matmul FLOP/s, copy bandwidth, per-op overhead, and the
+    collective fits of `shardlab bench comm`. The kernels' rates were timed alone; `step_efficiency`,
+    the share of them a reference training step reached (calibrate.reference_efficiency), plays the
+    part mm_eff and mem_eff play for a GPU."""
+    fits = tuple(AlphaBeta.from_dict(f) for f in cal.get("fits", []))
+    p2p = [f for f in fits if f.op == "sendrecv"]
+    link = Link(p2p[0].beta_bytes_per_s, p2p[0].alpha_s) if p2p else Link(1 * GB, 100e-6)
+    rate = cal["matmul_flops"]
+    half = cal.get("matmul_flops_bf16", rate)   # 16-bit rates only where measured
+    return Hardware(
+        "this-cpu", {"fp32": rate, "bf16": half, "fp16": half},
+        memory_bytes=cal.get("memory_bytes", 8 * GB), memory_bw=cal["copy_bandwidth"],
+        devices_per_node=cal.get("cores", 2), intra=link, inter=link, mm_eff=cal.get("step_efficiency", 1.0),
+        mem_eff=cal.get("step_efficiency", 1.0), link_eff=1.0,
+        kernel_overhead_s=cal.get("op_overhead_s", 0.0), overlap_cost=cal.get("overlap_cost", 1.0), fits=fits,
+        jitter=cal.get("jitter", 0.0),
+        matmul_grid=tuple(cal.get("matmul_grid", [])), attention_flops=cal.get("attention_flops", 0.0),
+        activation_bandwidth=cal.get("activation_bandwidth", 0.0),
+        source=f"measured on this machine ({cal.get('host', '?')}, {cal.get('threads', 1)} thread(s) per rank): "
+               f"calibrate.py and shardlab bench comm",
+    )
+
+
+def fits_from_bench(path: str | Path) -> list[dict]:
+    """The gloo ('torch') collective fits of a `shardlab bench comm --json` file, as dicts."""
+    data = json.loads(Path(path).read_text())
+    return [f.to_dict() for f in load_fits(path) if f.impl == "torch"] if "fits" in data else []
+
+
+_TABLES: dict[int, tuple] = {}
+
+
+def _grid_table(grid: tuple[dict, ...]) -> tuple:
+    """The grid's axes and log-rates, built once per grid (a search times thousands of matmuls)."""
+    key = id(grid)
+    if key not in _TABLES or _TABLES[key][0] is not grid:
+        table = {(r["m"], r["k"], r["n"]): math.log(r["flops_per_s"]) for r in grid}
+        axes = [sorted({r[a] for r in grid}) for a in ("m", "k", "n")]
+        _TABLES[key] = (grid, (*axes, table))
+    return _TABLES[key][1]
+
+
+def grid_rate(grid: tuple[dict, ...], m: float, k: float, n: float) -> float:
+    """FLOP/s of an (m x k) @ (k x n) matmul: trilinear interpolation of log-rate in log-shape over
+    the measured grid, clamped at its edges."""
+    ms, ks, ns, table = _grid_table(grid)
+
+    def bracket(axis: list[int], x: float) -> tuple[int, int, float]:
+        x = min(max(x, axis[0]), axis[-1])
+        for lo, hi in zip(axis, axis[1:]):
+            if x <= hi:
+                return lo, hi, (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return axis[-1], axis[-1], 0.0
+
+    (m0, m1, fm), (k0, k1, fk), (n0, n1, fn) = bracket(ms, m), bracket(ks, k), bracket(ns, n)
+    total = 0.0
+    for mi, wm in ((m0, 1 - fm), (m1, fm)):
+        for ki, wk in ((k0, 1 - fk), (k1, fk)):
+            for ni, wn in ((n0, 1 - fn), (n1, fn)):
+                total += wm * wk * wn * table[(mi, ki, ni)]
+    return math.exp(total)

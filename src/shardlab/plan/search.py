@@ -1,0 +1,150 @@
+"""Evaluate one layout, or search every layout that divides and fits, ranked by predicted throughput.
+
+    r = evaluate(spec, layout, hw, global_batch)            # memory, time, fits?
+    result = search(spec, hw, gpus=1024, global_batch=1536)  # result.ranked, result.rejected
+
+The search enumerates tp (powers of two up to a node), pp (dividing the layers), cp, ep, dp (what
+is left), ZeRO stage, schedule (1F1B, interleaved with 2 or 4 chunks, ZB-H1), micro-batch size,
+recomputation, and sequence parallelism (always on with tp > 1 unless the caller pins it: it
+never costs memory, and in our model never costs time, since it moves the same bytes as tp's
+all-reduces and runs the norms and dropout on 1/tp of the tokens). Memory is checked first; only
+layouts that fit are timed. Layouts that do not divide are counted by reason; layouts that do not
+fit keep their smallest-memory member per (degrees, ZeRO stage, recomputation), for the explanation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from shardlab.plan.hardware import Hardware
+from shardlab.plan.layout import LayoutError, PlanLayout
+from shardlab.plan.memory import RankMemory, rank_memory
+from shardlab.plan.models import ModelSpec
+from shardlab.plan.steptime import StepTime, step_time
+
+DEFAULT_MEM_FRACTION = 0.9   # of device memory: the rest for the framework, allocator slack and workspaces
+
+
+@dataclass
+class Evaluation:
+    layout: PlanLayout
+    memory: RankMemory
+    time: StepTime | None       # None when it does not fit (not timed)
+    capacity: float
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "name": self.layout.name(), "fits": self.fits,
+                "memory": self.memory.to_dict(), "capacity_bytes": self.capacity,
+                "time": self.time.to_dict() if self.time else None}
+
+
+def evaluate(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int,
+             mem_fraction: float = DEFAULT_MEM_FRACTION, time_always: bool = True) -> Evaluation:
+    """Memory and (if it fits, or `time_always`) step time of one checked layout."""
+    lay.check(spec, global_batch=global_batch)
+    mem = rank_memory(spec, lay, global_batch)
+    cap = hw.memory_bytes * mem_fraction
+    timed = step_time(spec, lay, hw, global_batch) if (time_always or mem.total <= cap) else None
+    return Evaluation(lay, mem, timed, cap)
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Evaluation]                      # layouts that fit, fastest first
+    misses: dict[tuple, Evaluation]               # per (degrees, ZeRO, recompute): the smallest that did not fit
+    rejected: Counter = field(default_factory=Counter)   # reasons layouts were not built, with counts
+    considered: int = 0
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, x = [], 1
+    while x <= n:
+        out.append(x)
+        x *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, base: PlanLayout,
+               pinned: set[str], rejected: Counter) -> list[PlanLayout]:
+    """Every layout over `gpus` ranks; fields named in `pinned` keep `base`'s value."""
+    def choices(name: str, options: list) -> list:
+        return [getattr(base, name)] if name in pinned else options
+
+    out = []
+    for tp in choices("tp", _pow2_upto(min(gpus, hw.devices_per_node))):
+        for cp in choices("cp", [c for c in _pow2_upto(8) if c * tp <= gpus]):
+            for pp in choices("pp", [p for p in _divisors(gpus // (tp * cp)) if gpus % (tp * cp) == 0]):
+                if gpus % (tp * cp * pp):
+                    rejected["tp x cp x pp does not divide the GPUs"] += 1
+                    continue
+                dp = gpus // (tp * cp * pp)
+                if "dp" in pinned and dp != base.dp:
+                    continue
+                eps = _divisors(dp * cp) if spec.experts > 1 else [1]
+                for ep in choices("ep", [e for e in eps if spec.experts % e == 0]):
+                    shape = replace(base, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+                    out += _variants(spec, shape, global_batch, pinned, rejected)
+    return out
+
+
+def _variants(spec: ModelSpec, shape: PlanLayout, global_batch: int, pinned: set[str],
+              rejected: Counter) -> list[PlanLayout]:
+    def choices(name: str, options: list) -> list:
+        return [getattr(shape, name)] if name in pinned else options
+
+    per_rank = global_batch // shape.dp if global_batch % shape.dp == 0 else 0
+    mbs = [b for b in (1, 2, 4, 8) if per_rank and per_rank % b == 0]
+    scheds: list[tuple[str, int]] = [("1f1b", 1)]
+    if shape.pp > 1:
+        scheds += [("interleaved", v) for v in (2, 4)] + [("zb-h1", 1)]
+    if "schedule" in pinned or "virtual" in pinned:
+        scheds = [(shape.schedule, shape.virtual)]
+    # A fused attention kernel keeps no s x s tensors: selective recomputation would change nothing.
+    recomputes = ["none", "selective", "full"] if spec.attention == "eager" else ["none", "full"]
+    out = []
+    for zero, (sched, v), b, rc, sp in itertools.product(
+            choices("zero", [0, 1, 2, 3] if shape.dp * shape.cp > 1 else [0]), scheds, choices("micro_batch", mbs),
+            choices("recompute", recomputes), choices("sp", [shape.tp > 1])):
+        lay = replace(shape, zero=zero, schedule=sched, virtual=v, micro_batch=b, recompute=rc, sp=sp)
+        try:
+            lay.check(spec, global_batch=global_batch)
+        except LayoutError as exc:
+            rejected[str(exc).split(";")[0]] += 1
+            continue
+        out.append(lay)
+    if not mbs:
+        rejected[f"global batch does not divide into dp {shape.dp}"] += 1
+    return out
+
+
+def search(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, base: PlanLayout | None = None,
+           pinned: set[str] | None = None, mem_fraction: float = DEFAULT_MEM_FRACTION) -> SearchResult:
+    base = base or PlanLayout()
+    rejected: Counter = Counter()
+    layouts = candidates(spec, gpus, global_batch, hw, base, pinned or set(), rejected)
+    cap = hw.memory_bytes * mem_fraction
+    fits, misses = [], {}
+    for lay in layouts:
+        mem = rank_memory(spec, lay, global_batch)
+        if mem.total <= cap:
+            fits.append(Evaluation(lay, mem, step_time(spec, lay, hw, global_batch), cap))
+        else:
+            key = miss_key(lay)
+            if key not in misses or mem.total < misses[key].memory.total:
+                misses[key] = Evaluation(lay, mem, None, cap)
+    fits.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
+    return SearchResult(fits, misses, rejected, len(layouts))
+
+
+def miss_key(lay: PlanLayout) -> tuple:
+    return (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.recompute)

@@ -1,0 +1,283 @@
+"""Step time: compute per op, exposed communication, pipeline bubble, gradient sync, optimizer.
+
+(Named steptime, not time, so that no tool that puts this directory on sys.path shadows the
+standard library's `time`.)
+
+    t = step_time(spec, layout, hw, global_batch)
+    t.total_s, t.tokens_per_s, t.mfu, t.breakdown()
+
+One micro-batch on one pipeline stage takes t_f + t_b: the roofline time of each op (flops.py)
+plus the communication that does not hide behind compute (comm.py). The schedule turns m of them
+into the pipeline's time:
+
+    pp 1                 m (t_f + t_b)
+    GPipe, 1F1B          (m - 1) max_s t_s + sum_s t_s        (= (m + p - 1) t for equal stages;
+                                                               Narayanan et al. 2021, sec. 2.2)
+    interleaved (v)      m max_s t_s + (sum_s t_s - max_s t_s) / v   (bubble (p - 1) t / v)
+    ZB-H1                m max_s t_s + (p - 1)(t_F + t_B - 2 t_W)   (Qi et al. 2023: the weight
+                                                               gradients fill the bubble)
+
+Then the data-parallel gradient reduction (hidden behind the last micro-batch's backward when
+overlapped, as DDP buckets and Megatron-LM's overlapped reduction do), ZeRO's gathers, the tied
+embedding's gradient all-reduce between first and last stage, and the optimizer step, which is
+memory-bound: it reads and writes every byte of optimizer state once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from shardlab.plan import comm, flops
+from shardlab.plan.hardware import Hardware, grid_rate
+from shardlab.plan.layout import PlanLayout
+from shardlab.plan.memory import stage_params
+from shardlab.plan.models import ModelSpec
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max of n standard normal draws] (exact to 3 digits up to 8; Blom's approximation beyond)."""
+    table = {1: 0.0, 2: 0.564, 3: 0.846, 4: 1.029, 5: 1.163, 6: 1.267, 7: 1.352, 8: 1.424}
+    if n in table:
+        return table[n]
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def op_time(hw: Hardware, precision: str, op: flops.Op) -> float:
+    """Roofline: the op is bound by its matmul FLOPs or by its memory traffic, whichever is slower.
+    A matmul's rate is the achievable fraction of peak times its wave-quantization efficiency."""
+    # A measured machine (calibrate.py): kernels timed alone, scaled by mm_eff / mem_eff, the share of
+    # those rates a whole training step reaches.
+    if op.kind == "attention" and hw.attention_flops:
+        return op.flops / (hw.attention_flops * hw.mm_eff) + op.kernels * hw.kernel_overhead_s
+    if op.kind == "activation" and hw.activation_bandwidth:
+        return op.bytes / (hw.activation_bandwidth * hw.mem_eff) + op.kernels * hw.kernel_overhead_s
+    if op.shape and hw.matmul_grid:
+        compute = op.flops / (grid_rate(hw.matmul_grid, *op.shape) * hw.mm_eff)
+    else:
+        eff = hw.mm_eff
+        if op.shape and hw.sms:
+            eff *= flops.tiles_efficiency(op.shape[0], op.shape[2], hw.sms, hw.tile)
+        compute = op.flops / (eff * hw.peak(precision))
+    memory = op.bytes / (hw.mem_eff * hw.memory_bw)
+    return max(compute, memory) + op.kernels * hw.kernel_overhead_s
+
+
+@dataclass
+class Phase:
+    """One layer's forward or backward on one rank, per micro-batch."""
+
+    compute: float = 0.0
+    comm_exposed: float = 0.0
+    comm_total: float = 0.0
+    wgrad: float = 0.0      # weight-gradient matmuls (tp gradient collectives hide behind them)
+    dgrad: float = 0.0      # the other backward matmuls (sp's re-gather hides behind them)
+    attention: float = 0.0  # the attention core (ring attention's passes hide behind it)
+    flops: float = 0.0      # matmul FLOPs executed
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm_exposed
+
+
+def _phase(hw: Hardware, lay: PlanLayout, ops: list[flops.Op], comms: list[comm.Comm]) -> Phase:
+    ph = Phase()
+    for op in ops:
+        t = op_time(hw, lay.precision, op)
+        ph.compute += t
+        ph.flops += op.flops
+        if op.weight_grad:
+            ph.wgrad += t
+        elif op.flops and not op.attention_core:
+            ph.dgrad += t
+        if op.attention_core:
+            ph.attention += t
+    hidden: dict[str, float] = {}
+    for c in comms:
+        t = comm.comm_time(hw, lay, c)
+        ph.comm_total += t
+        if c.hides_behind:
+            hidden[c.hides_behind] = hidden.get(c.hides_behind, 0.0) + t
+        else:
+            ph.comm_exposed += t
+    window = {"wgrad": ph.wgrad, "dgrad": ph.dgrad, "attention": ph.attention}
+    for k, t in hidden.items():
+        exposed = max(0.0, t - window[k])
+        # Hidden communication still slows the compute beside it (its kernels take SMs and memory bandwidth).
+        ph.comm_exposed += exposed + hw.overlap_cost * (t - exposed)
+    return ph
+
+
+_PHASES: dict[tuple, tuple[ModelSpec, Hardware, tuple[Phase, Phase]]] = {}
+
+
+def layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase, Phase]:
+    """(forward, backward incl. recomputation) of one layer on one rank, per micro-batch. Cached:
+    a search times thousands of layouts that differ only in ZeRO stage or schedule."""
+    key = (id(spec), id(hw), lay.tp, lay.cp, lay.ep, lay.sp, lay.recompute, lay.micro_batch, lay.precision,
+           lay.tp_overlap)
+    hit = _PHASES.get(key)
+    if hit is not None and hit[0] is spec and hit[1] is hw:
+        return hit[2]
+    if len(_PHASES) > 4096:
+        _PHASES.clear()
+    phases = _layer_phases(spec, lay, hw)
+    _PHASES[key] = (spec, hw, phases)
+    return phases
+
+
+def _layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase, Phase]:
+    b = lay.micro_batch
+    fwd_ops = flops.layer_forward(spec, lay, b)
+    bwd_ops = flops.recompute(fwd_ops, lay) + flops.backward(fwd_ops)
+    comms = comm.layer_comms(spec, lay, b)
+    return (_phase(hw, lay, fwd_ops, [c for c in comms if c.phase == "fwd"]),
+            _phase(hw, lay, bwd_ops, [c for c in comms if c.phase == "bwd"]))
+
+
+@dataclass
+class StepTime:
+    total_s: float
+    pipeline_s: float          # forward + backward of all micro-batches, bubble included
+    compute_s: float           # of which compute on the slowest stage
+    comm_exposed_s: float      # of which tp/sp/cp/ep communication not hidden (slowest stage)
+    comm_hidden_s: float       # tp/sp/cp/ep communication hidden behind compute
+    p2p_s: float               # of which pipeline sends and receives
+    bubble_s: float            # of which pipeline fill and drain
+    dp_comm_s: float           # exposed gradient reduction and ZeRO gathers
+    dp_comm_total_s: float     # their whole time, hidden part included
+    optimizer_s: float
+    stragglers_s: float        # waiting for the slowest rank (hw.jitter; 0 on the GPU presets)
+    tokens_per_s: float
+    mfu: float                 # model FLOPs (no recomputation) / (time x ranks x peak)
+    hfu: float                 # executed matmul FLOPs (recomputation included) / (time x ranks x peak)
+    micro_batches: int
+    stage_s: list[float] = field(default_factory=list)   # t_f + t_b per micro-batch, by stage
+
+    def breakdown(self) -> dict[str, float]:
+        """Shares of the step: they sum to 1."""
+        parts = {"compute": self.compute_s, "tp/cp/ep comm": self.comm_exposed_s, "pipeline p2p": self.p2p_s,
+                 "bubble": self.bubble_s, "dp comm": self.dp_comm_s, "optimizer": self.optimizer_s,
+                 "stragglers": self.stragglers_s}
+        parts["other"] = self.total_s - sum(parts.values())
+        return {k: v / self.total_s for k, v in parts.items()}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["breakdown"] = self.breakdown()
+        return d
+
+
+def _optimizer_time(hw: Hardware, lay: PlanLayout, n_params: float, n_tensors: int) -> float:
+    """AdamW's bytes per parameter: gradient-norm read, the update (gradient read; parameter or fp32
+    master, momentum and variance read and written), the 16-bit copy written back from the master,
+    the gradients zeroed. ZeRO >= 1 updates this rank's 1/dp shard."""
+    g, p = lay.grad_bytes, lay.param_bytes
+    per = 3 * g + 24 + ((4 + p) if lay.precision != "fp32" else 0)
+    shard = n_params / (lay.dp * lay.cp) if lay.zero >= 1 else n_params
+    # Eager per-tensor AdamW launches about ten ops per parameter tensor (CPU torch does not default to foreach).
+    return shard * per / (hw.mem_eff * hw.memory_bw) + 10 * n_tensors * hw.kernel_overhead_s
+
+
+def _param_tensors(spec: ModelSpec, layers: float) -> int:
+    per_layer = 2 * (2 if spec.norm == "layernorm" else 1) + 4 + spec.mlp_mats * spec.experts
+    if spec.bias:
+        per_layer += 3 + spec.mlp_mats * spec.experts
+    return int(layers * per_layer) + 3
+
+
+def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int) -> StepTime:
+    b, m, p = lay.micro_batch, lay.micro_batches(global_batch), lay.pp
+    fwd, bwd = layer_phases(spec, lay, hw)
+    layers = spec.layers / p
+    head = flops.head_forward(spec, lay, b)
+
+    def edges(first: bool, last: bool) -> Phase:
+        """The embedding (first stage) and head and loss (last stage), forward + backward."""
+        ops = (flops.embedding_forward(spec, lay, b) if first else []) + (head if last else [])
+        comms = comm.edge_comms(spec, lay, b, first, last)
+        f = _phase(hw, lay, ops, [c for c in comms if c.phase == "fwd"])
+        bk = _phase(hw, lay, flops.backward(ops), [c for c in comms if c.phase == "bwd"])
+        return Phase(f.compute + bk.compute, f.comm_exposed + bk.comm_exposed, f.comm_total + bk.comm_total)
+
+    kinds = {(i == 0, i == p - 1) for i in range(p)}
+    edge = {k: edges(*k) for k in kinds}          # first, middle and last stages: three at most
+    extra = [edge[(i == 0, i == p - 1)] for i in range(p)]
+    # Pipeline neighbours exchange one activation (or its gradient) per micro-batch each way; the
+    # sender's tp ranks each send their 1/tp of it (sp's shards, or Megatron-LM's scatter-gather).
+    p2p_one = comm.p2p_time(hw, b * spec.seq / lay.cp * spec.hidden * lay.act_bytes / lay.tp, comm.groups(lay)["pp"])
+    p2p_mb = 2 * p2p_one * lay.virtual if p > 1 else 0.0
+    base = layers * (fwd.total + bwd.total)
+    stages = [base + extra[i].total + p2p_mb for i in range(p)]
+    slow = max(range(p), key=lambda i: stages[i])
+    t_max = stages[slow]
+    if p == 1:
+        pipeline = m * t_max
+    elif lay.schedule == "interleaved":
+        pipeline = m * t_max + (sum(stages) - t_max) / lay.virtual
+    elif lay.schedule == "zb-h1":
+        t_w = layers * bwd.wgrad
+        pipeline = m * t_max + (p - 1) * max(0.0, layers * (fwd.total + bwd.total) - 2 * t_w)
+    else:
+        pipeline = (m - 1) * t_max + sum(stages)
+    bubble = pipeline - m * t_max
+
+    # Data parallelism: the slowest stage's gradients (and ZeRO's parameter gathers).
+    dense, experts = stage_params(spec, lay, slow)
+    dp = comm.groups(lay)["dp"]
+    # An expert's copies are the dp x cp / ep ranks that hold it, ep x tp apart.
+    expert_dp = comm.Group("dp", dp.size // lay.ep, lay.tp * lay.cp * lay.ep)
+    # ZeRO-3 gathers each layer (a unit; the embedding and head make one more) for every forward and
+    # backward, and reduce-scatters each unit's gradients: one collective per unit, each paying its latency.
+    units = int(layers) + 1 if lay.zero == 3 else 1
+    gathers = 1 if lay.zero < 3 else 2 * m
+    dp_total = 0.0
+    for n, group in ((dense, dp), (experts, expert_dp)):
+        if not n:
+            continue
+        if lay.zero == 0:
+            dp_total += comm.collective_time(hw, "all_reduce", n * lay.grad_bytes, group)
+        else:
+            dp_total += units * comm.collective_time(hw, "reduce_scatter", n * lay.grad_bytes / units, group)
+            dp_total += units * gathers * comm.collective_time(hw, "all_gather", n * lay.param_bytes / units, group)
+    if lay.zero == 3:
+        # Gathers are prefetched a unit ahead, behind the compute of the micro-batches; the first
+        # unit's gather of each pass cannot hide, and what hides costs the overlap share.
+        window = m * t_max
+        exposed = max(dp_total - window, dp_total / max(1, 2 * m * layers))
+        dp_exposed = exposed + hw.overlap_cost * (dp_total - exposed)
+    elif lay.dp_overlap:
+        # Buckets are reduced while the last micro-batch's backward runs; what hides still costs
+        # the machine's overlap_cost share.
+        window = layers * bwd.total
+        dp_exposed = max(dp_total - window, 0.0) + hw.overlap_cost * min(dp_total, window)
+    else:
+        dp_exposed = dp_total
+    if p > 1 and spec.tied_embeddings:
+        pair = comm.Group("pp", 2, lay.tp * lay.cp * lay.dp * (p - 1))
+        tied = comm.collective_time(hw, "all_reduce", spec.vocab * spec.hidden / lay.tp * lay.grad_bytes, pair)
+        dp_exposed += tied
+        dp_total += tied
+    n_params = dense + experts
+    optimizer = _optimizer_time(hw, lay, n_params, _param_tensors(spec, layers))
+    # Stragglers: ranks that meet in collectives wait for the slowest; with a relative spread
+    # `jitter` of each rank's compute, a step costs the expected maximum over the ranks.
+    compute = m * (layers * (fwd.compute + bwd.compute) + extra[slow].compute)
+    stragglers = hw.jitter * expected_max_normal(lay.world) * compute
+    total = pipeline + dp_exposed + optimizer + stragglers
+
+    tokens = global_batch * spec.seq
+    model_flops = spec.flops_per_token() * tokens
+    hw_flops_rank = m * (layers * (fwd.flops + bwd.flops) + 3 * flops.flops_of(head))
+    peak = hw.peak(lay.precision)
+    return StepTime(
+        total_s=total, pipeline_s=pipeline,
+        compute_s=compute, stragglers_s=stragglers,
+        comm_exposed_s=m * (layers * (fwd.comm_exposed + bwd.comm_exposed) + extra[slow].comm_exposed),
+        comm_hidden_s=m * (layers * (fwd.comm_total + bwd.comm_total - fwd.comm_exposed - bwd.comm_exposed)
+                           + extra[slow].comm_total - extra[slow].comm_exposed),
+        p2p_s=m * p2p_mb, bubble_s=bubble, dp_comm_s=dp_exposed, dp_comm_total_s=dp_total, optimizer_s=optimizer,
+        tokens_per_s=tokens / total, mfu=model_flops / (total * lay.world * peak),
+        hfu=hw_flops_rank / (total * peak), micro_batches=m, stage_s=stages,
+    )

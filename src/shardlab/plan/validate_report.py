@@ -1,0 +1,112 @@
+"""The validation tables as text and JSON: `shardlab plan --validate`, docs/planner.md's tables."""
+
+from __future__ import annotations
+
+import json
+
+from shardlab.plan.hardware import A100_MM_EFF, get_hardware
+from shardlab.plan.validate import calibrate, leave_one_out, memory_rows, published_rows, summary, table4_rows
+
+
+def published_report(refit: bool = True, loo: bool = True) -> tuple[str, dict]:
+    """(text, data) of the comparison with Korthikanti et al. 2022. With `refit`, mm_eff is fitted
+    afresh (and compared with the preset's value); otherwise the preset is used as it is."""
+    base = get_hardware("a100-80gb")
+    hw, eff = calibrate(base) if refit else (base, base.mm_eff)
+    rows = published_rows(hw)
+    overall, present = summary(rows), summary([r for r in rows if r["variant"] != "full recompute"])
+    lines = [f"Korthikanti et al. 2022 (arXiv 2205.05198), Table 5: seconds per iteration on A100 80GB; "
+             f"mm_eff {eff:.4f} (one number fitted to all eight; preset {A100_MM_EFF:.4f})",
+             f"{'case':<22}{'tp':>3}{'pp':>4}{'gpus':>6}{'batch':>6}{'published':>11}{'predicted':>11}{'error':>8}"
+             f"{'MFU pub':>9}{'MFU pred':>9}",
+             "-" * 89]
+    for r in rows:
+        mfu = f"{r['published_mfu'] * 100:.1f}%" if r["published_mfu"] else "-"
+        lines.append(f"{r['case']:<22}{r['tp']:>3}{r['pp']:>4}{r['gpus']:>6}{r['global_batch']:>6}"
+                     f"{r['published_s']:>11.2f}{r['predicted_s']:>11.2f}{r['error'] * 100:>+7.1f}%"
+                     f"{mfu:>9}{r['predicted_mfu_paper_flops'] * 100:>8.1f}%")
+    lines.append(f"mean absolute error {overall['mae'] * 100:.2f}% (largest {overall['max_abs_error'] * 100:.1f}%, "
+                 f"{overall['worst_case']}); present work (sp + selective) only: {present['mae'] * 100:.2f}% "
+                 f"(largest {present['max_abs_error'] * 100:.1f}%)")
+    data = {"mm_eff": eff, "preset_mm_eff": A100_MM_EFF, "rows": rows, "summary": overall,
+            "summary_present_work": present}
+    if loo:
+        out = leave_one_out(base)
+        mae = sum(abs(r["error"]) for r in out) / len(out)
+        lines.append(f"leave-one-out (mm_eff refitted without the case it predicts): mean absolute error "
+                     f"{mae * 100:.2f}%, largest {max(abs(r['error']) for r in out) * 100:.1f}%")
+        data["leave_one_out"] = {"rows": out, "mae": mae}
+    t4 = table4_rows(hw)
+    lines += ["", "Table 4: one 22B layer (micro-batch 4, tp 8), milliseconds (transcription less certain)",
+              f"{'variant':<32}{'fwd pub':>9}{'fwd pred':>10}{'bwd pub':>9}{'bwd pred':>10}"]
+    lines += [f"{r['variant']:<32}{r['published_fwd_ms']:>9.1f}{r['predicted_fwd_ms']:>10.2f}"
+              f"{r['published_bwd_ms']:>9.1f}{r['predicted_bwd_ms']:>10.2f}" for r in t4]
+    mem = memory_rows()
+    lines += ["", "Memory per GPU (GB): activations on the first stage vs the paper's closed forms (Table 2 x L, "
+              "sec. 4.3); model state, mean over stages, vs 18 bytes x params / (t p)",
+              f"{'model':<15}{'variant':<32}{'act paper':>10}{'act ours':>10}{'err':>7}{'state paper':>12}"
+              f"{'state ours':>11}{'err':>7}{'1st stage':>10}"]
+    lines += [f"{r['model']:<15}{r['variant']:<32}{r['paper_activations_gb']:>10.2f}{r['predicted_activations_gb']:>10.2f}"
+              f"{r['activations_error'] * 100:>+6.1f}%{r['paper_model_state_gb']:>12.2f}{r['predicted_model_state_gb']:>11.2f}"
+              f"{r['model_state_error'] * 100:>+6.1f}%{r['first_stage_model_state_gb']:>10.2f}" for r in mem]
+    data["table4"], data["memory"] = t4, mem
+    return "\n".join(lines), data
+
+
+def _write(path: str | None, data: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        print(f"wrote {path}")
+
+
+def print_validation(json_path: str | None = None, plot_path: str | None = None) -> int:
+    text, data = published_report()
+    print(text)
+    _write(json_path, data)
+    if plot_path:
+        from shardlab.plan.plot import plot_agreement
+
+        pts = [(r["case"], r["published_s"], r["predicted_s"]) for r in data["rows"]]
+        print(f"wrote {plot_agreement(pts, plot_path, 'Korthikanti et al. 2022, Table 5: seconds per iteration', 's', 0.08)}")
+    return 0
+
+
+def local_report(rows: list[dict], cal: dict) -> str:
+    lines = [f"This machine ({cal.get('host')}, {cal.get('threads')} thread per rank): matmul {cal['matmul_flops'] / 1e9:.1f} "
+             f"GFLOP/s (median of the grid), copy {cal['copy_bandwidth'] / 1e9:.1f} GB/s, {cal['op_overhead_s'] * 1e6:.0f} us "
+             f"per op, overlap cost {cal.get('overlap_cost', 1.0):.2f}, {len(cal.get('fits', []))} collective fits",
+             f"{'layout':<22}{'ranks':>6}{'mem pred':>10}{'mem meas':>10}{'err':>8}{'step pred':>11}{'step meas':>11}"
+             f"{'err':>8}{'eff':>6}{'speed':>7}", "-" * 99]
+    for r in rows:
+        lines.append(f"{r['layout']:<22}{r['world_size']:>6}{r['predicted_bytes'] / 2**20:>9.1f}M"
+                     f"{r['measured_bytes'] / 2**20:>9.1f}M{r['memory_error'] * 100:>+7.1f}%"
+                     f"{r['predicted_step_s']:>10.3f}s{r['measured_step_s']:>10.3f}s{r['time_error'] * 100:>+7.1f}%"
+                     f"{r['step_efficiency']:>6.2f}{r['speed'] or float('nan'):>7.2f}")
+    lines.append("eff: step efficiency from the reference step timed during the run; speed: a reference matmul's "
+                 "rate during the run over its rate at calibration (this machine is shared)")
+    return "\n".join(lines)
+
+
+def print_local_validation(calibration: str | None, json_path: str | None, plot_path: str | None,
+                           threads: int = 1) -> int:
+    from shardlab.plan.calibrate import load_calibration
+    from shardlab.plan.validate_local import (LOCAL_LAYOUTS, calibrate_here, compare_row, local_config, measure,
+                                              run_hardware)
+
+    cal = load_calibration(calibration) if calibration else calibrate_here(threads)
+    rows = []
+    for name, overrides in LOCAL_LAYOUTS.items():
+        cfg = local_config(overrides)
+        measured = measure(cfg, threads=threads)
+        rows.append(compare_row(name, cfg, measured, run_hardware(cal, measured), cal.get("probe_flops")))
+        print(f"  measured {name}", flush=True)
+    print(local_report(rows, cal))
+    _write(json_path, {"calibration": cal, "rows": rows})
+    if plot_path:
+        from shardlab.plan.plot import plot_agreement
+
+        pts = [(r["layout"], r["measured_step_s"], r["predicted_step_s"]) for r in rows]
+        print(f"wrote {plot_agreement(pts, plot_path, 'This machine: seconds per step, predicted vs measured', 's', 0.25)}")
+    return 0

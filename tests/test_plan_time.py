@@ -1,0 +1,126 @@
+"""Step time: collectives on the links their groups cross, the roofline of each op, the schedules'
+bubbles, and the search and CLI built on them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from shardlab.plan.alphabeta import AlphaBeta
+from shardlab.plan.comm import Group, collective_time, groups, layer_comms
+from shardlab.plan.flops import backward, layer_forward, recompute, tiles_efficiency
+from shardlab.plan.hardware import get_hardware
+from shardlab.plan.layout import PlanLayout
+from shardlab.plan.models import get_model
+from shardlab.plan.search import evaluate, search
+from shardlab.plan.steptime import step_time
+
+A100 = get_hardware("a100-80gb")
+
+
+def test_groups_sit_where_the_rank_order_puts_them():
+    g = groups(PlanLayout(dp=4, tp=8, pp=4))
+    assert not g["tp"].crosses_nodes(8) and g["dp"].crosses_nodes(8) and g["pp"].crosses_nodes(8)
+    g = groups(PlanLayout(dp=4, tp=2, pp=2))
+    assert g["dp"].per_node(8) == 4 and not g["dp"].crosses_nodes(8)   # 4 dp ranks 2 apart share a node
+
+
+def test_collective_costs_follow_the_algorithm_and_the_link():
+    s = 256e6
+    inside = collective_time(A100, "all_reduce", s, Group("tp", 8, 1))
+    ring = 14 * A100.intra.latency + 2 * 7 / 8 * s / (A100.intra.bandwidth * A100.link_eff)
+    assert inside == pytest.approx(ring)
+    across = collective_time(A100, "all_reduce", s, Group("dp", 8, 8))   # one rank per node: the NICs
+    assert across == pytest.approx(14 * A100.inter.latency + 2 * 7 / 8 * s / (A100.inter.bandwidth * A100.link_eff))
+    mixed = collective_time(A100, "all_reduce", s, Group("dp", 16, 2))   # 4 per node, 4 nodes
+    assert inside < mixed < collective_time(A100, "all_reduce", s, Group("dp", 16, 8))
+    # A measured fit replaces the link model.
+    fit = AlphaBeta("all_reduce", "torch", 2, "float32", "ring_all_reduce", 1e-4, 1e9)
+    hw = replace(A100, fits=(fit,))
+    assert collective_time(hw, "all_reduce", s, Group("tp", 2, 1)) == pytest.approx(fit.predict(s, 2))
+
+
+def test_ops_and_their_backward():
+    spec = get_model("megatron-22b")
+    lay = PlanLayout(tp=8, sp=True, recompute="selective")
+    fwd = layer_forward(spec, lay, 4)
+    mm = sum(op.flops for op in fwd)
+    # 24 b s h^2 + 4 b s^2 h per layer, split over tp (Narayanan et al. 2021).
+    b, s, h = 4, spec.seq, spec.hidden
+    assert mm == pytest.approx((24 * b * s * h * h + 4 * b * s * s * h) / 8)
+    assert sum(op.flops for op in backward(fwd)) == pytest.approx(2 * mm)
+    assert sum(op.flops for op in recompute(fwd, lay)) == pytest.approx(4 * b * s * s * h / 8)
+    assert sum(op.flops for op in recompute(fwd, replace(lay, recompute="full"))) == pytest.approx(mm)
+    assert tiles_efficiency(256 * 108, 128, 108, (256, 128)) == 1.0
+    assert tiles_efficiency(256 * 109, 128, 108, (256, 128)) == pytest.approx(109 / 216)
+
+
+def test_sequence_parallelism_trades_all_reduces_for_the_same_bytes():
+    spec = get_model("megatron-22b")
+    ar = layer_comms(spec, PlanLayout(tp=8), 4)
+    sp = layer_comms(spec, PlanLayout(tp=8, sp=True), 4)
+    assert [c.op for c in ar].count("all_reduce") == 4
+    assert sorted(c.op for c in sp if c.phase == "fwd") == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
+    t_ar = step_time(spec, PlanLayout(tp=8, micro_batch=4), A100, 4)
+    t_sp = step_time(spec, PlanLayout(tp=8, sp=True, micro_batch=4), A100, 4)
+    assert t_sp.total_s < t_ar.total_s   # norms and dropout on 1/tp of the tokens
+
+
+def test_schedules_order_by_bubble():
+    spec = get_model("megatron-175b")
+    base = PlanLayout(tp=8, pp=8, sp=True, recompute="selective")
+    t = {name: step_time(spec, replace(base, **kw), A100, 64) for name, kw in [
+        ("1f1b", {}), ("interleaved", dict(schedule="interleaved", virtual=2)), ("zb-h1", dict(schedule="zb-h1"))]}
+    assert t["interleaved"].bubble_s < t["1f1b"].bubble_s and t["zb-h1"].bubble_s < t["1f1b"].bubble_s
+    # 1F1B with equal stages: (p - 1) micro-batch times of idle, up to the head's extra work on the last stage.
+    one = t["1f1b"]
+    assert one.bubble_s == pytest.approx(7 * min(one.stage_s), rel=0.05)
+    more = step_time(spec, base, A100, 256)
+    assert more.bubble_s / more.total_s < one.bubble_s / one.total_s
+
+
+def test_search_ranks_fitting_layouts_and_agrees_with_evaluate():
+    spec = get_model("llama2-7b")
+    hw = get_hardware("h100-sxm")
+    result = search(spec, hw, gpus=16, global_batch=64)
+    assert result.ranked, "a 7B model fits on 16 H100s"
+    speeds = [e.time.tokens_per_s for e in result.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(e.memory.total <= 0.9 * hw.memory_bytes for e in result.ranked)
+    assert all(e.memory.total > 0.9 * hw.memory_bytes for e in result.misses.values())
+    top = result.ranked[0]
+    again = evaluate(spec, top.layout, hw, 64)
+    assert again.time.total_s == pytest.approx(top.time.total_s) and again.fits
+    pinned = search(spec, hw, gpus=16, global_batch=64, base=PlanLayout(tp=2), pinned={"tp"})
+    assert {e.layout.tp for e in pinned.ranked} == {2}
+
+
+def test_plan_cli_done_when(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "shardlab", "plan", "--model", "gpt3-175b", "--gpus", "1024",
+                           "--hardware", "a100-80gb", "--global-batch", "1536", "--seq", "2048", "--top", "5",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank  layout" in proc.stdout and "MFU" in proc.stdout and "wins" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["gpus"] == 1024 and data["fitting"] > 0
+    row = data["ranked"][0]
+    assert row["fits"] and row["memory"]["total"] <= row["capacity_bytes"]
+    assert 0.2 < row["time"]["mfu"] < 0.8 and row["time"]["total_s"] > 0
+    lay = row["layout"]
+    assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == 1024
+
+
+def test_plan_cli_one_layout_reports_a_layout_that_does_not_fit():
+    proc = subprocess.run([sys.executable, "-m", "shardlab", "plan", "--model", "megatron-175b", "--gpus", "64",
+                           "--global-batch", "64", "--tp", "8", "--pp", "8", "--recompute", "none"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout   # 8 x 7 GB of activations in flight
+    proc = subprocess.run([sys.executable, "-m", "shardlab", "plan", "--model", "megatron-175b", "--gpus", "64",
+                           "--global-batch", "64", "--tp", "8", "--pp", "8", "--sp", "--recompute", "selective"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "fits" in proc.stdout, proc.stdout + proc.stderr
