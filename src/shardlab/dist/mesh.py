@@ -17,6 +17,11 @@ Process groups: `dist.new_group` must be called by every rank, for every group, 
 (it is a collective over the default group), so each rank creates all groups of every axis in a
 fixed order and keeps the one it belongs to. An axis that spans the whole world uses the default
 group, and an axis of size 1 still gets its own one-rank group, so `group(axis)` always works.
+
+Some collectives run over several axes at once: a dense parameter is replicated over dp, ep and cp
+(each of those ranks sees other tokens), so its gradient is averaged over all three. Such a
+combination is named when the mesh is built, `DeviceMesh(axes, combined=[("dp", "ep", "cp")])`, and
+its group is `mesh.group(("dp", "ep", "cp"))`: the ranks that share every other coordinate.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class DeviceMesh:
         world_size: int | None = None,
         rank: int | None = None,
         create_groups: bool = True,
+        combined: Sequence[Sequence[str]] = (),
     ) -> None:
         items = list(axes.items()) if isinstance(axes, Mapping) else [tuple(a) for a in axes]
         self.names = [str(name) for name, _ in items]
@@ -56,10 +62,15 @@ class DeviceMesh:
             raise ValueError(f"mesh {factors} = {product} ranks, but the world has {self.world_size}; "
                              f"the degrees must multiply to the world size")
         self.rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
-        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        self._groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
+        lines = [(axis,) for axis in self.names]
+        for combo in combined:
+            key = self._key(combo)
+            if key not in lines:
+                lines.append(key)
         if create_groups:
-            for axis in self.names:
-                self._groups[axis] = self._make_group(axis)
+            for key in lines:
+                self._groups[key] = self._make_group(key)
 
     # ----------------------------------------------------------------------------- coordinates
     def _strides(self) -> list[int]:
@@ -73,14 +84,17 @@ class DeviceMesh:
     def rank_of(self, coords: Mapping[str, int]) -> int:
         return sum(coords[n] * st for n, st in zip(self.names, self._strides()))
 
-    def ranks_along(self, axis: str, rank: int | None = None) -> list[int]:
-        """The global ranks that share every coordinate with `rank` except along `axis`, in order."""
-        self._axis(axis)
+    def ranks_along(self, axis: str | Sequence[str], rank: int | None = None) -> list[int]:
+        """The global ranks that share every coordinate with `rank` except along `axis` (one name, or
+        several: their coordinates vary together, the first outermost), in order."""
+        key = self._key(axis)
         here = self.coords(rank)
-        return [self.rank_of({**here, axis: i}) for i in range(self.size(axis))]
+        return [self.rank_of({**here, **dict(zip(key, idx))})
+                for idx in itertools.product(*(range(self.size(a)) for a in key))]
 
-    def size(self, axis: str) -> int:
-        return self.sizes[self._axis(axis)]
+    def size(self, axis: str | Sequence[str]) -> int:
+        """The degree of `axis`, or the product of several axes' degrees."""
+        return math.prod(self.sizes[self._axis(a)] for a in self._key(axis))
 
     def local_rank(self, axis: str) -> int:
         """This rank's index along `axis` (its rank within `group(axis)`)."""
@@ -91,23 +105,35 @@ class DeviceMesh:
             raise KeyError(f"the mesh has no axis {axis!r}; its axes are {self.names}")
         return self.names.index(axis)
 
-    # ----------------------------------------------------------------------------------- groups
-    def group(self, axis: str) -> dist.ProcessGroup | None:
-        """The process group of this rank's line along `axis` (None: the default group)."""
-        self._axis(axis)
-        if axis not in self._groups:
-            raise RuntimeError("this mesh was made with create_groups=False")
-        return self._groups[axis]
+    def _key(self, axes: str | Sequence[str]) -> tuple[str, ...]:
+        """One axis or several, as a tuple in the mesh's order (so ('cp', 'dp') is ('dp', 'cp'))."""
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a mesh group needs distinct axes, got {list(names)}")
+        for a in names:
+            self._axis(a)
+        return tuple(sorted(names, key=self.names.index))
 
-    def _make_group(self, axis: str) -> dist.ProcessGroup | None:
-        if self.size(axis) == self.world_size:
+    # ----------------------------------------------------------------------------------- groups
+    def group(self, axis: str | Sequence[str]) -> dist.ProcessGroup | None:
+        """The process group of this rank's line along `axis`, or along several axes named in
+        `combined` when the mesh was built (None: the default group)."""
+        key = self._key(axis)
+        if not self._groups:
+            raise RuntimeError("this mesh was made with create_groups=False")
+        if key not in self._groups:
+            raise KeyError(f"the mesh has no group over {list(key)}: name it in DeviceMesh(..., combined=[...]) "
+                           f"(it has {[list(k) for k in self._groups]})")
+        return self._groups[key]
+
+    def _make_group(self, key: tuple[str, ...]) -> dist.ProcessGroup | None:
+        if self.size(key) == self.world_size:
             return None  # the default group already is this line
         mine = None
-        others = [range(s) for n, s in zip(self.names, self.sizes) if n != axis]
-        # Every rank walks every line of the axis in the same order: new_group is collective.
-        for fixed in itertools.product(*others):
-            coords = dict(zip([n for n in self.names if n != axis], fixed))
-            ranks = [self.rank_of({**coords, axis: i}) for i in range(self.size(axis))]
+        rest = [n for n in self.names if n not in key]
+        # Every rank walks every line of the axes in the same order: new_group is collective.
+        for fixed in itertools.product(*(range(self.size(n)) for n in rest)):
+            ranks = self.ranks_along(key, self.rank_of({**dict(zip(rest, fixed)), **{a: 0 for a in key}}))
             group = dist.new_group(ranks, timeout=group_timeout())
             if self.rank in ranks:
                 mine = group
