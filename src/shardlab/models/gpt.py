@@ -68,11 +68,17 @@ class CausalSelfAttention(nn.Module):
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_head != self.n_head,
-        )
+        y = self.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (b, heads, t, head_dim) queries over keys and values (fewer heads:
+        grouped-query). One method so that a layout can replace or recompute just this part
+        (context parallelism's ring, selective recomputation) and keep the projections."""
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
 
 
 class MLP(nn.Module):

@@ -104,11 +104,7 @@ class HeadParallelAttention(SharesGroups, CausalSelfAttention):
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        y = y.transpose(1, 2)
+        y = self.attend(q, k, v).transpose(1, 2)
         return self.proj(y.reshape(b * t, -1) if self.sequence_parallel else y.reshape(b, t, -1))
 
 
