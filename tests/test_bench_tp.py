@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from shardlab.bench.tp_volume import per_layer_and_edges, predicted_comm, totals
+from shardlab.bench.tp_volume import Shapes, per_layer_and_edges, predicted_comm, totals
 from shardlab.bench.train_tp import TP_VARIANTS, WRONG_KV, tp_bench_rank
 from shardlab.cli.main import main
 from shardlab.train.config import load_config
@@ -42,18 +42,22 @@ def test_command_runs_every_variant_checked_counted_and_measured(pools, monkeypa
     assert set(tp["check"]["max_rel_diff"]) == set(TP_VARIANTS)
     assert all(d <= tp["check"]["rtol"] for d in tp["check"]["max_rel_diff"].values())
     comm = tp["comm"]
+    # Every variant's counts, per layer and at the edges, are the prediction's: Megatron's formula
+    # plus what each implementation adds on purpose (tp_volume.py), call for call and byte for byte.
+    for v in TP_VARIANTS:
+        for where in ("per_layer", "edges"):
+            assert calls_and_bytes(comm[v]["counted"][where]) == calls_and_bytes(comm[v]["predicted"][where]), (v, where)
     # Without SP both implementations move exactly Megatron's 4 all-reduces of b x s x h per layer,
     # and the same bytes at the edges (ours sends the loss's 3 numbers per token in 2 calls, torch in 3).
     act = 2 * 16 * 32 * 4
     for v in ("tp", "torch_tp"):
-        per_layer = comm[v]["counted"]["per_layer"]
-        assert per_layer == comm[v]["predicted"]["per_layer"] == {
-            "all_reduce": {"calls": 4, "bytes": 4 * act, "bus_bytes": 4 * act}}, v
+        assert comm[v]["counted"]["per_layer"] == {"all_reduce": {"calls": 4, "bytes": 4 * act, "bus_bytes": 4 * act}}
+        assert comm[v]["predicted"]["added"] == [], v
         assert totals(comm[v]["counted"]["edges"])["bytes"] == totals(comm[v]["predicted"]["edges"])["bytes"], v
     # With SP: torch moves the formula's bytes per layer; ours adds the re-gathers of the two column
     # layers' inputs in backward (2 all-gathers) and the norms' partial gradients (4 x h floats, in one
     # all-reduce per block).
-    assert comm["torch_tp_sp"]["counted"]["per_layer"] == comm["torch_tp_sp"]["predicted"]["per_layer"]
+    assert comm["torch_tp_sp"]["counted"]["per_layer"] == comm["torch_tp_sp"]["predicted"]["formula"]["per_layer"]
     ours = comm["tp_sp"]["counted"]["per_layer"]
     assert ours["all_gather"]["calls"] == 6 and ours["reduce_scatter"]["calls"] == 4
     assert ours["all_reduce"] == {"calls": 1, "bytes": 4 * 32 * 4, "bus_bytes": 4 * 32 * 4}
@@ -68,6 +72,11 @@ def test_command_runs_every_variant_checked_counted_and_measured(pools, monkeypa
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
     md = paths["md"].read_text()
     assert "| tp_sp |" in md and "| torch_tp |" in md and "per layer: predicted" in md
+    assert "gathered again in backward" in md  # the table of what the prediction adds
+
+
+def calls_and_bytes(ops: dict) -> dict:
+    return {op: (o["calls"], o["bytes"]) for op, o in ops.items()}
 
 
 def test_a_wrong_model_is_refused_before_timing(pools):
@@ -90,13 +99,29 @@ def test_refusals(capsys):
 
 def test_prediction_and_the_split_of_counts_into_layers_and_edges():
     act = 4 * 8 * 16 * 4  # b x s x h fp32 bytes
-    plain = predicted_comm(4, 8, 16, 2, sequence_parallel=False)
+    shapes = Shapes(rows=4, seq_len=8, d_model=16)
+    plain = predicted_comm(shapes, 2, sequence_parallel=False)
     assert plain["per_layer"] == {"all_reduce": {"calls": 4, "bytes": 4 * act, "bus_bytes": 4 * act}}
-    sp = predicted_comm(4, 8, 16, 4, sequence_parallel=True)
+    sp = predicted_comm(shapes, 4, sequence_parallel=True)
     assert sp["per_layer"]["all_gather"]["calls"] == sp["per_layer"]["reduce_scatter"]["calls"] == 4
     # Sequence parallelism moves the same bytes on the wire as the all-reduces it replaces.
-    assert totals(sp["per_layer"])["bus_bytes"] == totals(predicted_comm(4, 8, 16, 4, False)["per_layer"])["bus_bytes"]
+    assert totals(sp["per_layer"])["bus_bytes"] == totals(predicted_comm(shapes, 4, False)["per_layer"])["bus_bytes"]
     assert totals(plain["edges"])["bytes"] == 2 * act + 3 * 4 * 8 * 4
+    assert plain["added"] == sp["added"] == [] and plain["formula"]["per_layer"] == plain["per_layer"]
+    # Ours under SP: the formula, plus a re-gather per column-parallel input (2 per layer, the head)
+    # and the sums of partial gradients (norms: 4 h per block; positions s h and ln_f 2 h at the edges).
+    ours = predicted_comm(Shapes(4, 8, 16, bias=True), 2, True, "ours")
+    assert ours["per_layer"]["all_gather"] == {"calls": 6, "bytes": 6 * act, "bus_bytes": 3 * act}
+    assert ours["per_layer"]["all_reduce"]["bytes"] == (4 + 2) * 16 * 4  # with biases: the row layers' too
+    assert ours["edges"]["all_gather"]["calls"] == 3 and ours["edges"]["all_reduce"]["calls"] == 3
+    assert {a["why"] for a in ours["added"]} >= {"head's input gathered again in backward"}
+    rotary = predicted_comm(Shapes(4, 8, 16, learned_positions=False), 2, True, "ours")
+    assert rotary["edges"]["all_reduce"]["bytes"] == 4 * 8 * 4 * 3 + 2 * 16 * 4  # the loss, then ln_f only
+    torch_sp = predicted_comm(shapes, 2, True, "torch")
+    assert torch_sp["per_layer"] == predicted_comm(shapes, 2, True)["per_layer"] and torch_sp["edges"]["all_gather"]["calls"] == 3
+    assert predicted_comm(shapes, 1, True, "ours")["per_layer"] == {}
+    with pytest.raises(ValueError, match="implementation"):
+        predicted_comm(shapes, 2, True, "deepspeed")
 
     def count(ar_calls: int, ag_calls: int) -> dict:
         return {"all_reduce": {"calls": ar_calls, "bytes": 10 * ar_calls, "bus_bytes": 10.0 * ar_calls},
@@ -109,3 +134,19 @@ def test_prediction_and_the_split_of_counts_into_layers_and_edges():
     assert split["edges"] == {"all_reduce": {"calls": 3, "bytes": 30, "bus_bytes": 30.0}}
     with pytest.raises(ValueError):
         per_layer_and_edges(count(1, 1), count(1, 1), 2, 2)
+
+
+def test_prediction_follows_replicated_key_value_heads(pools):
+    """Multi-query attention at tp 2 (one key/value head, replicated): ours sums the fused key/value
+    weight's gradient in one more all-reduce per layer, and the prediction says so."""
+    from shardlab.bench.tp_report import summarize
+
+    cfg = load_config(None, [*TINY, "model.n_kv_head=1", "layout.tp=2", "layout.dp=1"])
+    cfg.validate()
+    raw = pools(2).run(tp_bench_rank, cfg.to_dict(), ["tp", "tp_sp"], 1, 1, 1, False)[0]
+    comm = summarize([raw], cfg)["comm"]
+    kv_bytes = 2 * 16 * 32 * 4  # 2 x one head of 16 x d_model 32, fp32
+    for v in ("tp", "tp_sp"):
+        for where in ("per_layer", "edges"):
+            assert calls_and_bytes(comm[v]["counted"][where]) == calls_and_bytes(comm[v]["predicted"][where]), (v, where)
+        assert any(a["bytes"] == kv_bytes and "key/value" in a["why"] for a in comm[v]["predicted"]["added"]), v

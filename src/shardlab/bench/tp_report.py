@@ -1,5 +1,5 @@
 """What `shardlab bench train --tp N` adds to bench train's table: the loss check, communication
-per step (counted beside Megatron's formula, bench/tp_volume.py) and activation memory per rank.
+per step (counted beside Megatron's formula and each implementation's additions, bench/tp_volume.py) and activation memory per rank.
 
     result["tp"] = summarize(raw_runs, cfg)        # in run_train_bench
     print(format_tp(result))                      # after the throughput table
@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from shardlab.bench.tp_volume import per_layer_and_edges, predicted_comm, totals
+from shardlab.bench.tp_volume import Shapes, per_layer_and_edges, predicted_comm, totals
 from shardlab.train.config import Config
 
 MiB = 2**20
@@ -28,18 +28,18 @@ def summarize(runs: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
     lay, t = cfg.layout, cfg.train
     rows = t.global_batch // lay.dp // t.micro_batches
     comm = {}
+    shapes = Shapes.of(cfg.model, rows, lay.tp)
     for variant, c in first["comm"].items():
         (depth, other), (at_depth, at_other) = c["layers"], c["at"]
         split = per_layer_and_edges(at_depth["fwd_bwd"], at_other["fwd_bwd"], depth, other)
-        pred = predicted_comm(rows, cfg.model.seq_len, cfg.model.d_model, lay.tp, variant.endswith("_sp"),
-                              lay.precision)
-        pred = {k: {op: {f: x * t.micro_batches for f, x in o.items()} for op, o in v.items()} for k, v in pred.items()}
+        implementation = "torch" if variant.startswith("torch_") else "ours"
+        pred = _times(predicted_comm(shapes, lay.tp, variant.endswith("_sp"), implementation, lay.precision),
+                      t.micro_batches)
         entry = {
             "layers": depth,
             "counted": {"per_layer": split["per_layer"], "edges": split["edges"], "fwd_bwd": at_depth["fwd_bwd"],
                         "after_backward": at_depth.get("after_backward", {})},
-            "predicted": {"per_layer": pred["per_layer"], "edges": pred["edges"],
-                          "fwd_bwd": _add(pred["per_layer"], depth, pred["edges"])},
+            "predicted": {**pred, "fwd_bwd": _add(pred["per_layer"], depth, pred["edges"])},
         }
         if "count_comm" in at_depth:
             entry["count_comm"] = at_depth["count_comm"]
@@ -70,6 +70,16 @@ def summarize(runs: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
                 "after_backward_ms": "the rest of the step: gradient sync, clipping, AdamW (same statistic)",
                 "held": "bytes forward leaves alive for backward (parameters excluded), per rank",
                 "peak": "highest bytes during forward + backward (gradients included), per rank"}}
+
+
+def _times(pred: dict[str, Any], m: int) -> dict[str, Any]:
+    """A prediction for one micro-batch, for m of them (every collective is per micro-batch)."""
+    def scale(ops: dict) -> dict:
+        return {op: {f: x * m for f, x in o.items()} for op, o in ops.items()}
+
+    return {"per_layer": scale(pred["per_layer"]), "edges": scale(pred["edges"]),
+            "formula": {w: scale(ops) for w, ops in pred["formula"].items()},
+            "added": [{**a, **{f: a[f] * m for f in ("calls", "bytes", "bus_bytes")}} for a in pred["added"]]}
 
 
 def _add(per_layer: dict, depth: int, edges: dict) -> dict:
@@ -107,6 +117,21 @@ def comm_cells(result: dict[str, Any]) -> list[list[str]]:
                       _ops(p["edges"]), _ops(k["edges"]), _bus(p["edges"]), _bus(k["edges"]),
                       _bus(p["fwd_bwd"]), _bus(k["fwd_bwd"]),
                       f"{_ops(after)} ({totals(after)['bytes']:,.0f} B)" if after else "-"])
+    return cells
+
+
+ADDED_COLUMNS = ["variant", "where", "adds", "MiB per step", "why"]
+
+
+def added_cells(result: dict[str, Any]) -> list[list[str]]:
+    """The prediction's terms beyond Megatron's formula, per variant (bus MiB over the whole step)."""
+    cells = []
+    for v, c in result["tp"]["comm"].items():
+        for a in c["predicted"].get("added", []):
+            layers = c["layers"] if a["where"] == "per_layer" else 1
+            where = f"each of {c['layers']} layers" if a["where"] == "per_layer" else "edges"
+            cells.append([v, where, f"{a['calls']:g} {_SHORT[a['op']]} of {a['bytes'] / a['calls']:,.0f} B",
+                          f"{layers * a['bus_bytes'] / MiB:,.2f}", a["why"]])
     return cells
 
 
@@ -155,8 +180,12 @@ def format_tp(result: dict[str, Any], markdown: bool = False) -> str:
                        markdown)]
     out += ["", f"Communication per step and rank, forward + backward (bus MiB: what each rank sends on a ring; "
                 f"b x s x h = {b} x {s} x {h}; AR all-reduce, AG all-gather, RS reduce-scatter; "
-                f"predicted: Megatron's formula, bench/tp_volume.py):", "",
+                f"predicted: Megatron's formula and what the implementation adds to it, bench/tp_volume.py):", "",
             _table(COMM_COLUMNS, comm_cells(result), markdown)]
+    added = added_cells(result)
+    if added:
+        out += ["", "What the prediction adds to Megatron's formula, on purpose (bus MiB per step and rank):", "",
+                _table(ADDED_COLUMNS, added, markdown)]
     agree = {v: c["count_comm_agrees"] for v, c in tp["comm"].items() if "count_comm_agrees" in c}
     if agree:
         out.append("\ncount_comm() (our autograd collectives) equals the dispatcher count for "

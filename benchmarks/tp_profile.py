@@ -1,0 +1,47 @@
+"""Where a step's time goes in `shardlab bench train --tp 2`'s variants: torch.profiler over 3 steps
+(after 2 untimed) of each variant on 2 gloo ranks, the bar's GPT; rank 0's top operations by self
+CPU time, per step. The source of the "Why ours is faster" paragraph of docs/tensor-parallel.md:
+
+    python benchmarks/tp_profile.py torch_tp_sp,tp_sp,torch_tp,tp > docs/results/bench_tp_profile.txt
+"""
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from shardlab.bench import train_tp as T
+from shardlab.cli.bench import TP_BAR_BASE
+from shardlab.train.config import load_config
+
+
+def rank_fn(cfg_dict: dict, variants: list[str]) -> dict:
+    from shardlab.train.config import Config
+    cfg = Config.from_dict(cfg_dict)
+    s = T._setup(cfg, variants, 6)
+    out = {}
+    for v in variants:
+        model, opt = T.build(v, s)
+        for i in range(2):
+            T.step(v, model, opt, s, i)
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for i in range(2, 5):
+                T.step(v, model, opt, s, i)
+            t = (time.perf_counter() - t0) / 3
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:18]
+        out[v] = (t, [(e.key, e.count / 3, e.self_cpu_time_total / 3e3) for e in rows])
+        del model, opt
+    return out
+
+
+if __name__ == "__main__":
+    from shardlab.dist import launch
+    variants = sys.argv[1].split(",")
+    cfg = load_config(None, [*TP_BAR_BASE, "layout.tp=2", "layout.dp=1"])
+    res = launch(rank_fn, 2, cfg.to_dict(), variants)
+    for v, (t, rows) in res[0].items():
+        print(f"== {v}, rank 0: {t * 1e3:.1f} ms per profiled step; self CPU ms per step, calls per step, op")
+        for k, c, ms in rows:
+            print(f"   {ms:8.1f} ms  {c:6.0f}x  {k}")
