@@ -83,6 +83,10 @@ def test_figure1_memory_within_ten_percent():
     for r in rows:
         assert abs(r["activations_error"]) <= 0.10, r
         assert abs(r["model_state_error"]) <= 0.10, r
+        # Figure 1's own values (FIGURE1_GIB): with 1F1B instead of the interleaved schedule for 175B
+        # and 530B our first stage would hold 22-24% less than these, so the check can fail.
+        assert abs(r["figure1_activations_error"]) <= 0.10, r
+        assert abs(r["figure1_model_state_error"]) <= 0.10, r
     present = {r["model"]: r for r in rows if r["variant"].startswith("present")}
     baseline = {r["model"]: r for r in rows if r["variant"].startswith("baseline")}
     # The paper's headline: sp + selective cut activation memory about 5x for the large models (sec. 6.1).

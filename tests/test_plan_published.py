@@ -9,7 +9,7 @@ import pytest
 
 from shardlab.plan.hardware import A100_MM_EFF, get_hardware
 from shardlab.plan.published import KORTHIKANTI_TABLE5, paper_model_flops
-from shardlab.plan.validate import calibrate, published_rows, summary
+from shardlab.plan.validate import calibrate, leave_one_out, published_rows, summary
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +60,24 @@ def test_the_fit_is_not_flat(fitted):
     hw, eff = fitted
     off = summary(published_rows(replace(hw, mm_eff=eff * 1.1)))
     assert off["mae"] > 0.05
+
+
+def test_layouts_are_table3s():
+    # (tp, pp, GPUs, global batch, micro-batch) of Table 3, sequence 2048, dp 1; the interleaved
+    # schedule (3 chunks per rank) for 175B and 530B only (published.py says where that comes from).
+    want = {"megatron-22b": (8, 1, 8, 4, 4, 1), "megatron-175b": (8, 8, 64, 64, 1, 3),
+            "megatron-530b": (8, 35, 280, 280, 1, 3), "megatron-1t": (8, 64, 512, 512, 1, 1)}
+    for run in KORTHIKANTI_TABLE5:
+        lay = run.layout()
+        assert (lay.tp, lay.pp, lay.world, run.global_batch, lay.micro_batch, lay.virtual) == want[run.model]
+        assert lay.dp == 1 and run.spec.seq == 2048 and run.spec.vocab == 51200
+        assert lay.schedule == ("interleaved" if lay.virtual > 1 else "1f1b")
+        lay.check(run.spec, world=run.gpus, global_batch=run.global_batch)
+
+
+def test_leave_one_out_stays_within_the_bar():
+    # Each case predicted by mm_eff fitted to the other seven: the error on a run the fit has not seen.
+    out = leave_one_out(get_hardware("a100-80gb"))
+    assert len(out) == 8
+    mae = sum(abs(r["error"]) for r in out) / len(out)
+    assert mae <= 0.035 and max(abs(r["error"]) for r in out) <= 0.08, out

@@ -61,37 +61,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--hardware", default="a100-80gb", help=f"{', '.join(HW)}, or this-cpu (needs --calibration)")
     c.add_argument("--gpus", type=int, default=None,
                    help="devices (ranks) in all (default: the layout's product, or 8)")
-    c.add_argument("--devices-per-node", type=int, default=None, help="devices sharing the fast intra-node links")
+    c.add_argument("--devices-per-node", type=int, default=None,
+                   help="devices sharing the fast intra-node links (default: the preset's, 8 for the GPUs)")
     c.add_argument("--calibration", default=None, metavar="PATH",
-                   help="this-cpu's measured rates (default: docs/results/plan_calibration.json)")
+                   help="this-cpu's measured rates, written by --calibrate (default: $SHARDLAB_PLAN_CALIBRATION or "
+                        "docs/results/plan_calibration.json); with --validate-local: use it instead of calibrating")
     c.add_argument("--bench-comm", default=None, metavar="PATH",
                    help="a `shardlab bench comm --json` file: its fitted alpha-beta per collective and group size "
                         "replace the link model (a measured cluster)")
     c.add_argument("--mem-fraction", type=float, default=0.9,
-                   help="share of device memory a layout may use (the rest: framework, allocator, workspaces)")
+                   help="share of device memory a layout may use (the rest: framework, allocator, workspaces; "
+                        "default 0.9)")
     lay = p.add_argument_group("layout (a degree given means: evaluate that layout; otherwise search)")
     for d, text in (("dp", "data-parallel"), ("tp", "tensor-parallel"), ("pp", "pipeline-parallel"),
                     ("cp", "context-parallel (sequence split, ring attention)"), ("ep", "expert-parallel")):
         lay.add_argument(f"--{d}", type=int, default=None, help=f"{text} degree")
-    lay.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="ZeRO stage over data parallelism")
-    lay.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (default 1f1b)")
-    lay.add_argument("--virtual", type=int, default=None, help="interleaved schedule: model chunks per pipeline rank")
-    lay.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch per data-parallel rank")
+    lay.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
+                     help="ZeRO stage over data parallelism (default: 0 for one layout; searched)")
+    lay.add_argument("--schedule", choices=SCHEDULES, default=None,
+                     help="pipeline schedule (default: 1f1b for one layout; searched)")
+    lay.add_argument("--virtual", type=int, default=None,
+                     help="interleaved schedule: model chunks per pipeline rank (default 1; the search tries 2 and 4)")
+    lay.add_argument("--micro-batch", type=int, default=None,
+                     help="sequences per micro-batch per data-parallel rank (default: 1 for one layout; searched)")
     lay.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                      help="sequence parallelism with tp (default in a search: on when tp > 1)")
-    lay.add_argument("--recompute", choices=RECOMPUTE, default=None, help="activation recomputation")
+    lay.add_argument("--recompute", choices=RECOMPUTE, default=None,
+                     help="activation recomputation (default: none for one layout; searched)")
     lay.add_argument("--precision", choices=PRECISIONS, default=None,
                      help="weights and activations (default bf16, or the configuration's)")
     lay.add_argument("--grad-fp32", action="store_true", help="accumulate and reduce gradients in fp32 (Megatron-LM)")
-    lay.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: 8 x dp)")
+    lay.add_argument("--global-batch", type=int, default=None,
+                     help="sequences per optimizer step (default: 8 x dp for one layout, 8 x gpus in a search, "
+                          "or the configuration's)")
     o = p.add_argument_group("output and other modes")
-    o.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
-    o.add_argument("--json", default=None, metavar="PATH", help="write the result (all ranked rows up to 50) as JSON")
+    o.add_argument("--top", type=int, default=10, help="rows of the ranked table and of --plot (default 10)")
+    o.add_argument("--json", default=None, metavar="PATH",
+                   help="write the result as JSON: the layout's evaluation, the ranked rows (up to 50), or with "
+                        "--validate/--validate-local the comparison")
     o.add_argument("--validate", action="store_true",
-                   help="compare with Korthikanti et al. 2022 (Tables 4 and 5, memory), mm_eff refitted")
+                   help="compare with Korthikanti et al. 2022: Table 5 iteration times with mm_eff refitted, "
+                        "leave-one-out and sensitivity, Table 4 layer times, Figure 1 memory (about 20 s)")
     o.add_argument("--validate-local", action="store_true",
                    help="calibrate this machine (or use --calibration), run small GPT layouts with the trainer's "
-                        "code and compare predicted with measured memory and step time")
+                        "code and compare predicted with measured memory and step time (about 95 s on 2 idle "
+                        "cores)")
     o.add_argument("--plot", default=None, metavar="PATH",
                    help="a PNG: the ranked layouts' time by component, or with --validate/--validate-local the "
                         "predicted-vs-reference plot")

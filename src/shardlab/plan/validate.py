@@ -18,7 +18,8 @@ from shardlab.plan import activations as act
 from shardlab.plan.hardware import Hardware
 from shardlab.plan.layout import PlanLayout
 from shardlab.plan.memory import stage_memory
-from shardlab.plan.published import KORTHIKANTI_TABLE4_22B, KORTHIKANTI_TABLE5, PublishedRun, paper_model_flops
+from shardlab.plan.published import (FIGURE1_GIB, KORTHIKANTI_TABLE4_22B, KORTHIKANTI_TABLE5, PublishedRun,
+                                     paper_model_flops)
 from shardlab.plan.steptime import layer_phases, step_time
 
 
@@ -29,7 +30,7 @@ def published_rows(hw: Hardware, runs: list[PublishedRun] | None = None) -> list
         st = step_time(run.spec, lay, hw, run.global_batch)
         paper_mfu = paper_model_flops(run.spec, run.global_batch) / (run.iteration_s * run.gpus * hw.peak("bf16"))
         rows.append({
-            "case": run.case, "model": run.model, "tp": run.tp, "pp": run.pp, "gpus": run.gpus,
+            "case": run.case, "model": run.model, "tp": run.tp, "pp": run.pp, "virtual": run.virtual, "gpus": run.gpus,
             "global_batch": run.global_batch, "micro_batch": run.micro_batch, "variant": run.variant,
             "published_s": run.iteration_s, "predicted_s": st.total_s, "error": st.total_s / run.iteration_s - 1,
             "published_mfu": run.mfu, "published_hfu": run.hfu,
@@ -83,6 +84,32 @@ def leave_one_out(hw: Hardware, runs: list[PublishedRun] | None = None) -> list[
     return out
 
 
+def sensitivity_rows(hw: Hardware) -> list[dict]:
+    """One assumption changed at a time, mm_eff refitted each time: how much the agreement owes to
+    each fixed choice (docs/planner.md's sensitivity table)."""
+    one_f_one_b = [replace(r, virtual=1) for r in KORTHIKANTI_TABLE5]
+    variants = [
+        ("as shipped", hw, None),
+        ("1F1B for every case (no interleaving)", hw, one_f_one_b),
+        ("no wave quantization", replace(hw, sms=0), None),
+        ("overlap_cost 0 (hidden communication free)", replace(hw, overlap_cost=0.0), None),
+        ("overlap_cost 0.5", replace(hw, overlap_cost=0.5), None),
+        ("mem_eff 0.7", replace(hw, mem_eff=0.7), None),
+        ("mem_eff 0.9", replace(hw, mem_eff=0.9), None),
+        ("link_eff 0.7", replace(hw, link_eff=0.7), None),
+        ("link_eff 0.9", replace(hw, link_eff=0.9), None),
+    ]
+    out = []
+    for name, base, runs in variants:
+        fitted, eff = calibrate(base, runs)
+        rows = published_rows(fitted, runs)
+        overall = summary(rows)
+        present = summary([r for r in rows if r["variant"] != "full recompute"])
+        out.append({"variant": name, "mm_eff": eff, "mae": overall["mae"], "max_abs_error": overall["max_abs_error"],
+                    "worst_case": overall["worst_case"], "mae_present_work": present["mae"]})
+    return out
+
+
 def table4_rows(hw: Hardware) -> list[dict]:
     """One 22B layer (micro-batch 4, tp 8): forward and backward milliseconds beside Table 4."""
     spec = KORTHIKANTI_TABLE5[0].spec
@@ -97,12 +124,13 @@ def table4_rows(hw: Hardware) -> list[dict]:
 
 def memory_rows() -> list[dict]:
     """Per-rank memory of the Table 3 configurations on the first pipeline stage (the busiest: it
-    holds p micro-batches in flight under 1F1B), beside the paper's closed forms: activations
+    holds the most micro-batches in flight), beside the paper's closed forms: activations
     L x Table 2's per-layer figure (Korthikanti et al. sec. 4.2.3: p stages x p micro-batches x L/p
-    layers) plus the embedding dropout mask s b h p / t of sec. 4.3; model state 18 bytes per
-    parameter (Megatron-LM's mixed precision: 2 for 16-bit weights, 4 for fp32 gradients, 12 for
-    Adam's fp32 master weights and moments) over the t x p ranks sharing the parameters, compared
-    with the mean of our per-stage figures."""
+    layers, times 1 + (p-1)/(p v) under the interleaved schedule) plus the embedding dropout mask
+    s b h p / t of sec. 4.3; model state 18 bytes per parameter (Megatron-LM's mixed precision: 2 for
+    16-bit weights, 4 for fp32 gradients, 12 for Adam's fp32 master weights and moments) over the
+    t x p ranks sharing the parameters, compared with the mean of our per-stage figures. Figure 1's
+    own values (published.FIGURE1_GIB: the layers alone, no embedding or head) are given beside."""
     rows = []
     seen = set()
     for run in KORTHIKANTI_TABLE5:
@@ -110,13 +138,16 @@ def memory_rows() -> list[dict]:
             continue
         seen.add(run.model)
         spec = run.spec
-        for variant, kw in (("baseline (tp, no recompute)", dict(sp=False, recompute="none")),
-                            ("present work (sp + selective)", dict(sp=True, recompute="selective"))):
+        fig_state, fig_base, fig_present = (x * 2**30 for x in FIGURE1_GIB[run.model])
+        for variant, kw, fig_act in (("baseline (tp, no recompute)", dict(sp=False, recompute="none"), fig_base),
+                                     ("present work (sp + selective)", dict(sp=True, recompute="selective"),
+                                      fig_present)):
             lay = replace(run.layout(), **kw)
             ours = stage_memory(spec, lay, run.global_batch, 0)
             s, b, h = spec.seq, run.micro_batch, spec.hidden
-            paper_act = (spec.layers * act.korthikanti_table2(spec, lay, b)
-                         + s * b * h * run.pp / (run.tp if lay.sp else 1))
+            interleave = 1 + (run.pp - 1) / (run.pp * run.virtual) if run.virtual > 1 else 1.0
+            paper_act = interleave * (spec.layers * act.korthikanti_table2(spec, lay, b)
+                                      + s * b * h * run.pp / (run.tp if lay.sp else 1))
             if run.pp == 1:  # one stage: it also holds the output layer's 4 s b h / t (1 + v / h) (sec. 4.3)
                 paper_act += 4 * s * b * h / (run.tp if lay.sp else 1) + 4 * s * b * spec.vocab / run.tp
             paper_state = 18 * spec.params() / (run.tp * run.pp)
@@ -124,11 +155,13 @@ def memory_rows() -> list[dict]:
             # figures (the first stage, with the embedding, holds more: shown beside it).
             mean_state = sum(stage_memory(spec, lay, run.global_batch, i).model_state for i in range(run.pp)) / run.pp
             rows.append({
-                "model": run.model, "variant": variant, "tp": run.tp, "pp": run.pp,
+                "model": run.model, "variant": variant, "tp": run.tp, "pp": run.pp, "virtual": run.virtual,
                 "paper_activations_gb": paper_act / 1e9, "predicted_activations_gb": ours.activations / 1e9,
                 "activations_error": ours.activations / paper_act - 1,
                 "paper_model_state_gb": paper_state / 1e9, "predicted_model_state_gb": mean_state / 1e9,
                 "model_state_error": mean_state / paper_state - 1,
                 "first_stage_model_state_gb": ours.model_state / 1e9,
+                "figure1_activations_gb": fig_act / 1e9, "figure1_activations_error": ours.activations / fig_act - 1,
+                "figure1_model_state_gb": fig_state / 1e9, "figure1_model_state_error": mean_state / fig_state - 1,
             })
     return rows
