@@ -22,7 +22,8 @@ machine: see dist/env.py). Inside it:
      `steps` timed steps. A step = the whole pipeline step plus AdamW and zeroed gradients, from a
      barrier to the rank's end; its time is the slowest rank's. Each step's timeline gives its
      measured bubble (Timeline.bubble_fraction: idle share of rank-time between the first compute
-     and the last) and its replay (the bubble its own measured op times imply).
+     and the last) and its replays (the bubble its own measured op times imply: with a core per
+     rank, and with the machine's cores shared when ranks outnumber them; pipeline_replay.py).
   4. Memory: after the last repetition, one untimed step of each variant (forward and backward,
      no optimizer update) under MemoryTracker:
      activation bytes = peak live tensor storage minus what was live at the step's start, per rank;
@@ -47,7 +48,7 @@ import torch.distributed as dist
 
 from shardlab.bench.pipeline_gaps import idle_breakdown, message_delays
 from shardlab.bench.pipeline_replay import replay
-from shardlab.bench.pipeline_variants import TORCH, TORCH_KINDS, build_variant, check_equal, split_name, variant_names
+from shardlab.bench.pipeline_variants import OURS, TORCH, TORCH_KINDS, build_variant, check_equal, split_name, variant_names
 from shardlab.parallel.pipeline import Timeline, bubble_theory, compute_order, in_flight_theory
 from shardlab.parallel.pipeline.actions import B, BI, BW, F
 from shardlab.parallel.pipeline.check import simulate
@@ -59,16 +60,28 @@ from shardlab.parallel.pipeline.timeline import Event
 
 @dataclass
 class PipelineBenchConfig:
+    """What one `bench pipeline` measures (the CLI's flags, cli/bench_pipeline.py)."""
+
     model: ModelSpec = field(default_factory=lambda: ModelSpec("mlp", d_model=1024, n_layer=8, batch=256))
+    """The plain model both sides cut with plan_split, and the batch of a step."""
     stages: list[int] = field(default_factory=lambda: [2, 4])
+    """Pipeline sizes P: a launch of P ranks per run each."""
     kinds: list[str] = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved", "zb1"])
+    """Schedules: ours_<kind> each, and torch_<kind> where torch has the kind."""
     microbatches: int = 8
+    """m, equal microbatches per step (torch's gradient scaling assumes equal ones)."""
     virtual: int = 2
+    """Chunks per rank for interleaved; other kinds use 1."""
     runs: int = 3
+    """Fresh launches per P; the report takes the median over them."""
     reps: int = 2
+    """Repetitions of every variant inside a run, their order reversed every other time."""
     steps: int = 5
+    """Timed steps per variant and repetition."""
     warmup: int = 2
+    """Untimed steps before them (torch infers its shapes on the first)."""
     memory: bool = True
+    """One untimed step per variant under the tensor-storage tracker after the last repetition."""
     loss_scale: dict[str, float] = field(default_factory=dict)
     """Test hook: a torch variant whose loss is multiplied by this, which the equality check must refuse."""
 
@@ -203,11 +216,17 @@ def _op_means(timeline: Timeline) -> dict[str, float]:
 
 
 def _per_step(kind: str, p: int, m: int, v: int, per_rank: list[list[Event]], latency: float,
-              cores: int) -> dict[str, Any]:
+              cores: int, ours: bool) -> dict[str, Any]:
     timeline = Timeline.merge(per_rank, kind=kind, stages=p, microbatches=m, virtual=v)
-    shared = cores if p > cores else None  # more ranks than cores: they share them (pipeline_replay.py)
-    return {"timeline": timeline, "bubble": timeline.bubble_fraction(),
-            "replay": replay(timeline, latency, shared).bubble_fraction(), "ops": _op_means(timeline),
+    # The time-aware bubble: with more ranks than cores they share them (pipeline_replay.py); the
+    # plain replay (a core per rank) is kept beside it to show what the sharing accounts for.
+    sharing = cores if p > cores else None
+    plain = replay(timeline, latency).bubble_fraction()
+    shared = replay(timeline, latency, sharing).bubble_fraction() if sharing else plain
+    # Evidence for the gap, not a theory: ours also replays its recorded posts and STEP as CPU work.
+    with_runtime = replay(timeline, latency, sharing, runtime=True).bubble_fraction() if ours else None
+    return {"timeline": timeline, "bubble": timeline.bubble_fraction(), "replay": shared, "replay_plain": plain,
+            "replay_runtime": with_runtime, "ops": _op_means(timeline),
             "busy": [timeline.busy(r) for r in range(p)], "span": timeline.makespan,
             "delays": message_delays(timeline), "idle": idle_breakdown(timeline)}
 
@@ -218,8 +237,8 @@ def summarise_run(raw: dict[str, Any], cfg: PipelineBenchConfig, p: int) -> dict
     for name, steps in raw["events"].items():
         kind = split_name(name)[1]
         v = cfg.virtual if kind == "interleaved" else 1
-        stepwise = [_per_step(kind, p, cfg.microbatches, v, per_rank, raw["latency_s"], raw["cores"])
-                    for per_rank in steps]
+        stepwise = [_per_step(kind, p, cfg.microbatches, v, per_rank, raw["latency_s"], raw["cores"],
+                              split_name(name)[0] == OURS) for per_rank in steps]
         order = sorted(range(len(stepwise)), key=lambda i: stepwise[i]["bubble"])
         ops = {op: statistics.median(s["ops"][op] for s in stepwise if op in s["ops"])
                for op in {op for s in stepwise for op in s["ops"]}}
@@ -227,6 +246,9 @@ def summarise_run(raw: dict[str, Any], cfg: PipelineBenchConfig, p: int) -> dict
             "step_s": statistics.median(raw["step_s"][name]),
             "bubble": statistics.median(s["bubble"] for s in stepwise),
             "replay": statistics.median(s["replay"] for s in stepwise),
+            "replay_plain": statistics.median(s["replay_plain"] for s in stepwise),
+            "replay_runtime": (statistics.median(s["replay_runtime"] for s in stepwise)
+                               if stepwise[0]["replay_runtime"] is not None else None),
             "op_s": ops,
             "busy_s": [statistics.median(s["busy"][r] for s in stepwise) for r in range(p)],
             "span_s": statistics.median(s["span"] for s in stepwise),
@@ -269,7 +291,7 @@ def aggregate(raws: dict[int, list[dict[str, Any]]], cfg: PipelineBenchConfig) -
         for i, (r, s) in enumerate(zip(raw_runs, per_run)):
             runs_out.append({"stages": p, "run": i, "latency_s": r["latency_s"], "cores": r["cores"], "check": r["check"],
                              "step_s": r["step_s"], **{f"{k}_median": {n: s[n][k] for n in s}
-                                                       for k in ("step_s", "bubble", "replay")}})
+                                                       for k in ("step_s", "bubble", "replay", "replay_plain")}})
         for name in cfg.variants():
             side, kind = split_name(name)
             v = cfg.virtual if kind == "interleaved" else 1
@@ -292,6 +314,10 @@ def aggregate(raws: dict[int, list[dict[str, Any]]], cfg: PipelineBenchConfig) -
                 "bubble_measured_min": min(s[name]["bubble"] for s in per_run),
                 "bubble_measured_max": max(s[name]["bubble"] for s in per_run),
                 "bubble_replay": statistics.median(s[name]["replay"] for s in per_run),
+                "bubble_replay_plain": statistics.median(s[name]["replay_plain"] for s in per_run),
+                "bubble_replay_runtime": (statistics.median(s[name]["replay_runtime"] for s in per_run)
+                                          if side == OURS else None),
+                "replay_cores": raw_runs[0]["cores"] if p > raw_runs[0]["cores"] else None,
                 **{f"bubble_{k}": x for k, x in _theory(kind, p, m, v, ops).items()},
                 "op_ms": {op: t * 1e3 for op, t in ops.items()},
                 # Where a step's time goes: compute per rank, and first compute to last (medians over runs).

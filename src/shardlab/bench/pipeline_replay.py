@@ -10,13 +10,19 @@ ready, an input from another rank arriving `latency` seconds after its producer 
 ping-pong of one activation, measured in the same run). Sends do not block (gloo, and our
 executor, post them), so there is nothing else to wait for.
 
-More ranks than cores (4 ranks on this machine's 2): computations running at once share the cores,
-so a measured duration is stretched by whatever else ran beside it, and an idle rank leaves its core
-to the others. With `cores` given, each computation's *work* is its measured duration de-stretched
-(the integral over it of min(1, cores / ranks computing at that moment)), and the replay runs the
-computations under the same processor sharing: k > cores computing at once each progress at
-cores / k. With cores >= ranks this is the plain replay. (gloo's own threads also use the cores;
-they are not modelled.)
+Two replays, kept side by side in the report:
+
+- plain (`cores=None`): every rank has a core of its own, so each computation lasts what it was
+  measured to last. Right when ranks <= cores.
+- processor sharing (`cores=N`, N < ranks; 4 ranks on this machine's 2 cores): computations that ran
+  at once shared the cores, so a measured duration is stretched by whatever else computed beside it,
+  and an idle rank leaves its core to the others. Each computation's *work* (core-seconds) is its
+  measured duration de-stretched: the integral over it of min(1, N / ranks computing at that
+  moment). The replay then runs that work under the same sharing: k computations at once progress
+  at min(1, N / k) each. A timeline made by this model replays to itself; a measured one replays to
+  what its schedule, its op costs, the latency and N cores alone imply. With N >= ranks it is the
+  plain replay. Not modelled: the CPU that ranks use outside computations (posting, waking, the
+  optimizer step of a rank that finished early, gloo's threads); pipeline_gaps.py measures those.
 
 The difference between a measured bubble and its replay is what the runtime lost on top of the
 schedule and the machine: time between computations spent in Python, posting messages, waiting on
@@ -26,7 +32,7 @@ messages for longer than their transfer, and ranks starting at different moments
 from __future__ import annotations
 
 from shardlab.parallel.pipeline.actions import B, BI, BW, F
-from shardlab.parallel.pipeline.timeline import Event, Timeline
+from shardlab.parallel.pipeline.timeline import WAIT, Event, Timeline
 
 Key = tuple[str, int, int]  # (op, microbatch, chunk)
 
@@ -56,19 +62,33 @@ def _work(compute: list[Event], cores: int | None) -> list[float]:
                 for i in range(index[e.start], index[e.end])) for e in compute]
 
 
-def replay(timeline: Timeline, latency: float = 0.0, cores: int | None = None) -> Timeline:
-    """The measured step re-timed by its dependencies alone (see the module docstring)."""
-    compute = sorted(timeline.compute(), key=lambda e: e.start)
+def replay(timeline: Timeline, latency: float = 0.0, cores: int | None = None, runtime: bool = False) -> Timeline:
+    """The measured step re-timed by its dependencies alone (see the module docstring): plain with
+    `cores=None`, under processor sharing of `cores` cores otherwise.
+
+    `runtime=True` is for explaining a gap, not a theory: the timeline's recorded runtime intervals
+    (anything but computations and waits: our executor's slow posts of sends and receives, and STEP)
+    are replayed too, in their rank's order, as CPU work with no inputs. They count as busy when
+    durations are de-stretched and share the cores in the replay; in the result they stay
+    non-compute events, so the bubble still counts them as idle, as the measured one does."""
+    if cores is not None and cores < 1:
+        raise ValueError(f"replay: cores must be at least 1, got {cores}")
+    if latency < 0:
+        raise ValueError(f"replay: latency must be >= 0 s, got {latency}")
+    compute = sorted((e for e in timeline.events if e.is_compute or (runtime and e.op != WAIT)),
+                     key=lambda e: e.start)
     order: list[list[Key]] = [[] for _ in range(timeline.ranks)]
     work: dict[Key, float] = {}
     owner: dict[int, int] = {}
-    for e, w in zip(compute, _work(compute, cores)):
-        key = (e.op, e.microbatch, e.chunk)
+    for i, (e, w) in enumerate(zip(compute, _work(compute, cores))):
+        # A runtime interval gets a key of its own (its index); it depends on nothing.
+        key = (e.op, e.microbatch, e.chunk) if e.is_compute else (e.op, i, -1)
         if key not in work:  # torch's loss is a second F event of the same microbatch: add it up
             order[e.rank].append(key)
             work[key] = 0.0
         work[key] += w
-        owner[e.chunk] = e.rank
+        if e.is_compute:
+            owner[e.chunk] = e.rank
     chunks = max(owner, default=-1) + 1
     known = set(work)
     share = cores if cores is not None else timeline.ranks
@@ -85,7 +105,7 @@ def replay(timeline: Timeline, latency: float = 0.0, cores: int | None = None) -
             if r in running or pc[r] >= len(order[r]):
                 continue
             key = order[r][pc[r]]
-            deps = _inputs(key, chunks, known)
+            deps = _inputs(key, chunks, known) if key[2] >= 0 else []
             if any(d not in done for d in deps):
                 continue
             ready = max([free_at[r]] + [done[d] + (latency if owner[d[2]] != r else 0.0) for d in deps])
@@ -108,7 +128,7 @@ def replay(timeline: Timeline, latency: float = 0.0, cores: int | None = None) -
             if left <= 1e-12:
                 del running[r]
                 done[key] = free_at[r] = now
-                events.append(Event(r, key[0], key[1], key[2], start, now))
+                events.append(Event(r, key[0], key[1] if key[2] >= 0 else -1, key[2], start, now))
             else:
                 running[r] = (key, start, left)
     return Timeline(events, timeline.ranks, "s", {**timeline.meta, "replay_latency_s": latency, "replay_cores": cores})

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from shardlab.bench import common_report
 
 MiB = 2**20
 COLUMNS = ["variant", "step ms median", "min-max over runs", "steps/s", "tokens/s", "peak MiB per rank",
@@ -141,17 +142,11 @@ def format_markdown(result: dict[str, Any]) -> str:
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    return path
+    return common_report.write_json(result, path, indent=2)
 
 
 def write_markdown(result: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(format_markdown(result))
-    return path
+    return common_report.write_text(path, format_markdown(result))
 
 
 def plot_throughput(result: dict[str, Any], path: str | Path) -> Path:

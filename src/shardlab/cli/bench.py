@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Callable
 
-from shardlab.cli.bench_pipeline import add_pipeline_parser
+from shardlab.cli.bench_pipeline import add_pipeline_parser, add_pp_options, run_train_pp
 from shardlab.cli.common import add_launch_options, int_list, launch_kwargs, name_list
 
 COMM_DOC = """\
@@ -41,11 +41,16 @@ examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure collectives (comm) and data-parallel training throughput (train)",
+    p = sub.add_parser("bench", help="measure collectives (comm) and training throughput beside torch's: data, tensor "
+                                     "and pipeline parallelism (train; pipeline)",
                        description="Measurements. `shardlab bench comm`: collectives over message sizes, "
                                    "checked, with the machine's ceilings and a fitted alpha-beta model. "
                                    "`shardlab bench train`: steps/s, tokens/s and peak memory per rank of our "
-                                   "data-parallel variants and torch's DistributedDataParallel, with the ratio to DDP.")
+                                   "data-parallel variants beside torch's DistributedDataParallel, with the ratio "
+                                   "to DDP; with --tp our tensor (and sequence) parallelism beside DTensor's "
+                                   "parallelize_module; with --pp our pipeline schedules beside "
+                                   "torch.distributed.pipelining's (throughput, bubble, activation memory). "
+                                   "`shardlab bench pipeline`: the pipeline benchmark with every option.")
     benches = p.add_subparsers(dest="bench", metavar="BENCH")
     for add in BENCHES:
         add(benches)
@@ -233,6 +238,14 @@ peak). Without --config the model is the tensor-parallel bar: GPT d=256, 4 layer
 global batch 8. --sp runs only the sequence-parallel pair; --variants picks any of
 torch_tp,tp,torch_tp_sp,tp_sp.
 
+Pipeline parallelism (--pp P[,P]): the pipeline benchmark of `shardlab bench pipeline` (which has
+every option) at each P: our schedules (--schedules 1f1b,gpipe,interleaved,zb1) beside
+torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B on the same
+deep MLP (d=1024, 8 layers, batch 256; --model gpt: the GPT) and --microbatches: throughput,
+measured bubble beside the time-aware theory, activation memory per stage (docs/pipeline-bench.md).
+It takes --model, --runs, --reps, --steps, --warmup, --json, --markdown, --plot, --quiet; not
+--config, --set or the other layout flags.
+
 examples:
   shardlab bench train                                      # the bar: 3 runs, 2 ranks
   shardlab bench train --config configs/mlp-2048.toml --world-size 2 --json dp.json --plot dp.png
@@ -243,6 +256,8 @@ examples:
   shardlab bench train --tp 2                               # TP bar: tp, tp_sp vs torch_tp, torch_tp_sp
   shardlab bench train --tp 2 --sp --runs 1 --reps 1 --steps 3
   shardlab bench train --tp 2 --json tp.json --markdown tp.md --plot tp.png
+  shardlab bench train --pp 2,4 --runs 5 --reps 3 --steps 6   # PP bar: ours vs torch.distributed.pipelining
+  shardlab bench train --pp 2 --schedules 1f1b --runs 1 --reps 1 --steps 3
 """
 
 # The data-parallel performance bar's model (configs/mlp-2048.toml), used without --config.
@@ -286,10 +301,12 @@ def add_train_parser(benches: argparse._SubParsersAction) -> None:
     from shardlab.cli.train import add_config_options
 
     # "resolve": the shared configuration flags' --steps (train.steps) and --dp are replaced below.
-    p = benches.add_parser("train", help="training steps/s, tokens/s and memory: our data parallelism vs torch DDP",
+    p = benches.add_parser("train", help="training steps/s, tokens/s and memory: our data parallelism vs torch DDP "
+                                         "(--tp: tensor, vs DTensor; --pp: pipeline, vs torch.distributed.pipelining)",
                            description=TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter,
                            conflict_handler="resolve")
     add_config_options(p)
+    add_pp_options(p)  # --pp: the pipeline benchmark (cli/bench_pipeline.py)
     b = p.add_argument_group("benchmark")
     b.add_argument("--world-size", "-n", "--dp", dest="dp", type=_positive, default=None, metavar="N",
                    help="the data-parallel degree (world size = dp x tp); overrides layout.dp (default: the "
@@ -373,6 +390,8 @@ def run_train(args: argparse.Namespace) -> int:
     from shardlab.bench.train_tp import TORCH_TP_SP, TP_SP, TP_VARIANTS
     from shardlab.train.config import ConfigError
 
+    if args.pp or args.schedules:
+        return run_train_pp(args)  # our pipeline schedules vs torch.distributed.pipelining's
     try:
         cfg = _train_config(args)
     except ConfigError as exc:

@@ -37,6 +37,9 @@ Memory: one untimed step per variant under the tensor-storage tracker: activatio
 what was live at the step's start, per rank; held = live at the start beyond data, parameters,
 gradients and AdamW state (torch keeps receive buffers between steps).
 
+Also reachable as `shardlab bench train --pp 2,4` (with bench train's --model, --runs, --reps, --steps,
+--warmup, --json, --markdown, --plot; --schedules, --microbatches, --virtual-stages).
+
 examples:
   shardlab bench pipeline                                              # MLP, P = 2 and 4, 3 runs
   shardlab bench pipeline --stages 2 --schedules 1f1b --runs 1 --reps 1 --steps 3   # a quick look
@@ -98,6 +101,70 @@ def add_pipeline_parser(benches: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_pipeline)
 
 
+def add_pp_options(p: argparse.ArgumentParser) -> None:
+    """`shardlab bench train --pp P[,P]`: this benchmark from `bench train` (its --model, --runs, --reps,
+    --steps, --warmup, --json, --markdown, --plot, --quiet and launch flags carry over)."""
+    g = p.add_argument_group("pipeline parallelism (--pp: our schedules vs torch.distributed.pipelining, as "
+                             "`shardlab bench pipeline`, which has every option)")
+    g.add_argument("--pp", type=int_list, default=None, metavar="P[,P]",
+                   help="run the pipeline benchmark at these pipeline sizes (a rank per stage) instead of the "
+                        "data-parallel one: ours vs torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B")
+    # Defaults None: without --pp, --microbatches and --virtual-stages are the configuration's
+    # (train.micro_batches, layout.virtual_stages), as in `shardlab train`.
+    g.add_argument("--schedules", type=name_list, default=None, metavar="KIND[,KIND]",
+                   help="with --pp: of 1f1b, gpipe, interleaved, zb1 (default: all four)")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="with --pp: microbatches per step (default: 8); without: train.micro_batches")
+    g.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="with --pp: chunks per rank for interleaved (default: 2)")
+
+
+# bench train's arguments that --pp carries over to the pipeline benchmark; any other one given
+# (a configuration, --set, a layout flag, the DP/TP variants) is refused rather than ignored.
+_WITH_PP = {"command", "bench", "func", "pp", "schedules", "microbatches", "virtual_stages", "model", "runs", "reps",
+            "timed_steps", "warmup", "json", "markdown", "plot", "quiet", "backend", "threads", "timeout",
+            "master_addr", "master_port", "output"}
+_FLAG = {"overrides": "--set", "dp": "--dp/--world-size"}
+
+
+def pipeline_args_from_train(args: argparse.Namespace) -> argparse.Namespace:
+    """`bench pipeline`'s arguments (its defaults) with what `bench train --pp` was given; ValueError
+    names the flags given that do not apply."""
+    from shardlab.cli.main import build_parser  # here: cli.main imports this module
+
+    if not args.pp:
+        raise ValueError("--schedules chooses the pipeline benchmark's schedules: it goes with --pp")
+    defaults = vars(build_parser().parse_args(["bench", "train"]))
+    given = [_FLAG.get(k, "--" + k.replace("_", "-")) for k, v in vars(args).items()
+             if k not in _WITH_PP and v != defaults.get(k)]
+    if given:
+        raise ValueError(f"--pp runs the pipeline benchmark (fp32, a rank per stage, its own MLP or GPT sizes), "
+                         f"which does not take {', '.join(given)}; for the model's size and every other option "
+                         f"use `shardlab bench pipeline` (see --help)")
+    parser = argparse.ArgumentParser()
+    add_pipeline_parser(parser.add_subparsers())
+    out = parser.parse_args(["pipeline"])
+    for name in ("backend", "threads", "timeout", "master_addr", "master_port", "output", "runs", "reps", "warmup",
+                 "json", "markdown", "plot", "quiet"):
+        setattr(out, name, getattr(args, name))
+    for name in ("schedules", "microbatches", "virtual_stages"):  # bench pipeline's defaults unless given
+        if getattr(args, name) is not None:
+            setattr(out, name, getattr(args, name))
+    out.model = args.model or "mlp"
+    out.stages, out.steps = args.pp, args.timed_steps
+    return out
+
+
+def run_train_pp(args: argparse.Namespace) -> int:
+    """`shardlab bench train --pp ...`."""
+    try:
+        pp_args = pipeline_args_from_train(args)
+    except ValueError as exc:
+        print(f"shardlab bench train: {exc}", file=sys.stderr)
+        return 2
+    return run_pipeline(pp_args)
+
+
 def run_pipeline(args: argparse.Namespace) -> int:
     from shardlab.bench.pipeline import PipelineBenchConfig, load_raw, report_from_raw, run_pipeline_bench, save_raw
     from shardlab.bench import pipeline_report as report
@@ -128,12 +195,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
     if args.raw:
         save_raw(result, args.raw)
         print(f"wrote {args.raw}")
-    if args.json:
-        print(f"wrote {report.write_json(result, args.json)}")
-    if args.markdown:
-        print(f"wrote {report.write_markdown(result, args.markdown)}")
-    if args.plot:
-        print(f"wrote {report.plot(result, args.plot)}")
+    for path, write in ((args.json, report.write_json), (args.markdown, report.write_markdown), (args.plot, report.plot)):
+        if path:
+            print(f"wrote {write(result, path)}")
     if args.gantt:
         for path in report.draw_gantts(result, args.gantt, args.gantt_variants):
             print(f"wrote {path}")
