@@ -20,10 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
-# The main job: a byte-level GPT trained on the Python standard library's sources with data
-# parallelism on 2 local ranks; ends with the loss curve (runs/gpt-small/loss.png) and sampled text.
+# The main job: a byte-level GPT trained on the Python standard library's sources on a two-axis
+# mesh, dp 2 x tp 2 (4 local ranks); prints the mesh, per-rank memory and communication share, and
+# ends with the loss curve (runs/gpt-mesh/loss.png) and sampled text.
 run: $(STAMP)
-	$(BIN)/shardlab train --config configs/gpt-small.toml
+	$(BIN)/shardlab train --config configs/gpt-mesh.toml
 
 # What each collective does, rank by rank, with the backend's and with our ring algorithms.
 demo: $(STAMP)

@@ -68,10 +68,37 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
                      help="fp32, or mixed precision: bf16/fp16 weights, activations and gradient communication "
                           "with fp32 master weights and optimizer state; fp16 adds dynamic loss scaling "
                           "(layout.precision)")
+    lay.add_argument("--mesh-order", default=None, metavar="AXES",
+                     help="the mesh's axes outermost first, a permutation of pp,dp,ep,cp,tp (layout.mesh_order; "
+                          "docs/mesh.md)")
+    lay.add_argument("--nodes", type=int, default=None,
+                     help="nodes the ranks are on (simulated locally: consecutive blocks of ranks); "
+                          "comm_impl hierarchical reduces within a node first (layout.nodes)")
+    lay.add_argument("--cp", type=int, default=None,
+                     help="context-parallel degree: ranks splitting every sequence (2 zigzag chunks each, "
+                          "attention by a ring); model.seq_len must divide by 2 x cp (layout.cp; "
+                          "docs/context-parallel.md)")
+    lay.add_argument("--ep", type=int, default=None,
+                     help="expert-parallel degree: ranks each holding experts / ep of every MoE layer, tokens "
+                          "moved by all-to-all; they take different rows (layout.ep; docs/expert-parallel.md)")
+    lay.add_argument("--experts", type=int, default=None,
+                     help="GPT: a mixture-of-experts MLP of this many experts in every block (model.experts)")
+    lay.add_argument("--top-k", type=int, default=None, help="GPT with experts: experts per token (model.top_k)")
+
+
+def add_recompute_options(p: argparse.ArgumentParser) -> None:
+    """--recompute, for `train` and `verify` (through add_pipeline_options): the commands that build
+    the model through apply_layout, so that no benchmark takes the flag and ignores it."""
+    p.add_argument_group("activation recomputation (docs/recompute.md)").add_argument(
+        "--recompute", choices=["none", "selective", "full"], default=None,
+        help="selective: recompute the attention core (softmax(QK^T)V) in backward; full: each block from its "
+             "input (the MLP: each pair of layers); less activation memory for more compute, the same numbers "
+             "(layout.recompute)")
 
 
 def add_pipeline_options(p: argparse.ArgumentParser) -> None:
-    """The pipeline flags of `train` and `verify`."""
+    """The pipeline flags of `train` and `verify` (and --recompute, which the same two take)."""
+    add_recompute_options(p)
     g = p.add_argument_group("pipeline parallelism (docs/pipeline.md)")
     g.add_argument("--pp", type=int, default=None,
                    help="pipeline-parallel degree: ranks each holding a contiguous slice of the layers (a stage), "
@@ -141,7 +168,9 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
                       ("microbatches", "train.micro_batches"), ("virtual_stages", "layout.virtual_stages"),
                       ("resume", "checkpoint.resume"), ("save_every", "checkpoint.every"),
                       ("keep", "checkpoint.keep"), ("async_save", "checkpoint.async_save"),
-                      ("checkpoint_dir", "checkpoint.dir")):
+                      ("checkpoint_dir", "checkpoint.dir"), ("recompute", "layout.recompute"),
+                      ("cp", "layout.cp"), ("mesh_order", "layout.mesh_order"), ("nodes", "layout.nodes"),
+                      ("ep", "layout.ep"), ("experts", "model.experts"), ("top_k", "model.top_k")):
         value = getattr(args, attr, None)
         if isinstance(value, bool):  # TOML spells them lower-case
             flags.append(f"{key}={str(value).lower()}")
@@ -216,11 +245,26 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nloss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
           + (f" (validation {summary['final_val_loss']:.4f})" if summary.get("final_val_loss") is not None else "")
           + f" in {summary['wall_s']:.0f} s, {summary['tokens_per_s']:,.0f} tokens/s (median step)")
+    if len(summary.get("ranks", [])) > 1:
+        print("\n" + rank_table(summary["ranks"]))
     if summary.get("sample"):
         print("\nsampled text:\n" + "-" * 60 + "\n" + summary["sample"] + "\n" + "-" * 60)
     print(f"wrote {summary['metrics']}" + (f", {summary['plot']}" if summary.get("plot") else "")
           + f" and TensorBoard events in {summary['out_dir']}/tb" * bool(cfg.log.tensorboard))
     return 0
+
+
+def rank_table(ranks: list[dict]) -> str:
+    """One line per rank: its place in the mesh (axes of degree > 1), peak memory, communication share."""
+    axes = [a for a in ranks[0]["coords"] if len({r["coords"][a] for r in ranks}) > 1]
+    nodes = len({r["node"] for r in ranks}) > 1
+    head = " ".join(f"{a:>2}" for a in axes) + ("  node" if nodes else "")
+    lines = [f"rank  {head}   peak mem  comm wait"]
+    for r in ranks:
+        where = " ".join(f"{r['coords'][a]:>2}" for a in axes) + (f"  {r['node']:>4}" if nodes else "")
+        mem = "-" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**20:.1f} MiB"
+        lines.append(f"{r['rank']:>4}  {where}  {mem:>9}  {r['comm_wait_share']:9.0%}")
+    return "\n".join(lines)
 
 
 def dry_run(cfg) -> int:
@@ -235,7 +279,8 @@ def dry_run(cfg) -> int:
     trainable = sum(p.numel() for n, p in model.named_parameters() if not cfg.frozen(n))
     print(cfg.to_toml())
     lay = cfg.layout
-    degrees = [f"{k} {v}" for k, v in (("pp", lay.pp), ("dp", lay.dp), ("tp", lay.tp)) if k == "dp" or v > 1]
+    degrees = [f"{k} {getattr(lay, k)}" for k in (a.strip() for a in lay.mesh_order.split(","))
+               if k == "dp" or getattr(lay, k) > 1]
     print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
           + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
     if lay.pp > 1:

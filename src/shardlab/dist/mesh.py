@@ -22,6 +22,12 @@ Some collectives run over several axes at once: a dense parameter is replicated 
 (each of those ranks sees other tokens), so its gradient is averaged over all three. Such a
 combination is named when the mesh is built, `DeviceMesh(axes, combined=[("dp", "ep", "cp")])`, and
 its group is `mesh.group(("dp", "ep", "cp"))`: the ranks that share every other coordinate.
+Lines with the same ranks share one process group (an axis of size 1 and a combination whose other
+axes have size 1 are the same ranks as a smaller line): fewer communicators, the same collectives.
+
+Nodes: `nodes=k` says the ranks sit on k nodes of world_size / k consecutive ranks each (a local run
+simulates them). `node_of(rank)` and `ranks_per_node(axis)` tell a hierarchical collective which of
+a line's ranks share a node; the innermost axes' lines stay within a node when they fit in one.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class DeviceMesh:
         rank: int | None = None,
         create_groups: bool = True,
         combined: Sequence[Sequence[str]] = (),
+        nodes: int = 1,
     ) -> None:
         items = list(axes.items()) if isinstance(axes, Mapping) else [tuple(a) for a in axes]
         self.names = [str(name) for name, _ in items]
@@ -61,8 +68,12 @@ class DeviceMesh:
             factors = " x ".join(f"{n} {s}" for n, s in zip(self.names, self.sizes))
             raise ValueError(f"mesh {factors} = {product} ranks, but the world has {self.world_size}; "
                              f"the degrees must multiply to the world size")
+        if nodes < 1 or self.world_size % nodes:
+            raise ValueError(f"nodes = {nodes} must be positive and divide the world size {self.world_size}")
+        self.nodes = nodes
         self.rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
         self._groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
+        self._by_ranks: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         lines = [(axis,) for axis in self.names]
         for combo in combined:
             key = self._key(combo)
@@ -100,6 +111,23 @@ class DeviceMesh:
         """This rank's index along `axis` (its rank within `group(axis)`)."""
         return self.coords()[axis]
 
+    def node_of(self, rank: int | None = None) -> int:
+        """The node `rank` (default: this rank) is on: consecutive blocks of world_size / nodes ranks."""
+        return (self.rank if rank is None else rank) // (self.world_size // self.nodes)
+
+    def ranks_per_node(self, axis: str | Sequence[str]) -> int:
+        """How many ranks of this rank's line along `axis` share its node (the line's ranks on one
+        node are consecutive in group order, since nodes are blocks of consecutive ranks)."""
+        return sum(self.node_of(r) == self.node_of() for r in self.ranks_along(axis))
+
+    def describe(self) -> str:
+        """Which rank is where: one line per rank with its coordinates (and node when nodes > 1)."""
+        lines = []
+        for r in range(self.world_size):
+            where = " ".join(f"{n} {i}" for n, i in self.coords(r).items())
+            lines.append(f"rank {r}: {where}" + (f" | node {self.node_of(r)}" if self.nodes > 1 else ""))
+        return "\n".join(lines)
+
     def _axis(self, axis: str) -> int:
         if axis not in self.names:
             raise KeyError(f"the mesh has no axis {axis!r}; its axes are {self.names}")
@@ -133,8 +161,10 @@ class DeviceMesh:
         rest = [n for n in self.names if n not in key]
         # Every rank walks every line of the axes in the same order: new_group is collective.
         for fixed in itertools.product(*(range(self.size(n)) for n in rest)):
-            ranks = self.ranks_along(key, self.rank_of({**dict(zip(rest, fixed)), **{a: 0 for a in key}}))
-            group = dist.new_group(ranks, timeout=group_timeout())
+            ranks = tuple(self.ranks_along(key, self.rank_of({**dict(zip(rest, fixed)), **{a: 0 for a in key}})))
+            if ranks not in self._by_ranks:  # the same on every rank: it walks the same lines
+                self._by_ranks[ranks] = dist.new_group(list(ranks), timeout=group_timeout())
+            group = self._by_ranks[ranks]
             if self.rank in ranks:
                 mine = group
         return mine

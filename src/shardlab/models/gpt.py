@@ -2,7 +2,9 @@
 
 Pre-norm blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP -> residual),
 learned or rotary positions, grouped-query attention when n_kv_head < n_head, optional tied
-embedding and head. `flops_per_token` gives the model FLOPs used for MFU (6N plus attention).
+embedding and head; with n_experts > 0 every MLP is a mixture of experts (models/moe.py), whose
+load-balancing loss the forward adds to the cross-entropy. `flops_per_token` gives the model FLOPs
+used for MFU (6N of the active parameters plus attention).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from shardlab.models.moe import MoE
 
 
 @dataclass
@@ -28,6 +32,10 @@ class GPTConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     bias: bool = True
+    n_experts: int = 0             # > 0: every block's MLP is a mixture of experts (models/moe.py)
+    top_k: int = 2                 # experts per token
+    capacity_factor: float = 1.25  # per expert per sequence: ceil(factor x t x k / E); <= 0: no limit
+    aux_loss_coef: float = 0.01    # the load-balancing loss's weight in the model's loss
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -91,11 +99,15 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+def _moe(cfg: GPTConfig) -> MoE:
+    return MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef, cfg.bias)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
-        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), (_moe(cfg) if cfg.n_experts else MLP(cfg))
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -127,29 +139,44 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def _rope(self, t: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, t: int, device: torch.device, dtype: torch.dtype,
+              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         half = self.cfg.head_dim // 2
         inv = 1.0 / (10000 ** (torch.arange(half, device=device, dtype=torch.float32) / half))
-        angles = torch.outer(torch.arange(t, device=device, dtype=torch.float32), inv)
+        pos = torch.arange(t, device=device, dtype=torch.float32) if positions is None else positions.float()
+        angles = torch.outer(pos, inv)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (b, t, vocab); with targets, the mean cross-entropy loss instead."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (b, t, vocab); with targets, the mean cross-entropy loss instead.
+
+        positions: where idx's t tokens sit in their sequences (default 0..t-1). A layout that gives
+        a rank only some of each sequence's tokens (context parallelism) passes theirs."""
         b, t = idx.shape
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than seq_len {self.cfg.seq_len}")
+        if positions is not None and int(positions.max()) >= self.cfg.seq_len:
+            raise ValueError(f"position {int(positions.max())} is beyond seq_len {self.cfg.seq_len}")
         x = self.tok_emb(idx)
         rope = None
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(t, device=idx.device))
+            x = x + self.pos_emb(torch.arange(t, device=idx.device) if positions is None else positions)
         else:
-            rope = self._rope(t, idx.device, x.dtype)
+            rope = self._rope(t, idx.device, x.dtype, positions)
         for block in self.blocks:
             x = block(x, rope)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        # Mixture-of-experts blocks (or their expert-parallel replacements) leave their
+        # load-balancing term on the module; summed over layers, as in Switch Transformer.
+        for block in self.blocks:
+            aux = getattr(block.mlp, "aux_loss", None)
+            if aux is not None:
+                loss = loss + aux
+        return loss
 
     def num_params(self, exclude_embeddings: bool = True) -> int:
         """Parameters, counted once when tied; position tables excluded by default (as in 6N counts)."""
@@ -166,4 +193,7 @@ class GPT(nn.Module):
         accounting without the mask would be 12 * L * t * d; PaLM's MFU uses the latter).
         """
         t = seq_len or self.cfg.seq_len
-        return 6 * self.num_params() + 6 * self.cfg.n_layer * t * self.cfg.d_model
+        # A mixture of experts runs k of its E experts per token: only those weights count (+ router).
+        idle = sum(p.numel() for b in self.blocks if isinstance(b.mlp, MoE) for p in b.mlp.experts.parameters())
+        idle *= 1 - self.cfg.top_k / self.cfg.n_experts if self.cfg.n_experts else 0
+        return 6 * (self.num_params() - idle) + 6 * self.cfg.n_layer * t * self.cfg.d_model

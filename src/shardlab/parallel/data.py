@@ -58,6 +58,9 @@ class DataParallel(nn.Module):
     impl: which all-reduce does the reduction: "torch" (the backend) or one of our algorithms.
     average: divide the summed gradients by the group size (the usual choice: each rank's loss is a
         mean over its rows, so the average of the ranks' gradients is the whole batch's gradient).
+    params: synchronise these parameters only (default: all of the module's trainable ones), so
+        that parameters replicated over different groups (expert parallelism: parallel/expert/data.py)
+        get one wrapper per group; only these are broadcast at the start.
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class DataParallel(nn.Module):
         bucket_mb: float = 25.0,
         impl: str = comm.TORCH,
         average: bool = True,
+        params: list[nn.Parameter] | None = None,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -79,8 +83,12 @@ class DataParallel(nn.Module):
         self.group, self.mode, self.impl = group, mode, impl
         self._op = "avg" if average else "sum"
         self._sync_enabled = True
-        self._params = trainable_params(module)
-        broadcast_state(module, group)
+        self._params = trainable_params(module) if params is None else [p for p in params if p.requires_grad]
+        if params is None:
+            broadcast_state(module, group)
+        else:
+            for p in self._params:
+                comm.broadcast(p.data, 0, group)
         self.buckets: list[Bucket] = []
         self._hooks: list[Any] = []
         if mode != "naive":

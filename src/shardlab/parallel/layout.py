@@ -1,18 +1,24 @@
 """Apply a layout to a plain model: the one place that turns `[layout]` into parallel wrappers.
 
-    mesh = build_mesh(cfg.layout)                  # every rank: pp outermost, then dp, tp innermost
-    model = apply_layout(plain, cfg.layout, mesh)  # pipeline split or tensor parallelism, then dp/ZeRO
-    tp_rank_rows = task.batch(step, mesh.local_rank("dp"), cfg.layout.dp)
+    mesh = build_mesh(cfg.layout)                  # every rank: axes in layout.mesh_order (pp ... tp)
+    model = apply_layout(plain, cfg.layout, mesh)  # pipeline split, tp, ep, cp, recompute, then dp/ZeRO
+    index, count = batch_rank(mesh)                # this rank's share of every global batch's rows
 
-Strategies are composed in a fixed, documented order (pipeline split, tensor and sequence
-parallelism, expert and context parallelism, activation checkpointing, then ZeRO/FSDP or data
-parallelism last, because it wraps whatever the earlier steps produced). Today: either the pipeline
-split over the mesh's "pp" axis (this rank's stage, copied from the plain model, run by a schedule:
-pipeline/model.py) or tensor parallelism (with sequence parallelism) over its "tp" axis, converting
-the plain model in place; then data parallelism over its "dp" axis, plain or with ZeRO stage 1, 2
-or 3 (a stage: plain data parallelism, synchronised once per step). The data-parallel wrapper sees
-the tensor-parallel model's local shards as ordinary parameters; its broadcast from dp rank 0 is
-right because shards differ only across tp.
+The order is fixed (docs/mesh.md), as torchtitan's parallelize does it, each step acting on what the
+previous one produced:
+
+  1. pipeline split (pp): this rank's stage, copied from the plain model (pipeline/model.py); with
+     tp > 1 the plain model is first made tensor-parallel, then split, so every stage is cut over
+     its tp group (pipeline/tensor_stage.py);
+  2. tensor and sequence parallelism (tp, sp) over the mesh's "tp" axis, converting in place;
+  3. expert parallelism (ep) and context parallelism (cp): hooks their modules fill in;
+  4. activation checkpointing (recompute);
+  5. data parallelism last, plain or ZeRO 1/2/3, because it wraps whatever the earlier steps
+     produced: over the ranks that hold the same parameters and see other tokens, the mesh's
+     ("dp", "ep", "cp") group (dp alone when ep = cp = 1).
+
+The data-parallel wrapper sees the tensor-parallel model's local shards as ordinary parameters; its
+broadcast from dp rank 0 is right because shards differ only across tp.
 
 A wrapper may provide, besides forward: `no_sync()`, `finish_gradient_sync()`, `build_optimizer()`
 (when the optimizer must know the sharding), `clip_grad_norm_()` (when gradients are sharded) and
@@ -22,6 +28,7 @@ A wrapper may provide, besides forward: `no_sync()`, `finish_gradient_sync()`, `
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +42,14 @@ from shardlab.parallel.zero import ZeroDataParallel
 if TYPE_CHECKING:
     from shardlab.train.config import LayoutSection
 
+MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
+"""The mesh's axes in their default order, outermost first (layout.mesh_order permutes them)."""
+REPLICA_AXES = ("dp", "ep", "cp")
+"""The axes over which a dense parameter is replicated while the tokens differ: its gradient is
+averaged over their combined group."""
+BATCH_AXES = ("dp", "ep")
+"""The axes that split a global batch's rows (dp outer); cp, tp and pp ranks of a line share rows."""
+
 
 def uses_tensor_parallel(layout: "LayoutSection") -> bool:
     """Whether the model is converted: tp > 1, or sequence parallelism asked for (at tp 1 that runs
@@ -47,44 +62,135 @@ def uses_pipeline(layout: "LayoutSection") -> bool:
     return layout.pp > 1
 
 
-def build_mesh(layout: "LayoutSection") -> DeviceMesh:
-    """The layout's mesh over every rank: pp x dp x tp, tp innermost (its ranks consecutive, the
-    closest ones, since it talks on every layer) and pp outermost (a stage boundary sends one
-    activation per microbatch, the least traffic of the three, so it may cross the slowest links,
-    as Megatron-LM places it). A collective: every rank, in the same order."""
-    return DeviceMesh({"pp": layout.pp, "dp": layout.dp, "tp": layout.tp})
+def mesh_order(layout: "LayoutSection") -> list[str]:
+    """layout.mesh_order as a list of axis names, checked to be a permutation of MESH_AXES."""
+    order = [a.strip() for a in layout.mesh_order.split(",")]
+    if sorted(order) != sorted(MESH_AXES):
+        raise ValueError(f"layout.mesh_order = {layout.mesh_order!r} must name each of {', '.join(MESH_AXES)} once")
+    return order
+
+
+def build_mesh(layout: "LayoutSection", *, world_size: int | None = None, rank: int | None = None,
+               create_groups: bool = True) -> DeviceMesh:
+    """The layout's mesh over every rank: the five axes in layout.mesh_order, by default pp
+    outermost (a stage boundary sends one activation per microbatch, the least traffic, so it may
+    cross the slowest links, as Megatron-LM places it), then dp, ep, cp, and tp innermost (its
+    ranks consecutive, the closest ones, since it talks on every layer). Combined groups: the
+    replicas of a dense parameter ("dp", "ep", "cp"), of an expert ("dp", "cp"), and the batch
+    ranks ("dp", "ep"). layout.nodes splits the ranks into that many consecutive blocks.
+    A collective: every rank, in the same order (create_groups=False: coordinates only)."""
+    degrees = {axis: getattr(layout, axis) for axis in MESH_AXES}
+    return DeviceMesh([(axis, degrees[axis]) for axis in mesh_order(layout)], world_size=world_size, rank=rank,
+                      create_groups=create_groups, combined=[REPLICA_AXES, ("dp", "cp"), BATCH_AXES],
+                      nodes=layout.nodes)
+
+
+def batch_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    """(index, count) of this rank's share of every global batch: its coordinate along ("dp",
+    "ep") flattened, dp outer, among dp x ep batch ranks (train/task.py's dp_rank and dp_size)."""
+    c = mesh.coords()
+    ep = mesh.size("ep") if "ep" in mesh.names else 1
+    return c["dp"] * ep + c.get("ep", 0), mesh.size("dp") * ep
+
+
+def replica_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The group a dense parameter's gradient is averaged over: ("dp", "ep", "cp") when the mesh
+    has those axes (the dp group when ep = cp = 1: the same ranks)."""
+    axes = [a for a in REPLICA_AXES if a in mesh.names]
+    return mesh.group(tuple(axes))
+
+
+def _check_mesh(layout: "LayoutSection", mesh: DeviceMesh) -> None:
+    want = {axis: getattr(layout, axis) for axis in MESH_AXES}
+    sizes = {axis: mesh.size(axis) if axis in mesh.names else 1 for axis in MESH_AXES}
+    if sizes != want:
+        wrong = ", ".join(f"layout.{a} = {want[a]} but the mesh's {a} is {sizes[a]}" for a in MESH_AXES
+                          if sizes[a] != want[a])
+        raise ValueError(f"the mesh does not match the layout: {wrong}")
+
+
+def _use_nodes(layout: "LayoutSection", mesh: DeviceMesh) -> None:
+    """Tell the hierarchical all-reduce how many of the replica group's ranks share a node (it
+    reads SHARDLAB_RANKS_PER_NODE, comm/algorithms/hierarchical.py), when the layout names nodes."""
+    if layout.nodes > 1 and layout.comm_impl == "hierarchical":
+        from shardlab.comm.algorithms.hierarchical import RANKS_PER_NODE_ENV
+
+        axes = tuple(a for a in REPLICA_AXES if a in mesh.names)
+        os.environ[RANKS_PER_NODE_ENV] = str(mesh.ranks_per_node(axes))
 
 
 def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | None = None) -> nn.Module:
-    """Apply `layout` to `model` over `mesh` (None: data parallelism alone over every rank; a layout
-    with tensor parallelism needs the mesh). Tensor parallelism converts `model` in place.
+    """Apply `layout` to `model` over `mesh` in the documented order (None: data parallelism alone
+    over every rank; any other layout needs the mesh). Tensor parallelism converts `model` in place.
 
     The returned module trains like the plain one: forward, backward, then
     `finish_gradient_sync()` (a no-op where backward already synchronised), optimizer step.
     """
     group = None
     if mesh is not None:
-        want = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
-        sizes = {axis: mesh.size(axis) if axis in mesh.names else 1 for axis in want}
-        if sizes != want:
-            raise ValueError(f"layout.pp = {layout.pp}, layout.dp = {layout.dp}, layout.tp = {layout.tp} but the "
-                             f"mesh is pp {sizes['pp']} x dp {sizes['dp']} x tp {sizes['tp']}")
-        group = mesh.group("dp")
+        _check_mesh(layout, mesh)
+        _use_nodes(layout, mesh)
+        group = replica_group(mesh)
+    elif uses_pipeline(layout) or uses_tensor_parallel(layout) or layout.ep > 1 or layout.cp > 1:
+        raise ValueError(f"layout.pp = {layout.pp}, tp = {layout.tp}, sp = {layout.sp}, ep = {layout.ep}, cp = "
+                         f"{layout.cp}: this layout needs a DeviceMesh (build_mesh(layout)) to know its groups")
+    # 1. The pipeline split (tensor parallelism inside each stage): its own data-parallel wrapper.
     if uses_pipeline(layout):
-        if mesh is None:
-            raise ValueError(f"layout.pp = {layout.pp}: pipeline parallelism needs a DeviceMesh (build_mesh(layout)) "
-                             f"to know its groups")
         return apply_pipeline(model, layout, mesh)
+    # 2. Tensor and sequence parallelism.
     if uses_tensor_parallel(layout):
         from shardlab.parallel.tensor import apply_tensor_parallel, named_plan
 
-        if mesh is None:
-            raise ValueError(f"layout.tp = {layout.tp}, layout.sp = {layout.sp}: tensor parallelism needs a "
-                             f"DeviceMesh (build_mesh(layout)) to know its groups")
         model = apply_tensor_parallel(model, mesh, named_plan(model, layout.tp_plan), sequence_parallel=layout.sp)
+    # 3. Expert and context parallelism (hooks: parallel/expert, parallel/context).
+    model = apply_expert_parallel(model, layout, mesh)
+    model = apply_context_parallel(model, layout, mesh)
+    # 4. Activation checkpointing.
+    model = apply_recompute(model, layout)
+    # 5. Data parallelism or ZeRO over the replicas, last: it wraps what the steps above produced.
+    return apply_data_parallel(model, layout, group)
+
+
+def apply_expert_parallel(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | None) -> nn.Module:
+    """Step 3a: spread the MoE layers' experts over the mesh's "ep" axis (parallel/expert), in place;
+    each expert remembers its replicas, ("dp", "cp"), over which step 5 averages its gradient."""
+    if layout.ep > 1:
+        from shardlab.parallel.expert import convert_expert_parallel
+
+        return convert_expert_parallel(model, mesh.group("ep"), mesh.group(("dp", "cp")))
+    return model
+
+
+def apply_context_parallel(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | None) -> nn.Module:
+    """Step 3b: split every sequence over the mesh's "cp" axis, attention as a ring (parallel/context):
+    the GPT converted in place, each rank running its zigzag chunks of the rows it receives."""
+    if layout.cp > 1:
+        from shardlab.parallel.context import apply_context_parallel as convert
+
+        model = convert(model, mesh.group("cp"))
+    return model
+
+
+def apply_recompute(model: nn.Module, layout: "LayoutSection") -> nn.Module:
+    """Step 4: activation checkpointing, layout.recompute 'none', 'selective' or 'full'
+    (parallel/recompute.py): on the blocks or attentions the earlier steps left, in place."""
+    from shardlab.parallel import recompute
+
+    return recompute.apply_recompute(model, layout.recompute)
+
+
+def apply_data_parallel(model: nn.Module, layout: "LayoutSection", group: dist.ProcessGroup | None) -> nn.Module:
+    """Step 5: plain data parallelism or ZeRO 1/2/3 over `group` (the replicas of a dense parameter)."""
     size = dist.get_world_size(group)
-    if layout.dp != size:
-        raise ValueError(f"layout.dp = {layout.dp} but the data-parallel group has {size} ranks")
+    replicas = layout.dp * layout.ep * layout.cp
+    if replicas != size:
+        raise ValueError(f"layout.dp x ep x cp = {layout.dp} x {layout.ep} x {layout.cp} = {replicas} but the "
+                         f"data-parallel group has {size} ranks")
+    if layout.ep > 1:
+        # Experts and dense parameters are replicated over different groups: one wrapper for both.
+        from shardlab.parallel.expert import ExpertDataParallel
+
+        return ExpertDataParallel(model, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
     if layout.zero == 3:
         from shardlab.parallel.fsdp import FullyShardedDataParallel
 
@@ -95,19 +201,23 @@ def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | N
 
 
 def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh) -> nn.Module:
-    """This rank's stage of `model` (copied: the model is left as it was), run by layout.schedule
-    over the mesh's pp group, with data parallelism over its dp group: the gradients of a stage
-    are averaged once per step, at the schedule's STEP (train/config_check.py refuses what a stage
-    cannot be combined with yet, and says why)."""
+    """This rank's stage of `model` (copied: the model is left as it was, unless tensor parallelism
+    converts it first: the split is planned on the plain model, then the converted one is cut the
+    same way, so every stage holds its tp shards), run by layout.schedule over the mesh's pp group,
+    with data parallelism over its replica group: the gradients of a stage are averaged once per
+    step, at the schedule's STEP (train/config_check.py refuses what a stage cannot be combined
+    with yet, and says why)."""
     from shardlab.parallel.pipeline import PipelineParallel, build_stage, plan_split
 
     refused = []
-    if uses_tensor_parallel(layout):
-        refused.append(f"layout.tp = {layout.tp}, layout.sp = {layout.sp}")
+    if layout.sp:
+        refused.append(f"layout.sp = {layout.sp}")
     if layout.zero:
         refused.append(f"layout.zero = {layout.zero}")
     if layout.dp_mode == "overlap" and layout.dp > 1:
         refused.append("layout.dp_mode = 'overlap'")
+    if layout.ep > 1 or layout.cp > 1:
+        refused.append(f"layout.ep = {layout.ep}, layout.cp = {layout.cp}")
     if refused:
         raise ValueError(f"layout.pp = {layout.pp} with {', '.join(refused)} is not supported (see "
                          f"Config.validate for why)")
@@ -117,12 +227,18 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh) 
                          f"receives one by one, which NCCL can serialise into a deadlock between two stages "
                          f"(they need grouping into batch_isend_irecv; docs/pipeline.md); use gloo")
     plan = plan_split(model, layout.pp, layout.virtual_stages)
+    tp = None
+    if uses_tensor_parallel(layout):
+        from shardlab.parallel.pipeline.tensor_stage import tensor_parallel_for_stages
+
+        model, tp = tensor_parallel_for_stages(model, mesh, layout.tp_plan)
     stage = build_stage(model, plan, mesh.local_rank("pp"))
+    stage = apply_recompute(stage, layout)  # step 4, on this rank's copies of its blocks
     dp = None
     if layout.dp > 1:
-        dp = DataParallel(stage, mesh.group("dp"), mode=layout.dp_mode, bucket_mb=layout.bucket_mb,
+        dp = DataParallel(stage, replica_group(mesh), mode=layout.dp_mode, bucket_mb=layout.bucket_mb,
                           impl=layout.comm_impl)
-    return PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp)
+    return PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)
 
 
 # ---------------------------------------------------------------------------- whole-model views

@@ -59,6 +59,17 @@ class ModelSection:
     skip_layer_every: int = 0
     """Stress test for gradient sync: on every K-th step layer 0 is bypassed, so its parameters
     get no gradient on that step (as with LayerDrop); 0 disables."""
+    experts: int = 0
+    """GPT: experts per mixture-of-experts MLP (every block's MLP becomes one, models/moe.py); 0: dense
+    MLPs. With layout.ep > 1 they are spread over the ep ranks (docs/expert-parallel.md)."""
+    top_k: int = 2
+    """GPT with experts: experts each token is sent to (its k most probable under the router)."""
+    capacity_factor: float = 1.25
+    """GPT with experts: an expert takes at most ceil(factor x seq_len x top_k / experts) of one
+    sequence's assignments, the rest dropped (first choices, then earlier positions, kept first);
+    <= 0: no limit."""
+    aux_loss_coef: float = 0.01
+    """GPT with experts: weight of the load-balancing loss (Switch Transformer's, per sequence)."""
 
 
 @dataclass
@@ -151,8 +162,9 @@ class LayoutSection:
     'lecture' (deep MLP only: every layer d x d/tp, all-gathered after each). docs/tensor-parallel.md."""
     pp: int = 1
     """Pipeline-parallel degree: ranks that each hold a contiguous slice of the layers (a stage) and
-    pass activations forward and gradients back, microbatch by microbatch. Ranks form a pp x dp x tp
-    mesh, pp outermost; world size = dp x tp x pp. docs/pipeline.md."""
+    pass activations forward and gradients back, microbatch by microbatch. Ranks form a mesh in
+    layout.mesh_order (default pp x dp x ep x cp x tp, pp outermost); world size = pp x dp x ep x cp x tp.
+    docs/pipeline.md, docs/mesh.md."""
     schedule: str = "1f1b"
     """Pipeline schedule (layout.pp > 1): 'naive' (one microbatch at a time through the whole
     pipeline, one stage busy at a time; with m > 1 that is gradient accumulation with no overlap),
@@ -181,6 +193,26 @@ class LayoutSection:
     precision: str = "fp32"
     """'fp32', or mixed precision: 'bf16' or 'fp16' parameters, activations and gradient
     communication, with fp32 master weights and optimizer state (fp16 adds dynamic loss scaling)."""
+    cp: int = 1
+    """Context-parallel degree: ranks that each hold a share of every sequence's tokens (ring
+    attention) and take the same rows."""
+    ep: int = 1
+    """Expert-parallel degree: ranks that each hold a share of every MoE layer's experts; they take
+    different rows (the batch is split over dp x ep "batch ranks")."""
+    mesh_order: str = "pp,dp,ep,cp,tp"
+    """The mesh's axes, outermost to innermost (a permutation of pp, dp, ep, cp, tp): the innermost
+    axis's ranks are consecutive, the closest ones. The default puts tp, which talks on every layer,
+    innermost and pp, which sends one activation per microbatch, outermost. docs/mesh.md."""
+    nodes: int = 1
+    """How many nodes the ranks are on (a local launch simulates them: consecutive blocks of
+    world_size / nodes ranks); hierarchical collectives (comm_impl 'hierarchical') reduce within a node
+    first. Must divide the world size."""
+    recompute: str = "none"
+    """Activation recomputation (checkpointing), applied after tp/ep/cp and before dp/ZeRO: 'none',
+    'selective' (the attention core softmax(QK^T)V recomputed, the linear layers' outputs kept;
+    Korthikanti et al. 2022) or 'full' (each transformer block keeps only its input and is rerun in
+    backward; the deep MLP: each pair of layers). Same numbers, less memory, more compute:
+    docs/recompute.md."""
 
 
 @dataclass
@@ -292,7 +324,8 @@ class Config:
     @property
     def world_size(self) -> int:
         """Ranks this layout needs: the product of its degrees."""
-        return self.layout.dp * self.layout.tp * self.layout.pp
+        lay = self.layout
+        return lay.pp * lay.dp * lay.ep * lay.cp * lay.tp
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError listing every problem, each naming the fields and values involved.
@@ -305,8 +338,8 @@ class Config:
         problems = find_problems(self)
         if world_size is not None and world_size != self.world_size:
             degrees = " x ".join([f"layout.dp = {self.layout.dp}"]
-                                 + [f"layout.{k} = {v}" for k, v in (("tp", self.layout.tp), ("pp", self.layout.pp))
-                                    if v != 1])
+                                 + [f"layout.{k} = {getattr(self.layout, k)}" for k in ("tp", "pp", "cp", "ep")
+                                    if getattr(self.layout, k) != 1])
             problems.append(f"layout needs {self.world_size} ranks ({degrees}) but the job has world size {world_size}")
         if problems:
             raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))

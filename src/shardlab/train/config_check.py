@@ -95,7 +95,7 @@ def problems(cfg: Config) -> list[str]:
     positive("layout.tp", lay.tp)
     one_of("layout.tp_plan", lay.tp_plan, PLAN_NAMES)
     model_ok = not any(p.startswith("model.") for p in out)
-    if lay.tp > 0 and uses_tensor_parallel(lay) and lay.pp == 1:
+    if lay.tp > 0 and uses_tensor_parallel(lay):
         out += tensor_parallel_problems(cfg, model_ok)
     positive("layout.pp", lay.pp)
     one_of("layout.schedule", lay.schedule, KINDS)
@@ -105,7 +105,97 @@ def problems(cfg: Config) -> list[str]:
     elif lay.pp == 1 and lay.virtual_stages > 1:
         out.append(f"layout.virtual_stages = {lay.virtual_stages} splits each pipeline rank's layers into chunks, "
                    f"but layout.pp = 1: there is no pipeline (set layout.pp > 1 or layout.virtual_stages = 1)")
+    out += mesh_problems(cfg)
+    out += context_parallel_problems(cfg)
+    out += expert_problems(cfg)
     out += checkpoint_problems(cfg)
+    out += recompute_problems(cfg)
+    return out
+
+
+def mesh_problems(cfg: Config) -> list[str]:
+    """The mesh: cp and ep degrees, mesh_order a permutation of the five axes, nodes dividing the
+    world size, and the global batch splitting over the dp x ep batch ranks."""
+    from shardlab.parallel.layout import MESH_AXES
+
+    lay, t = cfg.layout, cfg.train
+    out: list[str] = []
+    for name in ("cp", "ep", "nodes"):
+        if getattr(lay, name) <= 0:
+            out.append(f"layout.{name} = {getattr(lay, name)} must be positive")
+    order = [a.strip() for a in lay.mesh_order.split(",")]
+    if sorted(order) != sorted(MESH_AXES):
+        out.append(f"layout.mesh_order = {lay.mesh_order!r} must name each of {', '.join(MESH_AXES)} once "
+                   f"(outermost first), e.g. {','.join(MESH_AXES)!r}")
+    world = cfg.world_size
+    if lay.nodes > 0 and world > 0 and world % lay.nodes:
+        out.append(f"layout.nodes = {lay.nodes} does not divide the world size {world} (= layout.pp x dp x ep x cp x "
+                   f"tp = {lay.pp} x {lay.dp} x {lay.ep} x {lay.cp} x {lay.tp}): every node holds the same number of ranks")
+    if lay.ep > 1 and lay.dp > 0 and t.micro_batches > 0 and t.global_batch % (lay.dp * lay.ep * t.micro_batches):
+        out.append(f"train.global_batch = {t.global_batch} is not divisible by layout.dp = {lay.dp} x layout.ep = "
+                   f"{lay.ep} x train.micro_batches = {t.micro_batches} = {lay.dp * lay.ep * t.micro_batches} "
+                   f"(the rows are split over the dp x ep batch ranks)")
+    return out
+
+
+def context_parallel_problems(cfg: Config) -> list[str]:
+    """layout.cp > 1: the GPT's sequences split in zigzag chunks over the cp ranks (parallel/context),
+    alone or with data parallelism and ZeRO; what it is not combined with yet is refused here."""
+    from shardlab.parallel.context.zigzag import split_problems
+
+    lay, m = cfg.layout, cfg.model
+    if lay.cp <= 1:
+        return []
+    where = f"layout.cp = {lay.cp}"
+    out = []
+    if m.name != "gpt":
+        out.append(f"{where} with model.name = {m.name!r}: context parallelism splits sequences, and only the gpt "
+                   f"has them")
+        return out
+    out += [f"{where}: model.{p}" for p in split_problems(m.seq_len, lay.cp)]
+    if m.dropout > 0:
+        out.append(f"{where} with model.dropout = {m.dropout}: the ring attention has no attention dropout (and no "
+                   f"split of the sequence draws the single process's masks); set model.dropout = 0")
+    if lay.pp > 1:
+        out.append(f"{where} with layout.pp = {lay.pp}: pipeline stages would pass sequence shards between ranks "
+                   f"that also run a ring; not supported yet")
+    if lay.tp > 1 or lay.sp:
+        out.append(f"{where} with layout.tp = {lay.tp}, layout.sp = {lay.sp}: the tensor-parallel GPT's forward "
+                   f"does not take the zigzag chunks' positions yet; use layout.tp = 1 without layout.sp")
+    if lay.ep > 1 or m.experts > 0:
+        out.append(f"{where} with layout.ep = {lay.ep}, model.experts = {m.experts}: the experts' capacity and "
+                   f"load-balancing loss are per whole sequence, which a rank holding part of each sequence "
+                   f"cannot compute alone; not supported yet")
+    return out
+
+
+def recompute_problems(cfg: Config) -> list[str]:
+    """layout.recompute: a known mode, and not combined with what would recompute wrongly."""
+    from shardlab.parallel.recompute import MODES as RECOMPUTE
+
+    lay, out = cfg.layout, []
+    if lay.recompute not in RECOMPUTE:
+        return [f"layout.recompute = {lay.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE))}"]
+    if lay.recompute == "none":
+        return out
+    what = f"layout.recompute = {lay.recompute!r}"
+    if cfg.model.name == "mlp" and lay.recompute == "selective":
+        out.append(f"{what} with model.name = 'mlp': selective recomputation redoes the attention core, and the "
+                   f"deep MLP has none (use 'full': its layers in checkpointed pairs)")
+    if cfg.model.name == "mlp" and lay.recompute == "full" and lay.pp == 1 and (lay.tp > 1 or lay.sp):
+        out.append(f"{what} with model.name = 'mlp' and layout.tp = {lay.tp}, layout.sp = {lay.sp}: the tensor-"
+                   f"parallel deep MLP is not supported yet (its forward differs from the plain one's)")
+    if lay.zero == 3:
+        out.append(f"{what} with layout.zero = 3: FSDP points a unit's parameters at placeholders after its "
+                   f"forward and gathers them again only through its saved-tensor hooks, which a recomputation "
+                   f"bypasses (it would read the placeholders); use layout.zero <= 2")
+    if lay.pp > 1 and lay.schedule == "zb1":
+        out.append(f"{what} with layout.schedule = 'zb1': the zero-bubble weight-gradient split is a function "
+                   f"mode active only during the forward, so a recomputation in backward would save different "
+                   f"tensors; use another schedule")
+    if lay.ep > 1 or lay.cp > 1:
+        out.append(f"{what} with layout.ep = {lay.ep}, layout.cp = {lay.cp}: recomputing the experts' all-to-all "
+                   f"or the ring attention is not verified yet")
     return out
 
 
@@ -161,10 +251,18 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
         if p * v > len(pieces):
             out.append(f"{where} x layout.virtual_stages = {v} = {p * v} chunks, but the {m.name} has only "
                        f"{len(pieces)} pieces to split ({what}): every chunk needs at least one")
-    if lay.tp > 1 or lay.sp:
-        out.append(f"{where} with layout.tp = {lay.tp}{' and layout.sp' if lay.sp else ''}: pipeline stages cut by "
-                   f"tensor parallelism need the full pp x dp x tp mesh wiring, which comes with the mesh issue "
-                   f"(issue 8); use layout.tp = 1 without layout.sp")
+    if lay.sp:
+        out.append(f"{where} with layout.sp: the hidden states between stages would be sequence shards, and the "
+                   f"stage's sequence-parallel norms sum their partial gradients per block in a forward the "
+                   f"schedule splits by microbatch; not supported yet: use layout.sp = false (tp x pp sends whole "
+                   f"activations)")
+    if (lay.tp > 1 or lay.sp) and m.name != "gpt":
+        out.append(f"{where} with layout.tp = {lay.tp}: tensor-parallel pipeline stages are built for the gpt, "
+                   f"not the {m.name}; use layout.tp = 1 or model.name = 'gpt'")
+    if lay.tp > 1 and kind == "zb1":
+        out.append(f"{where} with layout.tp = {lay.tp} and layout.schedule = 'zb1': its split backward runs a "
+                   f"layer's weight gradients apart from its input gradients, which the tensor-parallel layers' "
+                   f"backward collectives are not written for; use '1f1b', 'gpipe', 'naive' or 'interleaved'")
     if lay.zero:
         why = {1: "its sharded optimizer's gradient norm has no pipeline dimension yet, so each stage would clip "
                   "by its own norm",
@@ -236,4 +334,45 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
         name = problem.split(":", 1)[0]
         hint = next((h for key, h in hints.items() if key in name.split(".") or name == key), None)
         out.append(f"{where}, layout.tp_plan = '{lay.tp_plan}': {problem}" + (f" ({hint})" if hint else ""))
+    return out
+
+
+def expert_problems(cfg: Config) -> list[str]:
+    """Mixture of experts (model.experts) and expert parallelism (layout.ep): what the MoE and its
+    expert-parallel form support today (docs/expert-parallel.md)."""
+    m, lay, ck = cfg.model, cfg.layout, cfg.checkpoint
+    out: list[str] = []
+    if m.experts < 0:
+        out.append(f"model.experts = {m.experts} must be >= 0")
+    if lay.ep > 1 and m.experts == 0:
+        out.append(f"layout.ep = {lay.ep} spreads experts over ranks, but model.experts = 0 (dense MLPs): "
+                   f"set model.experts to a multiple of {lay.ep}")
+    if m.experts <= 0:
+        return out
+    if m.name != "gpt":
+        out.append(f"model.experts = {m.experts} is for the GPT's MLPs; model.name = {m.name!r} has none")
+    if not 1 <= m.top_k <= m.experts:
+        out.append(f"model.top_k = {m.top_k} must be between 1 and model.experts = {m.experts}")
+    if m.aux_loss_coef < 0:
+        out.append(f"model.aux_loss_coef = {m.aux_loss_coef} must be >= 0")
+    if lay.ep > 1 and m.experts % lay.ep:
+        out.append(f"model.experts = {m.experts} does not divide over layout.ep = {lay.ep} ranks (each holds "
+                   f"experts / ep of every MoE layer)")
+    # Not supported yet, each with its reason:
+    if lay.tp > 1 or lay.sp:
+        out.append(f"model.experts = {m.experts} with layout.tp = {lay.tp}, layout.sp = {lay.sp} is not supported: the "
+                   f"tensor-parallel plan has no rule for the experts and the router (the MoE MLP is not cut)")
+    if lay.pp > 1:
+        out.append(f"model.experts = {m.experts} with layout.pp = {lay.pp} is not supported: a pipeline stage's forward "
+                   f"does not add the load-balancing loss of its MoE layers to the last stage's loss")
+    # cp > 1 with experts: refused by context_parallel_problems (capacity and the loss are per sequence).
+    if lay.zero:
+        out.append(f"model.experts = {m.experts} with layout.zero = {lay.zero} is not supported: ZeRO's shards of "
+                   f"flat buckets assume every parameter is replicated over the whole data-parallel group, which "
+                   f"experts are not under layout.ep > 1 (and an expert no token reached must keep no gradient, "
+                   f"not a zero one, to take the single-process step); use layout.zero = 0")
+    if lay.ep > 1 and (ck.every or ck.resume):
+        out.append(f"layout.ep = {lay.ep} with checkpoint.every = {ck.every}, checkpoint.resume = {ck.resume!r} is not "
+                   f"supported: checkpoints record parameters by the plain model's names and do not know which ep "
+                   f"rank holds which experts yet")
     return out

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.dist.env import synchronize
-from shardlab.parallel.layout import apply_layout, build_mesh, uses_pipeline
+from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, replica_group, uses_pipeline
 from shardlab.parallel.precision import get_precision
 from shardlab.train.config import Config
 from shardlab.train.memory import MemoryTracker
@@ -44,8 +44,9 @@ def rank_device() -> torch.device:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, batches: int,
              device: torch.device, dp_group: dist.ProcessGroup | None = None) -> float:
-    """Mean loss over `batches` held-out global batches, each dp rank taking its rows (the ranks of a
-    tp group take the same rows and get the same loss: summed over dp only, not counted tp times)."""
+    """Mean loss over `batches` held-out global batches, each batch rank (dp x ep) taking its rows
+    (the ranks of a tp group take the same rows and get the same loss: averaged over `dp_group`, the
+    replicas (dp x ep x cp), not counted tp times)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -55,7 +56,7 @@ def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, bat
     model.train(was_training)
     total /= batches
     dist.all_reduce(total, group=dp_group)
-    return total.item() / dp_size
+    return total.item() / dist.get_world_size(dp_group)
 
 
 def layout_name(cfg: Config) -> str:
@@ -66,8 +67,13 @@ def layout_name(cfg: Config) -> str:
     if lay.pp > 1:
         v = f", v {lay.virtual_stages}" if lay.virtual_stages > 1 else ""
         text = f"pp {lay.pp} ({lay.schedule}, m {cfg.train.micro_batches}{v}) x " + text
+    for axis in ("ep", "cp"):
+        if getattr(lay, axis) > 1:
+            text += f" x {axis} {getattr(lay, axis)}"
     if lay.tp > 1 or lay.sp:
         text += f" x tp {lay.tp}{' + sp' if lay.sp else ''} ({lay.tp_plan})"
+    if lay.nodes > 1:
+        text += f" on {lay.nodes} nodes"
     return text + ("" if lay.precision == "fp32" else f", {lay.precision}")
 
 
@@ -83,9 +89,10 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     task = build_task(cfg, plain)
     n_params = sum(p.numel() for p in plain.parameters())
     mesh = build_mesh(lay)
-    dp_rank, dp_group = mesh.local_rank("dp"), mesh.group("dp")
-    # Each dp rank's loss, counted once: the ranks of a tp group and the stages of a pipeline all hold it.
-    dp_leaders = [mesh.rank_of({"pp": 0, "dp": i, "tp": 0}) for i in range(lay.dp)]
+    # Rows split over the dp x ep batch ranks; dense gradients and losses averaged over dp x ep x cp.
+    (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
+    # Each replica's loss, counted once: the ranks of a tp group and the stages of a pipeline all hold it.
+    dp_leaders = [r for r in range(world) if mesh.coords(r)["pp"] == 0 and mesh.coords(r)["tp"] == 0]
     model = apply_layout(plain, lay, mesh)
     split = model.stage.plan.describe() if uses_pipeline(lay) else None
     del plain  # a pipeline stage holds copies of its layers: the whole model is not kept
@@ -108,6 +115,9 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         print(f"{cfg.model.name}: {n_params:,} parameters | {world} rank(s), {layout_name(cfg)} | "
               f"global batch {t.global_batch} x {task.tokens_per_row} tokens | {t.steps} steps | "
               f"writing {out_dir}/", flush=True)
+        if world > 1:
+            print(f"mesh ({' x '.join(f'{n} {s}' for n, s in zip(mesh.names, mesh.sizes))}, outermost first):\n"
+                  + mesh.describe(), flush=True)
         if split:
             print(split, flush=True)
         if resumed:
@@ -126,7 +136,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             tracker.__enter__()
         try:
             res = train_step(
-                model, optimizer, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=lay.dp,
+                model, optimizer, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=dp_size,
                 micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
                 skip_layer_every=cfg.model.skip_layer_every, device=device, on_nonfinite=cfg.optim.on_nonfinite,
             )
@@ -155,6 +165,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             "step_s": step_s,
             "tokens_per_s": tokens_per_step / step_s,
             "comm_wait_share": (stats[:, 2] / stats[:, 1]).mean().item(),
+            "comm_wait_share_per_rank": (stats[:, 2] / stats[:, 1]).tolist(),
             "memory_traced": tracker is not None,
             "peak_mem_bytes": [int(v) for v in stats[:, 3].tolist()] if tracker is not None else None,
             "window_step_s": shown_s or step_s,
@@ -169,7 +180,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             window = []
         if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1:
             # Through the wrapper, not the plain module: a layout that shards parameters gathers them in forward.
-            rec["val_loss"] = evaluate(model, task, dp_rank, lay.dp, t.eval_batches, device, dp_group)
+            rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
         records.append(rec)
         if writer is not None:
             writer.write(rec)
@@ -200,6 +211,11 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     summary = _finish(cfg, sample, records, steady + window, wall, tokens_per_step, out_dir)
     if resumed:
         summary["resumed_from"] = resumed
+    # Where every rank sat and what it paid: its mesh coordinates, peak memory, communication share.
+    shares = [r["comm_wait_share_per_rank"] for r in records]
+    summary["ranks"] = [{"rank": r, "coords": mesh.coords(r), "node": mesh.node_of(r),
+                         "peak_mem_bytes": summary["peak_mem_bytes"][r] if summary["peak_mem_bytes"] else None,
+                         "comm_wait_share": sum(s[r] for s in shares) / len(shares)} for r in range(world)]
     return summary
 
 

@@ -37,7 +37,8 @@ def build_model(m: ModelSection) -> nn.Module:
         GPTConfig(
             vocab_size=VOCAB_SIZE, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
             n_kv_head=m.n_kv_head or None, d_model=m.d_model, d_ff=m.d_ff or None, rotary=m.rotary,
-            tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias,
+            tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias, n_experts=m.experts, top_k=m.top_k,
+            capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef,
         )
     )
 

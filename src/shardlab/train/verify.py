@@ -3,6 +3,7 @@
     shardlab verify --model gpt --dp 2 --json v.json
     shardlab verify --model gpt --dp 2 --tp 2 --sp        # 4 ranks
     shardlab verify --model gpt --pp 2 --schedule 1f1b --microbatches 4
+    shardlab verify --model gpt --cp 2                    # every sequence split over 2 ranks (ring attention)
 
 Every rank builds the model from the run's seed and keeps an untouched copy as the single-process
 reference. Then, for K steps, the layout trains on its ranks' shares of each global batch while the
@@ -31,7 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardlab.parallel.layout import apply_layout, build_mesh, full_gradients, full_parameters, uses_tensor_parallel
+from shardlab.parallel.layout import (
+    apply_layout, batch_rank, build_mesh, full_gradients, full_parameters, replica_group, uses_tensor_parallel,
+)
 from shardlab.parallel.precision import get_precision
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
@@ -69,7 +72,7 @@ def verify_base(cfg: Config) -> list[str]:
     base = list(VERIFY_BASE)
     if cfg.layout.precision != "fp32":
         base += MIXED_VERIFY_BASE
-    rows = cfg.layout.dp * cfg.train.micro_batches
+    rows = cfg.layout.dp * cfg.layout.ep * cfg.train.micro_batches
     if rows > 0 and 12 % rows:
         base.append(f"train.global_batch={rows * math.ceil(12 / rows)}")
     chunks = cfg.layout.pp * cfg.layout.virtual_stages
@@ -146,7 +149,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     reference = copy.deepcopy(plain)
     task = build_task(cfg, plain)
     mesh = build_mesh(cfg.layout)
-    dp_rank, dp_group = mesh.local_rank("dp"), mesh.group("dp")
+    (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
     model = apply_layout(plain, cfg.layout, mesh)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     ref_opt = make_optimizer(reference, cfg.optim, cfg.layout.precision)
@@ -168,7 +171,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         captured: dict[str, dict[str, torch.Tensor | None]] = {}
         # fp16: gradients are held multiplied by the loss scale; they are compared divided by it.
         scales = (getattr(opt, "loss_scale", 1.0), getattr(ref_opt, "loss_scale", 1.0))
-        res = train_step(model, opt, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=cfg.layout.dp,
+        res = train_step(model, opt, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=dp_size,
                          micro_batches=t.micro_batches,
                          # Sharded gradients are gathered whole for the comparison.
                          before_update=lambda: captured.update(par=_unscaled(full_gradients(model), scales[0])),
@@ -199,10 +202,11 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
             gap["loss"] = max(gap["loss"], abs(ref.loss - ex.loss))
             if math.isfinite(ref.grad_norm) and math.isfinite(ex.grad_norm):
                 gap["norm"] = max(gap["norm"], abs(ref.grad_norm - ex.grad_norm))
-        # The mean over dp ranks (a tp group's ranks each hold their rows' loss: not summed again).
+        # The mean over the replicas, dp x ep x cp (a tp group's ranks each hold their rows' loss: not
+        # summed again; cp ranks each their tokens' mean, of equal counts).
         loss = torch.tensor([res.loss], dtype=torch.float64, device=device)  # nccl reduces device tensors only
         dist.all_reduce(loss, group=dp_group)
-        loss_par = loss.item() / cfg.layout.dp
+        loss_par = loss.item() / dist.get_world_size(dp_group)
         grad_abs, grad_rel, grad_used, grad_name = _worst(
             [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]], 0.0, grad_tol,
             {n: mp_factor * g for n, g in grad_gap.items()})
@@ -260,7 +264,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                    "tp": cfg.layout.tp, "sp": cfg.layout.sp, "tp_plan": cfg.layout.tp_plan,
                    "comm_impl": cfg.layout.comm_impl, "micro_batches": t.micro_batches,
                    "precision": cfg.layout.precision, "pp": cfg.layout.pp, "schedule": cfg.layout.schedule,
-                   "virtual_stages": cfg.layout.virtual_stages},
+                   "virtual_stages": cfg.layout.virtual_stages, "ep": cfg.layout.ep, "cp": cfg.layout.cp,
+                   "mesh_order": cfg.layout.mesh_order},
         "model": cfg.model.name,
         "world_size": world,
         "steps": t.steps,
@@ -301,6 +306,7 @@ def format_report(report: dict[str, Any]) -> str:
     pp = lay.get("pp", 1)
     v = lay.get("virtual_stages", 1)
     pipeline = f"pp {pp} ({lay.get('schedule')}{f', v {v}' if v > 1 else ''}) x " if pp > 1 else ""
+    tensor = "".join(f" x {a} {lay[a]}" for a in ("ep", "cp") if lay.get(a, 1) > 1) + tensor
     lines = [
         f"verify {report['model']}: {pipeline}dp {lay['dp']} "
         f"({'ZeRO-' + str(lay['zero']) if lay['zero'] else lay['dp_mode']}, {lay['comm_impl']}){tensor}, "

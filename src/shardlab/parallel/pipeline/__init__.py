@@ -13,7 +13,8 @@ Files: actions.py (the vocabulary), schedules.py (naive, GPipe, 1F1B, interleave
 receives each implies), zero_bubble.py (ZB-H1), check.py (simulation: deadlock proof and timing),
 partition.py and stages.py (the split), splitgrad.py (backward split into BI and BW), executor.py,
 params.py (tied copies, gathering by original name), model.py (a stage packaged for the trainer:
-PipelineParallel, its forward-only pass and StageOptimizer), timeline.py and gantt.py (traces and charts),
+PipelineParallel, its forward-only pass and StageOptimizer), tensor_stage.py (stages cut by tensor
+parallelism: tp x pp), timeline.py and gantt.py (traces and charts),
 measure.py (bubble and activation memory of real runs). See docs/pipeline.md.
 """
 

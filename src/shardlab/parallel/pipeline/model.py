@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
-from shardlab.parallel.gradnorm import PipelineSharding, global_grad_norm
+from shardlab.parallel.gradnorm import PipelineSharding, TensorSharding, global_grad_norm
 from shardlab.parallel.optim import PieceOptimizer, WholeLayout, param_groups, unique_trainable
 from shardlab.parallel.pipeline.executor import PipelineExecutor
 from shardlab.parallel.pipeline.params import TIED_TAG, gather_gradients, gather_parameters, stage_sharding
@@ -89,23 +89,25 @@ class StageOptimizer(PieceOptimizer):
     """One stage's optimizer: optim.py's PieceOptimizer over the stage's whole parameters (fp32
     masters for 16-bit ones, fp16 loss scaling and overflow skips), with the gradient norm of the
     whole model: this stage's squares, tied copies counted by their owner only, summed over the
-    pipeline group (parallel/gradnorm.py). Data-parallel replicas of a stage hold equal gradients
-    after their sync, so no dp reduction enters the norm."""
+    pipeline group (parallel/gradnorm.py); under tensor parallelism (`tp`) the squares of the
+    stage's shards are summed over its tp group first. Data-parallel replicas of a stage hold equal
+    gradients after their sync, so no dp reduction enters the norm."""
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], pp: PipelineSharding, *,
-                 loss_scaler: LossScaler | None = None, **optimizer_kwargs: Any) -> None:
+                 tp: TensorSharding | None = None, loss_scaler: LossScaler | None = None,
+                 **optimizer_kwargs: Any) -> None:
         groups = param_groups(params)
         super().__init__(groups, optimizer_cls, WholeLayout(unique_trainable(groups)), loss_scaler=loss_scaler,
                          **optimizer_kwargs)
-        self.pp = pp
+        self.pp, self.tp = pp, tp
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (unscaled), the same on every stage: a collective over pp."""
         device = self.layout.params[0].device if self.layout.params else None
-        grads = ((pc.tensor.grad, False, False) for pc in self.pieces
+        grads = ((pc.tensor.grad, False, self.tp is not None and self.tp.cuts(pc.param)) for pc in self.pieces
                  if pc.tensor.grad is not None and self.pp.counts(pc.param))
-        self._norm = global_grad_norm(grads, device, pp=self.pp) / self.loss_scale
+        self._norm = global_grad_norm(grads, device, tp=self.tp, pp=self.pp) / self.loss_scale
         return self._norm.to(torch.float32)
 
 
@@ -113,10 +115,11 @@ class PipelineParallel(nn.Module):
     """This rank's stage of a pipeline over `group`, trained by the schedule `kind` (schedules.KINDS;
     the stage's plan gives the stages and the virtual chunks per rank), with `data_parallel` (a
     DataParallel wrapping the same stage) over its replicas. The microbatch count is the step's:
-    a schedule is made and checked the first time each count is asked for."""
+    a schedule is made and checked the first time each count is asked for. `tp_group`: the stage's
+    layers are tensor-parallel over it (pipeline/tensor_stage.py); whole views gather over it too."""
 
     def __init__(self, stage: PipelineStage, kind: str, group: dist.ProcessGroup | None = None,
-                 *, data_parallel: nn.Module | None = None) -> None:
+                 *, data_parallel: nn.Module | None = None, tp_group: dist.ProcessGroup | None | bool = False) -> None:
         super().__init__()
         if data_parallel is not None and getattr(data_parallel, "module", None) is not stage:
             raise ValueError("data_parallel must wrap this pipeline's stage")
@@ -125,6 +128,9 @@ class PipelineParallel(nn.Module):
         self.module = stage  # as wrappers keep theirs: train_step and the layout views find it here
         self.data_parallel = data_parallel
         self.kind, self.group = kind, group
+        # False: no tensor parallelism (None is a group: the default one, when tp spans the world). Not
+        # "tp_group": that attribute marks a whole tensor-parallel model (find_tensor_parallel).
+        self.stage_tp_group = tp_group
         self.runners: dict[int, PipelineExecutor] = {}
         self.comm_wait_s = 0.0
         self.last_events: list = []
@@ -165,11 +171,21 @@ class PipelineParallel(nn.Module):
         """How this stage's gradients enter the whole model's norm (parallel/gradnorm.py)."""
         return stage_sharding(self.module, self.group)
 
+    def tensor_sharding(self) -> TensorSharding | None:
+        """Which of the stage's parameters are cut over its tp group (None: no tensor parallelism)."""
+        if self.stage_tp_group is False:
+            return None
+        from shardlab.parallel.pipeline.tensor_stage import stage_tensor_sharding
+
+        return stage_tensor_sharding(self.module, self.stage_tp_group)
+
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], *,
                         tp: Any = None, **optimizer_kwargs: Any) -> StageOptimizer:
+        # `tp` is what the trainer found outside the pipeline (nothing: the stage's tensor
+        # parallelism is inside it, and known here).
         if tp is not None:
-            raise ValueError("a pipeline stage cut by tensor parallelism is not supported yet (issue 8)")
-        return StageOptimizer(params, optimizer_cls, self.sharding(), **optimizer_kwargs)
+            raise ValueError("a pipeline's tensor parallelism is applied inside its stages, not around them")
+        return StageOptimizer(params, optimizer_cls, self.sharding(), tp=self.tensor_sharding(), **optimizer_kwargs)
 
     def skip_first_layer(self) -> Callable[[], None]:
         """Bypass the model's layer 0 on the rank holding it (its output becomes its input) until
@@ -186,9 +202,12 @@ class PipelineParallel(nn.Module):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the whole model by its original name, on every stage (gathered over
         the pipeline group: for verification, not the training loop)."""
-        return self._on_device(gather_parameters(self.module, self.group))  # type: ignore[return-value]
+        return self._on_device(gather_parameters(self.module, self.group, self._tp()))  # type: ignore[return-value]
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient by original name (None where it has none; tied copies already
         summed), once the gradients are final: data-parallel gradients are whole after their sync."""
-        return self._on_device(gather_gradients(self.module, self.group))
+        return self._on_device(gather_gradients(self.module, self.group, self._tp()))
+
+    def _tp(self) -> Any:
+        return None if self.stage_tp_group is False else (self.stage_tp_group,)

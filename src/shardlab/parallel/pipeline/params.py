@@ -65,23 +65,32 @@ def clip_grad_norm_(stage: PipelineStage, max_norm: float, group: dist.ProcessGr
     return clip_whole_grads_(params, max_norm, pp=stage_sharding(stage, group))
 
 
-def _gather(stage: PipelineStage, group: dist.ProcessGroup | None, grads: bool) -> dict[str, torch.Tensor | None]:
+def _gather(stage: PipelineStage, group: dist.ProcessGroup | None, grads: bool,
+            tp: tuple | None = None) -> dict[str, torch.Tensor | None]:
     local = {}
     for name, p in stage.stage_named_parameters():
         if stage.owns(name):
             t = p.grad if grads else p
-            local[name] = None if t is None else t.detach().cpu().clone()
+            local[name] = None if t is None else t.detach().clone()
+    if tp is not None:  # (tp_group,): the stage's tensor-parallel shards made whole first
+        from shardlab.parallel.pipeline.tensor_stage import whole_over_tp
+
+        local = whole_over_tp(stage, local, tp[0])
+    local = {n: None if t is None else t.cpu() for n, t in local.items()}
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, local, group=group)
     merged = {k: v for part in parts for k, v in part.items()}
     return {name: merged[name] for name in stage.all_names if name in merged}
 
 
-def gather_parameters(stage: PipelineStage, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Every parameter of the whole model on every rank, keyed and ordered as model.named_parameters()."""
-    return _gather(stage, group, grads=False)  # type: ignore[return-value]
+def gather_parameters(stage: PipelineStage, group: dist.ProcessGroup | None = None,
+                      tp: tuple | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter of the whole model on every rank, keyed and ordered as model.named_parameters();
+    `tp` = (tp_group,) when the stage is tensor-parallel (its shards are gathered whole over it)."""
+    return _gather(stage, group, grads=False, tp=tp)  # type: ignore[return-value]
 
 
-def gather_gradients(stage: PipelineStage, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor | None]:
+def gather_gradients(stage: PipelineStage, group: dist.ProcessGroup | None = None,
+                     tp: tuple | None = None) -> dict[str, torch.Tensor | None]:
     """Every parameter's gradient (None where it has none), like gather_parameters."""
-    return _gather(stage, group, grads=True)
+    return _gather(stage, group, grads=True, tp=tp)

@@ -198,6 +198,10 @@ def _make_chunk(model: nn.Module, plan: SplitPlan, c: int, memo: dict) -> nn.Mod
     all_modules = dict(model.named_modules())
     # One deepcopy memo per rank: a weight tied between two pieces stays one Parameter on a rank.
     modules = {path: copy.deepcopy(all_modules[path], memo) for i in plan.chunk_range(c) for path in plan.paths[i]}
+    if isinstance(model, GPT) and hasattr(model, "tp_group"):  # converted by tensor parallelism first
+        from shardlab.parallel.pipeline.tensor_stage import TensorParallelGPTChunk
+
+        return TensorParallelGPTChunk(model, modules, model.tp_group)
     if isinstance(model, GPT):
         return GPTChunk(model, modules)
     return MLPChunk(model, modules, last=c == plan.chunks - 1)

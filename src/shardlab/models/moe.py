@@ -1,0 +1,142 @@
+"""A mixture-of-experts MLP in plain PyTorch (no parallelism): a top-k router, a capacity per
+expert, the Switch Transformer's load-balancing loss.
+
+Each token's router logits (a linear map d -> E, no bias) go through a softmax in fp32; the token is
+sent to its k most probable experts, and their outputs are summed weighted by those probabilities
+as they are, not renormalised over the k (Switch Transformer and GShard's top-1 term; Mixtral
+renormalises). With k = 1 a renormalised weight would be 1 and the router would learn from the
+auxiliary loss alone; unnormalised, the task loss reaches it too.
+
+Capacity and the auxiliary loss are defined per *sequence* (one row of the batch), so that they do
+not depend on how the batch is cut across ranks or micro-batches: an expert takes at most
+C = ceil(capacity_factor x t x k / E) of one sequence's t x k assignments (capacity_factor <= 0:
+no limit). Assignments beyond C are dropped deterministically, first choices before second ones and
+earlier positions before later ones (GShard's priority); a dropped assignment contributes nothing,
+and a token whose every assignment is dropped passes through on the residual stream alone.
+Per-batch capacity (Switch) would make the expert-parallel run differ from the one-process one,
+which would see a batch ep times larger. The load-balancing loss (Fedus et al. 2021, eq. 4) is
+likewise per sequence, averaged over the rows: aux = coef x mean_rows(E x sum_e f_e P_e), f_e the
+share of the row's t x k assignments (before dropping) that chose e, P_e the mean router
+probability of e over the row's tokens; 1 x coef when balanced. A rank's loss is then a mean over
+its own rows, like the cross-entropy, and the ranks' mean is the whole batch's.
+
+`route` and `combine` are module functions so that the expert-parallel MoE (parallel/expert/)
+runs exactly this routing and this weighted sum, with only the experts' part in between moved.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Expert(nn.Module):
+    """One expert: the GPT's MLP (d -> d_ff -> d, GELU). Its second matrix is named `proj`, so the
+    GPT's scaled init of residual projections applies to it as to the dense MLP."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_ff, bias=bias)
+        self.proj = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+@dataclass
+class Routing:
+    """Where one batch's kept assignments go, sorted by expert (stably: within an expert, by row,
+    then choice, then position): token `token[i]` (index into the flattened b x t tokens) goes to
+    expert `expert[i]` with weight `weight[i]`; `counts[e]` assignments go to expert e."""
+
+    token: torch.Tensor    # (n,) int64
+    expert: torch.Tensor   # (n,) int64
+    weight: torch.Tensor   # (n,) fp32, differentiable (the router's gradient path)
+    counts: torch.Tensor   # (E,) int64
+    aux_loss: torch.Tensor  # scalar: coef x the load-balancing loss, averaged over rows
+    dropped: int           # assignments over capacity
+
+
+def capacity(t: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Assignments one expert takes from one sequence of t tokens (t x k when unlimited)."""
+    if capacity_factor <= 0:
+        return t * top_k
+    return max(1, math.ceil(capacity_factor * t * top_k / n_experts))
+
+
+def route(router: nn.Linear, x: torch.Tensor, top_k: int, capacity_factor: float, aux_loss_coef: float) -> Routing:
+    """Route the (b, t, d) tokens `x` (see the module docstring for the rules)."""
+    b, t, _ = x.shape
+    n_experts = router.out_features
+    probs = F.softmax(router(x).float(), dim=-1)                          # (b, t, E)
+    weight, chosen = probs.topk(top_k, dim=-1)                            # (b, t, k)
+    # Priority order within a row: choice-major, then position (first choices are kept first).
+    chosen_bkt = chosen.transpose(1, 2).reshape(b, top_k * t)             # (b, k t)
+    onehot = F.one_hot(chosen_bkt, n_experts)                             # (b, k t, E)
+    slot = (onehot.cumsum(dim=1) - 1).gather(2, chosen_bkt.unsqueeze(2)).squeeze(2)  # place in its expert's queue
+    keep = slot < capacity(t, n_experts, top_k, capacity_factor)
+    # Load balancing per row: share of assignments f (before dropping) and mean probability P.
+    f = onehot.float().mean(dim=1)                                        # (b, E), sums to 1 per row
+    p_mean = probs.mean(dim=1)                                            # (b, E)
+    aux = aux_loss_coef * n_experts * (f * p_mean).sum(dim=1).mean()
+    token = (torch.arange(b, device=x.device).unsqueeze(1) * t
+             + torch.arange(t, device=x.device).repeat(top_k).unsqueeze(0)).expand(b, top_k * t)
+    flat_keep = keep.reshape(-1)
+    expert = chosen_bkt.reshape(-1)[flat_keep]
+    order = torch.sort(expert, stable=True).indices
+    return Routing(
+        token=token.reshape(-1)[flat_keep][order],
+        expert=expert[order],
+        weight=weight.transpose(1, 2).reshape(-1)[flat_keep][order],
+        counts=torch.bincount(expert, minlength=n_experts),
+        aux_loss=aux,
+        dropped=int((~keep).sum()),
+    )
+
+
+def run_experts(experts: list[nn.Module], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Expert i applied to the next counts[i] rows of `rows`, in order. An expert with no rows is not
+    called (its parameters get no gradient, as in a process that never routed to it); the result is
+    always built from `rows`, so the autograd graph reaches `rows` even when every count is 0."""
+    outs, start = [], 0
+    for expert, n in zip(experts, counts):
+        if n:
+            outs.append(expert(rows[start:start + n]))
+        start += n
+    return torch.cat(outs) if outs else rows[:0]
+
+
+def combine(y: torch.Tensor, routing: Routing, n_tokens: int) -> torch.Tensor:
+    """The (n_tokens, d) output: each kept assignment's expert output times its weight, summed per
+    token in the routing's order (tokens with no kept assignment get zeros)."""
+    out = y.new_zeros(n_tokens, y.shape[-1])
+    return out.index_add(0, routing.token, y * routing.weight.to(y.dtype).unsqueeze(1))
+
+
+class MoE(nn.Module):
+    """A drop-in for the GPT's MLP: (b, t, d) -> (b, t, d). After each forward `aux_loss` holds the
+    load-balancing term (already times its coefficient) for the model to add to its loss, and
+    `dropped` the assignments over capacity."""
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, capacity_factor: float = 1.25,
+                 aux_loss_coef: float = 0.01, bias: bool = True) -> None:
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k = {top_k} must be between 1 and n_experts = {n_experts}")
+        self.n_experts, self.top_k = n_experts, top_k
+        self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d_model, d_ff, bias) for _ in range(n_experts))
+        self.aux_loss: torch.Tensor | None = None
+        self.dropped = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        r = route(self.router, x, self.top_k, self.capacity_factor, self.aux_loss_coef)
+        self.aux_loss, self.dropped = r.aux_loss, r.dropped
+        y = run_experts(list(self.experts), x.reshape(b * t, d)[r.token], r.counts.tolist())
+        return combine(y, r, b * t).view(b, t, d)

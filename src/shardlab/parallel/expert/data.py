@@ -1,0 +1,138 @@
+"""Data parallelism around an expert-parallel model: two kinds of parameters, two groups.
+
+A dense parameter (attention, norms, embeddings, routers) is whole on every rank of the
+("dp", "ep", "cp") replica group, and each of those ranks sees other tokens: its gradient is
+averaged over that group, as plain data parallelism does (every rank's loss is the mean over an
+equal number of its own tokens, so the mean of the ranks' gradients is the whole batch's).
+
+An expert lives on one ep rank, replicated over ("dp", "cp") only. Its local gradient already
+holds the contributions of every ep rank's tokens, brought back by the combine all-to-all's
+backward, but each of them as the gradient of *that* rank's mean loss; the whole batch's loss is
+the mean over all dp x ep x cp ranks. So its gradient is the sum over ("dp", "cp") divided by
+dp x ep x cp: the average over its replicas, divided by ep.
+
+    model = ExpertDataParallel(convert_expert_parallel(gpt, ep_group, dp_cp_group), replica_group)
+
+Each kind gets its own DataParallel (parallel/data.py, `params=`): same modes, buckets and
+overlap. The global gradient norm counts an expert's square on its ep rank only, so the optimizer
+is told the experts are cut over the ep group (`build_optimizer`: gradnorm.py sums such squares
+over the group, as it does for tensor-parallel shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardlab import comm
+from shardlab.comm.dispatch import Group
+from shardlab.parallel.buckets import trainable_params
+from shardlab.parallel.data import DataParallel
+from shardlab.parallel.expert.layer import expert_layers, expert_parameters
+from shardlab.parallel.gradnorm import TensorSharding
+
+
+class ExpertDataParallel(nn.Module):
+    """Wrap an expert-parallel `module`: dense gradients averaged over `group` (the replica group
+    dp x ep x cp), expert gradients summed over the experts' replicas and divided by `group`'s size.
+    mode, bucket_mb, impl: as DataParallel's."""
+
+    def __init__(self, module: nn.Module, group: Group = None, *, mode: str = "bucketed", bucket_mb: float = 25.0,
+                 impl: str = comm.TORCH) -> None:
+        super().__init__()
+        layers = expert_layers(module)
+        if not layers:
+            raise ValueError("ExpertDataParallel needs an expert-parallel model (convert_expert_parallel)")
+        self.module = module
+        self.ep_group, self.ep = layers[0].group, layers[0].ep
+        experts = expert_parameters(module)
+        expert_ids = {id(p) for p in experts}
+        dense = [p for p in trainable_params(module) if id(p) not in expert_ids]
+        self.replicas = dist.get_world_size(group)
+        kw: dict[str, Any] = dict(mode=mode, bucket_mb=bucket_mb, impl=impl)
+        # In a tuple, not as attributes: submodules would list the model's parameters twice more.
+        self._wrappers = (DataParallel(module, group, params=dense, **kw),
+                          DataParallel(module, layers[0].expert_replicas, params=experts, average=False, **kw))
+        self._expert_params = [p for p in experts if p.requires_grad]
+        self._sharding = TensorSharding(self.ep_group, self.ep, frozenset(expert_ids))
+        self._sync = True
+
+    @property
+    def _dense(self) -> DataParallel:
+        return self._wrappers[0]
+
+    @property
+    def _experts(self) -> DataParallel:
+        return self._wrappers[1]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self._dense.no_sync(), self._experts.no_sync():
+            previous, self._sync = self._sync, False
+            try:
+                yield
+            finally:
+                self._sync = previous
+
+    @torch.no_grad()
+    def finish_gradient_sync(self) -> None:
+        self._dense.finish_gradient_sync()
+        self._experts.finish_gradient_sync()
+        if self._sync:
+            for p in self._expert_params:
+                if p.grad is not None:
+                    p.grad.div_(self.replicas)
+
+    sync_gradients = finish_gradient_sync
+
+    @property
+    def comm_wait_s(self) -> float:
+        return self._dense.comm_wait_s + self._experts.comm_wait_s
+
+    @comm_wait_s.setter
+    def comm_wait_s(self, value: float) -> None:
+        self._dense.comm_wait_s = value
+        self._experts.comm_wait_s = 0.0
+
+    def build_optimizer(self, groups: list[dict], optimizer_cls: type[torch.optim.Optimizer], *, tp: Any = None,
+                        **kwargs: Any) -> torch.optim.Optimizer:
+        """The unsharded optimizer (parallel/optim.py) told that experts are cut over the ep group,
+        so the global gradient norm sums their squares over it and counts dense ones once."""
+        from shardlab.parallel.optim import MixedPrecisionOptimizer
+
+        if tp is not None:
+            raise ValueError("expert parallelism with tensor parallelism is not supported (layout.ep > 1 with "
+                             "layout.tp > 1): the gradient norm would need both groups")
+        return MixedPrecisionOptimizer(groups, optimizer_cls, tp=self._sharding, **kwargs)
+
+    # ------------------------------------------------------------------- whole-model views
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter by the plain model's names, each ep rank's experts gathered: a collective."""
+        return self._whole({n: p.detach().clone() for n, p in self.module.named_parameters()})
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        return self._whole({n: None if p.grad is None else p.grad.detach().clone()
+                            for n, p in self.module.named_parameters() if p.requires_grad})
+
+    def _whole(self, local: dict[str, Any]) -> dict[str, Any]:
+        """`local` (by name) with every ep rank's experts added: one all_gather_object over the ep
+        group (verification and inspection only, not the training path)."""
+        params = dict(self.module.named_parameters())
+        mine = {n: None if t is None else t.cpu() for n, t in local.items() if id(params[n]) in self._sharding.sharded}
+        everyone: list[Any] = [None] * self.ep
+        dist.all_gather_object(everyone, mine, group=self.ep_group)
+        device = next(self.module.parameters()).device
+        out = dict(local)
+        for part in everyone:
+            out.update({n: None if t is None else t.to(device) for n, t in part.items()})
+        return out

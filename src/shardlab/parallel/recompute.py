@@ -1,0 +1,175 @@
+"""Activation recomputation (checkpointing): keep fewer activations for backward, redo forward work.
+
+    model = apply_recompute(model, "full")        # each GPT block keeps only its input
+    model = apply_recompute(model, "selective")   # each attention core is recomputed (Korthikanti 2022)
+
+Backward needs what forward computed: autograd keeps, per GPT block, the inputs of every matmul, of
+the norms, of GELU, the attention's saved tensors and dropout masks. Recomputation trades that
+memory for compute (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"; Korthikanti et
+al. 2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198, sec. 5):
+
+  full        each transformer block runs under torch.utils.checkpoint: forward keeps only the block's
+              input (and its rotary tables, shared); backward reruns the block's forward first, then
+              its backward. One extra forward of every block: ~ +33% of the model's FLOPs.
+              The deep MLP: each pair of layers (matmul, GELU, matmul, GELU) is one segment.
+  selective   only the attention core, softmax(Q K^T) V with its mask and dropout
+              (CausalSelfAttention.attend), is recomputed; the linear layers' outputs are kept. The
+              core's s x s tensors are most of a layer's activations at long sequences and its FLOPs
+              a small part of the layer's, hence the paper's choice. If the attention kernel keeps no
+              s x s tensor (a fused, flash-style kernel: torch's CPU SDPA without dropout), selective
+              saves only the kernel's own output and log-sum-exp: docs/recompute.md measures both.
+
+Both use torch.utils.checkpoint with use_reentrant=False: it restores the CPU (and CUDA) random
+state before recomputing, so dropout draws the same masks again (tests/test_recompute.py checks it
+bit for bit), and it recomputes lazily, when backward first needs a saved tensor of the segment.
+
+How: the modules' classes are swapped in place for subclasses that wrap forward (a Block) or attend
+(an attention), as tensor parallelism swaps its own; parameter names do not change, so checkpoints,
+verify and the data-parallel wrappers see the same model. The subclasses find their targets by type,
+so they work on the plain GPT, its tensor-parallel form (HeadParallelAttention is a
+CausalSelfAttention; the Blocks keep their class) and a pipeline stage's chunks (copies of the
+blocks). Recomputation reruns a tensor-parallel block's forward collectives in backward, in the same
+order on every rank of the group. The rerun's own graph is discarded: backward runs the forward's
+graph and takes from the rerun only the tensors autograd saved, matched one by one in order. So the
+rerun need only save the same values: under sequence parallelism the block's SumScope (opened by the
+model's forward) is closed by then, and its parameters come through copy_to_group one by one instead
+of as views of one vector, the same values (copy_to_group's forward is the identity and saves
+nothing; the sequence-parallel dropout test checks the result bit for bit).
+
+Not supported (train/config_check.py refuses them before launch, naming why): ZeRO-3 (FSDP points a
+unit's parameters at placeholders after its forward; a recomputation would read those), the
+zero-bubble schedule (its weight-gradient split is a function mode active only in the forward), and,
+until verified, expert and context parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from shardlab.models.gpt import Block, CausalSelfAttention
+from shardlab.models.mlp import DeepMLP
+from shardlab.parallel.pipeline.stages import MLPChunk
+
+MODES = ("none", "selective", "full")
+
+
+class RecomputedBlock:
+    """Mixed in before a transformer block's class: its forward runs under checkpoint."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        inner = super(RecomputedBlock, self).forward  # the block's own forward
+        if not torch.is_grad_enabled():  # evaluation, sampling: nothing is saved anyway
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+
+class SelectiveAttention:
+    """Mixed in before an attention's class: its attention core (attend) runs under checkpoint;
+    the projections around it keep their outputs as usual."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        inner = super(SelectiveAttention, self).attend
+        if not torch.is_grad_enabled():
+            return inner(q, k, v)
+        return checkpoint(inner, q, k, v, use_reentrant=False)
+
+
+def _pair(x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
+    for layer in layers:
+        x = F.gelu(layer(x))
+    return x
+
+
+def _recomputed_layers(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
+    """The deep MLP's body, x -> gelu(layer(x)) for each layer, checkpointed two layers at a time
+    (the last one alone when their number is odd): forward keeps one activation per pair."""
+    if not torch.is_grad_enabled():
+        return _pair(x, *layers)
+    for i in range(0, len(layers), 2):
+        x = checkpoint(_pair, x, *layers[i:i + 2], use_reentrant=False)
+    return x
+
+
+class RecomputedDeepMLP(DeepMLP):
+    """The plain deep MLP (models/mlp.py) with its layers run in checkpointed pairs; the same
+    arithmetic as DeepMLP.forward, whose loop is the one thing replaced."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = _recomputed_layers(x.to(self.layers[0].weight.dtype), list(self.layers))
+        if targets is None:
+            return x
+        return F.mse_loss(x.float(), targets.float())
+
+
+class RecomputedMLPChunk(MLPChunk):
+    """A pipeline stage's chunk of the deep MLP (pipeline/stages.py), its layers in checkpointed pairs."""
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        layers = list(self.layers.values())
+        x = _recomputed_layers(x.to(layers[0].weight.dtype), layers)
+        if not self.last or targets is None:
+            return x
+        return F.mse_loss(x.float(), targets.float())
+
+
+_MLP_FORMS = {DeepMLP: RecomputedDeepMLP, MLPChunk: RecomputedMLPChunk}
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _swap(module: nn.Module, mixin: type) -> None:
+    """Give `module` the class (mixin, its class), made once per pair; parameters untouched."""
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return  # already recomputed: applying twice changes nothing
+    key = (mixin, cls)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"{mixin.__name__.removesuffix('Block').removesuffix('Attention')}{cls.__name__}",
+                             (mixin, cls), {"__module__": __name__})
+    module.__class__ = _CLASSES[key]
+
+
+def recompute_targets(model: nn.Module, mode: str) -> list[nn.Module]:
+    """The modules `mode` wraps in `model`: the transformer blocks (full) or the attentions
+    (selective), wherever they are (a GPT, its tensor-parallel form, a pipeline stage's chunks)."""
+    kind = Block if mode == "full" else CausalSelfAttention
+    return [m for m in model.modules() if isinstance(m, kind)]
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """Make `model` recompute activations in backward per `mode` ('none', 'selective', 'full'), in
+    place; returns it. The numbers do not change, dropout included (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"recompute mode {mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "none":
+        return model
+    mlps = [m for m in model.modules() if isinstance(m, (DeepMLP, MLPChunk))]
+    if mode == "full" and mlps:
+        _recompute_mlp(mlps)
+        return model
+    targets = recompute_targets(model, mode)
+    if not targets:
+        what = ("transformer blocks (models/gpt.py Block)" if mode == "full"
+                else "attention (models/gpt.py CausalSelfAttention) whose core it could recompute")
+        raise ValueError(f"recompute {mode!r}: {type(model).__name__} has no {what}"
+                         + ("; the deep MLP supports 'full' only" if mlps else ""))
+    for m in targets:
+        _swap(m, RecomputedBlock if mode == "full" else SelectiveAttention)
+    return model
+
+
+def _recompute_mlp(mlps: list[nn.Module]) -> None:
+    """Swap each deep MLP (or pipeline chunk of one) for its recomputing form; refuse other forms
+    (before changing any), whose forwards differ (the tensor-parallel one gathers rows at the end)."""
+    for m in mlps:
+        if type(m) not in _MLP_FORMS and type(m) not in _MLP_FORMS.values():
+            raise ValueError(f"recompute 'full' on {type(m).__name__}: only the plain deep MLP and its pipeline "
+                             f"chunks are supported (not its tensor-parallel form yet: use layout.tp = 1, or the GPT)")
+    for m in mlps:
+        m.__class__ = _MLP_FORMS.get(type(m), type(m))
