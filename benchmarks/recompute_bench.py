@@ -26,7 +26,7 @@ import torch
 
 from shardlab.models.gpt import GPT, GPTConfig
 from shardlab.parallel.recompute import MODES, apply_recompute
-from shardlab.train.memory import MemoryTracker
+from shardlab.train.memory import held_and_peak
 
 F32 = 4  # bytes per element
 
@@ -85,19 +85,6 @@ def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 256, (args.batch, args.seq), generator=g))
 
 
-def held_and_peak(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
-    """Bytes alive after forward (held for backward) and at the peak of forward + backward, above
-    the parameters; gradients are made during backward and count in the peak."""
-    model.zero_grad(set_to_none=True)
-    with MemoryTracker("cpu", baseline=list(model.parameters())) as mt:
-        entry = mt.current_bytes
-        loss = model(*batch)
-        held = mt.current_bytes - entry
-        loss.backward()
-        peak = mt.peak_bytes - entry
-    return held, peak
-
-
 def timed_step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
     """Seconds of (forward alone, forward + backward) of one step: the forward share says what one
     extra forward of the blocks costs here, which FLOPs alone do not."""
@@ -132,8 +119,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for dropout in args.dropout:
         models = {mode: apply_recompute(_model(args, L, dropout), mode).train() for mode in MODES}
         for mode in MODES:
-            held, peak = held_and_peak(models[mode], batch)
-            held_half, _ = held_and_peak(apply_recompute(_model(args, half, dropout), mode).train(), batch)
+            held, peak = held_and_peak(models[mode], *batch)
+            held_half, _ = held_and_peak(apply_recompute(_model(args, half, dropout), mode).train(), *batch)
             per_layer = (held - held_half) / (L - half)
             rows.append(dict(dropout=dropout, mode=mode, held_bytes=held, peak_bytes=peak,
                              layer_bytes=per_layer, layer_formula=layer_bytes(mode, s, b, h, a, dropout),

@@ -91,17 +91,9 @@ def test_deep_mlp_and_pipeline_chunk_full():
 
 
 def _held_bytes(model: torch.nn.Module, *batch: torch.Tensor) -> tuple[int, int]:
-    """(held, peak): bytes of tensor storages that one forward leaves alive for backward, and the
-    peak during forward and backward, parameters and gradients aside (train/memory.py's tracker)."""
-    from shardlab.train.memory import MemoryTracker
+    from shardlab.train.memory import held_and_peak
 
-    with MemoryTracker("cpu", baseline=list(model.parameters())) as mt:
-        entry = mt.current_bytes
-        loss = model(*batch)
-        held = mt.current_bytes - entry
-        loss.backward()
-        peak = mt.peak_bytes - entry
-    return held, peak
+    return held_and_peak(model, *batch)
 
 
 def test_memory_shrinks_as_the_formulas_say():

@@ -275,3 +275,18 @@ def peak_memory(
     with MemoryTracker(device) as mt:
         result = fn(*args, **kwargs)
     return result, mt.peak_bytes
+
+
+def held_and_peak(model: nn.Module, *inputs: Any) -> tuple[int, int]:
+    """(held, peak) bytes of tensor storages for one forward and backward of `model(*inputs)` (a
+    scalar loss): what forward leaves alive for backward, and the peak during both, parameters
+    aside (gradients are made in backward and count in the peak). Measures activation memory, as
+    the recomputation benchmark and its tests do."""
+    model.zero_grad(set_to_none=True)
+    with MemoryTracker("cpu", baseline=list(model.parameters())) as mt:
+        entry = mt.current_bytes
+        loss = model(*inputs)
+        held = mt.current_bytes - entry
+        loss.backward()
+        peak = mt.peak_bytes - entry
+    return held, peak
