@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.bench import train_tp as T
-from shardlab.cli.bench import TP_BAR_BASE
+from shardlab.cli.bench_train import TP_BAR_BASE
 from shardlab.train.config import load_config
 
 

@@ -22,6 +22,7 @@ Waits on messages and torch's own bookkeeping fall outside, as our executor's do
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,7 +68,7 @@ def loss_fn(spec: ModelSpec) -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
     return lambda logits, target: F_.cross_entropy(logits.float().view(-1, logits.size(-1)), target.reshape(-1))
 
 
-class Variant:
+class Variant(abc.ABC):
     """One pipeline on this rank: its stage (our PipelineStage, whichever side runs it), optimizer,
     and a step."""
 
@@ -75,11 +76,11 @@ class Variant:
     stage: PipelineStage
     optimizer: torch.optim.Optimizer
 
+    @abc.abstractmethod
     def step(self, x: torch.Tensor, y: torch.Tensor, update: bool = True) -> tuple[float | None, list[Event]]:
         """One step on the whole batch: forward and backward of every microbatch, tied gradients
         summed, then (with `update`) AdamW and zeroed gradients. Returns the batch's mean loss where
         this rank knows it (ours: every rank; torch's: the last stage's rank) and this rank's events."""
-        raise NotImplementedError
 
 
 def _stage(spec: ModelSpec, stages: int, virtual: int) -> PipelineStage:

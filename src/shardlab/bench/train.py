@@ -3,7 +3,7 @@
     result = run_train_bench(cfg, ["torch_ddp", "naive", "bucketed", "overlap"], runs=3, reps=2)
     result["rows"][1]["ratio_to_ddp"]     # > 1: that variant's median step is faster than DDP's
 
-The CLI is `shardlab bench train` (cli/bench.py); train_report.py prints and draws the result.
+The CLI is `shardlab bench train` (cli/bench_train.py); train_report.py prints and draws the result.
 
 One *run* is one launch of fresh ranks. Inside it, every variant trains the same model (same seed,
 so the same initial weights) on the same batches, in `reps` interleaved repetitions (A, B, C, D,

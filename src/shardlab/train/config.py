@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardlab.train.layout_section import LayoutSection
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names each field and the values at fault."""
@@ -140,79 +142,6 @@ class TrainSection:
     """Validation loss every this many steps and at the end; 0: only at the end."""
     eval_batches: int = 4
     """Global batches of held-out data per validation."""
-
-
-@dataclass
-class LayoutSection:
-    """How the work is spread over ranks. World size = the product of the degrees."""
-
-    dp: int = 1
-    """Data-parallel degree: ranks that each take a slice of every global batch."""
-    tp: int = 1
-    """Tensor-parallel degree: ranks that split every layer's matmuls (Megatron-LM) and take the same
-    rows. The ranks form a (pp x) dp x tp mesh, tp innermost (a tp group's ranks are consecutive: the
-    closest ones, since it talks on every layer); data parallelism and ZeRO run over the dp groups."""
-    sp: bool = False
-    """Sequence parallelism (Korthikanti et al. 2022) on top of tensor parallelism: norms and the
-    residual stream hold 1/tp of the tokens (GPT: model.seq_len must divide by tp; MLP: its rows per
-    micro-batch). With tp 1 it runs the tensor-parallel code on one-rank groups (a check of that code)."""
-    tp_plan: str = "megatron"
-    """Tensor-parallel plan: 'megatron' (GPT: embedding and head split by vocabulary, attention by
-    heads, MLP column then row; deep MLP: layers paired column then row, one all-reduce per pair) or
-    'lecture' (deep MLP only: every layer d x d/tp, all-gathered after each). docs/tensor-parallel.md."""
-    pp: int = 1
-    """Pipeline-parallel degree: ranks that each hold a contiguous slice of the layers (a stage) and
-    pass activations forward and gradients back, microbatch by microbatch. Ranks form a mesh in
-    layout.mesh_order (default pp x dp x ep x cp x tp, pp outermost); world size = pp x dp x ep x cp x tp.
-    docs/pipeline.md, docs/mesh.md."""
-    schedule: str = "1f1b"
-    """Pipeline schedule (layout.pp > 1): 'naive' (one microbatch at a time through the whole
-    pipeline, one stage busy at a time; with m > 1 that is gradient accumulation with no overlap),
-    'gpipe' (all forwards, then all backwards), '1f1b' (one forward one backward: GPipe's bubble,
-    at most pp microbatches of activations), 'interleaved' (1F1B over layout.virtual_stages chunks
-    per rank: a bubble v times smaller; m must divide by pp) or 'zb1' (ZB-H1: backward split into
-    input and weight gradients, the latter filling the bubbles)."""
-    virtual_stages: int = 1
-    """Chunks of layers per pipeline rank (v): 1, or >= 2 with schedule 'interleaved' (chunk c on
-    rank c mod pp). pp x v must not exceed the model's pieces (GPT: n_layer + 2, MLP: n_layer)."""
-    dp_mode: str = "overlap"
-    """'naive' (one all-reduce per gradient after backward), 'bucketed' (flat buckets after
-    backward) or 'overlap' (buckets reduced during backward). A pipeline stage (layout.pp > 1 with
-    layout.dp > 1) syncs once per step, at the schedule's end: 'naive' or 'bucketed' (the command
-    line turns the default 'overlap' into 'bucketed' and says so)."""
-    bucket_mb: float = 25.0
-    """Gradient bucket size in MiB (bucketed and overlap modes)."""
-    comm_impl: str = "torch"
-    """Which collectives reduce gradients (and gather ZeRO's shards): 'torch' (the backend's) or
-    one of ours ('ring', ...)."""
-    zero: int = 0
-    """ZeRO stage over the data-parallel ranks: 0 (plain data parallelism), 1 (optimizer state
-    sharded, gradients reduce-scattered after backward), 2 (gradients too, reduce-scattered during
-    backward), 3 (parameters too: FSDP, gathered per unit for forward and backward). dp_mode
-    applies to stage 0 only."""
-    precision: str = "fp32"
-    """'fp32', or mixed precision: 'bf16' or 'fp16' parameters, activations and gradient
-    communication, with fp32 master weights and optimizer state (fp16 adds dynamic loss scaling)."""
-    cp: int = 1
-    """Context-parallel degree: ranks that each hold a share of every sequence's tokens (ring
-    attention) and take the same rows."""
-    ep: int = 1
-    """Expert-parallel degree: ranks that each hold a share of every MoE layer's experts; they take
-    different rows (the batch is split over dp x ep "batch ranks")."""
-    mesh_order: str = "pp,dp,ep,cp,tp"
-    """The mesh's axes, outermost to innermost (a permutation of pp, dp, ep, cp, tp): the innermost
-    axis's ranks are consecutive, the closest ones. The default puts tp, which talks on every layer,
-    innermost and pp, which sends one activation per microbatch, outermost. docs/mesh.md."""
-    nodes: int = 1
-    """How many nodes the ranks are on (a local launch simulates them: consecutive blocks of
-    world_size / nodes ranks); hierarchical collectives (comm_impl 'hierarchical') reduce within a node
-    first. Must divide the world size."""
-    recompute: str = "none"
-    """Activation recomputation (checkpointing), applied after tp/ep/cp and before dp/ZeRO: 'none',
-    'selective' (the attention core softmax(QK^T)V recomputed, the linear layers' outputs kept;
-    Korthikanti et al. 2022) or 'full' (each transformer block keeps only its input and is rerun in
-    backward; the deep MLP: each pair of layers). Same numbers, less memory, more compute:
-    docs/recompute.md."""
 
 
 @dataclass
