@@ -18,16 +18,14 @@ import time
 import torch
 
 from shardlab.models import GPT, GPTConfig
+from shardlab.plan.devices import match_device
 
-# Dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s, no sparsity).
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
 
 def peak_for(name: str) -> float | None:
-    for key, value in PEAK_BF16.items():
-        if key in name:
-            return value
-    return None
+    """Dense bf16 tensor-core peak (FLOP/s) from the project's one device table."""
+    spec = match_device(name)
+    return spec.peak("bf16") if spec else None
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shardlab.plan.alphabeta import AlphaBeta, load_fits
+from shardlab.plan.devices import device_spec
 
 GB = 1e9
 
@@ -100,11 +101,14 @@ _ASSUMED = ("mem_eff 0.8 and link_eff 0.8 are assumptions (sustained copy bandwi
             "Table 4")
 
 
-def _gpu(name: str, bf16: float, fp32: float, mem_gb: float, bw_gbps: float, nvlink_gbps: float,
-         ib_gbps: float, sms: int, mm_eff: float, extra: str = "") -> Hardware:
+def _gpu(name: str, nvlink_gbps: float, ib_gbps: float, mm_eff: float, extra: str = "") -> Hardware:
+    """A DGX-style node of 8 GPUs whose peaks, memory and SMs are plan/devices.py's data sheet."""
+    spec = device_spec(name)
+    peaks = {p: spec.peak_flops[p] for p in ("bf16", "fp16")}
+    peaks["fp32"] = spec.peak_flops["tf32"]  # fp32 matmuls are assumed to run as TF32 (see PRESETS)
     return Hardware(
-        name, {"bf16": bf16 * 1e12, "fp16": bf16 * 1e12, "fp32": fp32 * 1e12}, mem_gb * GB, bw_gbps * GB, 8,
-        intra=Link(nvlink_gbps * GB, 5e-6), inter=Link(ib_gbps * GB, 10e-6), mm_eff=mm_eff, sms=sms,
+        name, peaks, spec.memory_bytes, spec.memory_bw, 8,
+        intra=Link(nvlink_gbps * GB, 5e-6), inter=Link(ib_gbps * GB, 10e-6), mm_eff=mm_eff, sms=spec.sms,
         overlap_cost=GPU_OVERLAP_COST,
         source=f"{_NVIDIA}; {_LINKS}", notes=(_ASSUMED,) + ((extra,) if extra else ()),
     )
@@ -113,10 +117,10 @@ def _gpu(name: str, bf16: float, fp32: float, mem_gb: float, bw_gbps: float, nvl
 _CARRIED = "mm_eff carried over from the A100 fit (not validated on this GPU)"
 # fp32 column: TF32 tensor-core rate (what frameworks use for fp32 matmuls when TF32 is allowed).
 PRESETS: dict[str, Hardware] = {h.name: h for h in [
-    _gpu("a100-40gb", 312, 156, 40, 1555, 300, 25, 108, A100_MM_EFF),
-    _gpu("a100-80gb", 312, 156, 80, 2039, 300, 25, 108, A100_MM_EFF),
-    _gpu("h100-sxm", 989, 495, 80, 3350, 450, 50, 132, A100_MM_EFF, _CARRIED),
-    _gpu("h200", 989, 495, 141, 4800, 450, 50, 132, A100_MM_EFF, _CARRIED),
+    _gpu("a100-40gb", 300, 25, A100_MM_EFF),
+    _gpu("a100-80gb", 300, 25, A100_MM_EFF),
+    _gpu("h100-sxm", 450, 50, A100_MM_EFF, _CARRIED),
+    _gpu("h200", 450, 50, A100_MM_EFF, _CARRIED),
 ]}
 
 

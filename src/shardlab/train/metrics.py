@@ -2,7 +2,7 @@
 
 MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM appendix B) = the model's FLOPs per
 second (flops_per_token x tokens/s) over the peak of the devices the job uses. It is shown only
-where the peak is known: a GPU in PEAK_FLOPS, or `log.peak_tflops` given by the user (a CPU's peak
+where the peak is known: a GPU in plan/devices.py's table, or `log.peak_tflops` given by the user (a CPU's peak
 depends on its vector units and clocks and is not discoverable reliably).
 """
 
@@ -14,30 +14,16 @@ from typing import Any
 
 import torch
 
-# Dense (no sparsity) peak FLOP/s per device from the vendors' data sheets, by dtype. "fp32" is
-# the plain fp32 rate: PyTorch does not use TF32 for matmuls unless told to.
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
-    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-}
-
+from shardlab.plan.devices import match_device
 
 def peak_flops(device: torch.device, dtype: str = "fp32", override_tflops: float = 0.0) -> float | None:
-    """Peak FLOP/s of one device, or None when unknown."""
+    """Peak FLOP/s of one device at `dtype` (plan/devices.py's precisions), or None when unknown."""
     if override_tflops > 0:
         return override_tflops * 1e12
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, table in PEAK_FLOPS.items():  # longest names first where they share a prefix (L40S, L4)
-        if key in name:
-            return table.get(dtype)
-    return None
+    spec = match_device(torch.cuda.get_device_name(device))
+    return spec.peak(dtype) if spec else None
 
 
 def fmt_bytes(n: float) -> str:
