@@ -13,10 +13,11 @@
 Files, one concept each: slices.py (which elements of a whole tensor a local one holds; moving
 elements between two such descriptions), state.py (what a rank holds of a model and optimizer
 under any layout), rng.py (random-number streams), capture.py (the host copy a save starts
-with), format.py (directories, metadata, safe tensor files, what an integrity failure is), verify.py
-(every file checked: size, SHA-256, step stamp, step vs directory; the newest that passes), save.py (the atomic protocol, keep
-the last K, asynchronous saves), load.py (loading under any layout), consolidate.py (whole
-tensors for `shardlab checkpoint inspect` and `consolidate`).
+with), format.py (directories, metadata, safe tensor files, what an integrity failure is),
+verify.py (every file checked: size, SHA-256, step stamp, step vs directory; the newest that
+passes), save.py (the atomic protocol, keep the last K, asynchronous saves), load.py (loading
+under any layout), consolidate.py (whole tensors for `shardlab checkpoint inspect` and
+`consolidate`).
 """
 
 from shardlab.checkpoint.capture import Snapshot, capture_training_state

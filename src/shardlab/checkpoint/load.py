@@ -4,16 +4,17 @@
     start = info.step                                                  # steps already taken
 
 Each rank lists what it holds (state.py: names and slices under its own layout), reads the
-metadata, checks its step against its directory's name, and fills every tensor from the saved slices that overlap it (slices.py), opening only
-the files that hold such slices (memory-mapped: only the pages it uses are read). Nothing is
-exchanged between ranks but one agreement at the end, so every rank raises the same error rather
-than some waiting forever, and the names no rank took are found (strict: an error).
+metadata, checks its step against its directory's name, and fills every tensor from the saved
+slices that overlap it (slices.py), opening only the files that hold such slices (memory-mapped:
+only the pages it uses are read). Nothing is exchanged between ranks but one agreement at the
+end, so every rank raises the same error rather than some waiting forever, and the names no rank
+took are found (strict: an error).
 
 What is checked, each with an error naming the tensor and the rank: every parameter is in the
-checkpoint, with the same whole shape; every element a rank needs was saved; the files hold only tensors and plain data (format.py). Each
-file a rank opens is checked once as verify.py does (size, SHA-256, step stamp), unless the caller
-has just verified the whole checkpoint (verify=False: the trainer does, sharing the hashing
-between its ranks). Dtypes may differ
+checkpoint, with the same whole shape; every element a rank needs was saved; the files hold only
+tensors and plain data (format.py). Each file a rank opens is checked once as verify.py does
+(size, SHA-256, step stamp), unless the caller has just verified the whole checkpoint
+(verify=False: the trainer does, sharing the hashing between its ranks). Dtypes may differ
 (an fp32 checkpoint into a bf16 model): values are cast and `notes` says so.
 
 The optimizer: its fp32 masters are filled from the saved masters (or, when the checkpoint has

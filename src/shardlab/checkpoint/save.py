@@ -16,8 +16,9 @@ The protocol (every rank, then rank 0):
      it as it goes (SHA-256), and fsyncs it.
   4. agree: the ranks exchange success, file sizes and digests. If any failed, rank 0 removes the
      temporary directory and every rank raises the same error.
-  5. commit (rank 0): metadata.json (with every file's size and digest) written and fsynced, the directory fsynced, then renamed to
-     step_N (one atomic rename publishes the checkpoint), the root fsynced; then checkpoints
+  5. commit (rank 0): metadata.json (with every file's size and digest) written and fsynced, the
+     directory fsynced, then renamed to step_N (one atomic rename publishes the checkpoint), the
+     root fsynced; then checkpoints
      beyond the newest `keep` are renamed to .trash-* and removed. Rank 0 tells every rank the outcome.
 
 Before the rename nothing under a step_N name has changed; after it the new checkpoint is
@@ -205,8 +206,7 @@ def _raise_any(everyone: list[Any], step: int, root: Path) -> None:
 
 
 def _commit(snap: Snapshot, everyone: list[list[tuple]], chosen: list[list[int]], shapes: dict,
-            files: list[tuple[int, str]],
-            root: Path, tmp: Path, final: Path, keep: int | None) -> None:
+            files: list[tuple[int, str]], root: Path, tmp: Path, final: Path, keep: int | None) -> None:
     tensors = {name: TensorEntry(tuple(shape), dtype) for name, (shape, dtype) in sorted(shapes.items())}
     for rank, indices in enumerate(chosen):
         for i in indices:
