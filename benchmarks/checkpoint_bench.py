@@ -2,9 +2,14 @@
 load in the same layout, load resharded into one process, consolidation, and the size on disk.
 
     python benchmarks/checkpoint_bench.py --json docs/results/checkpoint_bench.json
+    python benchmarks/checkpoint_bench.py --models tiny --repeats 1          # a smoke run
 
 Each model is trained one step (so AdamW's state exists), then saved and loaded `--repeats` times;
 medians are reported. Under dp 2 with ZeRO-3 the two ranks write and read their shards at once.
+What integrity costs (docs/reliability.md): load_s verifies each file it opens (SHA-256);
+load_unverified_s skips the digests (what the trainer does after verifying); verify_s is
+verify_checkpoint over every file in one process; digest_s hashes the files' bytes alone, which
+is what a save adds (it hashes as it writes) and a verified load adds per file read.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardlab.checkpoint import Checkpointer, consolidate, load_checkpoint
+from shardlab.checkpoint import Checkpointer, consolidate, load_checkpoint, verify_checkpoint
+from shardlab.checkpoint.format import file_digest
 from shardlab.dist import launch
 from shardlab.parallel.layout import apply_layout, build_mesh
 from shardlab.train.config import load_config
@@ -28,6 +34,7 @@ from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import build_task, prepare_model
 
 MODELS = {
+    "tiny": ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16"],  # smoke runs only
     "gpt-small": ["model.n_layer=4", "model.d_model=128", "model.n_head=4", "model.seq_len=128"],
     "gpt-25M": ["model.n_layer=8", "model.d_model=512", "model.n_head=8", "model.seq_len=128"],
 }
@@ -50,7 +57,7 @@ def _build(overrides: list[str]):
 
 def _measure(overrides: list[str], root: str, repeats: int) -> dict:
     cfg, model, opt, step_s = _build(overrides)
-    sync, stall, total, load = [], [], [], []
+    sync, stall, total, load, unverified = [], [], [], [], []
     for i in range(repeats):
         with Checkpointer(Path(root) / "sync", keep=1) as ckpt:
             start = time.perf_counter()
@@ -65,9 +72,13 @@ def _measure(overrides: list[str], root: str, repeats: int) -> dict:
         start = time.perf_counter()
         load_checkpoint(Path(root) / "sync", model, opt)
         load.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        load_checkpoint(Path(root) / "sync", model, opt, verify=False)
+        unverified.append(time.perf_counter() - start)
     med = statistics.median
     return {"step_s": step_s, "save_s": med(sync), "async_stall_s": med(stall), "async_total_s": med(total),
-            "load_s": med(load), "parameters": sum(p.numel() for p in model.parameters())}
+            "load_s": med(load), "load_unverified_s": med(unverified),
+            "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def _size(path: Path) -> int:
@@ -77,10 +88,12 @@ def _size(path: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--models", default="gpt-small,gpt-25M", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     rows = []
-    for name, model in MODELS.items():
+    for name in args.models.split(","):
+        model = MODELS[name]
         for layout, ranks in ((["layout.dp=1"], 1), (["layout.dp=2", "layout.zero=3"], 2)):
             root = Path(tempfile.mkdtemp(prefix="ckbench-"))
             try:
@@ -88,6 +101,14 @@ def main() -> None:
                 row = (launch(_measure, ranks, overrides, str(root), args.repeats)[0] if ranks > 1
                        else _measure(overrides, str(root), args.repeats))
                 row.update(model=name, layout=" ".join(layout), ranks=ranks, bytes=_size(root / "sync"))
+                ckpt = next((root / "sync").iterdir())
+                start = time.perf_counter()
+                assert verify_checkpoint(ckpt) == []
+                row["verify_s"] = time.perf_counter() - start
+                start = time.perf_counter()
+                for f in ckpt.glob("rank*.pt"):
+                    file_digest(f)
+                row["digest_s"] = time.perf_counter() - start
                 # Resharded: the checkpoint loaded into one process, and consolidated to one file.
                 _, plain, opt, _ = _build([*model, "layout.dp=1"])
                 start = time.perf_counter()

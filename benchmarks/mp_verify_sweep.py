@@ -30,11 +30,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3, help="seeds per layout (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="the first 4 layouts only")
+    ap.add_argument("--limit", type=int, default=None, help="the first N layouts only (a smoke run: --limit 1)")
     args = ap.parse_args()
     print(f"{'model':<5} {'ws':>2} {'zero':>4} {'prec':<5} {'seed':>4} {'grad used':>9} {'param used':>10} "
           f"{'loss used':>9}  pass")
     worst = [0.0, 0.0, 0.0]
-    for model, ws, zero, precision in LAYOUTS[: 4 if args.quick else None]:
+    for model, ws, zero, precision in LAYOUTS[: args.limit or (4 if args.quick else None)]:
         for seed in range(1, args.seeds + 1):
             cfg = load_config(None, [f'model.name="{model}"', f"layout.dp={ws}", f"layout.zero={zero}",
                                      f'layout.precision="{precision}"', f"train.seed={seed}"],

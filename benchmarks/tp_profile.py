@@ -3,8 +3,9 @@
 CPU time, per step. The source of the "Why ours is faster" paragraph of docs/tensor-parallel.md:
 
     python benchmarks/tp_profile.py torch_tp_sp,tp_sp,torch_tp,tp > docs/results/bench_tp_profile.txt
+    python benchmarks/tp_profile.py tp --set model.d_model=64 --set model.seq_len=32   # a quick look
 """
-import sys
+import argparse
 import time
 
 import torch
@@ -36,12 +37,21 @@ def rank_fn(cfg_dict: dict, variants: list[str]) -> dict:
     return out
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     from shardlab.dist import launch
-    variants = sys.argv[1].split(",")
-    cfg = load_config(None, [*TP_BAR_BASE, "layout.tp=2", "layout.dp=1"])
-    res = launch(rank_fn, 2, cfg.to_dict(), variants)
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", help="comma-separated, of torch_tp, tp, torch_tp_sp, tp_sp")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="change the bar's GPT (e.g. model.d_model=64), repeatable")
+    args = ap.parse_args(argv)
+    cfg = load_config(None, [*TP_BAR_BASE, "layout.tp=2", "layout.dp=1", *args.set])
+    res = launch(rank_fn, 2, cfg.to_dict(), args.variants.split(","))
     for v, (t, rows) in res[0].items():
         print(f"== {v}, rank 0: {t * 1e3:.1f} ms per profiled step; self CPU ms per step, calls per step, op")
         for k, c, ms in rows:
             print(f"   {ms:8.1f} ms  {c:6.0f}x  {k}")
+
+
+if __name__ == "__main__":
+    main()

@@ -205,3 +205,19 @@ def test_cli_help_and_refusals(capfd):
     assert main(["bench", "pipeline", "--schedules", "interleaved", "--stages", "4", "-m", "6", "--batch", "48"]) == 2
     err = capfd.readouterr().err
     assert "not divisible by 8 microbatches" in err and "divisible by stages" in err
+
+
+def test_bench_pipeline_and_bench_train_pp_run_end_to_end(pools, monkeypatch, tmp_path, capsys):
+    """Both commands through the CLI, on the pool's ranks (one tiny run each)."""
+    import shardlab.dist
+    from shardlab.cli import bench_pipeline
+
+    monkeypatch.setattr(shardlab.dist, "launch", lambda fn, ws, *args, **kw: pools(ws).run(fn, *args))
+    tiny = ["--runs", "1", "--reps", "1", "--steps", "1", "--warmup", "1", "--quiet"]
+    assert main(["bench", "pipeline", "--stages", "2", "--schedules", "1f1b,zb1", "--d-model", "32", "--layers", "4",
+                 "--batch", "16", "-m", "4", "--no-memory", *tiny, "--json", str(tmp_path / "p.json")]) == 0
+    assert {r["variant"] for r in json.loads((tmp_path / "p.json").read_text())["rows"]} == {
+        "ours_1f1b", "torch_1f1b", "ours_zb1"}
+    monkeypatch.setitem(bench_pipeline.MODEL_DEFAULTS, "mlp", dict(d_model=32, layers=4, batch=16))
+    assert main(["bench", "train", "--pp", "2", "--schedules", "gpipe", "--microbatches", "2", *tiny]) == 0
+    assert "ours_gpipe" in capsys.readouterr().out

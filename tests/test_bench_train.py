@@ -116,3 +116,46 @@ def test_zero_variants_run_beside_torch_zero_redundancy_optimizer(pools):
         assert len(out["step_s"][v]) == 2 and all(t > 0 for t in out["step_s"][v]), v
         # Weights and gradients at least (optimizer state is sharded: half of AdamW's 2 moments here).
         assert all(p >= 2 * param_bytes for p in out["peak_bytes"][v]), (v, out["peak_bytes"][v])
+
+
+def test_like_for_like_ddp_zero3_and_torch_fsdp2_variants_run(pools):
+    """The variants no other test runs, torch's FSDP2 among them (its DTensor gradients go through
+    the shared clipping: parallel/gradnorm.py)."""
+    cfg = load_config(None, TINY)
+    cfg.validate()
+    variants = ["torch_ddp_view", "zero3", "torch_fsdp2"]
+    out, _ = pools(2).run(train_bench_rank, cfg.to_dict(), variants, 1, 1, 1)
+    param_bytes = 4 * out["params"]
+    for v in variants:
+        assert len(out["step_s"][v]) == 1 and out["step_s"][v][0] > 0, v
+        assert len(out["peak_bytes"][v]) == 2 and all(p >= param_bytes // 2 for p in out["peak_bytes"][v]), v
+
+
+def _fsdp2_clip() -> tuple[float, float, float]:
+    """One process's gradient norm of the whole batch; ours of FSDP2's sharded gradients of the same
+    batch split over the ranks; and the norm after our clipping to 1e-3, as torch computes it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from shardlab.parallel.gradnorm import clip_grad_norm_
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 5))
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    ref = torch.nn.Sequential(*(m for m in __import__("copy").deepcopy(model)))
+    ref(x).square().mean().backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+    fully_shard(model[0])
+    fully_shard(model)
+    rank = dist.get_rank()
+    model(x[4 * rank:4 * rank + 4]).square().mean().backward()  # FSDP2 averages the ranks' gradients
+    got = clip_grad_norm_(list(model.parameters()), 1e-3)
+    after = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor()
+    return float(want), float(got), float(after)
+
+
+def test_shared_clipping_takes_fsdp2_sharded_gradients(pools):
+    for want, got, after in pools(2).run(_fsdp2_clip):
+        assert got == pytest.approx(want, rel=1e-6) and want > 1e-2
+        assert after == pytest.approx(1e-3, rel=1e-4)

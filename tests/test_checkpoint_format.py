@@ -4,6 +4,7 @@ and the `shardlab checkpoint` command."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import pickle
@@ -87,10 +88,12 @@ class _Payload:
 
 
 def _plant(ckpt: Path, payload: bytes) -> None:
-    """Replace rank 0's file, and record its new size so that only the content can give it away."""
+    """Replace rank 0's file, and record its new size and digest (as someone planting it could) so
+    that only the content can give it away."""
     (ckpt / "rank00000.pt").write_bytes(payload)
     meta = json.loads((ckpt / "metadata.json").read_text())
     meta["files"]["rank00000.pt"]["bytes"] = len(payload)
+    meta["files"]["rank00000.pt"]["sha256"] = hashlib.sha256(payload).hexdigest()
     (ckpt / "metadata.json").write_text(json.dumps(meta))
 
 
@@ -120,7 +123,7 @@ def test_truncated_file_and_bad_metadata_are_named(tmp_path):
     (ckpt / "rank00000.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated or replaced"):
         load_checkpoint(ckpt, _tiny())
-    (ckpt / "metadata.json").write_text('{"format": "shardlab-checkpoint", "version": 1, "step": "x"}')
+    (ckpt / "metadata.json").write_text('{"format": "shardlab-checkpoint", "version": 2, "step": "x"}')
     with pytest.raises(CheckpointError, match="malformed metadata"):
         load_checkpoint(ckpt, _tiny())
     meta = {"format": "shardlab-checkpoint", "version": 1, "step": 1, "world_size": 1,

@@ -100,3 +100,29 @@ def test_torchrun_restart_resumes(tmp_path, uninterrupted):
     assert "exitcode: -9" in proc.stderr and "local_rank: 1" in proc.stderr  # the first attempt's SIGKILL
     assert "resumed from" in proc.stdout
     assert losses(tmp_path) == uninterrupted
+
+
+def test_resume_latest_falls_back_past_damaged_checkpoints(tmp_path, capfd, uninterrupted):
+    """Checkpoints at steps 2, 4, 6; step 6 bit-flipped in rank 1's file, step 4's step edited in its
+    metadata. --resume latest must resume from step 2 (verified by both ranks, each hashing its
+    share of the files), say on rank 0 once which it skipped and why, and retrain steps 2-5 to the
+    uninterrupted run's losses exactly."""
+    cfg = config(tmp_path, layout={"dp": 2}, checkpoint={"every": 2, "async_save": False})
+    launch(train_rank, 2, cfg.to_dict())
+    ck = tmp_path / "checkpoints"
+    flipped = ck / "step_00000006" / "rank00001.pt"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    meta = json.loads((ck / "step_00000004" / "metadata.json").read_text())
+    meta["step"] = 5
+    (ck / "step_00000004" / "metadata.json").write_text(json.dumps(meta))
+    capfd.readouterr()
+    cfg.set("checkpoint.resume", "latest")
+    summary = launch(train_rank, 2, cfg.to_dict())[0]
+    assert summary["resumed_from"].endswith("step_00000002")
+    out = capfd.readouterr().out
+    assert out.count("resume: skipped") == 2, out
+    assert f"resume: skipped {ck / 'step_00000006'}: {flipped}: checksum check failed" in out
+    assert f"resume: skipped {ck / 'step_00000004'}: {ck / 'step_00000004' / 'metadata.json'}: step name" in out
+    assert losses(tmp_path) == uninterrupted

@@ -13,24 +13,28 @@
 Files, one concept each: slices.py (which elements of a whole tensor a local one holds; moving
 elements between two such descriptions), state.py (what a rank holds of a model and optimizer
 under any layout), rng.py (random-number streams), capture.py (the host copy a save starts
-with), format.py (directories, metadata, safe tensor files), save.py (the atomic protocol, keep
-the last K, asynchronous saves), load.py (loading under any layout), consolidate.py (whole
-tensors for `shardlab checkpoint inspect` and `consolidate`).
+with), format.py (directories, metadata, safe tensor files, what an integrity failure is),
+verify.py (every file checked: size, SHA-256, step stamp, step vs directory; the newest that
+passes), save.py (the atomic protocol, keep the last K, asynchronous saves), load.py (loading
+under any layout), consolidate.py (whole tensors for `shardlab checkpoint inspect` and
+`consolidate`).
 """
 
 from shardlab.checkpoint.capture import Snapshot, capture_training_state
 from shardlab.checkpoint.consolidate import consolidate, describe, full_tensors
-from shardlab.checkpoint.format import latest_checkpoint, list_checkpoints, read_metadata
+from shardlab.checkpoint.format import IntegrityError, latest_checkpoint, list_checkpoints, read_metadata
 from shardlab.checkpoint.load import LoadResult, load_checkpoint
 from shardlab.checkpoint.rng import capture_rng_state, restore_rng_state
 from shardlab.checkpoint.save import Checkpointer, save_checkpoint, write_snapshot
 from shardlab.checkpoint.slices import CheckpointError, Slice
+from shardlab.checkpoint.verify import newest_verified, verify_checkpoint
 
 restore_training_state = load_checkpoint  # the counterpart of capture_training_state
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "IntegrityError",
     "LoadResult",
     "Slice",
     "Snapshot",
@@ -42,9 +46,11 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "newest_verified",
     "read_metadata",
     "restore_rng_state",
     "restore_training_state",
     "save_checkpoint",
+    "verify_checkpoint",
     "write_snapshot",
 ]

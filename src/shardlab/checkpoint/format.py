@@ -15,10 +15,19 @@ the file: a rank reads the pages of the tensors it uses, not the whole file.
 Tensor names: "model/<parameter or buffer>" by the plain model's names, "optim/<parameter>/<state>"
 (exp_avg, exp_avg_sq, step, ..., and "master": the fp32 master of a 16-bit parameter). The schema
 is docs/checkpoints.md's; `VERSION` changes whenever a reader of the old one would misread it.
+
+Integrity (version 2). The metadata records each tensor file's size and SHA-256, computed while the
+file is written (no second pass), and each rank file carries the step it was saved at in its own
+state. A reader checks, naming the file and the check that failed (IntegrityError): the file is
+there, has the recorded size and digest, and is stamped with the metadata's step; and verify.py
+checks the metadata's step against its step_N directory. Version 1 checkpoints (no digests, no
+stamps) are still read: only their sizes are checked.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
@@ -32,9 +41,22 @@ import torch.distributed as dist
 
 from shardlab.checkpoint.slices import CheckpointError, Slice
 
-FORMAT, VERSION = "shardlab-checkpoint", 1
+FORMAT, VERSION = "shardlab-checkpoint", 2
+READABLE_VERSIONS = (1, 2)  # 1: before digests and step stamps
 METADATA = "metadata.json"
 RANK_STATE = "__rank_state__"  # the key of a rank file's own (never deduplicated) state
+STEP_STAMP = "step"  # in a rank file's RANK_STATE: the step it was saved at
+DIGEST = "sha256"  # hashlib's name; also the metadata's key (about 1 ms per MB on this VM's cores)
+
+
+class IntegrityError(CheckpointError):
+    """A checkpoint on disk that is not the one that was saved: `file` failed `check`, one of
+    "missing", "size", "checksum", "mixed step" (a rank file stamped with another step) or "step
+    name" (the metadata's step is not its directory's)."""
+
+    def __init__(self, file: str | os.PathLike, check: str, detail: str) -> None:
+        self.file, self.check, self.detail = str(file), check, detail
+        super().__init__(f"{file}: {check} check failed: {detail}")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -77,12 +99,13 @@ class Metadata:
     step: int
     world_size: int
     tensors: dict[str, TensorEntry]
-    files: dict[str, dict[str, int]]  # file name -> {"rank": r, "bytes": size}
+    files: dict[str, dict[str, Any]]  # file name -> {"rank": r, "bytes": size, "sha256": hex digest}
     optimizer: dict[str, Any] | None = None  # class, group options, group of each parameter, loss scaler
     config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)  # tied names -> the saved name
     created: str = ""
+    version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -98,8 +121,9 @@ class Metadata:
     def from_json(d: Any, where: str) -> "Metadata":
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise CheckpointError(f"{where} is not a shardlab checkpoint's metadata")
-        if d.get("version") != VERSION:
-            raise CheckpointError(f"{where}: format version {d.get('version')!r}; this shardlab reads version {VERSION}")
+        if d.get("version") not in READABLE_VERSIONS:
+            raise CheckpointError(f"{where}: format version {d.get('version')!r}; this shardlab reads versions "
+                                  f"{', '.join(map(str, READABLE_VERSIONS))}")
         try:
             tensors = {}
             for name, e in d["tensors"].items():
@@ -108,9 +132,9 @@ class Metadata:
                 tensors[name] = TensorEntry(shape, e["dtype"], [
                     SavedSlice(str(s["file"]), str(s["key"]), Slice.from_json(shape, s)) for s in e["slices"]])
             meta = Metadata(int(d["step"]), int(d["world_size"]), tensors,
-                            {str(k): {"rank": int(v["rank"]), "bytes": int(v["bytes"])} for k, v in d["files"].items()},
+                            {str(k): _file_entry(v, int(d["version"])) for k, v in d["files"].items()},
                             d.get("optimizer"), d.get("config"), d.get("extra") or {}, d.get("aliases") or {},
-                            str(d.get("created", "")))
+                            str(d.get("created", "")), int(d["version"]))
         except CheckpointError as exc:
             raise CheckpointError(f"{where}: {exc}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -120,6 +144,16 @@ class Metadata:
                 if s.file not in meta.files or "/" in s.file or s.file.startswith("."):
                     raise CheckpointError(f"{where}: {name} names file {s.file!r}, which the checkpoint does not list")
         return meta
+
+
+def _file_entry(v: Any, version: int) -> dict[str, Any]:
+    entry: dict[str, Any] = {"rank": int(v["rank"]), "bytes": int(v["bytes"])}
+    if version >= 2:  # a digest is required from version 2 on: a missing one is malformed metadata
+        digest = str(v[DIGEST])
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"{DIGEST} {digest!r} is not a hex digest")
+        entry[DIGEST] = digest
+    return entry
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
@@ -135,36 +169,112 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 
 
 # ------------------------------------------------------------------------------ tensor files
-def write_tensor_file(path: Path, tensors: dict[str, Any]) -> int:
-    """torch.save `tensors` to `path` and fsync it; return its size in bytes."""
+class _HashingFile:
+    """A file's write() that also feeds the digest, so that a save hashes its bytes as it writes them."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.hash, self.size = f, hashlib.new(DIGEST), 0
+        self.error: OSError | None = None  # torch.save turns a writer's OSError into a RuntimeError
+
+    def write(self, data: Any) -> int:
+        try:
+            n = self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.hash.update(data)
+        self.size += len(memoryview(data))
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_tensor_file(path: Path, tensors: dict[str, Any]) -> tuple[int, str]:
+    """torch.save `tensors` to `path` and fsync it; return its size in bytes and its hex digest.
+    An OSError of the filesystem (a full disk, ...) is raised as itself, whatever torch made of it."""
     with open(path, "wb") as f:
-        torch.save(tensors, f)
+        w = _HashingFile(f)
+        try:
+            torch.save(tensors, w)
+        except Exception:
+            if w.error is not None:
+                raise w.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
-        return f.tell()
+        return w.size, w.hash.hexdigest()
 
 
-def read_tensor_file(path: Path, expected_bytes: int | None = None) -> dict[str, Any]:
-    """A tensor file's contents, refusing anything that could run code (see the module docstring)."""
+def file_digest(path: Path) -> str:
+    """The hex digest of a file's bytes (read in chunks: memory stays small whatever its size)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, DIGEST).hexdigest()
+
+
+def read_tensor_file(path: Path, expected_bytes: int | None = None, *, digest: str | None = None,
+                     step: int | None = None) -> dict[str, Any]:
+    """A tensor file's contents, refusing anything that could run code (see the module docstring).
+    Checked when given, each failure an IntegrityError naming the file and the check: its size,
+    its digest (the whole file is read once for it) and the step stamped in its rank state."""
     try:
         size = path.stat().st_size
+    except FileNotFoundError:
+        raise IntegrityError(path, "missing", "the metadata lists the file but it is not there") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read it: {exc}") from None
     if expected_bytes is not None and size != expected_bytes:
-        raise CheckpointError(f"{path} has {size} bytes where the metadata records {expected_bytes}: "
-                              f"the file was truncated or replaced")
+        raise IntegrityError(path, "size", f"{size} bytes where the metadata records {expected_bytes}: the file was "
+                                           f"truncated or replaced")
+    changed = None  # the checksum's failure, raised once the file's step stamp can explain it
+    if digest is not None:
+        try:
+            got = file_digest(path)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read it: {exc}") from None
+        if got != digest:
+            changed = IntegrityError(path, "checksum", f"{DIGEST} {got[:12]}... where the metadata records "
+                                                       f"{digest[:12]}...: its bytes changed after the save")
     if not zipfile.is_zipfile(path):
+        if changed is not None:  # damaged rather than planted: say so
+            raise changed
         raise CheckpointError(f"{path} is not a torch zip archive; refusing to unpickle it (a bare pickle can "
                               f"run code when loaded)")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, ... by cause
+        if changed is not None:
+            raise changed from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: refused: it holds something other than tensors and plain data, or is "
                               f"damaged (torch.load with weights_only=True said: {first})") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a dict of tensors, found {type(data).__name__}")
+        raise changed or CheckpointError(f"{path}: expected a dict of tensors, found {type(data).__name__}")
+    own = data.get(RANK_STATE)
+    stamp = own.get(STEP_STAMP) if isinstance(own, dict) else None
+    if step is not None and stamp != step:
+        # Whether or not its checksum matches (a same-size rank file from another step of the run
+        # fails both): the stamp says what happened.
+        raise IntegrityError(path, "mixed step", f"the file is stamped step {stamp}, the checkpoint is step {step}: "
+                                                 f"a rank file of another save")
+    if changed is not None:
+        raise changed
     return data
+
+
+def plain_os_error(exc: OSError, directory: Path | str) -> str:
+    """What a filesystem error during a save means, in words, naming the directory."""
+    known = {
+        errno.ENOSPC: f"no space left on the device holding {directory}",
+        errno.EDQUOT: f"disk quota exceeded on {directory}",
+        errno.EROFS: f"{directory} is on a read-only filesystem",
+        errno.EACCES: f"permission denied: cannot write to {directory}",
+        errno.EPERM: f"operation not permitted in {directory}",
+    }
+    what = known.get(exc.errno or -1)
+    if what is None:
+        return f"{type(exc).__name__}: {exc}"
+    return f"{what} ({errno.errorcode.get(exc.errno or -1, exc.errno)}: {exc.strerror})"
 
 
 # ------------------------------------------------------------------------------ directories

@@ -4,14 +4,17 @@
     start = info.step                                                  # steps already taken
 
 Each rank lists what it holds (state.py: names and slices under its own layout), reads the
-metadata, and fills every tensor from the saved slices that overlap it (slices.py), opening only
-the files that hold such slices (memory-mapped: only the pages it uses are read). Nothing is
-exchanged between ranks but one agreement at the end, so every rank raises the same error rather
-than some waiting forever, and the names no rank took are found (strict: an error).
+metadata, checks its step against its directory's name, and fills every tensor from the saved
+slices that overlap it (slices.py), opening only the files that hold such slices (memory-mapped:
+only the pages it uses are read). Nothing is exchanged between ranks but one agreement at the
+end, so every rank raises the same error rather than some waiting forever, and the names no rank
+took are found (strict: an error).
 
 What is checked, each with an error naming the tensor and the rank: every parameter is in the
-checkpoint, with the same whole shape; every element a rank needs was saved; the files are the
-sizes the metadata records and hold only tensors and plain data (format.py). Dtypes may differ
+checkpoint, with the same whole shape; every element a rank needs was saved; the files hold only
+tensors and plain data (format.py). Each file a rank opens is checked once as verify.py does
+(size, SHA-256, step stamp), unless the caller has just verified the whole checkpoint
+(verify=False: the trainer does, sharing the hashing between its ranks). Dtypes may differ
 (an fp32 checkpoint into a bf16 model): values are cast and `notes` says so.
 
 The optimizer: its fp32 masters are filled from the saved masters (or, when the checkpoint has
@@ -33,11 +36,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.checkpoint.format import (
-    RANK_STATE, Metadata, TensorEntry, parse_dtype, rank_file_name, read_metadata, read_tensor_file,
+    DIGEST, RANK_STATE, Metadata, TensorEntry, parse_dtype, rank_file_name, read_metadata, read_tensor_file,
     resolve_checkpoint,
 )
 from shardlab.checkpoint.rng import restore_rng_state
 from shardlab.checkpoint.slices import CheckpointError, Slice, Source, fill
+from shardlab.checkpoint.verify import check_step_name
 from shardlab.checkpoint.state import (
     OptPiece, inner_optimizer, local_tensors, named_parameters, optimizer_pieces, tensor_cuts, whole_slice,
 )
@@ -56,10 +60,10 @@ class LoadResult:
 
 
 class Files:
-    """The checkpoint's tensor files, each opened (and checked) on first use."""
+    """The checkpoint's tensor files, each opened and checked on first use (digest: also its SHA-256)."""
 
-    def __init__(self, path: Path, meta: Metadata) -> None:
-        self.path, self.meta, self.open = path, meta, {}
+    def __init__(self, path: Path, meta: Metadata, digest: bool = True) -> None:
+        self.path, self.meta, self.digest, self.open = path, meta, digest, {}
         # parameter name -> its saved optimizer state keys (exp_avg, step, ...; not the master)
         self.state_keys: dict[str, list[str]] = {}
         for name in meta.tensors:
@@ -68,10 +72,16 @@ class Files:
                 if key != "master":
                     self.state_keys.setdefault(param, []).append(key)
 
-    def tensor(self, file: str, key: str, entry: TensorEntry, s: Slice) -> torch.Tensor:
+    def get(self, file: str) -> dict[str, Any]:
         if file not in self.open:
-            self.open[file] = read_tensor_file(self.path / file, self.meta.files[file]["bytes"])
-        t = self.open[file].get(key)
+            info, stamped = self.meta.files[file], self.meta.version >= 2
+            self.open[file] = read_tensor_file(self.path / file, info["bytes"],
+                                               digest=info.get(DIGEST) if self.digest else None,
+                                               step=self.meta.step if stamped else None)
+        return self.open[file]
+
+    def tensor(self, file: str, key: str, entry: TensorEntry, s: Slice) -> torch.Tensor:
+        t = self.get(file).get(key)
         if not isinstance(t, torch.Tensor) or t.numel() != s.numel or t.dtype != parse_dtype(entry.dtype):
             got = "nothing" if t is None else (f"{t.numel()} x {t.dtype}" if isinstance(t, torch.Tensor) else
                                                type(t).__name__)
@@ -206,23 +216,25 @@ def _agree(error: str | None, taken: set[str], meta: Metadata, rank: int, strict
 
 @torch.no_grad()
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                    strict: bool = True, restore_rng: bool = True) -> LoadResult:
+                    strict: bool = True, restore_rng: bool = True, verify: bool = True) -> LoadResult:
     """Load the checkpoint at `path` (a checkpoint directory, or a root: its newest) into `model`
-    and `optimizer`, as laid out on this rank. Every rank calls it (one small collective at the end)."""
+    and `optimizer`, as laid out on this rank. Every rank calls it (one small collective at the end).
+    verify=False: skip the digests (sizes and step stamps are still checked), for a checkpoint
+    verify.verify_checkpoint or newest_verified has just passed."""
     rank, world = _rank_world()
     error, taken, notes = None, set(), []
     result = None
     try:
         path = resolve_checkpoint(path)
         meta = read_metadata(path)
-        files = Files(path, meta)
+        check_step_name(path, meta)
+        files = Files(path, meta, digest=verify)
         taken = _load_model_and_masters(files, model, optimizer, rank, strict, notes)
         if optimizer is not None:
             taken |= _load_optimizer(files, model, optimizer, rank, strict, notes)
         rng = restore_rng and meta.world_size == world
         if rng:
-            restore_rng_state(read_tensor_file(path / rank_file_name(rank), meta.files[rank_file_name(rank)]["bytes"])
-                              [RANK_STATE]["rng"])
+            restore_rng_state(files.get(rank_file_name(rank))[RANK_STATE]["rng"])
         elif restore_rng:
             notes.append(f"random-number streams not restored: saved by {meta.world_size} ranks, loaded by {world}")
         result = LoadResult(path, meta.step, meta.config, meta.extra, rng, sorted(files.open), notes)

@@ -12,16 +12,21 @@ The protocol (every rank, then rank 0):
      alike (data-parallel replicas, tensors replicated over tp, a tied weight on two pipeline
      stages) is written once, by the holder with the fewest bytes so far: the ranks share the I/O.
      Rank 0 first clears what a crashed save left (.tmp-*, .trash-*).
-  3. write: each rank writes rankNNNNN.pt into <root>/.tmp-step_N/ and fsyncs it.
-  4. agree: the ranks exchange success and file sizes. If any failed, rank 0 removes the
+  3. write: each rank writes rankNNNNN.pt into <root>/.tmp-step_N/, stamped with the step, hashing
+     it as it goes (SHA-256), and fsyncs it.
+  4. agree: the ranks exchange success, file sizes and digests. If any failed, rank 0 removes the
      temporary directory and every rank raises the same error.
-  5. commit (rank 0): metadata.json written and fsynced, the directory fsynced, then renamed to
-     step_N (one atomic rename publishes the checkpoint), the root fsynced; then checkpoints
+  5. commit (rank 0): metadata.json (with every file's size and digest) written and fsynced, the
+     directory fsynced, then renamed to step_N (one atomic rename publishes the checkpoint), the
+     root fsynced; then checkpoints
      beyond the newest `keep` are renamed to .trash-* and removed. Rank 0 tells every rank the outcome.
 
 Before the rename nothing under a step_N name has changed; after it the new checkpoint is
 complete. A step_N that already exists (a run resumed behind it) is moved to .trash-* first, so
 the older checkpoints stay loadable through that window.
+
+A filesystem that refuses the save (full, read-only, over quota, not permitted) is named in words
+with the directory (format.plain_os_error), on every rank, and the previous checkpoint stays.
 
 Asynchronous saves talk over their own gloo process group (made when the Checkpointer is), so the
 background thread's collectives never interleave with training's. One save is in flight at a
@@ -46,8 +51,8 @@ import torch.nn as nn
 
 from shardlab.checkpoint.capture import Snapshot, capture_training_state
 from shardlab.checkpoint.format import (
-    METADATA, RANK_STATE, Metadata, SavedSlice, TensorEntry, fsync_dir, list_checkpoints, rank_file_name,
-    step_dir_name, write_tensor_file,
+    DIGEST, METADATA, RANK_STATE, STEP_STAMP, Metadata, SavedSlice, TensorEntry, fsync_dir, list_checkpoints,
+    plain_os_error, rank_file_name, step_dir_name, write_tensor_file,
 )
 from shardlab.checkpoint.slices import CheckpointError, Slice
 from shardlab.dist.env import group_timeout
@@ -148,23 +153,31 @@ def write_snapshot(snap: Snapshot, root: Path, keep: int | None, group: dist.Pro
             root.mkdir(parents=True, exist_ok=True)
             _clear_leftovers(root)
         except OSError as exc:
-            problem = f"rank 0 cannot prepare {root}: {exc}"
-    everyone = g.all_gather(problem or snap.descriptors())  # also orders rank 0's clean-up before every write
-    _raise_any(everyone, snap.step, root)
+            problem = f"rank 0 cannot prepare {root}: {plain_os_error(exc, root)}"
+    # Also orders rank 0's clean-up before every write.
+    gathered = g.all_gather(problem or (snap.step, snap.descriptors()))
+    _raise_any(gathered, snap.step, root)
+    steps = [step for step, _ in gathered]
+    if len(set(steps)) > 1:  # every rank raises alike: nothing is written
+        raise CheckpointError(f"checkpoint not saved to {root}: the ranks are at different steps "
+                              f"({', '.join(f'rank {r}: {s}' for r, s in enumerate(steps))})")
+    everyone = [descs for _, descs in gathered]
     mine, shapes = plan(everyone)
     fname = rank_file_name(g.rank)
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         payload: dict[str, Any] = {f"{snap.tensors[i][0]}#{i}": snap.tensors[i][2] for i in mine[g.rank]}
-        payload[RANK_STATE] = snap.rank_state
+        payload[RANK_STATE] = {**snap.rank_state, STEP_STAMP: snap.step}
         _fault("before_write", g.rank, tmp / fname)
-        size = write_tensor_file(tmp / fname, payload)
+        size, digest = write_tensor_file(tmp / fname, payload)
         _fault("written", g.rank, tmp / fname)
-        report: tuple[str | None, int] = (None, size)
+        report: tuple[str | None, int, str] = (None, size, digest)
+    except OSError as exc:
+        report = (plain_os_error(exc, tmp), 0, "")
     except Exception as exc:  # noqa: BLE001 - reported to every rank, so none is left waiting
-        report = (f"{type(exc).__name__}: {exc}", 0)
+        report = (f"{type(exc).__name__}: {exc}", 0, "")
     reports = g.all_gather(report)
-    failed = [(r, err) for r, (err, _) in enumerate(reports) if err is not None]
+    failed = [(r, err) for r, (err, _, _) in enumerate(reports) if err is not None]
     outcome: str | None = None
     if g.rank == 0:
         if failed:
@@ -172,7 +185,11 @@ def write_snapshot(snap: Snapshot, root: Path, keep: int | None, group: dist.Pro
             outcome = "; ".join(f"rank {r}: {err}" for r, err in failed)
         else:
             try:
-                _commit(snap, everyone, mine, shapes, [size for _, size in reports], root, tmp, final, keep)
+                _commit(snap, everyone, mine, shapes, [(size, digest) for _, size, digest in reports], root, tmp,
+                        final, keep)
+            except OSError as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                outcome = f"rank 0 could not publish it: {plain_os_error(exc, root)}"
             except Exception as exc:  # noqa: BLE001
                 outcome = f"rank 0 could not publish it: {type(exc).__name__}: {exc}"
     outcome = g.broadcast(outcome)
@@ -188,15 +205,16 @@ def _raise_any(everyone: list[Any], step: int, root: Path) -> None:
         raise CheckpointError(f"checkpoint of step {step} not saved to {root}: {'; '.join(problems)}")
 
 
-def _commit(snap: Snapshot, everyone: list[list[tuple]], chosen: list[list[int]], shapes: dict, sizes: list[int],
-            root: Path, tmp: Path, final: Path, keep: int | None) -> None:
+def _commit(snap: Snapshot, everyone: list[list[tuple]], chosen: list[list[int]], shapes: dict,
+            files: list[tuple[int, str]], root: Path, tmp: Path, final: Path, keep: int | None) -> None:
     tensors = {name: TensorEntry(tuple(shape), dtype) for name, (shape, dtype) in sorted(shapes.items())}
     for rank, indices in enumerate(chosen):
         for i in indices:
             name, sl, shape, _, _ = everyone[rank][i]
             tensors[name].slices.append(SavedSlice(rank_file_name(rank), f"{name}#{i}", Slice.from_json(shape, sl)))
     meta = Metadata(step=snap.step, world_size=snap.world_size, tensors=tensors,
-                    files={rank_file_name(r): {"rank": r, "bytes": s} for r, s in enumerate(sizes)},
+                    files={rank_file_name(r): {"rank": r, "bytes": size, DIGEST: digest}
+                           for r, (size, digest) in enumerate(files)},
                     optimizer=snap.optimizer, config=snap.config, extra=snap.extra, aliases=snap.aliases,
                     created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     with open(tmp / METADATA, "w") as f:

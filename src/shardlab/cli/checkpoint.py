@@ -7,6 +7,10 @@
 
 Neither starts ranks nor needs the layout the checkpoint was saved under: the metadata says where
 every slice of every tensor is (docs/checkpoints.md).
+
+Both verify every file first (its size and SHA-256 against the metadata, the step stamped in it,
+the metadata's step against its step_N directory): inspect lists each problem and exits with 1,
+consolidate refuses to write anything (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checkpoint", help="inspect a checkpoint, or consolidate it into one state dict",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    ins = actions.add_parser("inspect", help="what a checkpoint holds: step, ranks, files, every tensor's slices")
+    ins = actions.add_parser("inspect", help="what a checkpoint holds (step, ranks, files, every tensor's slices) and "
+                                                  "whether every file passes its checks (exit status 1 if not)")
     ins.add_argument("path", help="a checkpoint directory, or a root holding checkpoints (its newest is shown)")
     ins.add_argument("--json", metavar="PATH", help="write the description as JSON ('-' for stdout only)")
     ins.add_argument("--all", action="store_true", help="list every tensor (default: parameters, then a count)")
-    con = actions.add_parser("consolidate", help="write the whole model state dict to one file")
+    con = actions.add_parser("consolidate", help="write the whole model state dict to one file (a checkpoint that "
+                                                      "fails its checks is refused)")
     con.add_argument("path", help="a checkpoint directory, or a root holding checkpoints (its newest is used)")
     con.add_argument("--out", required=True, help="the file to write (torch.save; load with weights_only=True)")
     con.add_argument("--optimizer", action="store_true",
@@ -66,6 +72,14 @@ def format_description(d: dict[str, Any], show_all: bool = False) -> str:
     hidden = len(d["tensors"]) - len(shown)
     if hidden:
         lines.append(f"  ... and {hidden} optimizer tensors (--all lists them)")
+    problems = d.get("problems") or []
+    if problems:
+        lines.append(f"  FAILED: {len(problems)} problem(s); this checkpoint must not be loaded:")
+        lines += [f"    {p}" for p in problems]
+    elif d.get("version", 2) < 2:
+        lines.append("  integrity: sizes only (format version 1 records no checksums or step stamps)")
+    else:
+        lines.append("  integrity: every file's size, sha256 and step stamp match the metadata")
     return "\n".join(lines)
 
 
@@ -75,14 +89,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "inspect":
             d = describe(args.path)
+            status = 1 if d["problems"] else 0
             if args.json == "-":
                 print(json.dumps(d, indent=1))
-                return 0
+                return status
             print(format_description(d, args.all))
             if args.json:
                 Path(args.json).write_text(json.dumps(d, indent=1) + "\n")
                 print(f"\nwrote {args.json}")
-            return 0
+            if status:
+                print(f"shardlab checkpoint inspect: {d['path']} fails its checks ({len(d['problems'])} problem(s))",
+                      file=sys.stderr)
+            return status
         out = consolidate(args.path, args.out, optimizer=args.optimizer)
         print(f"wrote {out} ({_size(out.stat().st_size)})")
         return 0

@@ -132,10 +132,11 @@ def add_checkpoint_options(p: argparse.ArgumentParser) -> None:
                    help="write checkpoints on the training thread (default: in the background after a copy to "
                         "host memory) (checkpoint.async_save)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|DIR",
-                   help="continue from the newest complete checkpoint (or the step_N directory given): same "
-                        "losses and parameters as an uninterrupted run; any layout loads any other's. "
-                        "'latest' starts afresh when there is none, so a job restarted by torchrun "
-                        "--max-restarts resumes by itself (checkpoint.resume)")
+                   help="continue from the newest complete checkpoint that passes its integrity checks (newer "
+                        "damaged ones are skipped, each named with the check it failed), or the step_N directory "
+                        "given (refused if damaged): same losses and parameters as an uninterrupted run; any "
+                        "layout loads any other's. 'latest' starts afresh when there is none, so a job restarted "
+                        "by torchrun --max-restarts resumes by itself (checkpoint.resume)")
 
 
 def pipeline_adjustments(cfg) -> list[tuple[str, str]]:

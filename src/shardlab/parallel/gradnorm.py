@@ -14,6 +14,11 @@ the last stage (the GPT's embedding and head) has a copy on each, with equal gra
 pipeline sums them. `PipelineSharding.duplicates` names the copies a rank holds but another rank
 counts, and callers leave them out, so a tied weight is counted once, as one process counts it.
 
+Parameters may also be torch's DTensors (torch FSDP2's `fully_shard`, which the benchmarks run
+through the same training step): a DTensor gradient counts its local shard, cut over the mesh
+dimension its placement shards (that dimension's group playing dp's part), or as it is when
+replicated; an unreduced (Partial) one is refused, since its squares would not add up.
+
 Squares are summed in fp64: the norm then agrees with the single-process one to ~1e-16 however the
 model is cut, so a clipped step scales the gradients by the reference's coefficient, not one that
 differs in its seventh digit (fp32 sums in another order would).
@@ -100,17 +105,51 @@ def clip_coefficient(norm: float | torch.Tensor, max_norm: float) -> float:
     return min(max_norm / (total + 1e-6), 1.0)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (sharing its memory: writing it writes the DTensor), else `t`."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def dtensor_cut(p: torch.Tensor) -> tuple[Group, int]:
+    """The group over which a DTensor parameter's gradient is sharded, and its size ((None, 1): a
+    plain tensor, or a replicated DTensor). Read from the parameter, which every rank holds with
+    or without a gradient, so that every rank takes part in the same reductions."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return None, 1
+    if any(not (pl.is_shard() or pl.is_replicate()) for pl in p.placements):
+        raise ValueError(f"a DTensor parameter with placements {p.placements}: only Shard and Replicate "
+                         f"gradients have a norm from their local squares (a Partial one is not yet reduced)")
+    dims = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
+    if len(dims) > 1:
+        raise ValueError(f"a DTensor parameter sharded over {len(dims)} mesh dimensions ({p.placements}): "
+                         f"the gradient norm handles one")
+    if not dims:
+        return None, 1
+    return p.device_mesh.get_group(dims[0]), p.device_mesh.size(dims[0])
+
+
 @torch.no_grad()
 def whole_grad_norm(params: Iterable[nn.Parameter], tp: TensorSharding | None = None,
                     pp: PipelineSharding | None = None) -> torch.Tensor:
     """The norm (fp64) of gradients that are whole over data parallelism: one process, plain data
     parallelism, a tensor-parallel model's shards and replicas under it, or a pipeline stage's
-    parameters (`pp`). A collective over tp and pp."""
+    parameters (`pp`); or DTensor gradients sharded over one group (torch FSDP2: see the module
+    docstring). A collective over tp and pp, and over the DTensors' group."""
     unique = list({id(p): p for p in params}.values())
     device = unique[0].device if unique else None  # the collectives' device, with or without gradients
-    grads = ((p.grad, False, tp is not None and tp.cuts(p)) for p in unique
+    cuts = {id(p): dtensor_cut(p) for p in unique}
+    groups = {(id(g), n): (g, n) for g, n in cuts.values() if n > 1}
+    if len(groups) > 1:
+        raise ValueError(f"DTensor parameters sharded over {len(groups)} different groups: the gradient norm sums "
+                         f"over one")
+    dp_group, dp_size = next(iter(groups.values()), (None, 1))
+    grads = ((_local(p.grad), cuts[id(p)][1] > 1, tp is not None and tp.cuts(p)) for p in unique
              if p.grad is not None and (pp is None or pp.counts(p)))
-    return global_grad_norm(grads, device, tp=tp, pp=pp)
+    return global_grad_norm(grads, device, dp_group=dp_group, dp_size=dp_size, tp=tp, pp=pp)
 
 
 @torch.no_grad()
@@ -123,5 +162,6 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: TensorS
     norm = whole_grad_norm(params, tp, pp)
     coef = clip_coefficient(norm, max_norm)
     if coef < 1.0:
-        torch._foreach_mul_([p.grad for p in {id(p): p for p in params}.values() if p.grad is not None], coef)
+        torch._foreach_mul_([_local(p.grad) for p in {id(p): p for p in params}.values() if p.grad is not None],
+                            coef)
     return norm.float()

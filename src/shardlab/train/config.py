@@ -180,8 +180,9 @@ class CheckpointSection:
     async_save: bool = True
     """Write in the background: training stalls only for the copy to host memory."""
     resume: str = ""
-    """'' (start afresh), 'latest' (the newest complete checkpoint under dir; afresh when there is
-    none, so a restarted job resumes by itself) or a step_N directory. Any layout loads any other's."""
+    """'' (start afresh), 'latest' (the newest complete checkpoint under dir that passes its
+    integrity checks, newer damaged ones skipped and named; afresh when there is none, so a
+    restarted job resumes by itself) or a step_N directory. Any layout loads any other's."""
 
 
 SECTIONS: dict[str, type] = {

@@ -226,15 +226,30 @@ def checkpoint_dir(cfg: Config) -> Path:
 def open_checkpoints(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer
                      ) -> tuple[Any, int, str | None]:
     """The checkpointer (None when checkpoint.every is 0), the step to start from, and the
-    checkpoint resumed from (None: afresh). Every rank, at the same point: loading is collective."""
-    from shardlab.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
+    checkpoint resumed from (None: afresh). Every rank, at the same point: loading is collective.
+
+    The checkpoint is verified first, its files shared between the ranks (each hashed once): resume
+    "latest" takes the newest one that passes and says on rank 0 which newer ones it skipped and
+    why; a named one that fails is refused."""
+    from shardlab.checkpoint import Checkpointer, CheckpointError, load_checkpoint
+    from shardlab.checkpoint.verify import newest_verified, verify_together
 
     ck, root = cfg.checkpoint, checkpoint_dir(cfg)
     checkpointer = Checkpointer(root, keep=ck.keep or None, async_save=ck.async_save) if ck.every else None
-    path = latest_checkpoint(root, agreed=True) if ck.resume == "latest" else (Path(ck.resume) if ck.resume else None)
+    if ck.resume == "latest":
+        path, skipped = newest_verified(root, agreed=True)
+        if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+            for bad, why in skipped:
+                print(f"resume: skipped {bad}: {why}", flush=True)
+    else:
+        path = Path(ck.resume) if ck.resume else None
+        problems = verify_together(path) if path is not None else []
+        if problems:
+            raise CheckpointError(f"checkpoint.resume = {ck.resume!r} fails its checks:\n"
+                                  + "\n".join(f"  {p}" for p in problems))
     if path is None:
         return checkpointer, 0, None
-    info = load_checkpoint(path, model, optimizer)
+    info = load_checkpoint(path, model, optimizer, verify=False)  # just verified
     if info.step > cfg.train.steps:
         raise ValueError(f"checkpoint {info.path} is at step {info.step}, past train.steps = {cfg.train.steps}")
     return checkpointer, info.step, str(info.path)

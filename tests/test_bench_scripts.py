@@ -1,0 +1,107 @@
+"""The benchmarks/ scripts' main paths, each once at tiny sizes on the shared rank pools, so that a
+figure in docs/ can always be reproduced from main. Nothing here asserts a time. (pp_verify_matrix.py
+is run by test_pp_verify.py; gpt_mfu.py needs a GPU, so only its refusal without one runs here.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import shardlab.dist
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(monkeypatch, name: str, *argv: str) -> ModuleType:
+    module = _script(name)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    module.main()
+    return module
+
+
+def _in_script(name: str, fn: str, *args):
+    """On a rank: a script's rank function, found by loading the script there (a script is no
+    module the ranks could import by name)."""
+    return getattr(_script(name), fn)(*args)
+
+
+@pytest.fixture
+def pooled(pools, monkeypatch):
+    """shardlab.dist.launch runs on the pool's ranks: the same rank functions, seconds faster."""
+
+    def run(fn, ws, *args, **kw):
+        if fn.__module__.startswith("bench_script_"):
+            return pools(ws).run(_in_script, fn.__module__.removeprefix("bench_script_"), fn.__name__, *args)
+        return pools(ws).run(fn, *args)
+
+    monkeypatch.setattr(shardlab.dist, "launch", run)
+    return run
+
+
+def test_checkpoint_bench(pooled, monkeypatch, tmp_path, capsys):
+    module = _script("checkpoint_bench")
+    monkeypatch.setattr(module, "launch", pooled)  # imported at its top
+    monkeypatch.setattr(sys, "argv", ["checkpoint_bench.py", "--models", "tiny", "--repeats", "1",
+                                      "--json", str(tmp_path / "c.json")])
+    module.main()
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["ranks"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["bytes"] > 0 and all(r[k] > 0 for k in ("save_s", "load_s", "load_unverified_s", "verify_s",
+                                                          "digest_s", "consolidate_s"))
+
+
+def test_comm_bar_and_comm_tables(pooled, monkeypatch, tmp_path, capsys):
+    _run(monkeypatch, "comm_bar", "--world-size", "2", "--sizes", "4K", "--runs", "1",
+         "--json", str(tmp_path / "bar.json"))
+    rows = json.loads((tmp_path / "bar.json").read_text())["rows"]
+    assert {r["op"] for r in rows} == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert all(r["ratio"] > 0 for r in rows)
+    _run(monkeypatch, "comm_tables", str(BENCHMARKS.parent / "docs" / "results" / "bench_comm.json"))
+    out = capsys.readouterr().out
+    assert "| op | impl | ws | model | alpha (us)" in out and "| all_reduce | torch |" in out
+
+
+def test_mp_verify_sweep(pooled, monkeypatch, capsys):
+    _run(monkeypatch, "mp_verify_sweep", "--seeds", "1", "--limit", "1")
+    out = capsys.readouterr().out
+    assert "gpt    2    0 bf16     1" in out and "yes" in out and "largest shares used" in out
+
+
+def test_recompute_bench(monkeypatch, tmp_path):
+    _run(monkeypatch, "recompute_bench", "--d-model", "32", "--heads", "2", "--n-layer", "2", "--seq", "16",
+         "--batch", "2", "--reps", "1", "--dropout", "0.1", "--out", str(tmp_path / "r"))
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["none", "selective", "full"]
+    assert rows[0]["held_bytes"] > rows[2]["held_bytes"] > 0  # full recomputation keeps the least
+
+
+def test_tp_profile(pooled, capsys):
+    _script("tp_profile").main(["tp", "--set", "model.d_model=32", "--set", "model.n_head=2",
+                                "--set", "model.seq_len=16", "--set", "model.n_layer=1"])
+    out = capsys.readouterr().out
+    assert "== tp, rank 0:" in out and " ms  " in out
+
+
+def test_gpt_mfu_says_it_needs_a_gpu(monkeypatch):
+    import torch
+
+    module = _script("gpt_mfu")
+    assert module.peak_for("NVIDIA H100 80GB HBM3") == 989e12 and module.peak_for("a CPU") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["gpt_mfu.py"])
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        module.main()
