@@ -42,7 +42,13 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", "-c", default=None, metavar="FILE", help="TOML configuration (see configs/)")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one field, e.g. --set optim.lr=3e-4 (repeatable; values are TOML literals)")
-    g.add_argument("--model", choices=["gpt", "mlp"], default=None, help="shortcut for --set model.name=...")
+    from shardlab.train.presets import model_names
+
+    g.add_argument("--model", choices=model_names(), default=None, metavar="NAME",
+                   help="gpt, mlp (model.name), llama (the GPT with RMSNorm, SwiGLU, no biases, rotary positions, "
+                        "grouped-query attention, untied head), gpt2 (LayerNorm, tanh GELU, biases, learned positions, "
+                        "tied head), or a planner preset at full size: " + ", ".join(model_names()[4:])
+                        + " (train/presets.py); expands to --set model.* assignments that --set can still change")
     g.add_argument("--steps", type=int, default=None, help="shortcut for --set train.steps=...")
     lay = p.add_argument_group("layout")
     lay.add_argument("--dp", type=int, default=None, help="data-parallel degree (ranks); layout.dp")
@@ -159,8 +165,12 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags."""
     from shardlab.train.config import load_config
 
+    from shardlab.train.presets import model_assignments
+
     flags = []
-    for attr, key in (("model", "model.name"), ("steps", "train.steps"), ("dp", "layout.dp"), ("tp", "layout.tp"),
+    # --model expands to model.* assignments placed before --set, so that --set refines a preset.
+    family = model_assignments(args.model) if getattr(args, "model", None) else []
+    for attr, key in (("steps", "train.steps"), ("dp", "layout.dp"), ("tp", "layout.tp"),
                       ("sp", "layout.sp"), ("tp_plan", "layout.tp_plan"),
                       ("dp_mode", "layout.dp_mode"), ("bucket_mb", "layout.bucket_mb"),
                       ("comm_impl", "layout.comm_impl"), ("zero", "layout.zero"),
@@ -176,7 +186,7 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
             flags.append(f"{key}={str(value).lower()}")
         elif value is not None:
             flags.append(f'{key}="{value}"' if isinstance(value, str) else f"{key}={value}")
-    return load_config(args.config, [*args.overrides, *flags], base=base)
+    return load_config(args.config, [*family, *args.overrides, *flags], base=base)
 
 
 def check_before_launch(cfg, make_out_dir: bool = True) -> None:
