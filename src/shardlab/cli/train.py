@@ -137,6 +137,11 @@ def add_checkpoint_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-async-save", dest="async_save", action="store_false", default=None,
                    help="write checkpoints on the training thread (default: in the background after a copy to "
                         "host memory) (checkpoint.async_save)")
+    g.add_argument("--init-from-hf", default=None, metavar="DIR",
+                   help="start from a local Hugging Face GPT-2 or Llama checkpoint (config.json + *.safetensors, as "
+                        "save_pretrained writes; nothing is downloaded): the model.* shape fields are set from its "
+                        "config.json (before --set, so --set model.seq_len=N can shorten the sequence) and its weights "
+                        "replace the seed's (model.init_from_hf)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|DIR",
                    help="continue from the newest complete checkpoint (or the step_N directory given): same "
                         "losses and parameters as an uninterrupted run; any layout loads any other's. "
@@ -170,6 +175,8 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     flags = []
     # --model expands to model.* assignments placed before --set, so that --set refines a preset.
     family = model_assignments(args.model) if getattr(args, "model", None) else []
+    if getattr(args, "init_from_hf", None):
+        family += hf_assignments(args.init_from_hf)
     for attr, key in (("steps", "train.steps"), ("dp", "layout.dp"), ("tp", "layout.tp"),
                       ("sp", "layout.sp"), ("tp_plan", "layout.tp_plan"),
                       ("dp_mode", "layout.dp_mode"), ("bucket_mb", "layout.bucket_mb"),
@@ -189,6 +196,40 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     return load_config(args.config, [*family, *args.overrides, *flags], base=base)
 
 
+def hf_assignments(path: str) -> list[str]:
+    """`--init-from-hf DIR` as model.* assignments: the checkpoint's shape, then where to load it from."""
+    from shardlab.checkpoint import CheckpointError
+    from shardlab.checkpoint.hf import hf_model_fields
+    from shardlab.train.config import ConfigError, _toml_value
+
+    try:
+        fields = hf_model_fields(path)
+    except (CheckpointError, OSError, ValueError) as exc:
+        raise ConfigError(f"--init-from-hf {path}: {exc}") from exc
+    return [f"model.{k}={_toml_value(v)}" for k, v in fields.items()] + [f"model.init_from_hf={_toml_value(path)}"]
+
+
+def hf_problems(m) -> list[str]:
+    """Where the model.* fields differ from the Hugging Face checkpoint model.init_from_hf names."""
+    from shardlab.checkpoint import CheckpointError
+    from shardlab.checkpoint.hf import hf_model_fields
+
+    try:
+        fields = hf_model_fields(m.init_from_hf)
+    except (CheckpointError, OSError, ValueError) as exc:
+        return [f"model.init_from_hf = {m.init_from_hf!r}: {exc}"]
+    out = []
+    for k, v in fields.items():
+        ours = getattr(m, k)
+        if k == "n_kv_head":
+            ours, v = ours or m.n_head, v or fields["n_head"]
+        if k == "seq_len" and fields["rotary"] is False and ours > v:
+            out.append(f"model.seq_len = {ours} is longer than the checkpoint's {v} learned positions")
+        elif k != "seq_len" and (abs(ours - v) > 1e-12 * abs(v) if isinstance(v, float) else ours != v):
+            out.append(f"model.{k} = {ours!r}, but the checkpoint {m.init_from_hf} has {v!r}")
+    return out
+
+
 def check_before_launch(cfg, make_out_dir: bool = True) -> None:
     """What validation cannot see without building the model (on the meta device: no memory) or
     touching the disk; raises ConfigError."""
@@ -200,6 +241,10 @@ def check_before_launch(cfg, make_out_dir: bool = True) -> None:
     from shardlab.train.config import ConfigError
     from shardlab.train.task import build_model
 
+    if cfg.model.init_from_hf:
+        problems = hf_problems(cfg.model)
+        if problems:
+            raise ConfigError("the model does not fit its Hugging Face checkpoint:\n  - " + "\n  - ".join(problems))
     with torch.device("meta"):
         names = [n for n, _ in build_model(cfg.model).named_parameters()]
     for pattern in filter(None, (p.strip() for p in cfg.model.freeze.split(","))):

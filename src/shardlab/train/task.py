@@ -54,10 +54,32 @@ def prepare_model(cfg: Config) -> nn.Module:
     this way starts from identical weights."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
+    if cfg.model.init_from_hf:
+        load_hf_weights(model, cfg.model.init_from_hf)
     for name, p in model.named_parameters():
         if cfg.frozen(name):
             p.requires_grad_(False)
     return apply_precision(model, cfg.layout.precision)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str) -> None:
+    """Copy the Hugging Face checkpoint in `path` into the plain GPT `model` (checkpoint/hf.py maps
+    the names); a ValueError names the tensors whose shapes or names do not fit the model.*
+    fields (`shardlab train --init-from-hf` sets them from the checkpoint's config.json)."""
+    from shardlab.checkpoint.hf import read_hf
+
+    if not isinstance(model, GPT):
+        raise ValueError(f"model.init_from_hf = {path!r}: only the GPT loads Hugging Face weights")
+    state = read_hf(path, model.cfg)
+    own = model.state_dict()
+    wrong = [f"{n} {tuple(t.shape)} (model {tuple(own[n].shape)})" for n, t in state.items()
+             if n in own and own[n].shape != t.shape]
+    missing = sorted(set(own) - set(state))
+    if wrong or missing:
+        raise ValueError(f"model.init_from_hf = {path!r} does not fit model.* ({model.cfg.n_layer} layers, d_model "
+                         f"{model.cfg.d_model}): " + "; ".join(wrong + [f"{n} not in the checkpoint" for n in missing]))
+    model.load_state_dict({n: state[n] for n in own})
 
 
 def first_layer(model: nn.Module) -> nn.Module:
