@@ -57,6 +57,7 @@ def test_swiglu_gate_must_be_split_like_fc():
     with torch.device("meta"):
         model = build_model(cfg.model)
     plan = {k: v for k, v in GPT_PLAN.items() if k != "pos_emb"}  # rotary: no position table
+    assert check_plan(model, plan, 2) and "blocks.*.mlp.gate" not in plan  # the gate not covered: refused
     plan["blocks.*.mlp.gate"] = "replicate"
     problems = check_plan(model, plan, 2)
     assert any("gate, fc and proj can be column, column and row" in p for p in problems), problems

@@ -50,8 +50,7 @@ GPT_PLAN: dict[str, str] = {
     "blocks.*.ln1": "replicate",
     "blocks.*.attn": "heads",       # q and kv column-parallel by heads, proj row-parallel, one entry collective
     "blocks.*.ln2": "replicate",
-    "blocks.*.mlp.gate": "column",  # SwiGLU only: gate and up (fc) split alike, one entry collective
-    "blocks.*.mlp.fc": "column",
+    "blocks.*.mlp.fc": "column",    # a SwiGLU MLP adds "blocks.*.mlp.gate": "column" (gpt_plan)
     "blocks.*.mlp.proj": "row",
     "ln_f": "replicate",
     "head": "vocab",                # column-parallel over the vocabulary + vocabulary-parallel loss
@@ -60,13 +59,16 @@ GPT_PLAN: dict[str, str] = {
 
 
 def gpt_plan(model: GPT) -> dict[str, str]:
-    """GPT_PLAN for this model: without the position table when positions are rotary, without the
-    gate unless the MLP is SwiGLU (a plan entry must match some module, so the default leaves out
-    what the model does not have)."""
-    absent = {"pos_emb"} if model.pos_emb is None else set()
-    if not _swiglu(model):
-        absent.add("blocks.*.mlp.gate")
-    return {k: v for k, v in GPT_PLAN.items() if k not in absent}
+    """GPT_PLAN for this model: without the position table when positions are rotary, with the gate
+    when the MLP is SwiGLU (a plan entry must match some module, so the default names only what the
+    model has)."""
+    plan: dict[str, str] = {}
+    for k, v in GPT_PLAN.items():
+        if k == "blocks.*.mlp.fc" and _swiglu(model):  # gate and up (fc) split alike: one entry collective
+            plan["blocks.*.mlp.gate"] = "column"
+        if k != "pos_emb" or model.pos_emb is not None:
+            plan[k] = v
+    return plan
 
 
 def _swiglu(model: GPT) -> bool:
