@@ -29,6 +29,8 @@ examples:
   shardlab train --config configs/gpt-small.toml --dp 2 --zero 3 --save-every 50   # sharded checkpoints
   shardlab train --config configs/gpt-small.toml --tp 2 --resume    # continue under another layout
   shardlab train --config configs/gpt-small.toml --dry-run
+  shardlab train --model llama3-8b --dry-run        # a planner preset's shape in the trainer (docs/models.md)
+  shardlab train --init-from-hf ./hf-model --set model.seq_len=128   # from a local GPT-2 or Llama checkpoint
   shardlab train --help-config                      # every configuration field, documented
   torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
   torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m shardlab train --config \
