@@ -150,6 +150,9 @@ def pipeline_args_from_train(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("schedules", "microbatches", "virtual_stages"):  # bench pipeline's defaults unless given
         if getattr(args, name) is not None:
             setattr(out, name, getattr(args, name))
+    if args.model not in (None, "mlp", "gpt"):
+        raise ValueError(f"--pp benchmarks the pipeline's own MLP or GPT sizes (--model mlp or gpt), not --model "
+                         f"{args.model}")
     out.model = args.model or "mlp"
     out.stages, out.steps = args.pp, args.timed_steps
     return out

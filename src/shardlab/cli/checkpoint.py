@@ -4,6 +4,9 @@
     shardlab checkpoint inspect runs/gpt-small/checkpoints/step_00000200 --json -
     shardlab checkpoint consolidate runs/gpt-small/checkpoints --out model.pt
     python -c "import torch; m.load_state_dict(torch.load('model.pt', weights_only=True))"
+    shardlab checkpoint export runs/gpt-small/checkpoints --hf hf-model    # transformers: GPT-2 or Llama
+    python -c "import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf-model')"
+    shardlab checkpoint export runs/gpt-small/checkpoints --dcp dcp-ckpt   # torch.distributed.checkpoint
 
 Neither starts ranks nor needs the layout the checkpoint was saved under: the metadata says where
 every slice of every tensor is (docs/checkpoints.md).
@@ -37,6 +40,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     con.add_argument("--out", required=True, help="the file to write (torch.save; load with weights_only=True)")
     con.add_argument("--optimizer", action="store_true",
                      help="also the optimizer state: writes {'model': ..., 'optimizer': ..., 'step': N}")
+    exp = actions.add_parser("export", help="write the model in another library's format: Hugging Face "
+                                            "(safetensors + config.json) or torch.distributed.checkpoint")
+    exp.add_argument("path", help="a checkpoint directory, or a root holding checkpoints (its newest is used)")
+    exp.add_argument("--hf", metavar="OUT",
+                     help="write OUT/model.safetensors and OUT/config.json, loadable with transformers' "
+                          "AutoModelForCausalLM.from_pretrained(OUT) as GPT2LMHeadModel (layernorm, gelu, learned "
+                          "positions) or LlamaForCausalLM (rmsnorm, swiglu, rotary); other shapes are refused with "
+                          "the reason (checkpoint/hf.py)")
+    exp.add_argument("--dcp", metavar="OUT",
+                     help="write the model (and the optimizer state, unless --no-optimizer) as a "
+                          "torch.distributed.checkpoint directory: {'model': ..., 'optimizer': ..., 'step': N}, "
+                          "loadable with torch.distributed.checkpoint.load (checkpoint/dcp.py)")
+    exp.add_argument("--no-optimizer", action="store_true", help="--dcp: the model only")
     p.set_defaults(func=run)
 
 
@@ -101,9 +117,42 @@ def run(args: argparse.Namespace) -> int:
                 print(f"shardlab checkpoint inspect: {d['path']} fails its checks ({len(d['problems'])} problem(s))",
                       file=sys.stderr)
             return status
+        if args.action == "export":
+            return export(args)
         out = consolidate(args.path, args.out, optimizer=args.optimizer)
         print(f"wrote {out} ({_size(out.stat().st_size)})")
         return 0
     except CheckpointError as exc:
         print(f"shardlab checkpoint {args.action}: {exc}", file=sys.stderr)
         return 1
+
+
+def export(args: argparse.Namespace) -> int:
+    """`shardlab checkpoint export PATH --hf OUT | --dcp OUT`."""
+    from shardlab.checkpoint import CheckpointError, full_tensors, read_metadata
+    from shardlab.checkpoint.format import resolve_checkpoint
+
+    if not (args.hf or args.dcp):
+        raise CheckpointError("export needs --hf OUT and/or --dcp OUT")
+    path = resolve_checkpoint(args.path)
+    if args.dcp:
+        from shardlab.checkpoint.dcp import export_dcp
+
+        out = export_dcp(path, args.dcp, optimizer=not args.no_optimizer)
+        print(f"wrote {out} (torch.distributed.checkpoint, step {read_metadata(path).step})")
+    if args.hf:
+        from shardlab.checkpoint.hf import hf_family, save_hf
+        from shardlab.train.config import Config
+        from shardlab.train.task import gpt_config
+
+        saved = read_metadata(path).config
+        if not saved or (saved.get("model") or {}).get("name", "gpt") != "gpt":
+            raise CheckpointError(f"{path}: the checkpoint's configuration does not describe a GPT "
+                                  f"(model.name {((saved or {}).get('model') or {}).get('name')!r}); only the GPT "
+                                  f"exports to Hugging Face")
+        cfg = gpt_config(Config.from_dict(saved).model)
+        tensors = full_tensors(path, "model/")
+        cfg.vocab_size = tensors["tok_emb.weight"].shape[0]  # the saved table is the truth
+        out = save_hf(cfg, tensors, args.hf)
+        print(f"wrote {out}/model.safetensors and config.json ({hf_family(cfg)}, step {read_metadata(path).step})")
+    return 0

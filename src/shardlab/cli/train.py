@@ -29,6 +29,8 @@ examples:
   shardlab train --config configs/gpt-small.toml --dp 2 --zero 3 --save-every 50   # sharded checkpoints
   shardlab train --config configs/gpt-small.toml --tp 2 --resume    # continue under another layout
   shardlab train --config configs/gpt-small.toml --dry-run
+  shardlab train --model llama3-8b --dry-run        # a planner preset's shape in the trainer (docs/models.md)
+  shardlab train --init-from-hf ./hf-model --set model.seq_len=128   # from a local GPT-2 or Llama checkpoint
   shardlab train --help-config                      # every configuration field, documented
   torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
   torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m shardlab train --config \
@@ -42,7 +44,13 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", "-c", default=None, metavar="FILE", help="TOML configuration (see configs/)")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one field, e.g. --set optim.lr=3e-4 (repeatable; values are TOML literals)")
-    g.add_argument("--model", choices=["gpt", "mlp"], default=None, help="shortcut for --set model.name=...")
+    from shardlab.train.presets import model_names
+
+    g.add_argument("--model", choices=model_names(), default=None, metavar="NAME",
+                   help="gpt, mlp (model.name), llama (the GPT with RMSNorm, SwiGLU, no biases, rotary positions, "
+                        "grouped-query attention, untied head), gpt2 (LayerNorm, tanh GELU, biases, learned positions, "
+                        "tied head), or a planner preset at full size: " + ", ".join(model_names()[4:])
+                        + " (train/presets.py); expands to --set model.* assignments that --set can still change")
     g.add_argument("--steps", type=int, default=None, help="shortcut for --set train.steps=...")
     lay = p.add_argument_group("layout")
     lay.add_argument("--dp", type=int, default=None, help="data-parallel degree (ranks); layout.dp")
@@ -131,6 +139,11 @@ def add_checkpoint_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-async-save", dest="async_save", action="store_false", default=None,
                    help="write checkpoints on the training thread (default: in the background after a copy to "
                         "host memory) (checkpoint.async_save)")
+    g.add_argument("--init-from-hf", default=None, metavar="DIR",
+                   help="start from a local Hugging Face GPT-2 or Llama checkpoint (config.json + *.safetensors, as "
+                        "save_pretrained writes; nothing is downloaded): the model.* shape fields are set from its "
+                        "config.json (before --set, so --set model.seq_len=N can shorten the sequence) and its weights "
+                        "replace the seed's (model.init_from_hf)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|DIR",
                    help="continue from the newest complete checkpoint that passes its integrity checks (newer "
                         "damaged ones are skipped, each named with the check it failed), or the step_N directory "
@@ -160,8 +173,14 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags."""
     from shardlab.train.config import load_config
 
+    from shardlab.train.presets import model_assignments
+
     flags = []
-    for attr, key in (("model", "model.name"), ("steps", "train.steps"), ("dp", "layout.dp"), ("tp", "layout.tp"),
+    # --model expands to model.* assignments placed before --set, so that --set refines a preset.
+    family = model_assignments(args.model) if getattr(args, "model", None) else []
+    if getattr(args, "init_from_hf", None):
+        family += hf_assignments(args.init_from_hf)
+    for attr, key in (("steps", "train.steps"), ("dp", "layout.dp"), ("tp", "layout.tp"),
                       ("sp", "layout.sp"), ("tp_plan", "layout.tp_plan"),
                       ("dp_mode", "layout.dp_mode"), ("bucket_mb", "layout.bucket_mb"),
                       ("comm_impl", "layout.comm_impl"), ("zero", "layout.zero"),
@@ -177,7 +196,41 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
             flags.append(f"{key}={str(value).lower()}")
         elif value is not None:
             flags.append(f'{key}="{value}"' if isinstance(value, str) else f"{key}={value}")
-    return load_config(args.config, [*args.overrides, *flags], base=base)
+    return load_config(args.config, [*family, *args.overrides, *flags], base=base)
+
+
+def hf_assignments(path: str) -> list[str]:
+    """`--init-from-hf DIR` as model.* assignments: the checkpoint's shape, then where to load it from."""
+    from shardlab.checkpoint import CheckpointError
+    from shardlab.checkpoint.hf import hf_model_fields
+    from shardlab.train.config import ConfigError, _toml_value
+
+    try:
+        fields = hf_model_fields(path)
+    except (CheckpointError, OSError, ValueError) as exc:
+        raise ConfigError(f"--init-from-hf {path}: {exc}") from exc
+    return [f"model.{k}={_toml_value(v)}" for k, v in fields.items()] + [f"model.init_from_hf={_toml_value(path)}"]
+
+
+def hf_problems(m) -> list[str]:
+    """Where the model.* fields differ from the Hugging Face checkpoint model.init_from_hf names."""
+    from shardlab.checkpoint import CheckpointError
+    from shardlab.checkpoint.hf import hf_model_fields
+
+    try:
+        fields = hf_model_fields(m.init_from_hf)
+    except (CheckpointError, OSError, ValueError) as exc:
+        return [f"model.init_from_hf = {m.init_from_hf!r}: {exc}"]
+    out = []
+    for k, v in fields.items():
+        ours = getattr(m, k)
+        if k == "n_kv_head":
+            ours, v = ours or m.n_head, v or fields["n_head"]
+        if k == "seq_len" and fields["rotary"] is False and ours > v:
+            out.append(f"model.seq_len = {ours} is longer than the checkpoint's {v} learned positions")
+        elif k != "seq_len" and (abs(ours - v) > 1e-12 * abs(v) if isinstance(v, float) else ours != v):
+            out.append(f"model.{k} = {ours!r}, but the checkpoint {m.init_from_hf} has {v!r}")
+    return out
 
 
 def check_before_launch(cfg, make_out_dir: bool = True) -> None:
@@ -191,6 +244,10 @@ def check_before_launch(cfg, make_out_dir: bool = True) -> None:
     from shardlab.train.config import ConfigError
     from shardlab.train.task import build_model
 
+    if cfg.model.init_from_hf:
+        problems = hf_problems(cfg.model)
+        if problems:
+            raise ConfigError("the model does not fit its Hugging Face checkpoint:\n  - " + "\n  - ".join(problems))
     with torch.device("meta"):
         names = [n for n, _ in build_model(cfg.model).named_parameters()]
     for pattern in filter(None, (p.strip() for p in cfg.model.freeze.split(","))):

@@ -39,6 +39,7 @@ examples:
   shardlab verify --model gpt --dp 2 --comm-impl ring --set model.skip_layer_every=2
   shardlab verify --model gpt --dp 2 --zero 3 --precision bf16
   shardlab verify --model gpt --tp 4 --sp                  # tensor + sequence parallel, 4 ranks
+  shardlab verify --model llama --tp 2 --sp                # Llama shape: RMSNorm, SwiGLU, rotary, GQA, no biases
   shardlab verify --model mlp --tp 2 --tp-plan lecture     # the lecture's MLP form
   shardlab verify --model gpt --dp 2 --tp 2 --zero 2       # ZeRO-2 over each dp group of a dp x tp mesh
   shardlab verify --model gpt --pp 2 --schedule 1f1b --microbatches 4 --json v.json

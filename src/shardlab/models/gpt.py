@@ -1,9 +1,12 @@
 """A GPT-style decoder in plain PyTorch. It knows nothing of parallelism: strategies are applied to it.
 
-Pre-norm blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> MLP -> residual),
+Pre-norm blocks (norm -> causal self-attention -> residual, norm -> MLP -> residual),
 learned or rotary positions, grouped-query attention when n_kv_head < n_head, optional tied
 embedding and head; with n_experts > 0 every MLP is a mixture of experts (models/moe.py), whose
-load-balancing loss the forward adds to the cross-entropy. `flops_per_token` gives the model FLOPs
+load-balancing loss the forward adds to the cross-entropy. The family options (models/layers.py):
+norm 'layernorm' or 'rmsnorm', mlp 'gelu', 'gelu_tanh' or 'swiglu', bias, rope_theta, so that
+GPT-2 (layernorm, gelu, biases, learned positions, tied head) and Llama 3 (rmsnorm, swiglu, no
+biases, rotary, grouped-query attention, untied head) are both this class. `flops_per_token` gives the model FLOPs
 used for MFU (6N of the active parameters plus attention).
 """
 
@@ -16,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardlab.models.layers import MLPS, NORMS, GeluMLP, make_mlp, make_norm
 from shardlab.models.moe import MoE
 
 
@@ -36,6 +40,10 @@ class GPTConfig:
     top_k: int = 2                 # experts per token
     capacity_factor: float = 1.25  # per expert per sequence: ceil(factor x t x k / E); <= 0: no limit
     aux_loss_coef: float = 0.01    # the load-balancing loss's weight in the model's loss
+    norm: str = "layernorm"        # or "rmsnorm" (gain only)
+    mlp: str = "gelu"              # exact GELU; "gelu_tanh" (GPT-2's approximation); "swiglu" (Llama)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0    # rotary base: 10000 (RoFormer, Llama 2), 500000 (Llama 3)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -46,6 +54,8 @@ class GPTConfig:
             raise ValueError(f"d_model {self.d_model} does not divide into n_head {self.n_head} heads")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
+        if self.norm not in NORMS or self.mlp not in MLPS:
+            raise ValueError(f"norm {self.norm!r} / mlp {self.mlp!r}: norm is one of {NORMS}, mlp one of {MLPS}")
         if self.rotary and (self.d_model // self.n_head) % 2:
             raise ValueError(f"rotary needs an even head size, got {self.d_model // self.n_head}")
 
@@ -89,25 +99,20 @@ class CausalSelfAttention(nn.Module):
         )
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+MLP = GeluMLP  # the GPT-2 family's MLP (models/layers.py has both families')
 
 
 def _moe(cfg: GPTConfig) -> MoE:
-    return MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef, cfg.bias)
+    return MoE(cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef, cfg.bias,
+               mlp=cfg.mlp)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
-        self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), (_moe(cfg) if cfg.n_experts else MLP(cfg))
+        self.ln1, self.attn = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps), CausalSelfAttention(cfg)
+        self.ln2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.mlp = _moe(cfg) if cfg.n_experts else make_mlp(cfg.mlp, cfg.d_model, cfg.d_ff, cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -122,7 +127,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = None if cfg.rotary else nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
@@ -142,7 +147,7 @@ class GPT(nn.Module):
     def _rope(self, t: int, device: torch.device, dtype: torch.dtype,
               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         half = self.cfg.head_dim // 2
-        inv = 1.0 / (10000 ** (torch.arange(half, device=device, dtype=torch.float32) / half))
+        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
         pos = torch.arange(t, device=device, dtype=torch.float32) if positions is None else positions.float()
         angles = torch.outer(pos, inv)
         return angles.cos().to(dtype), angles.sin().to(dtype)

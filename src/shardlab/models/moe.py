@@ -33,18 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class Expert(nn.Module):
-    """One expert: the GPT's MLP (d -> d_ff -> d, GELU). Its second matrix is named `proj`, so the
-    GPT's scaled init of residual projections applies to it as to the dense MLP."""
-
-    def __init__(self, d_model: int, d_ff: int, bias: bool) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d_model, d_ff, bias=bias)
-        self.proj = nn.Linear(d_ff, d_model, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+from shardlab.models.layers import make_mlp
 
 
 @dataclass
@@ -123,14 +112,16 @@ class MoE(nn.Module):
     `dropped` the assignments over capacity."""
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, capacity_factor: float = 1.25,
-                 aux_loss_coef: float = 0.01, bias: bool = True) -> None:
+                 aux_loss_coef: float = 0.01, bias: bool = True, mlp: str = "gelu") -> None:
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k = {top_k} must be between 1 and n_experts = {n_experts}")
         self.n_experts, self.top_k = n_experts, top_k
         self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
         self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(d_model, d_ff, bias) for _ in range(n_experts))
+        # Each expert is the GPT's MLP (GELU; or SwiGLU, as Mixtral's experts), its last matrix named
+        # `proj`, so the GPT's scaled init of residual projections applies to it as to the dense MLP.
+        self.experts = nn.ModuleList(make_mlp(mlp, d_model, d_ff, bias) for _ in range(n_experts))
         self.aux_loss: torch.Tensor | None = None
         self.dropped = 0
 

@@ -201,7 +201,7 @@ def get_model(name: str) -> ModelSpec:
 def spec_from_config(m, name: str | None = None) -> ModelSpec:
     """The spec of shardlab's GPT built from a `ModelSection` (train/config.py): same parameter count.
 
-    shardlab's GPT: LayerNorm with gain and bias, optional linear biases, learned positions unless
+    shardlab's GPT: LayerNorm (gain and bias) or RMSNorm, a GELU or SwiGLU MLP, optional linear biases, learned positions unless
     rotary, a head tied to the embedding or not, dropout only when its probability is above 0, and
     torch's fused scaled_dot_product_attention (no s x s matrix kept for backward)."""
     from shardlab.train.data import VOCAB_SIZE
@@ -210,7 +210,8 @@ def spec_from_config(m, name: str | None = None) -> ModelSpec:
         raise ValueError(f"the planner models GPT-style decoders; model.name is {m.name!r}")
     return ModelSpec(
         name or f"shardlab-gpt-{m.n_layer}x{m.d_model}", layers=m.n_layer, hidden=m.d_model, heads=m.n_head,
-        kv_heads=m.n_kv_head, ffn=m.d_ff, vocab=VOCAB_SIZE, seq=m.seq_len, bias=m.bias,
+        kv_heads=m.n_kv_head, ffn=m.d_ff, vocab=m.vocab_size or VOCAB_SIZE, seq=m.seq_len, bias=m.bias,
+        gated_mlp=m.mlp == "swiglu", norm=m.norm,
         tied_embeddings=m.tie_embeddings, learned_positions=not m.rotary, attention="flash",
         dropout=m.dropout > 0, source="shardlab configuration",
     )

@@ -72,6 +72,24 @@ class ModelSection:
     <= 0: no limit."""
     aux_loss_coef: float = 0.01
     """GPT with experts: weight of the load-balancing loss (Switch Transformer's, per sequence)."""
+    norm: str = "layernorm"
+    """GPT: 'layernorm' (gain and bias: GPT-2) or 'rmsnorm' (gain only: Llama)."""
+    mlp: str = "gelu"
+    """GPT: the feed-forward MLP: 'gelu' (exact, erf GELU), 'gelu_tanh' (GPT-2's tanh approximation,
+    Hugging Face's gelu_new) or 'swiglu' (Llama: gate and up projections, SiLU, down projection;
+    model.d_ff is then the width of each of the three matrices)."""
+    norm_eps: float = 1e-5
+    """GPT: epsilon of every norm (GPT-2 and Llama 3 use 1e-5)."""
+    rope_theta: float = 10000.0
+    """GPT with model.rotary: the rotary base (10000: RoFormer, Llama 2; 500000: Llama 3)."""
+    init_from_hf: str = ""
+    """GPT: start from the weights of a local Hugging Face GPT-2 or Llama checkpoint (a directory with
+    config.json and *.safetensors, as save_pretrained writes; nothing is downloaded). `shardlab train
+    --init-from-hf DIR` also sets the model.* shape fields from its config.json; a seq_len below the
+    checkpoint's keeps the first rows of GPT-2's position table. '': the seed's random weights."""
+    vocab_size: int = 0
+    """GPT: rows of the token embedding and the head; 0: the corpus's vocabulary (256 bytes). Larger
+    than the data's ids is allowed (a Hugging Face model's vocabulary, a preset's)."""
 
 
 @dataclass

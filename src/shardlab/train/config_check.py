@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 def problems(cfg: Config) -> list[str]:
     """Every reason `cfg` cannot run, each naming its fields and values (empty: it can)."""
     from shardlab.comm.algorithms import ALGORITHMS
+    from shardlab.models.layers import MLPS, NORMS
     from shardlab.parallel.data import MODES
     from shardlab.parallel.layout import uses_tensor_parallel
     from shardlab.parallel.pipeline.schedules import KINDS
@@ -46,6 +47,12 @@ def problems(cfg: Config) -> list[str]:
             out.append(f"model.rotary needs an even head size; d_model / n_head = {m.d_model // m.n_head}")
     if not 0.0 <= m.dropout < 1.0:
         out.append(f"model.dropout = {m.dropout} must be in [0, 1)")
+    one_of("model.norm", m.norm, NORMS)
+    one_of("model.mlp", m.mlp, MLPS)
+    positive("model.norm_eps", m.norm_eps)
+    positive("model.rope_theta", m.rope_theta)
+    if m.vocab_size < 0:
+        out.append(f"model.vocab_size = {m.vocab_size} must be >= 0 (0: the corpus's vocabulary)")
     if not 0.0 < d.val_fraction < 1.0:
         out.append(f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
     if d.source not in ("", "stdlib") and not any(ch in d.source for ch in "*?["):
@@ -320,7 +327,7 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     with torch.device("meta"):
         model = build_model(m)
     hints = {
-        "tok_emb": f"the byte-level vocabulary has {VOCAB_SIZE} rows", "head": f"the byte-level vocabulary has {VOCAB_SIZE} rows",
+        "tok_emb": f"the vocabulary has {m.vocab_size or VOCAB_SIZE} rows", "head": f"the vocabulary has {m.vocab_size or VOCAB_SIZE} rows",
         "attn": f"model.n_head = {m.n_head}, model.n_kv_head = {m.n_kv_head or m.n_head}",
         "mlp": f"model.d_ff = {m.d_ff}" if m.d_ff else f"model.d_ff = 0: 4 x model.d_model = {4 * m.d_model}",
         "layers": f"model.d_model = {m.d_model}", "sequence parallelism": f"model.seq_len = {m.seq_len}",

@@ -33,13 +33,18 @@ def build_model(m: ModelSection) -> nn.Module:
     """The plain model a configuration describes (no parallelism applied)."""
     if m.name == "mlp":
         return DeepMLP(MLPConfig(d_model=m.d_model, n_layer=m.n_layer, bias=m.bias))
-    return GPT(
-        GPTConfig(
-            vocab_size=VOCAB_SIZE, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
-            n_kv_head=m.n_kv_head or None, d_model=m.d_model, d_ff=m.d_ff or None, rotary=m.rotary,
-            tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias, n_experts=m.experts, top_k=m.top_k,
-            capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef,
-        )
+    return GPT(gpt_config(m))
+
+
+def gpt_config(m: ModelSection) -> GPTConfig:
+    """The GPT's configuration for a model section (one mapping, used by the trainer, the Hugging
+    Face export and import, and the planner's presets)."""
+    return GPTConfig(
+        vocab_size=m.vocab_size or VOCAB_SIZE, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+        n_kv_head=m.n_kv_head or None, d_model=m.d_model, d_ff=m.d_ff or None, rotary=m.rotary,
+        tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias, n_experts=m.experts, top_k=m.top_k,
+        capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef, norm=m.norm, mlp=m.mlp,
+        norm_eps=m.norm_eps, rope_theta=m.rope_theta,
     )
 
 
@@ -49,10 +54,32 @@ def prepare_model(cfg: Config) -> nn.Module:
     this way starts from identical weights."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
+    if cfg.model.init_from_hf:
+        load_hf_weights(model, cfg.model.init_from_hf)
     for name, p in model.named_parameters():
         if cfg.frozen(name):
             p.requires_grad_(False)
     return apply_precision(model, cfg.layout.precision)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str) -> None:
+    """Copy the Hugging Face checkpoint in `path` into the plain GPT `model` (checkpoint/hf.py maps
+    the names); a ValueError names the tensors whose shapes or names do not fit the model.*
+    fields (`shardlab train --init-from-hf` sets them from the checkpoint's config.json)."""
+    from shardlab.checkpoint.hf import read_hf
+
+    if not isinstance(model, GPT):
+        raise ValueError(f"model.init_from_hf = {path!r}: only the GPT loads Hugging Face weights")
+    state = read_hf(path, model.cfg)
+    own = model.state_dict()
+    wrong = [f"{n} {tuple(t.shape)} (model {tuple(own[n].shape)})" for n, t in state.items()
+             if n in own and own[n].shape != t.shape]
+    missing = sorted(set(own) - set(state))
+    if wrong or missing:
+        raise ValueError(f"model.init_from_hf = {path!r} does not fit model.* ({model.cfg.n_layer} layers, d_model "
+                         f"{model.cfg.d_model}): " + "; ".join(wrong + [f"{n} not in the checkpoint" for n in missing]))
+    model.load_state_dict({n: state[n] for n in own})
 
 
 def first_layer(model: nn.Module) -> nn.Module:
@@ -119,9 +146,10 @@ def build_task(cfg: Config, model: nn.Module, tokens: np.ndarray | None = None) 
         return Task(train, val, tokens_per_row=1, flops_per_token=model.flops_per_sample())
     if tokens is None:
         tokens = load_corpus(cfg)
-    if len(tokens) and int(tokens.max()) >= VOCAB_SIZE:
-        raise ValueError(f"data.source = {cfg.data.source!r} holds token ids up to {int(tokens.max())}, but the GPT "
-                         f"is byte-level (vocabulary {VOCAB_SIZE}); give text or a uint8 .bin")
+    vocab = model.cfg.vocab_size if isinstance(model, GPT) else VOCAB_SIZE
+    if len(tokens) and int(tokens.max()) >= vocab:
+        raise ValueError(f"data.source = {cfg.data.source!r} holds token ids up to {int(tokens.max())}, but the GPT's "
+                         f"vocabulary has {vocab} ids (model.vocab_size); give text or a uint8 .bin")
     train_tokens, val_tokens = split_tokens(tokens, cfg.data.val_fraction)
     seq = cfg.model.seq_len
     return Task(

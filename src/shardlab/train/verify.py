@@ -267,6 +267,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                    "virtual_stages": cfg.layout.virtual_stages, "ep": cfg.layout.ep, "cp": cfg.layout.cp,
                    "mesh_order": cfg.layout.mesh_order},
         "model": cfg.model.name,
+        "family": _family(cfg),
         "world_size": world,
         "steps": t.steps,
         "tolerance": tol,
@@ -299,6 +300,17 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     return report
 
 
+def _family(cfg: Config) -> str:
+    """' (rmsnorm, swiglu, rotary, 2 kv heads)' for the GPT's non-default options; '' otherwise."""
+    m = cfg.model
+    if m.name != "gpt":
+        return ""
+    parts = [p for p, on in ((m.norm, m.norm != "layernorm"), (m.mlp, m.mlp != "gelu"), ("rotary", m.rotary),
+                             (f"{m.n_kv_head} kv heads", 0 < m.n_kv_head < m.n_head), ("untied", not m.tie_embeddings))
+             if on]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def format_report(report: dict[str, Any]) -> str:
     lay = report["layout"]
     tp = lay.get("tp", 1)
@@ -308,7 +320,7 @@ def format_report(report: dict[str, Any]) -> str:
     pipeline = f"pp {pp} ({lay.get('schedule')}{f', v {v}' if v > 1 else ''}) x " if pp > 1 else ""
     tensor = "".join(f" x {a} {lay[a]}" for a in ("ep", "cp") if lay.get(a, 1) > 1) + tensor
     lines = [
-        f"verify {report['model']}: {pipeline}dp {lay['dp']} "
+        f"verify {report['model']}{report.get('family', '')}: {pipeline}dp {lay['dp']} "
         f"({'ZeRO-' + str(lay['zero']) if lay['zero'] else lay['dp_mode']}, {lay['comm_impl']}){tensor}, "
         f"{lay['micro_batches']} micro-batch(es), {lay['precision']}, world size {report['world_size']}, "
         f"against one process on the whole batch, {report['steps']} steps",

@@ -22,7 +22,7 @@ from shardlab.parallel.tensor.lecture_mlp import (
 from shardlab.parallel.tensor.plan import (
     FORMS, PLAN_NAMES, STYLES, apply_tensor_parallel, check_plan, named_plan, resolve_plan,
 )
-from shardlab.parallel.tensor.sequence import SequenceParallelLayerNorm, convert_layer_norm
+from shardlab.parallel.tensor.sequence import SequenceParallelLayerNorm, SequenceParallelRMSNorm, convert_layer_norm
 from shardlab.parallel.tensor.shared_input import copied_linears, sequence_parallel_linears
 from shardlab.parallel.tensor.shards import (
     ShardSpec, TensorParallelModel, clip_grad_norm_, find_tensor_parallel, full_gradients, full_parameters, grad_norm,
@@ -42,6 +42,7 @@ __all__ = [
     "KVReplicaLinear",
     "RowParallelLinear",
     "SequenceParallelLayerNorm",
+    "SequenceParallelRMSNorm",
     "ShardSpec",
     "TensorParallelDeepMLP",
     "TensorParallelGPT",

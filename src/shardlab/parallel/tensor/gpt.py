@@ -3,7 +3,8 @@
     GPT_PLAN: the Megatron layout. Embedding and head split by vocabulary (tied weights stay one
     Parameter: both hold the same rows); attention split by heads (query and key/value projections
     column-parallel, output projection row-parallel); the MLP column then row; norms and learned
-    positions replicated. Per block: one all-reduce forward and one backward for attention, the same
+    positions replicated; a SwiGLU MLP's gate and up projections both column, its down projection row
+    (swiglu.py). Per block: one all-reduce forward and one backward for attention, the same
     for the MLP (Shoeybi et al. 2019, fig. 3). The loss is the vocabulary-parallel cross-entropy.
 
 With sequence_parallel=True the replicated regions (norms, residual stream, dropout, positions) hold
@@ -32,12 +33,15 @@ import torch.nn as nn
 from shardlab.comm.autograd import gather_from_group
 from shardlab.comm.dispatch import Group
 from shardlab.models.gpt import GPT
+from shardlab.models.layers import SwiGLU
 from shardlab.parallel.tensor.attention import shard_attention
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from shardlab.parallel.tensor.sequence import (
-    SequenceParallelLayerNorm, SumScope, convert_layer_norm, replicated, summing,
+    SequenceParallelLayerNorm, SequenceParallelRMSNorm, SumScope, convert_layer_norm, norm_params, replicated,
+    summing,
 )
 from shardlab.parallel.tensor.shards import TensorParallelModel
+from shardlab.parallel.tensor.swiglu import shard_swiglu
 from shardlab.parallel.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 GPT_PLAN: dict[str, str] = {
@@ -46,7 +50,7 @@ GPT_PLAN: dict[str, str] = {
     "blocks.*.ln1": "replicate",
     "blocks.*.attn": "heads",       # q and kv column-parallel by heads, proj row-parallel, one entry collective
     "blocks.*.ln2": "replicate",
-    "blocks.*.mlp.fc": "column",
+    "blocks.*.mlp.fc": "column",    # a SwiGLU MLP adds "blocks.*.mlp.gate": "column" (gpt_plan)
     "blocks.*.mlp.proj": "row",
     "ln_f": "replicate",
     "head": "vocab",                # column-parallel over the vocabulary + vocabulary-parallel loss
@@ -55,9 +59,20 @@ GPT_PLAN: dict[str, str] = {
 
 
 def gpt_plan(model: GPT) -> dict[str, str]:
-    """GPT_PLAN for this model: without the position table when positions are rotary (a plan entry
-    must match some module, so the default leaves out what the model does not have)."""
-    return {k: v for k, v in GPT_PLAN.items() if k != "pos_emb" or model.pos_emb is not None}
+    """GPT_PLAN for this model: without the position table when positions are rotary, with the gate
+    when the MLP is SwiGLU (a plan entry must match some module, so the default names only what the
+    model has)."""
+    plan: dict[str, str] = {}
+    for k, v in GPT_PLAN.items():
+        if k == "blocks.*.mlp.fc" and _swiglu(model):  # gate and up (fc) split alike: one entry collective
+            plan["blocks.*.mlp.gate"] = "column"
+        if k != "pos_emb" or model.pos_emb is not None:
+            plan[k] = v
+    return plan
+
+
+def _swiglu(model: GPT) -> bool:
+    return bool(len(model.blocks)) and isinstance(model.blocks[0].mlp, SwiGLU)
 
 
 # What each part of the GPT may be; a block's MLP is (fc, proj) together.
@@ -65,6 +80,7 @@ _ALLOWED = {"tok_emb": ("vocab", "replicate"), "pos_emb": ("replicate",), "ln_f"
             "head": ("vocab", "replicate"), "ln1": ("replicate",), "ln2": ("replicate",),
             "attn": ("heads", "replicate")}
 _MLP_PAIRS = (("column", "row"), ("replicate", "replicate"))
+_SWIGLU = (("column", "column", "row"), ("replicate", "replicate", "replicate"))
 _SHARDED = {"tok_emb": "vocab", "head": "vocab", "attn": "heads"}  # what sequence parallelism needs
 
 
@@ -93,6 +109,14 @@ def gpt_problems(model: GPT, styles: dict[str, str], n: int, sequence_parallel: 
             problems.append(f"{name}: sequence parallelism needs it {_SHARDED[kind]}, not {style}")
     for i in range(len(model.blocks)):
         pair = (_effective(styles, f"blocks.{i}.mlp.fc"), _effective(styles, f"blocks.{i}.mlp.proj"))
+        if isinstance(model.blocks[i].mlp, SwiGLU):
+            three = (_effective(styles, f"blocks.{i}.mlp.gate"), *pair)
+            if three not in _SWIGLU:
+                problems.append(f"blocks.{i}.mlp: gate, fc and proj can be column, column and row, or all "
+                                f"replicate, not {three}")
+            elif sequence_parallel and three != _SWIGLU[0]:
+                problems.append(f"blocks.{i}.mlp: sequence parallelism needs gate and fc column and proj row")
+            continue
         if pair not in _MLP_PAIRS:
             problems.append(f"blocks.{i}.mlp: fc and proj can be column and row, or both replicate, not {pair}")
         elif sequence_parallel and pair != ("column", "row"):
@@ -173,7 +197,9 @@ def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_paral
             convert_layer_norm(block.ln2, group)
         if _effective(styles, f"blocks.{i}.attn") == "heads":
             shard_attention(block.attn, group, sp)
-        if _effective(styles, f"blocks.{i}.mlp.fc") == "column":
+        if _effective(styles, f"blocks.{i}.mlp.fc") == "column" and isinstance(block.mlp, SwiGLU):
+            shard_swiglu(block.mlp, group, sp)
+        elif _effective(styles, f"blocks.{i}.mlp.fc") == "column":
             block.mlp.fc = ColumnParallelLinear.from_linear(
                 block.mlp.fc, group, input_op="gather_seq" if sp else "copy", **edge)
             block.mlp.proj = RowParallelLinear.from_linear(
@@ -183,7 +209,7 @@ def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_paral
         # One sum of partial gradients per block, and one for the rest (positions, final norm).
         model.sum_scopes = [SumScope(_partial_in(block)) for block in model.blocks]
         model.sum_scopes.append(SumScope(([(model.pos_emb, "weight")] if model.pos_emb is not None else [])
-                                         + [(model.ln_f, "weight"), (model.ln_f, "bias")]))
+                                         + norm_params(model.ln_f)))
     if _effective(styles, "head") == "vocab":
         model.head = ColumnParallelLinear.from_linear(model.head, group, input_op="gather_seq" if sp else "copy",
                                                       **edge)
@@ -200,8 +226,8 @@ def _partial_in(block: nn.Module) -> list[tuple[nn.Module, str]]:
     """A block's replicated parameters that sequence parallelism uses on each rank's tokens only."""
     owners: list[tuple[nn.Module, str]] = []
     for m in block.modules():
-        if isinstance(m, SequenceParallelLayerNorm):
-            owners += [(m, "weight"), (m, "bias")]
+        if isinstance(m, (SequenceParallelLayerNorm, SequenceParallelRMSNorm)):
+            owners += norm_params(m)
         elif isinstance(m, RowParallelLinear) and m.output_op == "reduce_scatter_seq":
             owners.append((m, "bias"))
     return owners

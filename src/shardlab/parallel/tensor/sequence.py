@@ -110,10 +110,28 @@ class SequenceParallelLayerNorm(SharesGroups, nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 
 
-def convert_layer_norm(norm: nn.LayerNorm, group: Group) -> SequenceParallelLayerNorm:
-    """Make `norm` a SequenceParallelLayerNorm in place (same parameters, same names)."""
-    if type(norm) is not nn.LayerNorm:
-        raise TypeError(f"expected an nn.LayerNorm, got {type(norm).__name__}")
-    norm.__class__ = SequenceParallelLayerNorm
+class SequenceParallelRMSNorm(SharesGroups, nn.RMSNorm):
+    """An RMSNorm (Llama's: gain only) over sequence shards, as SequenceParallelLayerNorm: the mean
+    square is over each token's features, which every rank holds whole, so nothing is communicated
+    in forward; the gain's partial gradients are summed over the group."""
+
+    tp_group: Group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, replicated(self, "weight", self.tp_group), self.eps)
+
+
+def convert_layer_norm(norm: nn.LayerNorm | nn.RMSNorm, group: Group) -> nn.Module:
+    """Make `norm` (an nn.LayerNorm or nn.RMSNorm) its sequence-parallel form in place (same
+    parameters, same names)."""
+    kinds = {nn.LayerNorm: SequenceParallelLayerNorm, nn.RMSNorm: SequenceParallelRMSNorm}
+    if type(norm) not in kinds:
+        raise TypeError(f"expected an nn.LayerNorm or nn.RMSNorm, got {type(norm).__name__}")
+    norm.__class__ = kinds[type(norm)]
     norm.tp_group = group
     return norm
+
+
+def norm_params(norm: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, name) of a norm's parameters that exist: gain and bias, or the gain alone."""
+    return [(norm, n) for n in ("weight", "bias") if getattr(norm, n, None) is not None]

@@ -1,0 +1,126 @@
+"""Hugging Face and torch.distributed.checkpoint interop, end to end on tiny fp32 models.
+
+Export: a sharded checkpoint written by the trainer (GPT-2 shape under ZeRO-3, Llama shape under
+tensor parallelism) goes through `shardlab checkpoint export --hf --dcp`; transformers loads it as
+GPT2LMHeadModel / LlamaForCausalLM with the same logits as shardlab's model, and DCP loads the same
+tensors. Import: a random model made by transformers itself and saved to a temporary directory
+starts `shardlab train --init-from-hf` with its logits and its loss. Nothing is downloaded
+(HF_HUB_OFFLINE). transformers is imported once, here only: it takes seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from shardlab.checkpoint import CheckpointError, full_tensors  # noqa: E402
+from shardlab.checkpoint.hf import hf_family  # noqa: E402
+from shardlab.cli.main import build_parser, main  # noqa: E402
+from shardlab.models import GPT, GPTConfig  # noqa: E402
+from shardlab.train.config import Config, load_config  # noqa: E402
+from shardlab.train.presets import FAMILIES  # noqa: E402
+from shardlab.train.task import build_task, gpt_config, prepare_model  # noqa: E402
+
+SHAPE = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.d_ff=48"]
+TINY = ["model.seq_len=16", "train.global_batch=4", "train.steps=2", "train.warmup_steps=1", "train.eval_every=0", "train.eval_batches=1",
+        "data.max_bytes=262144", "log.sample_tokens=0", "log.plot=false", "log.tensorboard=false", "log.memory=false"]
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("family,layout,hf_class", [
+    ("gpt2", ["layout.dp=2", "layout.zero=3"], "GPT2LMHeadModel"),
+    ("llama", ["layout.tp=2", "layout.sp=true"], "LlamaForCausalLM"),
+])
+def test_trained_checkpoint_exports_to_transformers_and_dcp(pools, tmp_path, family, layout, hf_class):
+    import torch.distributed.checkpoint as dcp
+
+    from shardlab.train.loop import train_rank
+
+    cfg = load_config(None, [*FAMILIES[family], *SHAPE, *TINY, *layout, "checkpoint.every=2", "checkpoint.async_save=false",
+                             f'log.out_dir="{tmp_path / "run"}"'])
+    cfg.validate(world_size=2)
+    pools(2).run(train_rank, cfg.to_dict())
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert main(["checkpoint", "export", str(ckpt), "--hf", str(tmp_path / "hf"), "--dcp", str(tmp_path / "dcp")]) == 0
+
+    whole = full_tensors(ckpt)
+    ours = GPT(gpt_config(cfg.model)).eval()
+    ours.load_state_dict(whole)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(theirs).__name__ == hf_class
+    idx = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, ours(idx), rtol=0, atol=1e-5)
+
+    # DCP reads what we wrote with no process group, into tensors it is given (as torchtitan does).
+    loaded = {"model": {n: torch.zeros_like(t) for n, t in ours.state_dict().items() if n != "head.weight"
+                        or not cfg.model.tie_embeddings}}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for n, t in loaded["model"].items():
+        assert torch.equal(t, whole[n]), n
+
+
+def test_shapes_neither_family_has_are_refused():
+    with pytest.raises(CheckpointError, match="neither GPT-2.*nor Llama"):
+        hf_family(GPTConfig(n_layer=1, d_model=32, n_head=4, rotary=True))  # layernorm with rotary
+    with pytest.raises(CheckpointError, match="mixture of experts"):
+        hf_family(GPTConfig(n_layer=1, d_model=32, n_head=4, n_experts=2))
+
+
+def _hf_model(family: str, path) -> torch.nn.Module:
+    """A random transformers model of `family`, its every weight perturbed (biases and gains too)."""
+    torch.manual_seed(3)
+    if family == "llama":
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          rms_norm_eps=1e-5, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    else:  # GPT-2's defaults: gelu_new, biases, tied head
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32,
+                                                                     n_layer=2, n_head=4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_training_starts_from_a_transformers_checkpoint(pools, tmp_path, family):
+    from shardlab.cli.train import check_before_launch, resolve_config
+    from shardlab.train.loop import train_rank
+
+    theirs = _hf_model(family, tmp_path / "hf")
+    args = build_parser().parse_args(["train", "--init-from-hf", str(tmp_path / "hf"), *sum((["--set", a] for a in TINY), []),
+                                      "--set", f'log.out_dir="{tmp_path / "run"}"'])
+    cfg = resolve_config(args)
+    cfg.validate(world_size=1)
+    check_before_launch(cfg, make_out_dir=False)
+    assert (cfg.model.norm, cfg.model.mlp) == (("rmsnorm", "swiglu") if family == "llama" else ("layernorm", "gelu_tanh"))
+    ours = prepare_model(cfg).eval()
+    task = build_task(cfg, ours)
+    x, y = task.global_batch(0)
+    with torch.no_grad():
+        logits = theirs(x).logits
+        torch.testing.assert_close(ours(x), logits, rtol=0, atol=1e-5)
+        hf_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
+    if family == "llama":  # the trainer's first step sees the checkpoint's loss on its first batch
+        summary = pools(1).run(train_rank, cfg.to_dict())[0]
+        assert summary["first_loss"] == pytest.approx(hf_loss, rel=1e-5)
+
+    # seq_len 16 of the checkpoint's 64 positions: accepted (GPT-2 keeps the table's first 16 rows).
+    # A model.* field changed after --init-from-hf no longer fits the checkpoint: refused before launch.
+    from shardlab.train.config import ConfigError
+
+    bad = Config.from_dict(cfg.to_dict())
+    bad.model.d_model = 64
+    with pytest.raises(ConfigError, match="model.d_model = 64, but the checkpoint"):
+        check_before_launch(bad, make_out_dir=False)
