@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from shardlab.models.flops import model_flops_per_token
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -137,8 +139,11 @@ class ModelSpec:
         """Model FLOPs per token, forward + backward: 6 x active parameters (a matmul's 2 FLOPs per
         weight, x3 for the two backward matmuls) plus the attention scores and weighted sum
         (2 matmuls of 2 x q_dim FLOPs per key, x3). Recomputation is not counted (model FLOPs,
-        Chowdhery et al. 2022 app. B); `hardware_flops` in flops.py counts it."""
-        return 6 * self.active_params() + 12 * self.layers * self.q_dim * self.attention_span(causal)
+        Chowdhery et al. 2022 app. B). The formula is models/flops.py's, the one the trainer's MFU uses."""
+        if causal is None:
+            causal = self.attention == "flash"
+        return model_flops_per_token(active_params=self.active_params(), layers=self.layers, q_dim=self.q_dim,
+                                     seq=self.seq, causal=causal)
 
     def summary(self) -> str:
         moe = f", {self.experts} experts top-{self.top_k}" if self.experts > 1 else ""
@@ -210,7 +215,7 @@ def spec_from_config(m, name: str | None = None) -> ModelSpec:
         raise ValueError(f"the planner models GPT-style decoders; model.name is {m.name!r}")
     return ModelSpec(
         name or f"shardlab-gpt-{m.n_layer}x{m.d_model}", layers=m.n_layer, hidden=m.d_model, heads=m.n_head,
-        kv_heads=m.n_kv_head, ffn=m.d_ff, vocab=VOCAB_SIZE, seq=m.seq_len, bias=m.bias,
+        kv_heads=m.n_kv_head, ffn=m.d_ff, vocab=getattr(m, "vocab_size", 0) or VOCAB_SIZE, seq=m.seq_len, bias=m.bias,
         tied_embeddings=m.tie_embeddings, learned_positions=not m.rotary, attention="flash",
         dropout=m.dropout > 0, source="shardlab configuration",
     )

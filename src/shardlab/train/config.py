@@ -72,6 +72,10 @@ class ModelSection:
     <= 0: no limit."""
     aux_loss_coef: float = 0.01
     """GPT with experts: weight of the load-balancing loss (Switch Transformer's, per sequence)."""
+    vocab_size: int = 0
+    """GPT vocabulary (rows of the embedding and the head); 0: the data's (256, byte-level). Larger is
+    allowed (ids past the data's are never seen): e.g. 50304, GPT-2's 50257 padded to a multiple of 64,
+    for a model of GPT-2's shape and cost."""
 
 
 @dataclass
@@ -142,6 +146,10 @@ class TrainSection:
     """Validation loss every this many steps and at the end; 0: only at the end."""
     eval_batches: int = 4
     """Global batches of held-out data per validation."""
+    compile: bool = False
+    """torch.compile every transformer block (train/compile.py): faster steps on a GPU after a
+    compilation of some seconds to a minute; refused with tensor, context or expert parallelism,
+    ZeRO-3 and pipelines (`--compile`)."""
 
 
 @dataclass

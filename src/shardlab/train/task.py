@@ -35,7 +35,7 @@ def build_model(m: ModelSection) -> nn.Module:
         return DeepMLP(MLPConfig(d_model=m.d_model, n_layer=m.n_layer, bias=m.bias))
     return GPT(
         GPTConfig(
-            vocab_size=VOCAB_SIZE, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+            vocab_size=m.vocab_size or VOCAB_SIZE, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
             n_kv_head=m.n_kv_head or None, d_model=m.d_model, d_ff=m.d_ff or None, rotary=m.rotary,
             tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias, n_experts=m.experts, top_k=m.top_k,
             capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef,
@@ -119,9 +119,10 @@ def build_task(cfg: Config, model: nn.Module, tokens: np.ndarray | None = None) 
         return Task(train, val, tokens_per_row=1, flops_per_token=model.flops_per_sample())
     if tokens is None:
         tokens = load_corpus(cfg)
-    if len(tokens) and int(tokens.max()) >= VOCAB_SIZE:
-        raise ValueError(f"data.source = {cfg.data.source!r} holds token ids up to {int(tokens.max())}, but the GPT "
-                         f"is byte-level (vocabulary {VOCAB_SIZE}); give text or a uint8 .bin")
+    vocab = cfg.model.vocab_size or VOCAB_SIZE
+    if len(tokens) and int(tokens.max()) >= vocab:
+        raise ValueError(f"data.source = {cfg.data.source!r} holds token ids up to {int(tokens.max())}, but the GPT's "
+                         f"vocabulary is {vocab} (model.vocab_size); give text or a uint8 .bin")
     train_tokens, val_tokens = split_tokens(tokens, cfg.data.val_fraction)
     seq = cfg.model.seq_len
     return Task(
