@@ -24,9 +24,8 @@ def test_spec_counts_shardlab_gpt_exactly(overrides):
 
         model = build_model(cfg.model)
     assert spec.params() == sum(p.numel() for p in model.parameters())
-    if cfg.model.tie_embeddings:
-        # The same 6N + attention accounting as the trainer's MFU (causal: half the scores).
-        assert spec.flops_per_token() == pytest.approx(model.flops_per_token())
+    # The same 6N + attention accounting as the trainer's MFU (causal: half the scores), tied or not.
+    assert spec.flops_per_token() == pytest.approx(model.flops_per_token())
 
 
 @pytest.mark.parametrize("name, billions, tol", [

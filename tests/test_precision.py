@@ -138,7 +138,7 @@ def _verify(pools, model: str, ws: int, zero: int, precision: str, *extra: str) 
 
 @pytest.mark.parametrize("model,ws,zero,precision", [
     ("gpt", 2, 0, "bf16"), ("gpt", 2, 1, "bf16"), ("gpt", 3, 2, "bf16"), ("gpt", 4, 3, "bf16"),
-    ("mlp", 2, 3, "bf16"), ("mlp", 3, 1, "fp16"), ("gpt", 2, 3, "fp16"),
+    ("mlp", 2, 3, "bf16"), ("mlp", 3, 1, "fp16"), ("gpt", 2, 3, "fp16"), ("gpt", 2, 1, "bf16-autocast"),
 ])
 def test_layouts_equal_the_same_mixed_precision_single_process(pools, model, ws, zero, precision):
     # Tied embeddings (the GPT's default), a frozen table and an uneven parameter count ride along.

@@ -72,10 +72,11 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
                           "(layout.zero)")
     lay.add_argument("--comm-impl", default=None,
                      help="all-reduce used for gradients: torch or one of ours, e.g. ring (layout.comm_impl)")
-    lay.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+    lay.add_argument("--precision", choices=["fp32", "bf16", "fp16", "bf16-autocast"], default=None,
                      help="fp32, or mixed precision: bf16/fp16 weights, activations and gradient communication "
-                          "with fp32 master weights and optimizer state; fp16 adds dynamic loss scaling "
-                          "(layout.precision)")
+                          "with fp32 master weights and optimizer state; fp16 adds dynamic loss scaling; "
+                          "bf16-autocast keeps fp32 weights, gradients and optimizer and runs the matmuls in bf16 "
+                          "under torch.autocast (layout.precision)")
     lay.add_argument("--mesh-order", default=None, metavar="AXES",
                      help="the mesh's axes outermost first, a permutation of pp,dp,ep,cp,tp (layout.mesh_order; "
                           "docs/mesh.md)")
@@ -190,7 +191,8 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
                       ("keep", "checkpoint.keep"), ("async_save", "checkpoint.async_save"),
                       ("checkpoint_dir", "checkpoint.dir"), ("recompute", "layout.recompute"),
                       ("cp", "layout.cp"), ("mesh_order", "layout.mesh_order"), ("nodes", "layout.nodes"),
-                      ("ep", "layout.ep"), ("experts", "model.experts"), ("top_k", "model.top_k")):
+                      ("ep", "layout.ep"), ("experts", "model.experts"), ("top_k", "model.top_k"),
+                      ("compile", "train.compile")):
         value = getattr(args, attr, None)
         if isinstance(value, bool):  # TOML spells them lower-case
             flags.append(f"{key}={str(value).lower()}")
@@ -267,8 +269,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_config_options(p)
     add_pipeline_options(p)
     add_checkpoint_options(p)
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile every transformer block (faster GPU steps after a compilation; not with "
+                        "tp, cp, experts, ZeRO-3 or pp) (train.compile)")
     p.add_argument("--dry-run", action="store_true",
-                   help="validate, print the resolved configuration and parameter count, and stop")
+                   help="validate, print the resolved configuration, parameter count and FLOPs per token, and stop")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the run's summary (losses, tokens/s, MFU with its FLOP conventions and peak, "
+                        "memory) as JSON")
     p.add_argument("--help-config", action="store_true", help="print every configuration field with its documentation")
     add_launch_options(p)
     p.set_defaults(func=run)
@@ -303,6 +311,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nloss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
           + (f" (validation {summary['final_val_loss']:.4f})" if summary.get("final_val_loss") is not None else "")
           + f" in {summary['wall_s']:.0f} s, {summary['tokens_per_s']:,.0f} tokens/s (median step)")
+    print(utilisation_line(summary))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
     if len(summary.get("ranks", [])) > 1:
         print("\n" + rank_table(summary["ranks"]))
     if summary.get("sample"):
@@ -310,6 +324,27 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {summary['metrics']}" + (f", {summary['plot']}" if summary.get("plot") else "")
           + f" and TensorBoard events in {summary['out_dir']}/tb" * bool(cfg.log.tensorboard))
     return 0
+
+
+def utilisation_line(summary: dict) -> str:
+    """MFU at the median step with its conventions (train/flops.py), and peak memory."""
+    from shardlab.train.metrics import fmt_bytes
+
+    if summary.get("mfu") is not None:
+        text = (f"MFU {summary['mfu']:.1%} (causal attention over s/2"
+                + (f"; {summary['mfu_full_attention']:.1%} counting the whole square"
+                   if summary.get("mfu_full_attention") is not None else "")
+                + (f"; HFU {summary['hfu']:.1%} with recomputation" if summary.get("hfu") is not None else "")
+                + f") against {summary['peak_flops_per_device'] / 1e12:g} TFLOP/s {summary['peak_precision']} "
+                  f"per device")
+    else:
+        text = (f"MFU not shown: no {summary.get('peak_precision', 'fp32')} peak known for this device "
+                f"(set log.peak_tflops)")
+    if summary.get("peak_mem_bytes"):
+        text += f" | peak memory {fmt_bytes(max(summary['peak_mem_bytes']))}"
+        if summary.get("peak_reserved_bytes"):
+            text += f" allocated, {fmt_bytes(max(summary['peak_reserved_bytes']))} reserved"
+    return text
 
 
 def rank_table(ranks: list[dict]) -> str:
@@ -341,6 +376,11 @@ def dry_run(cfg) -> int:
                if k == "dp" or getattr(lay, k) > 1]
     print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
           + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
+    from shardlab.train.flops import run_flops
+
+    # FLOPs from the meta model's shapes; the peak is the one this machine's first device would use.
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    print("# " + run_flops(model, cfg, device).describe())
     if lay.pp > 1:
         from shardlab.parallel.pipeline import plan_split
 

@@ -7,7 +7,7 @@ load-balancing loss the forward adds to the cross-entropy. The family options (m
 norm 'layernorm' or 'rmsnorm', mlp 'gelu', 'gelu_tanh' or 'swiglu', bias, rope_theta, so that
 GPT-2 (layernorm, gelu, biases, learned positions, tied head) and Llama 3 (rmsnorm, swiglu, no
 biases, rotary, grouped-query attention, untied head) are both this class. `flops_per_token` gives the model FLOPs
-used for MFU (6N of the active parameters plus attention).
+used for MFU (6N of the active parameters plus attention, by models/flops.py's one formula).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardlab.models.layers import MLPS, NORMS, GeluMLP, make_mlp, make_norm
+from shardlab.models.flops import model_flops_per_token, recompute_flops_per_token
 from shardlab.models.moe import MoE
 
 
@@ -190,15 +191,27 @@ class GPT(nn.Module):
             n -= self.pos_emb.weight.numel()
         return n
 
-    def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Model FLOPs per token for forward + backward: 6N for the weights, plus attention scores.
-
-        Attention adds 2 matmuls (QK^T and AV) of 2 * t * d FLOPs each per layer in forward, times 3 for
-        forward + backward, halved for the causal mask's useful half: 6 * L * t * d (Chinchilla's
-        accounting without the mask would be 12 * L * t * d; PaLM's MFU uses the latter).
-        """
-        t = seq_len or self.cfg.seq_len
+    def active_params(self, blocks_only: bool = False) -> float:
+        """Weights a token's matmuls pass through (models/flops.py): the blocks' (top-k experts of a
+        mixture), the final norm and the output projection (tied or not, once); no lookup tables.
+        blocks_only: the blocks' alone (what full recomputation reruns)."""
+        blocks: float = sum(p.numel() for p in self.blocks.parameters())
         # A mixture of experts runs k of its E experts per token: only those weights count (+ router).
         idle = sum(p.numel() for b in self.blocks if isinstance(b.mlp, MoE) for p in b.mlp.experts.parameters())
-        idle *= 1 - self.cfg.top_k / self.cfg.n_experts if self.cfg.n_experts else 0
-        return 6 * (self.num_params() - idle) + 6 * self.cfg.n_layer * t * self.cfg.d_model
+        blocks -= idle * (1 - self.cfg.top_k / self.cfg.n_experts) if self.cfg.n_experts else 0
+        if blocks_only:
+            return blocks
+        return blocks + sum(p.numel() for p in self.ln_f.parameters()) + self.head.weight.numel()
+
+    def flops_per_token(self, seq_len: int | None = None, causal: bool = True) -> float:
+        """Model FLOPs per token for forward + backward: 6N of the active weights plus the attention
+        scores and weighted sum, over half the sequence (causal) or all of it (models/flops.py)."""
+        return model_flops_per_token(active_params=self.active_params(), layers=self.cfg.n_layer,
+                                     q_dim=self.cfg.n_head * self.cfg.head_dim, seq=seq_len or self.cfg.seq_len,
+                                     causal=causal)
+
+    def recompute_flops_per_token(self, mode: str, seq_len: int | None = None, causal: bool = True) -> float:
+        """FLOPs per token that activation recomputation `mode` adds (hardware FLOPs = model + these)."""
+        return recompute_flops_per_token(block_params=self.active_params(blocks_only=True), layers=self.cfg.n_layer,
+                                         q_dim=self.cfg.n_head * self.cfg.head_dim,
+                                         seq=seq_len or self.cfg.seq_len, mode=mode, causal=causal)

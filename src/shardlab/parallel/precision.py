@@ -17,12 +17,19 @@ update. A step whose gradients hold inf or nan (S too large) is skipped and S ha
 `growth_interval` clean steps S doubles (the scheme of torch.amp.GradScaler and Megatron's
 DynamicGradScaler). bf16 keeps fp32's exponent range, so it needs no scaling.
 
+The other recipe, 'bf16-autocast' (torch.autocast, as torch's AMP examples and nanoGPT run it):
+parameters, gradients, their communication and the optimizer stay in fp32, and autocast runs the
+matmuls (and other ops on its lower-precision list) in bf16, casting the fp32 weights on the fly.
+More memory (4 + 4 + 8 bytes per parameter, and fp32 gradients on the wire), no rounding of the
+weights at all. Which of the two is faster on a GPU was not measured yet (docs/gpu.md, pending).
+
 Where the masters start: from the compute-dtype weights (the model is cast first), so every layout
 and its single-process reference start from the same rounded values.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,17 +46,36 @@ class Precision:
     compute: torch.dtype
     master: torch.dtype = torch.float32
     loss_scaling: bool = False
+    autocast: torch.dtype | None = None
+    """Autocast (torch.autocast) dtype: parameters, gradients and optimizer stay in `compute` (fp32),
+    and the matmuls of forward and backward run in this dtype."""
 
     @property
     def mixed(self) -> bool:
+        """Parameters stored below fp32 (they need fp32 masters); autocast keeps them in fp32."""
         return self.compute != self.master
+
+    @property
+    def matmul_dtype(self) -> torch.dtype:
+        """The dtype the matmuls compute in: what sets the device's peak for MFU."""
+        return self.autocast or self.compute
 
 
 PRECISIONS: dict[str, Precision] = {
     "fp32": Precision("fp32", torch.float32),
     "bf16": Precision("bf16", torch.bfloat16),
     "fp16": Precision("fp16", torch.float16, loss_scaling=True),
+    "bf16-autocast": Precision("bf16-autocast", torch.float32, autocast=torch.bfloat16),
 }
+
+
+def autocast_context(precision: str | Precision, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """torch.autocast for an autocast precision on `device` (CUDA or CPU), else a no-op context.
+    Forward runs inside it; backward follows the dtypes forward chose, wherever it is called."""
+    p = get_precision(precision) if isinstance(precision, str) else precision
+    if p.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=p.autocast)
 
 
 def get_precision(name: str) -> Precision:

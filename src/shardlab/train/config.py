@@ -160,6 +160,10 @@ class TrainSection:
     """Validation loss every this many steps and at the end; 0: only at the end."""
     eval_batches: int = 4
     """Global batches of held-out data per validation."""
+    compile: bool = False
+    """torch.compile every transformer block (train/compile.py): faster steps on a GPU after a
+    compilation of some seconds to a minute; refused with tensor, context or expert parallelism,
+    ZeRO-3 and pipelines (`--compile`)."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ def problems(cfg: Config) -> list[str]:
     from shardlab.parallel.layout import uses_tensor_parallel
     from shardlab.parallel.pipeline.schedules import KINDS
     from shardlab.parallel.tensor import PLAN_NAMES
+    from shardlab.train.compile import compile_problems
 
     m, t, o, lay, d = cfg.model, cfg.train, cfg.optim, cfg.layout, cfg.data
     out: list[str] = []
@@ -86,7 +87,7 @@ def problems(cfg: Config) -> list[str]:
     needed = {"all_reduce"} if lay.zero == 0 else {"reduce_scatter", "all_gather"}
     one_of("layout.comm_impl", lay.comm_impl,
            ["torch", *sorted(name for name, ops in ALGORITHMS.items() if needed <= set(ops))])
-    one_of("layout.precision", lay.precision, ("fp32", "bf16", "fp16"))
+    one_of("layout.precision", lay.precision, ("fp32", "bf16", "fp16", "bf16-autocast"))
     one_of("optim.on_nonfinite", o.on_nonfinite, ("stop", "skip"))
     positive("optim.loss_scale", o.loss_scale)
     positive("optim.loss_scale_window", o.loss_scale_window)
@@ -117,6 +118,9 @@ def problems(cfg: Config) -> list[str]:
     out += expert_problems(cfg)
     out += checkpoint_problems(cfg)
     out += recompute_problems(cfg)
+    out += compile_problems(cfg)
+    if m.vocab_size < 0:
+        out.append(f"model.vocab_size = {m.vocab_size} must be >= 0 (0: the data's)")
     return out
 
 

@@ -56,7 +56,8 @@ class LayoutSection:
     applies to stage 0 only."""
     precision: str = "fp32"
     """'fp32', or mixed precision: 'bf16' or 'fp16' parameters, activations and gradient
-    communication, with fp32 master weights and optimizer state (fp16 adds dynamic loss scaling)."""
+    communication, with fp32 master weights and optimizer state (fp16 adds dynamic loss scaling);
+    or 'bf16-autocast': fp32 parameters, gradients and optimizer, matmuls in bf16 under torch.autocast."""
     cp: int = 1
     """Context-parallel degree: ranks that each hold a share of every sequence's tokens (ring
     attention) and take the same rows."""

@@ -27,10 +27,13 @@ import torch.distributed as dist
 
 from shardlab.dist.env import synchronize
 from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, replica_group, uses_pipeline
-from shardlab.parallel.precision import get_precision
+from shardlab.parallel.precision import autocast_context, get_precision
+from shardlab.train.compile import compile_blocks
 from shardlab.train.config import Config
+from shardlab.train.flops import FlopsAccounting, run_flops
 from shardlab.train.memory import MemoryTracker
-from shardlab.train.metrics import MetricsWriter, peak_flops, step_line
+from shardlab.train.metrics import MetricsWriter, step_line
+from shardlab.train.prefetch import Prefetcher
 from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import Task, build_task, prepare_model
 
@@ -93,7 +96,10 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
     # Each replica's loss, counted once: the ranks of a tp group and the stages of a pipeline all hold it.
     dp_leaders = [r for r in range(world) if mesh.coords(r)["pp"] == 0 and mesh.coords(r)["tp"] == 0]
+    flops = run_flops(plain, cfg, device)  # MFU's FLOPs and peak, of the whole model (train/flops.py)
     model = apply_layout(plain, lay, mesh)
+    if t.compile:
+        compile_blocks(model)
     split = model.stage.plan.describe() if uses_pipeline(lay) else None
     del plain  # a pipeline stage holds copies of its layers: the whole model is not kept
     optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)
@@ -101,7 +107,6 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     # (dropout masks must differ between the rows of different ranks, as they do within one batch),
     # and the ranks of a tp group draw alike, so the activations they replicate stay equal.
     torch.manual_seed(t.seed * 1_000_003 + 1 + dp_rank)
-    peak = peak_flops(device, "fp32", cfg.log.peak_tflops)
     tokens_per_step = t.global_batch * task.tokens_per_row
 
     out_dir = Path(cfg.log.out_dir)
@@ -118,6 +123,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         if world > 1:
             print(f"mesh ({' x '.join(f'{n} {s}' for n, s in zip(mesh.names, mesh.sizes))}, outermost first):\n"
                   + mesh.describe(), flush=True)
+        print(flops.describe(), flush=True)
         if split:
             print(split, flush=True)
         if resumed:
@@ -127,6 +133,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     window: list[float] = []  # untraced step times since the last log line
     shown_s = 0.0  # their median, kept when a window is empty (consecutive logged steps)
     steady: list[float] = []  # every untraced step time
+    feed = Prefetcher(task, device)  # the next step's batches made (and on CUDA copied) during this one
     run_start = time.perf_counter()
     for step in range(start_step, t.steps):
         inject_fault(step, rank)
@@ -136,9 +143,10 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             tracker.__enter__()
         try:
             res = train_step(
-                model, optimizer, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=dp_size,
+                model, optimizer, feed, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=dp_size,
                 micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
                 skip_layer_every=cfg.model.skip_layer_every, device=device, on_nonfinite=cfg.optim.on_nonfinite,
+                precision=lay.precision,
             )
             synchronize(device)
         finally:
@@ -146,7 +154,9 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
                 tracker.__exit__(None, None, None)
         # One small gather per step: the global loss, the slowest rank's time, every rank's wait.
         mine = torch.tensor([res.loss, res.seconds, res.comm_wait_s,
-                             tracker.peak_bytes if tracker is not None else 0.0], dtype=torch.float64)
+                             tracker.peak_bytes if tracker is not None else 0.0,
+                             (tracker.peak_reserved_bytes or 0.0) if tracker is not None else 0.0],
+                            dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(every, mine.to(device) if device.type == "cuda" else mine)
         stats = torch.stack([e.cpu() for e in every])
@@ -169,8 +179,10 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             "memory_traced": tracker is not None,
             "peak_mem_bytes": [int(v) for v in stats[:, 3].tolist()] if tracker is not None else None,
             "window_step_s": shown_s or step_s,
-            "mfu": (task.flops_per_token * tokens_per_step / step_s) / (peak * world) if peak else None,
+            **flops.rates(tokens_per_step / step_s, world),
         }
+        if tracker is not None and device.type == "cuda":  # the allocator's reserve: what nvidia-smi sees
+            rec["peak_reserved_bytes"] = [int(v) for v in stats[:, 4].tolist()]
         if get_precision(lay.precision).loss_scaling:  # fp16: the scale and whether the step was skipped
             rec.update(loss_scale=res.loss_scale, skipped=res.skipped)
         elif res.skipped:  # a non-finite gradient norm under optim.on_nonfinite = 'skip'
@@ -180,7 +192,8 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             window = []
         if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1:
             # Through the wrapper, not the plain module: a layout that shards parameters gathers them in forward.
-            rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
+            with autocast_context(lay.precision, device):
+                rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
         records.append(rec)
         if writer is not None:
             writer.write(rec)
@@ -189,6 +202,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         if checkpointer is not None and ((step + 1) % cfg.checkpoint.every == 0 or step == t.steps - 1):
             checkpointer.save(step + 1, model, optimizer, config=cfg.to_dict())
 
+    feed.close()
     if checkpointer is not None:
         checkpointer.close()  # waits for an asynchronous save still in flight
     wall = time.perf_counter() - run_start
@@ -199,16 +213,18 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward,
         # and a pipeline's forward passes through every stage and hands the logits to all of them.
         # Sequence parallelism splits every sequence over tp: the window is padded to a multiple of it.
-        sample = sample_text(model, cfg.model.seq_len, cfg.log.sample_prompt, cfg.log.sample_tokens,
-                             cfg.log.sample_temperature, seed=cfg.train.seed, device=device,
-                             multiple=lay.tp if lay.sp else 1)
+        with autocast_context(lay.precision, device):
+            sample = sample_text(model, cfg.model.seq_len, cfg.log.sample_prompt, cfg.log.sample_tokens,
+                                 cfg.log.sample_temperature, seed=cfg.train.seed, device=device,
+                                 multiple=lay.tp if lay.sp else 1)
     if rank != 0:
         return None
     assert writer is not None
     writer.close()
     if not records:  # resumed from a checkpoint of the last step: nothing left to train
         return {"steps": 0, "resumed_from": resumed, "out_dir": str(out_dir), "metrics": str(writer.path)}
-    summary = _finish(cfg, sample, records, steady + window, wall, tokens_per_step, out_dir)
+    summary = _finish(cfg, sample, records, steady + window, wall, tokens_per_step, out_dir,
+                      flops=flops, world=world)
     if resumed:
         summary["resumed_from"] = resumed
     # Where every rank sat and what it paid: its mesh coordinates, peak memory, communication share.
@@ -273,9 +289,11 @@ def inject_fault(step: int, rank: int) -> None:
 
 
 def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untraced: list[float],
-            wall: float, tokens_per_step: int, out_dir: Path) -> dict[str, Any]:
+            wall: float, tokens_per_step: int, out_dir: Path, flops: FlopsAccounting | None = None,
+            world: int = 1) -> dict[str, Any]:
     """Rank 0's end of run: the plot, sampled text and summary.json."""
     steady = sorted(untraced) or sorted(r["step_s"] for r in records)
+    median_tokens_per_s = tokens_per_step / steady[len(steady) // 2]
     summary: dict[str, Any] = {
         "steps": len(records),
         "first_loss": records[0]["loss"],
@@ -289,6 +307,11 @@ def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untr
         "out_dir": str(out_dir),
         "metrics": str(out_dir / "metrics.jsonl"),
     }
+    reserved = [r["peak_reserved_bytes"] for r in records if r.get("peak_reserved_bytes")]
+    if reserved:
+        summary["peak_reserved_bytes"] = max(reserved, key=max)
+    if flops is not None:  # utilisation at the median step, and what it is counted against
+        summary.update(flops.rates(median_tokens_per_s, world), **flops.as_dict())
     if cfg.log.plot:
         from shardlab.train.plot import plot_loss
 

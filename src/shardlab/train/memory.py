@@ -153,6 +153,7 @@ class MemoryTracker:
         self._mode: _Mode | None = None
         self._cuda_live = False  # inside a block on CUDA: read the allocator's figures
         self._current = self._peak = self._at_entry = 0
+        self._reserved: int | None = None  # CUDA: the allocator's peak reserve, frozen at exit
 
     def _register(self, s: torch.UntypedStorage) -> None:
         ref = _StorageRef(s, self._freed)
@@ -239,6 +240,7 @@ class MemoryTracker:
 
     def __exit__(self, *exc: object) -> None:
         self._current, self._peak = self.current_bytes, self.peak_bytes  # frozen from here on
+        _ = self.peak_reserved_bytes  # frozen too (CUDA)
         self._cuda_live = False
         if self._mode is not None:
             torch.UntypedStorage.resize_ = self._resize_before
@@ -256,6 +258,16 @@ class MemoryTracker:
     def peak_bytes(self) -> int:
         """Highest `current_bytes` since entry or the last `reset_peak()`."""
         return torch.cuda.max_memory_allocated(self.device) if self._cuda_live else self._peak
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        """On CUDA, the caching allocator's peak reserve since entry (allocated plus its cached free
+        blocks: what the process holds of the GPU); None on CPU, where storages are the memory."""
+        if self.device.type != "cuda":
+            return None
+        if self._cuda_live:
+            self._reserved = torch.cuda.max_memory_reserved(self.device)
+        return self._reserved
 
     def reset_peak(self) -> None:
         """Start the peak afresh from the current figure (e.g. at the start of each step)."""

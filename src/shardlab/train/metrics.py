@@ -1,7 +1,8 @@
 """What a training run records: per-step metrics to the console, a JSONL file and TensorBoard.
 
 MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM appendix B) = the model's FLOPs per
-second (flops_per_token x tokens/s) over the peak of the devices the job uses. It is shown only
+second (flops_per_token x tokens/s) over the peak of the devices the job uses, at the precision the
+matmuls run in (train/flops.py picks it and states the FLOP convention). It is shown only
 where the peak is known: a GPU in plan/devices.py's table, or `log.peak_tflops` given by the user (a CPU's peak
 depends on its vector units and clocks and is not discoverable reliably).
 """
@@ -47,10 +48,16 @@ def step_line(rec: dict[str, Any], steps: int) -> str:
         f"comm wait {rec['comm_wait_share'] * 100:.0f}%",
     ]
     if rec.get("mfu") is not None:
-        parts.insert(4, f"MFU {rec['mfu'] * speedup * 100:.1f}%")
+        # train/flops.py: causal attention counted over s/2; the whole square and recomputation beside it.
+        text = f"MFU {rec['mfu'] * speedup * 100:.1f}%"
+        if rec.get("hfu") is not None:
+            text += f" (HFU {rec['hfu'] * speedup * 100:.1f}%)"
+        parts.insert(4, text)
     if rec.get("peak_mem_bytes"):
         mem = rec["peak_mem_bytes"]
         parts.append(f"peak mem {fmt_bytes(max(mem))}" + (f" (max of {len(mem)} ranks)" if len(mem) > 1 else ""))
+        if rec.get("peak_reserved_bytes"):  # CUDA: what the caching allocator holds
+            parts[-1] += f", reserved {fmt_bytes(max(rec['peak_reserved_bytes']))}"
     if rec.get("loss_scale") is not None:
         parts.append(f"loss scale {rec['loss_scale']:g}" + (" (overflow: step skipped)" if rec.get("skipped") else ""))
     if rec.get("val_loss") is not None:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from shardlab.parallel.buckets import trainable_params as unique_trainable
 from shardlab.parallel.gradnorm import clip_grad_norm_
 from shardlab.parallel.optim import MixedPrecisionOptimizer
-from shardlab.parallel.precision import LossScaler, get_precision
+from shardlab.parallel.precision import LossScaler, autocast_context, get_precision
 from shardlab.parallel.tensor import tensor_sharding
 from shardlab.train.config import Config, OptimSection
 from shardlab.train.task import Task, skip_layer
@@ -53,11 +53,26 @@ def make_optimizer(model: nn.Module, o: OptimSection, precision: str = "fp32") -
     p = get_precision(precision)
     if p.loss_scaling:
         kwargs["loss_scaler"] = LossScaler(o.loss_scale, o.loss_scale_window)
+    device = next((q.device for g in groups for q in g["params"]), torch.device("cpu"))
     if hasattr(model, "build_optimizer"):  # a sharding wrapper (ZeRO) or a pipeline stage builds its own
-        return model.build_optimizer(groups, torch.optim.AdamW, tp=tensor_sharding(model), **kwargs)
+        return model.build_optimizer(groups, torch.optim.AdamW, tp=tensor_sharding(model),
+                                     **kwargs, **adamw_implementation(device, whole=False))
+    kwargs.update(adamw_implementation(device, whole=True))
     if p.mixed:
         return MixedPrecisionOptimizer(groups, torch.optim.AdamW, tp=tensor_sharding(model), **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def adamw_implementation(device: torch.device, whole: bool) -> dict:
+    """Which of torch's AdamW kernels steps the parameters. On CUDA, where the optimizer steps whole
+    tensors (one process, plain data parallelism, their fp32 masters), the fused kernel: one launch
+    for all of them. Where it steps pieces (ZeRO's views of flat buckets, FSDP's shards, a pipeline
+    stage's), the multi-tensor (foreach) kernels, which take any strided view. On CPU, torch's own
+    default (the per-tensor loop): the same numbers as every reference and test, and the fused CPU
+    kernel was not measured to help here."""
+    if device.type != "cuda":
+        return {}
+    return {"fused": True} if whole else {"foreach": True}
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -106,6 +121,7 @@ def train_step(
     before_update: Callable[[], None] | None = None,
     after_backward: Callable[[], None] | None = None,
     on_nonfinite: str = "stop",
+    precision: str = "fp32",
 ) -> StepResult:
     """Forward and backward over this rank's micro-batches, gradient sync, clip, AdamW update.
 
@@ -119,7 +135,8 @@ def train_step(
     before the optimizer uses them (verify compares gradients there). A non-finite gradient norm
     outside fp16 loss scaling raises NonFiniteError, or with on_nonfinite='skip' drops the update
     ('apply', for verify only: steps as computed); the norm is the same on every rank, so every rank
-    decides alike.
+    decides alike. `precision` 'bf16-autocast' runs forward and backward under torch.autocast on
+    `device` (the other precisions are in the parameters' dtype already: apply_precision).
     """
     start = time.perf_counter()
     for group in optimizer.param_groups:
@@ -163,15 +180,9 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
 
     try:
-        if hasattr(model, "run_schedule"):
-            # Pipeline: every stage takes the same rows (the first reads the inputs, the last the
-            # targets, the others their shapes); the executor splits them into the microbatches.
-            x, y = task.batch(step, dp_rank, dp_size)
-            if device is not None:
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = model.run_schedule(x, y, micro_batches, on_step=update, loss_scale=scale)
-        else:
-            loss = _accumulate(model, task, step, dp_rank, dp_size, micro_batches, scale, device)
+        compute = autocast_context(precision, device if device is not None else "cpu")
+        with compute:
+            loss = _forward_backward(model, task, step, dp_rank, dp_size, micro_batches, scale, device, update)
     finally:
         if restore is not None:
             restore()
@@ -185,6 +196,18 @@ def train_step(
         skipped=bool(dropped) or bool(getattr(optimizer, "last_step_skipped", False)),
         loss_scale=scale,
     )
+
+
+def _forward_backward(model: nn.Module, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
+                      scale: float, device: torch.device | None, update: Callable[[], None]) -> float:
+    if hasattr(model, "run_schedule"):
+        # Pipeline: every stage takes the same rows (the first reads the inputs, the last the
+        # targets, the others their shapes); the executor splits them into the microbatches.
+        x, y = task.batch(step, dp_rank, dp_size)
+        if device is not None:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return model.run_schedule(x, y, micro_batches, on_step=update, loss_scale=scale)
+    return _accumulate(model, task, step, dp_rank, dp_size, micro_batches, scale, device)
 
 
 class NonFiniteError(FloatingPointError):

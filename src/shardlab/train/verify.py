@@ -156,8 +156,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     # on_nonfinite "apply": a layout that produces nan is compared as it is (nan fails every bound,
     # step by step) rather than stopped at its first nan, so the report shows where it went wrong.
     common = dict(grad_clip=cfg.optim.grad_clip, skip_layer_every=cfg.model.skip_layer_every, device=device,
-                  on_nonfinite="apply")
-    mixed = get_precision(cfg.layout.precision).mixed
+                  on_nonfinite="apply", precision=cfg.layout.precision)
+    # bf16 autocast rounds like bf16 parameters do: allowances from the same comparison with fp32.
+    mixed = get_precision(cfg.layout.precision).mixed or get_precision(cfg.layout.precision).autocast is not None
     if mixed:
         cfg32 = copy.deepcopy(cfg)
         cfg32.layout.precision = "fp32"
@@ -191,9 +192,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         loss_floor = 0.0
         if mixed:
             if step > 0 or uses_tensor_parallel(cfg.layout):
-                loss_floor = torch.finfo(get_precision(cfg.layout.precision).compute).eps / 2 * abs(ref.loss)
+                loss_floor = torch.finfo(get_precision(cfg.layout.precision).matmul_dtype).eps / 2 * abs(ref.loss)
             ex = train_step(exact, exact_opt, task, step, lr=lr_at(step, cfg),
-                            before_update=lambda: captured.update(exact=_grads(exact)), **common)
+                            before_update=lambda: captured.update(exact=_grads(exact)), **{**common, "precision": "fp32"})
             exact_params = dict(exact.named_parameters())
             for n in captured["ref"]:
                 d, scale = _diff(captured["ref"][n], captured["exact"][n])
