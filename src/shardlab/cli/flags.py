@@ -37,6 +37,8 @@ NON_NEGATIVE = {
     "experts": "0: a dense MLP",
     "memory stages": "ZeRO stage 0 is plain data parallelism",
     "sleep_us": "0: no injected delay",
+    "ceiling_size": "0: skip the memory-copy ceiling",
+    "p2p_size": "0: skip the point-to-point ceiling",
     "atol": "0: relative tolerance only",
 }
 # Flags with a bounded range: dest -> (low, high, inclusive low, what the bounds mean).
