@@ -42,17 +42,35 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from shardlab.dist import RankFailure
+    from shardlab.cli.flags import FlagError, check_flags
+    from shardlab.dist import RankFailure, signals
 
     try:
-        return int(args.func(args) or 0)
-    except RankFailure as exc:
-        # The failing rank's own traceback is in the message; the parent's stack adds nothing.
+        check_flags(parser, args)
+    except FlagError as exc:
         print(f"shardlab {args.command}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return 2
+    # SIGTERM and SIGHUP raise like Ctrl-C from here on (dist/signals.py): every command cleans up
+    # after them as after Ctrl-C, and exits 128 + the signal's number, naming it.
+    with signals.installed():
+        try:
+            code = int(args.func(args) or 0)
+        except RankFailure as exc:
+            # The failing rank's own traceback is in the message; the parent's stack adds nothing.
+            print(f"shardlab {args.command}: {exc}", file=sys.stderr)
+            return 1
+        except signals.Terminated as exc:
+            print(f"shardlab {args.command}: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        stop = signals.received()
+        if stop and code != signals.exit_code(stop):
+            # The command finished what it could (a benchmark keeps its rows): the exit code still says why it ended.
+            print(f"shardlab {args.command}: {signals.describe(stop)}", file=sys.stderr)
+            return signals.exit_code(stop)
+        return code
 
 
 if __name__ == "__main__":

@@ -151,6 +151,10 @@ def add_checkpoint_options(p: argparse.ArgumentParser) -> None:
                         "given (refused if damaged): same losses and parameters as an uninterrupted run; any "
                         "layout loads any other's. 'latest' starts afresh when there is none, so a job restarted "
                         "by torchrun --max-restarts resumes by itself (checkpoint.resume)")
+    g.add_argument("--save-on-signal", action="store_true", default=None,
+                   help="on SIGTERM, SIGHUP or Ctrl-C, stop at the next step boundary and save a checkpoint of the "
+                        "steps done before exiting, as preemptible clusters need (without it the run still stops "
+                        "there and writes its summary, metrics and plot) (checkpoint.save_on_signal)")
 
 
 def pipeline_adjustments(cfg) -> list[tuple[str, str]]:
@@ -189,7 +193,8 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
                       ("microbatches", "train.micro_batches"), ("virtual_stages", "layout.virtual_stages"),
                       ("resume", "checkpoint.resume"), ("save_every", "checkpoint.every"),
                       ("keep", "checkpoint.keep"), ("async_save", "checkpoint.async_save"),
-                      ("checkpoint_dir", "checkpoint.dir"), ("recompute", "layout.recompute"),
+                      ("checkpoint_dir", "checkpoint.dir"),
+                      ("save_on_signal", "checkpoint.save_on_signal"), ("recompute", "layout.recompute"),
                       ("cp", "layout.cp"), ("mesh_order", "layout.mesh_order"), ("nodes", "layout.nodes"),
                       ("ep", "layout.ep"), ("experts", "model.experts"), ("top_k", "model.top_k"),
                       ("compile", "train.compile")):
@@ -256,11 +261,23 @@ def check_before_launch(cfg, make_out_dir: bool = True) -> None:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter of the {cfg.model.name} "
                               f"(names look like {names[0]!r}, {names[-1]!r})")
+    if names and all(cfg.frozen(n) for n in names):
+        raise ConfigError(f"model.freeze = {cfg.model.freeze!r} freezes all {len(names)} parameters of the "
+                          f"{cfg.model.name}: nothing would train")
     if make_out_dir:
+        from shardlab.cli.flags import FlagError, check_writable_dir
+
         try:
             Path(cfg.log.out_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"log.out_dir = {cfg.log.out_dir!r} cannot be created: {exc.strerror}") from exc
+        # Found now, not at the first save or the last step's summary.
+        for field, where in (("log.out_dir", cfg.log.out_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+            if where:
+                try:
+                    check_writable_dir(field, where)
+                except FlagError as exc:
+                    raise ConfigError(str(exc).replace(f"{field} {where}:", f"{field} = {where!r}:", 1)) from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -302,10 +319,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         return dry_run(cfg)
+    from shardlab.dist.signals import Terminated
     from shardlab.train.loop import train_rank
 
-    summary = launch(train_rank, None if under_torchrun() else cfg.world_size, cfg.to_dict(),
-                     **launch_kwargs(args))[0]
+    try:
+        summary = launch(train_rank, None if under_torchrun() else cfg.world_size, cfg.to_dict(),
+                         **launch_kwargs(args))[0]
+    except Terminated:
+        discard_partial_save(cfg)
+        raise
     if summary is None:  # a torchrun rank other than 0
         return 0
     print(f"\nloss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
@@ -323,6 +345,15 @@ def run(args: argparse.Namespace) -> int:
         print("\nsampled text:\n" + "-" * 60 + "\n" + summary["sample"] + "\n" + "-" * 60)
     print(f"wrote {summary['metrics']}" + (f", {summary['plot']}" if summary.get("plot") else "")
           + f" and TensorBoard events in {summary['out_dir']}/tb" * bool(cfg.log.tensorboard))
+    if summary.get("stopped_by"):
+        import signal
+
+        from shardlab.dist import signals
+
+        signum = signal.Signals[summary["stopped_by"]]
+        print(f"shardlab train: {signals.describe(signum)}: stopped after {summary['steps']} of "
+              f"{summary['steps_planned']} steps; the summary, metrics and plot cover the steps done", file=sys.stderr)
+        return signals.exit_code(signum)
     return 0
 
 
@@ -345,6 +376,18 @@ def utilisation_line(summary: dict) -> str:
         if summary.get("peak_reserved_bytes"):
             text += f" allocated, {fmt_bytes(max(summary['peak_reserved_bytes']))} reserved"
     return text
+
+
+def discard_partial_save(cfg) -> None:
+    """After ranks were killed (a stop signal's grace period ran out, or a second signal), remove a
+    save they left half-written (.tmp-step_N/; never a checkpoint: only a rename publishes one)
+    rather than leave it for the next save to clear. Every rank is gone: nothing writes there now."""
+    from shardlab.checkpoint.save import _clear_leftovers
+    from shardlab.train.loop import checkpoint_dir
+
+    root = checkpoint_dir(cfg)
+    if root.is_dir():
+        _clear_leftovers(root)
 
 
 def rank_table(ranks: list[dict]) -> str:

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from shardlab.dist import signals
 from shardlab.dist.env import (  # DEFAULT_TIMEOUT_S: 60 s, SHARDLAB_TIMEOUT overrides
     DEFAULT_TIMEOUT_S,
     default_backend,
@@ -86,6 +87,7 @@ def host_store(addr: str | None, port: int, timeout_s: float) -> tuple[dist.TCPS
 
 def _rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     die_with_parent(spec.parent_pid)
+    signals.install()  # SIGTERM and SIGHUP raise like Ctrl-C; the trainer stops at a step boundary instead
     setup_output(spec)
     try:
         init_rank(spec)
@@ -170,10 +172,11 @@ def _failure(procs: list, workdir: str, exit_seen: dict[int, float]) -> RankFail
 
 
 def stop_ranks(procs: list) -> None:
-    """Terminate every rank still running: SIGTERM first, SIGKILL if it does not go."""
+    """Kill every rank still running. SIGKILL, not SIGTERM: a rank treats SIGTERM as a request to
+    stop at its next step boundary (dist/signals.py), which a rank blocked on a dead peer never reaches."""
     for p in procs:
         if p.is_alive():
-            p.terminate()
+            p.kill()
     deadline = time.monotonic() + 3.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -233,7 +236,8 @@ def launch(
                 p = ctx.Process(target=_rank_main, args=(spec, fn, args, kwargs), name=f"shardlab-rank{rank}")
                 p.start()
                 procs.append(p)
-            _supervise(procs, workdir)
+            with signals.forwarding(procs):  # SIGTERM/SIGHUP/Ctrl-C: passed on, the ranks given a grace period
+                _supervise(procs, workdir)
         finally:
             stop_ranks(procs)
             if output == "ranks":

@@ -201,6 +201,9 @@ class CheckpointSection:
     """How many of the newest checkpoints to keep; 0: all."""
     async_save: bool = True
     """Write in the background: training stalls only for the copy to host memory."""
+    save_on_signal: bool = False
+    """On SIGTERM, SIGHUP or Ctrl-C, save a checkpoint of the steps done before exiting (preemptible
+    clusters warn with SIGTERM), even when every is 0."""
     resume: str = ""
     """'' (start afresh), 'latest' (the newest complete checkpoint under dir that passes its
     integrity checks, newer damaged ones skipped and named; afresh when there is none, so a

@@ -5,6 +5,7 @@ reported at once, before any rank starts.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,8 +26,8 @@ def problems(cfg: Config) -> list[str]:
     out: list[str] = []
 
     def positive(name: str, value: float) -> None:
-        if value <= 0:
-            out.append(f"{name} = {value} must be positive")
+        if not (value > 0 and math.isfinite(value)):  # inf and nan too: `nan <= 0` is False
+            out.append(f"{name} = {value} must be positive and finite")
 
     def one_of(name: str, value: str, allowed: tuple[str, ...] | list[str]) -> None:
         if value not in allowed:
@@ -71,8 +72,8 @@ def problems(cfg: Config) -> list[str]:
             out.append(f"optim.{name} = {getattr(o, name)} must be in [0, 1)")
     positive("optim.eps", o.eps)
     for name in ("weight_decay", "grad_clip"):
-        if getattr(o, name) < 0:
-            out.append(f"optim.{name} = {getattr(o, name)} must be >= 0")
+        if not 0 <= getattr(o, name) < math.inf:
+            out.append(f"optim.{name} = {getattr(o, name)} must be >= 0 and finite")
     for name in ("steps", "global_batch", "micro_batches", "log_every", "eval_batches"):
         positive(f"train.{name}", getattr(t, name))
     if not 0 <= t.warmup_steps <= t.steps:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardlab.dist import signals
 from shardlab.dist.env import synchronize
 from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, replica_group, uses_pipeline
 from shardlab.parallel.precision import autocast_context, get_precision
@@ -81,7 +82,14 @@ def layout_name(cfg: Config) -> str:
 
 
 def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """Train as configured on this rank; rank 0 returns the run's summary."""
+    """Train as configured on this rank; rank 0 returns the run's summary. A stop signal (SIGTERM,
+    SIGHUP, Ctrl-C) ends the run at the next step boundary, on every rank at the same step, with
+    the summary, metrics and plot of the steps done (dist/signals.py)."""
+    with signals.cooperative():
+        return _train(cfg_dict)
+
+
+def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     cfg = Config.from_dict(cfg_dict)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
@@ -135,6 +143,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     steady: list[float] = []  # every untraced step time
     feed = Prefetcher(task, device)  # the next step's batches made (and on CUDA copied) during this one
     run_start = time.perf_counter()
+    stopped_by = 0  # the stop signal the ranks agreed to end on (0: none)
     for step in range(start_step, t.steps):
         inject_fault(step, rank)
         logged = step % t.log_every == 0 or step == t.steps - 1
@@ -152,15 +161,18 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         finally:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
-        # One small gather per step: the global loss, the slowest rank's time, every rank's wait.
+        # One small gather per step: the global loss, the slowest rank's time, every rank's wait, and
+        # any stop signal a rank received, so that every rank stops after the same step.
         mine = torch.tensor([res.loss, res.seconds, res.comm_wait_s,
                              tracker.peak_bytes if tracker is not None else 0.0,
-                             (tracker.peak_reserved_bytes or 0.0) if tracker is not None else 0.0],
+                             (tracker.peak_reserved_bytes or 0.0) if tracker is not None else 0.0,
+                             signals.requested()],
                             dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(every, mine.to(device) if device.type == "cuda" else mine)
         stats = torch.stack([e.cpu() for e in every])
         step_s = stats[:, 1].max().item()
+        stopped_by = int(stats[:, 5].max().item())
         if tracker is None:
             window.append(step_s)
         # Logged steps trace memory, which slows them: their own time is recorded as is, but the
@@ -190,7 +202,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         if logged:
             steady.extend(window)
             window = []
-        if (t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1:
+        if not stopped_by and ((t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1):
             # Through the wrapper, not the plain module: a layout that shards parameters gathers them in forward.
             with autocast_context(lay.precision, device):
                 rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
@@ -199,15 +211,23 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             writer.write(rec)
             if logged or "val_loss" in rec:
                 print(step_line(rec, t.steps), flush=True)
-        if checkpointer is not None and ((step + 1) % cfg.checkpoint.every == 0 or step == t.steps - 1):
+        every = cfg.checkpoint.every
+        if checkpointer is not None and ((every and ((step + 1) % every == 0 or step == t.steps - 1))
+                                         or (stopped_by and cfg.checkpoint.save_on_signal)):
             checkpointer.save(step + 1, model, optimizer, config=cfg.to_dict())
+        if stopped_by:
+            if rank == 0:
+                print(f"{signals.signal_name(stopped_by)}: stopping after step {step} of {t.steps}"
+                      + (f", checkpoint of step {step + 1} saved" if cfg.checkpoint.save_on_signal else ""),
+                      flush=True)
+            break
 
     feed.close()
     if checkpointer is not None:
         checkpointer.close()  # waits for an asynchronous save still in flight
     wall = time.perf_counter() - run_start
     sample = None
-    if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0:
+    if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0 and not stopped_by:  # a stopped run ends fast
         from shardlab.train.sample import sample_text
 
         # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward,
@@ -224,7 +244,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     if not records:  # resumed from a checkpoint of the last step: nothing left to train
         return {"steps": 0, "resumed_from": resumed, "out_dir": str(out_dir), "metrics": str(writer.path)}
     summary = _finish(cfg, sample, records, steady + window, wall, tokens_per_step, out_dir,
-                      flops=flops, world=world)
+                      flops=flops, world=world, stopped_by=signals.signal_name(stopped_by) if stopped_by else None)
     if resumed:
         summary["resumed_from"] = resumed
     # Where every rank sat and what it paid: its mesh coordinates, peak memory, communication share.
@@ -251,7 +271,8 @@ def open_checkpoints(cfg: Config, model: torch.nn.Module, optimizer: torch.optim
     from shardlab.checkpoint.verify import newest_verified, verify_together
 
     ck, root = cfg.checkpoint, checkpoint_dir(cfg)
-    checkpointer = Checkpointer(root, keep=ck.keep or None, async_save=ck.async_save) if ck.every else None
+    checkpointer = Checkpointer(root, keep=ck.keep or None, async_save=ck.async_save) \
+        if ck.every or ck.save_on_signal else None
     if ck.resume == "latest":
         path, skipped = newest_verified(root, agreed=True)
         if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -290,8 +311,9 @@ def inject_fault(step: int, rank: int) -> None:
 
 def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untraced: list[float],
             wall: float, tokens_per_step: int, out_dir: Path, flops: FlopsAccounting | None = None,
-            world: int = 1) -> dict[str, Any]:
-    """Rank 0's end of run: the plot, sampled text and summary.json."""
+            world: int = 1, stopped_by: str | None = None) -> dict[str, Any]:
+    """Rank 0's end of run: the plot, sampled text and summary.json (which says what signal stopped
+    the run early, if one did)."""
     steady = sorted(untraced) or sorted(r["step_s"] for r in records)
     median_tokens_per_s = tokens_per_step / steady[len(steady) // 2]
     summary: dict[str, Any] = {
@@ -312,6 +334,8 @@ def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untr
         summary["peak_reserved_bytes"] = max(reserved, key=max)
     if flops is not None:  # utilisation at the median step, and what it is counted against
         summary.update(flops.rates(median_tokens_per_s, world), **flops.as_dict())
+    if stopped_by:
+        summary.update(stopped_by=stopped_by, steps_planned=cfg.train.steps)
     if cfg.log.plot:
         from shardlab.train.plot import plot_loss
 

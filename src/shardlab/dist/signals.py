@@ -1,0 +1,204 @@
+"""Stop signals: Ctrl-C (SIGINT), SIGTERM and SIGHUP, handled by one mechanism in every process.
+
+`timeout`, Slurm, Kubernetes and torchrun's agent stop a job with SIGTERM, a closed terminal with
+SIGHUP, a user with Ctrl-C. shardlab treats the three alike, as Python treats Ctrl-C:
+
+- `installed()` (the `shardlab` command, and every locally launched rank): a stop signal raises
+  `Terminated`, a KeyboardInterrupt that carries the signal, where Python would raise
+  KeyboardInterrupt. So whatever cleans up after Ctrl-C (the launcher's `finally`, a benchmark
+  keeping its rows) cleans up after SIGTERM too, and `shardlab` exits 128 + signum naming it.
+- `forwarding(procs)` (the launcher's parent while it supervises its ranks): the first stop signal
+  is passed on to every rank and the parent keeps waiting for them, at most `stop_grace_s()`
+  seconds (SHARDLAB_STOP_GRACE, default 30 s, torchrun's own grace); ranks still running then are
+  killed. A second signal stops them at once. A failure of the ranks after a stop signal is raised
+  as `Terminated` (its cause chained).
+- `cooperative()` (the trainer): a stop signal only records itself; the loop reads `requested()`
+  at each step boundary, the ranks agree on it through the step's gather, and the run ends there
+  with its summary, metrics, plot (and, asked for, a checkpoint).
+
+Under torchrun each rank is a `shardlab` process of its own: its agent sends SIGTERM to every rank
+(then SIGKILL 30 s later), which is the same path without the forwarding.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+DEFAULT_STOP_GRACE_S = 30.0
+
+
+class Terminated(KeyboardInterrupt):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) ended the work; `exit_code` is 128 + the signal's number."""
+
+    def __init__(self, signum: int, detail: str = "") -> None:
+        self.signum, self.detail = signum, detail
+        super().__init__(f"{describe(signum)}{': ' + detail if detail else ''}")
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.signum)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe(signum: int) -> str:
+    """'interrupted by SIGINT' or 'terminated by SIGTERM'."""
+    return f"{'interrupted' if signum == signal.SIGINT else 'terminated'} by {signal_name(signum)}"
+
+
+def exit_code(signum: int) -> int:
+    """The shell's convention for a process ended by a signal (130 for Ctrl-C, 143 for SIGTERM)."""
+    return 128 + signum
+
+
+def stop_grace_s() -> float:
+    """How long the launcher waits for its ranks to stop after a stop signal (SHARDLAB_STOP_GRACE)."""
+    text = os.environ.get("SHARDLAB_STOP_GRACE", "")
+    try:
+        value = float(text) if text else DEFAULT_STOP_GRACE_S
+    except ValueError:
+        raise ValueError(f"SHARDLAB_STOP_GRACE = {text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"SHARDLAB_STOP_GRACE = {text!r} must be a positive, finite number of seconds")
+    return value
+
+
+# This process's state. Signal handlers run in the main thread only, between bytecodes.
+_received = 0  # the first stop signal received (0: none)
+_cooperative = 0  # depth of cooperative() blocks: a signal is recorded, not raised
+_forward: Any = None  # the launcher's per-signal callback while it supervises ranks
+
+
+def received() -> int:
+    """The first stop signal this process received since `installed()` began (0: none)."""
+    return _received
+
+
+def requested() -> int:
+    """Inside `cooperative()`: the stop signal to honour at the next step boundary (0: none)."""
+    return _received
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    global _received
+    first = _received == 0
+    if first:
+        _received = signum
+    if _forward is not None:
+        _forward(signum, first)
+    elif not _cooperative:
+        raise Terminated(signum)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def install() -> None:
+    """Raise Terminated on every stop signal from now on (a rank's process: nothing to restore)."""
+    global _received
+    _received = 0
+    for s in STOP_SIGNALS:
+        signal.signal(s, _handler)
+
+
+@contextmanager
+def installed() -> Iterator[None]:
+    """`install()` for the duration of the block, the previous handlers restored after it (the
+    `shardlab` command's main, which tests call in-process). A no-op outside the main thread."""
+    if not _in_main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    install()
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@contextmanager
+def cooperative() -> Iterator[None]:
+    """Within the block a stop signal is recorded for `requested()` instead of raised: the code
+    stops itself at a point where it can (the trainer, at a step boundary)."""
+    global _cooperative
+    if _in_main_thread() and signal.getsignal(signal.SIGTERM) is not _handler:
+        install()  # a rank started by someone else's launcher (torchrun) without `shardlab`'s main
+    _cooperative += 1
+    try:
+        yield
+    finally:
+        _cooperative -= 1
+
+
+@contextmanager
+def forwarding(procs: list) -> Iterator[None]:
+    """While the launcher's parent supervises `procs` (multiprocessing Processes): the first stop
+    signal goes on to every live rank and starts the grace period, after which the ranks still
+    running are killed; a second signal raises Terminated here (the launcher then kills them).
+    An error out of the block after a stop signal is raised as Terminated, the error chained."""
+    global _forward
+    if not _in_main_thread():
+        yield
+        return
+    timer: list[threading.Timer] = []
+    forced: list[float] = []
+    grace = stop_grace_s()
+
+    def kill_late() -> None:
+        forced.append(grace)
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+
+    def forward(signum: int, first: bool) -> None:
+        if not first and timer:
+            raise Terminated(signum, "a second stop signal: the ranks were killed")
+        for p in procs:
+            if p.is_alive():
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+        if not timer:
+            t = threading.Timer(grace, kill_late)
+            t.daemon = True
+            t.start()
+            timer.append(t)
+
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    previous_forward, _forward = _forward, forward
+    for s in STOP_SIGNALS:
+        signal.signal(s, _handler)
+    started = time.monotonic()
+    try:
+        yield
+    except Terminated:
+        raise
+    except Exception as exc:
+        if _received and timer:
+            detail = (f"the ranks did not stop within {grace:g} s (SHARDLAB_STOP_GRACE) and were killed"
+                      if forced else f"the ranks stopped with an error after {time.monotonic() - started:.1f} s: "
+                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            raise Terminated(_received, detail) from exc
+        raise
+    finally:
+        for t in timer:
+            t.cancel()
+        _forward = previous_forward
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,210 @@
+"""Stop signals (dist/signals.py): SIGTERM, SIGHUP and Ctrl-C end a job the way Ctrl-C does, with
+every rank told, the run's summary, metrics and plot written for the steps done, nothing left behind,
+and an exit code of 128 + the signal's number. Real processes: `shardlab train` as a subprocess
+under our launcher and under torchrun, and `launch` itself for the grace period."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shardlab.dist import launch, signals
+
+# A GPT small enough that steps take milliseconds: the signal finds the run mid-way through 500 steps.
+TINY = ["--model", "gpt", "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
+        "--set", "model.seq_len=16", "--set", "data.max_bytes=200000", "--set", "train.steps=500",
+        "--set", "train.global_batch=4", "--set", "train.warmup_steps=1", "--set", "train.log_every=1",
+        "--set", "train.eval_every=0", "--set", "log.tensorboard=false", "--set", "log.memory=false",
+        "--set", "log.sample_tokens=0", "--dp", "2"]
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` now (Linux /proc)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        for k in map(int, kids):
+            if k not in found:
+                found.add(k)
+                todo.append(k)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has exited: only its parent's bookkeeping is left)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def run_and_signal(cmd: list[str], tmp_path: Path, signum: int) -> tuple[subprocess.CompletedProcess, set[int]]:
+    """Start `cmd`, wait for its third step, send `signum` to it alone, and wait for it to end."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp), PYTHONPATH=SRC + os.pathsep + os.environ.get(
+        "PYTHONPATH", ""))
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env)
+        try:
+            deadline = time.monotonic() + 90
+            while "step   3/500" not in out.read_text():
+                assert proc.poll() is None, err.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the run did not reach step 3"
+                time.sleep(0.05)
+            ranks = descendants(proc.pid)
+            proc.send_signal(signum)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text()), ranks
+
+
+def assert_stopped_run(out_dir: Path, name: str) -> dict:
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == name and 3 <= summary["steps"] < 500 == summary["steps_planned"]
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(summary["steps"]))  # every step done, no other
+    assert (out_dir / "loss.png").stat().st_size > 0
+    return summary
+
+
+def assert_no_leftovers(tmp_path: Path, ranks: set[int]) -> None:
+    time.sleep(0.2)  # a killed process takes a moment to leave /proc
+    assert not [p for p in ranks if alive(p)], "a rank outlived the job"
+    assert not [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("shardlab")]
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_and_saves(tmp_path):
+    """SIGTERM to `shardlab train` (what `timeout`, Slurm and Kubernetes send): both ranks stop after
+    the same step, the summary, metrics and plot cover the steps done, --save-on-signal leaves a
+    checkpoint of exactly those steps that loads, and the exit code is 128 + 15."""
+    out_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "shardlab", "train", *TINY, "--save-on-signal",
+           "--set", f"log.out_dir={json.dumps(str(out_dir))}"]
+    proc, ranks = run_and_signal(cmd, tmp_path, signal.SIGTERM)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    summary = assert_stopped_run(out_dir, "SIGTERM")
+    n = summary["steps"]
+    assert f"SIGTERM: stopping after step {n - 1} of 500, checkpoint of step {n} saved" in proc.stdout
+    assert f"shardlab train: terminated by SIGTERM: stopped after {n} of 500 steps" in proc.stderr
+    assert len(ranks) >= 2  # the two ranks (and multiprocessing's resource tracker)
+    assert_no_leftovers(tmp_path, ranks)
+
+    from shardlab.checkpoint import load_checkpoint
+    from shardlab.train.config import Config
+    from shardlab.train.task import build_model
+
+    root = out_dir / "checkpoints"
+    assert [p.name for p in root.iterdir()] == [f"step_{n:08d}"]  # no .tmp-* left beside it
+    info = load_checkpoint(root, build_model(Config.from_dict(json.loads(
+        (root / f"step_{n:08d}" / "metadata.json").read_text())["config"]).model), restore_rng=False)
+    assert info.step == n
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_torchrun_stops_every_rank(tmp_path):
+    """torchrun's agent, sent SIGTERM, sends SIGTERM to each rank: each stops at the same step
+    boundary, rank 0 writes the summary, metrics and plot, every rank says why it ended and exits
+    128 + 15 (the agent itself re-raises the signal), and no rank is left running."""
+    out_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "shardlab", "train", *TINY, "--set", f"log.out_dir={json.dumps(str(out_dir))}"]
+    proc, ranks = run_and_signal(cmd, tmp_path, signal.SIGTERM)
+    assert proc.returncode != 0
+    summary = assert_stopped_run(out_dir, "SIGTERM")
+    assert f"SIGTERM: stopping after step {summary['steps'] - 1} of 500" in proc.stdout
+    assert f"shardlab train: terminated by SIGTERM: stopped after {summary['steps']} of 500 steps" in proc.stderr
+    assert proc.stderr.count("shardlab train: terminated by SIGTERM") == 2, proc.stderr[-3000:]  # each rank
+    assert len(ranks) >= 2
+    assert_no_leftovers(tmp_path, ranks)
+
+
+def _signal_self_when(path: Path, signum: int) -> threading.Thread:
+    """Send `signum` to this (the launching) process once a rank has created `path`."""
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if path.exists():  # else the launch failed by itself: no signal that nothing would handle
+            os.kill(os.getpid(), signum)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def never_stops(marker: str) -> None:
+    """A rank that takes stop signals as requests and never honours them (a step that does not end)."""
+    with signals.cooperative():
+        Path(marker).touch()
+        time.sleep(120)
+
+
+def sleeps(marker: str) -> None:
+    """A rank with no step boundary: a stop signal raises in it, as Ctrl-C would."""
+    Path(marker).touch()
+    time.sleep(120)
+
+
+def test_ranks_that_do_not_stop_are_killed_after_the_grace_period(tmp_path, monkeypatch):
+    monkeypatch.setattr(signals, "_received", 0)  # this process's record of the signal, cleared afterwards
+    monkeypatch.setenv("SHARDLAB_STOP_GRACE", "1")
+    marker = tmp_path / "started"
+    _signal_self_when(marker, signal.SIGHUP)
+    start = time.monotonic()
+    with pytest.raises(signals.Terminated) as info:
+        launch(never_stops, 1, str(marker), threads=1)
+    assert info.value.signum == signal.SIGHUP and info.value.exit_code == 129
+    assert "terminated by SIGHUP: the ranks did not stop within 1 s (SHARDLAB_STOP_GRACE)" in str(info.value)
+    assert time.monotonic() - start < 30  # not the rank's 120 s
+
+
+def test_a_rank_without_a_step_boundary_stops_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(signals, "_received", 0)
+    marker = tmp_path / "started"
+    _signal_self_when(marker, signal.SIGTERM)
+    start = time.monotonic()
+    with pytest.raises(signals.Terminated, match="terminated by SIGTERM") as info:
+        launch(sleeps, 1, str(marker), threads=1)
+    assert isinstance(info.value, KeyboardInterrupt)  # whatever handles Ctrl-C handles it
+    assert "Terminated" in str(info.value.__cause__)  # the rank's own report, chained
+    assert time.monotonic() - start < 30
+
+
+def test_a_save_torn_by_a_kill_is_discarded(tmp_path):
+    """When the ranks had to be killed, `shardlab train` removes the temporary directory of a save
+    they left half-written; published checkpoints stay."""
+    from shardlab.cli.train import discard_partial_save
+    from shardlab.train.config import Config
+
+    root = tmp_path / "checkpoints"
+    (root / ".tmp-step_00000008").mkdir(parents=True)
+    (root / ".tmp-step_00000008" / "rank00000.pt").write_bytes(b"half")
+    (root / "step_00000004").mkdir()
+    cfg = Config()
+    cfg.set("log.out_dir", str(tmp_path))
+    discard_partial_save(cfg)
+    assert [p.name for p in root.iterdir()] == ["step_00000004"]
+
+
+def test_exit_codes_and_names():
+    assert signals.exit_code(signal.SIGINT) == 130 and signals.exit_code(signal.SIGTERM) == 143
+    assert signals.describe(signal.SIGINT) == "interrupted by SIGINT"
+    assert str(signals.Terminated(signal.SIGHUP)) == "terminated by SIGHUP"
