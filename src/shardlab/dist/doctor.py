@@ -234,21 +234,34 @@ def _arrivals(groups, counts, colls, dumps) -> list[Finding]:
         site = f" (called from {what['site']} on rank {what['rank']})" if what else ""
         never = ", ".join(f"rank {r}" + ("" if r in dumps else " (no record)") for r in behind)
         text = f"{desc}, group ranks {_ranks(ranks)}: started by rank(s) {_ranks(ahead)}{site}, never by {never}"
-        sites = _sites_differ(colls.get(key, {}), seq)
-        if sites:
-            text += f". The call sites first differ at {sites}: a rank may have skipped a collective there"
+        skipped = _skipped(colls.get(key, {}), seq, name)
+        if skipped:
+            found.append(skipped)
+            text += f"; the ranks parted earlier, at #{skipped.seq}"
         start = min((e["start"] for e in started.values()), default=float("inf"))
         found.append(Finding("missing", name, seq, start, text, behind))
     return found
 
 
-def _sites_differ(by_seq: dict[int, dict[int, dict]], upto: int) -> str | None:
-    """The first sequence number below `upto` where members called the same operation from different
-    lines: legitimate in some programs (rank-dependent branches), the trace of a skipped call in others."""
+def _skipped(by_seq: dict[int, dict[int, dict]], upto: int, name: str) -> Finding | None:
+    """Before a missing arrival: the first #n where members called the same kind of operation from
+    different lines. Rank-dependent branches do that legitimately; a skipped call does it too, and then
+    one rank's #n is made from the line of the other's #n+1, which is said when it is so."""
     for seq in sorted(s for s in by_seq if s < upto):
         at = by_seq[seq]
-        if len({e["site"] for e in at.values()}) > 1:
-            return f"#{seq} (" + "; ".join(f"rank {r}: {e['site']}" for r, e in sorted(at.items())) + ")"
+        if len({e["site"] for e in at.values()}) < 2:
+            continue
+        parts = "; ".join(f"rank {r} from {e['site']}" for r, e in sorted(at.items()))
+        text = f"{show(next(iter(at.values())), name)}: called from different lines ({parts})"
+        nxt = by_seq.get(seq + 1, {})
+        for a, ea in sorted(at.items()):
+            for b, eb in sorted(at.items()):
+                if a != b and a in nxt and nxt[a]["site"] == eb["site"] and ea["site"] != eb["site"]:
+                    text += (f"; rank {b}'s #{seq} comes from the line of rank {a}'s #{seq + 1}: rank {b} skipped "
+                             f"the {ea['op']} that rank {a} called from {ea['site']}")
+                    return Finding("skipped", name, seq, min(e["start"] for e in at.values()), text, [b])
+        return Finding("sites", name, seq, min(e["start"] for e in at.values()),
+                       text + " (a rank-dependent branch, or a skipped collective)", sorted(at))
     return None
 
 
