@@ -15,6 +15,7 @@ import sys
 
 # Sub-commands, each a module in shardlab.cli with add_parser(subparsers) and run(args) -> int.
 COMMANDS = ["train", "verify", "memory", "collectives", "bench", "topo", "viz", "checkpoint", "plan"]
+COMMANDS.append("doctor")  # reads flight records; starts no ranks
 
 
 def build_parser() -> argparse.ArgumentParser:

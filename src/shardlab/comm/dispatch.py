@@ -16,6 +16,7 @@ import torch.distributed as dist
 from shardlab.comm import validate as v
 from shardlab.comm.algorithms._p2p import split_bounds
 from shardlab.comm.handle import Handle
+from shardlab.dist import flight
 
 ReduceOpName = Literal["sum", "avg", "min", "max", "product"]
 Group = dist.ProcessGroup | None
@@ -86,15 +87,19 @@ def complete(
     works: list[dist.Work] | None = None,
     run: Callable[[], None] | None = None,
     finish: Callable[[], object] | None = None,
+    record: list | None = None,
 ):
-    """Either wait now and return the result, or return a Handle that does it later."""
+    """Either wait now and return the result, or return a Handle that does it later. `record` is the
+    operation's flight-recorder entry, ended when the operation completes."""
     if run is not None:
         if async_op:
             future = algorithm_thread().submit(run)
-            return Handle(op, group, future=future, finish=finish, timeout_s=timeout_s)
+            return Handle(op, group, future=future, finish=finish, timeout_s=timeout_s, record=record)
         run()
-        return finish() if finish else None
-    handle = Handle(op, group, works=works, finish=finish, timeout_s=timeout_s)
+        result = finish() if finish else None
+        flight.end(record)
+        return result
+    handle = Handle(op, group, works=works, finish=finish, timeout_s=timeout_s, record=record)
     return handle if async_op else handle.wait()
 
 

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from shardlab.dist import flight
+
 
 class CollectiveError(RuntimeError):
     """A collective could not complete correctly."""
@@ -58,6 +60,7 @@ def wait_work(work: dist.Work | None, op: str, group: dist.ProcessGroup | None, 
         text = str(exc)
         if "timed out" in text.lower() or "timeout" in text.lower():
             limit = f"{timeout_s}s" if timeout_s is not None else "the group's timeout"
+            flight.dump(f"timeout: {op}")  # the moment of the timeout is the one worth diagnosing
             raise CollectiveTimeout(
                 f"{describe(op, group)} timed out after {limit}: a peer did not take part in time "
                 f"(late, stuck in another collective, or dead). Backend said: {text.splitlines()[0]}"
@@ -81,9 +84,10 @@ class Handle:
         future: Future | None = None,
         finish: Callable[[], Any] | None = None,
         timeout_s: float | None = None,
+        record: list | None = None,
     ) -> None:
         self.op, self._group, self._works, self._future = op, group, works or [], future
-        self._finish, self._timeout_s = finish, timeout_s
+        self._finish, self._timeout_s, self._record = finish, timeout_s, record
         self._done, self._result = False, None
 
     def wait(self, timeout_s: float | None = None) -> Any:
@@ -97,9 +101,11 @@ class Handle:
             try:
                 self._future.result(timeout=limit)
             except FutureTimeout as exc:
+                flight.dump(f"timeout: {self.op}")
                 raise CollectiveTimeout(f"{describe(self.op, self._group)} timed out after {limit}s") from exc
         self._result = self._finish() if self._finish is not None else None
         self._done = True
+        flight.end(self._record)
         return self._result
 
     def is_completed(self) -> bool:

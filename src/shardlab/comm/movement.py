@@ -17,6 +17,7 @@ from shardlab.comm.dispatch import (
     validate_call,
 )
 from shardlab.comm.handle import CollectiveMismatchError, describe, wait_work
+from shardlab.dist import flight
 
 _SCATTER_TAG, _GATHER_TAG = 0x5C0, 0x6A0
 
@@ -33,6 +34,7 @@ def broadcast(
 ):
     """Copy group rank `src`'s tensor into every rank's `tensor` (in place; returned)."""
     check_root("broadcast", src, group)
+    rec = flight.begin("broadcast", group, tensor.shape, tensor.dtype, impl)
     validate_call(validate, "broadcast", group, v.tensor_desc(tensor, impl=impl, root=src), v.same_shape,
               tensor.device, timeout_s)
     work_t, copy_back = contiguous(tensor)
@@ -43,11 +45,11 @@ def broadcast(
 
     if impl == TORCH:
         work = dist.broadcast(work_t, group_src=src, group=group, async_op=True)
-        return complete("broadcast", group, async_op, timeout_s, works=[work], finish=finish)
+        return complete("broadcast", group, async_op, timeout_s, works=[work], finish=finish, record=rec)
     algo = algorithm(impl, "broadcast")
     flat = work_t.view(-1)
     return complete("broadcast", group, async_op, timeout_s,
-                     run=lambda: algo(flat, src, group, timeout_s=timeout_s), finish=finish)
+                     run=lambda: algo(flat, src, group, timeout_s=timeout_s), finish=finish, record=rec)
 
 
 def all_gather(
@@ -67,6 +69,7 @@ def all_gather(
     `out` of n times this rank's size when they are all equal; otherwise they are exchanged first.
     """
     tensor = as_rows(tensor)
+    rec = flight.begin("all_gather", group, tensor.shape, tensor.dtype, impl)
     n, me = dist.get_world_size(group), dist.get_rank(group)
     descs = validate_call(validate, "all_gather", group, v.tensor_desc(tensor, impl=impl), v.same_trailing_shape,
                       tensor.device, timeout_s)
@@ -88,7 +91,7 @@ def all_gather(
     if impl == TORCH:
         if all(s == sizes[0] for s in sizes):
             work = all_gather_tensor(out_t, src, group=group, async_op=True)
-            return complete("all_gather", group, async_op, timeout_s, works=[work], finish=finish)
+            return complete("all_gather", group, async_op, timeout_s, works=[work], finish=finish, record=rec)
         # gloo's all_gather needs equal sizes: pad every rank to the largest, gather, then drop the padding.
         biggest = max(sizes)
         padded = src.new_zeros((biggest, *src.shape[1:]))
@@ -102,13 +105,13 @@ def all_gather(
                 out_t[offset : offset + s] = gathered[r * biggest : r * biggest + s]
                 offset += s
             return finish()
-        return complete("all_gather", group, async_op, timeout_s, works=[work], finish=unpad)
+        return complete("all_gather", group, async_op, timeout_s, works=[work], finish=unpad, record=rec)
     algo = algorithm(impl, "all_gather")
     row = row_numel(src)
     counts = [s * row for s in sizes]
     return complete("all_gather", group, async_op, timeout_s,
                      run=lambda: algo(out_t.view(-1), src.view(-1), counts, group, timeout_s=timeout_s),
-                     finish=finish)
+                     finish=finish, record=rec)
 
 
 def all_to_all(
@@ -128,6 +131,7 @@ def all_to_all(
     Without splits, dim 0 is divided equally. With input splits only, the output splits are exchanged.
     """
     tensor = as_rows(tensor)
+    rec = flight.begin("all_to_all", group, tensor.shape, tensor.dtype, impl)
     n, me = dist.get_world_size(group), dist.get_rank(group)
     if input_splits is None:
         if tensor.shape[0] % n:
@@ -154,12 +158,12 @@ def all_to_all(
     src = tensor.contiguous()
     if impl == TORCH:
         work = dist.all_to_all_single(out_t, src, output_splits, input_splits, group=group, async_op=True)
-        return complete("all_to_all", group, async_op, timeout_s, works=[work], finish=finish)
+        return complete("all_to_all", group, async_op, timeout_s, works=[work], finish=finish, record=rec)
     algo = algorithm(impl, "all_to_all")
     row = row_numel(src)
     run = lambda: algo(out_t.view(-1), src.view(-1), [s * row for s in output_splits],  # noqa: E731
                        [s * row for s in input_splits], group, timeout_s=timeout_s)
-    return complete("all_to_all", group, async_op, timeout_s, run=run, finish=finish)
+    return complete("all_to_all", group, async_op, timeout_s, run=run, finish=finish, record=rec)
 
 
 def _splits_check(descs: list[dict]) -> str | None:
@@ -187,6 +191,7 @@ def scatter(
     Parts may have different shapes per rank (each must match that rank's `output`).
     """
     check_root("scatter", src, group)
+    rec = flight.begin("scatter", group, output.shape, output.dtype)
     n, me = dist.get_world_size(group), dist.get_rank(group)
     if me == src:
         if inputs is None or len(inputs) != n:
@@ -212,7 +217,7 @@ def scatter(
                 works.append(dist.isend(inputs[r].contiguous(), group=group, group_dst=r, tag=_SCATTER_TAG))
     else:
         works.append(dist.irecv(out_t, group=group, group_src=src, tag=_SCATTER_TAG))
-    return complete("scatter", group, async_op, timeout_s, works=works, finish=finish)
+    return complete("scatter", group, async_op, timeout_s, works=works, finish=finish, record=rec)
 
 
 def _scatter_check(descs: list[dict], src: int) -> str | None:
@@ -238,6 +243,7 @@ def gather(
     Shapes may differ between ranks.
     """
     check_root("gather", dst, group)
+    rec = flight.begin("gather", group, tensor.shape, tensor.dtype)
     n, me = dist.get_world_size(group), dist.get_rank(group)
     descs = validate_call(validate, "gather", group, v.tensor_desc(tensor, root=dst), v.no_check, tensor.device,
                       timeout_s)
@@ -256,7 +262,7 @@ def gather(
                 works.append(dist.irecv(result[r], group=group, group_src=r, tag=_GATHER_TAG))
     else:
         works.append(dist.isend(src, group=group, group_dst=dst, tag=_GATHER_TAG))
-    return complete("gather", group, async_op, timeout_s, works=works, finish=lambda: result)
+    return complete("gather", group, async_op, timeout_s, works=works, finish=lambda: result, record=rec)
 
 
 def _exchange_shapes(t: torch.Tensor, group: Group, timeout_s: float | None) -> list[tuple[int, ...]]:
@@ -275,7 +281,9 @@ def _exchange_shapes(t: torch.Tensor, group: Group, timeout_s: float | None) -> 
 
 def barrier(group: Group = None, *, timeout_s: float | None = None) -> None:
     """Block until every rank of the group has arrived (or fail with CollectiveTimeout)."""
+    rec = flight.begin("barrier", group, None, None)
     wait_work(dist.barrier(group=group, async_op=True), "barrier", group, timeout_s)
+    flight.end(rec)
 
 
 def _exchange_sizes(rows: int, group: Group, device: torch.device, timeout_s: float | None) -> list[int]:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from shardlab.comm import validate as v
 from shardlab.comm.dispatch import Group, check_root, contiguous
 from shardlab.comm.handle import CollectiveMismatchError, Handle, describe, wait_work
+from shardlab.dist import flight
 
 
 # Validation messages of a send/recv travel on their own tags; header and verdict flow in opposite
@@ -75,27 +76,29 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None, *, tag: int = 0, 
           timeout_s: float | None = None) -> Handle:
     """Start sending `tensor` to group rank `dst`; `wait()` the handle before reusing the tensor."""
     check_root("send", dst, group)
+    rec = flight.begin("send", group, tensor.shape, tensor.dtype, peer=dst, tag=tag)
     if v.validation_enabled(validate):
         checked = _CheckedSend(tensor, dst, group, tag, timeout_s)
-        return Handle("send", group, finish=checked.finish, timeout_s=timeout_s)
+        return Handle("send", group, finish=checked.finish, timeout_s=timeout_s, record=rec)
     work = dist.isend(tensor.contiguous(), group=group, group_dst=dst, tag=tag)
-    return Handle("send", group, works=[work], timeout_s=timeout_s)
+    return Handle("send", group, works=[work], timeout_s=timeout_s, record=rec)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Group = None, *, tag: int = 0, validate: bool | None = None,
           timeout_s: float | None = None) -> Handle:
     """Start receiving into `tensor` from group rank `src`; `wait()` returns the filled tensor."""
     check_root("recv", src, group)
+    rec = flight.begin("recv", group, tensor.shape, tensor.dtype, peer=src, tag=tag)
     if v.validation_enabled(validate):
         checked = _CheckedRecv(tensor, src, group, tag, timeout_s)
-        return Handle("recv", group, finish=checked.finish, timeout_s=timeout_s)
+        return Handle("recv", group, finish=checked.finish, timeout_s=timeout_s, record=rec)
     work_t, copy_back = contiguous(tensor)
     work = dist.irecv(work_t, group=group, group_src=src, tag=tag)
 
     def finish() -> torch.Tensor:
         copy_back()
         return tensor
-    return Handle("recv", group, works=[work], finish=finish, timeout_s=timeout_s)
+    return Handle("recv", group, works=[work], finish=finish, timeout_s=timeout_s, record=rec)
 
 
 def send(tensor: torch.Tensor, dst: int, group: Group = None, *, tag: int = 0, validate: bool | None = None,

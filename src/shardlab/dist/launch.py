@@ -40,6 +40,8 @@ from shardlab.dist.env import (  # DEFAULT_TIMEOUT_S: 60 s, SHARDLAB_TIMEOUT ove
     threads_per_rank,
     under_torchrun,
 )
+from shardlab.dist import flight
+from shardlab.dist.hang import FlightWatch
 from shardlab.dist.rank import (
     OUTPUT_MODES,
     RankSpec,
@@ -92,10 +94,12 @@ def _rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict
     try:
         init_rank(spec)
         result = fn(*args, **kwargs)
+        flight.dump("exit")  # kept only if the launch fails: a rank that left early may be the divergence
         with open(Path(spec.workdir) / f"rank{spec.rank}.out", "wb") as f:
             pickle.dump(result, f)
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        flight.dump(f"failure: {type(exc).__name__}")
         write_error_report(spec.workdir, spec.rank, exc)
         sys.stderr.write("".join(traceback.format_exception(exc)))
         hard_exit(1)
@@ -229,7 +233,8 @@ def launch(
     ctx = mp.get_context("spawn")
     store, addr, port = host_store(master_addr, master_port, timeout_s)
     with tempfile.TemporaryDirectory(prefix="shardlab-launch-") as workdir:
-        procs = []
+        procs: list = []
+        watch = FlightWatch(procs, workdir).start()  # the hang doctor's records (dist/hang.py)
         try:
             for rank in range(world_size):
                 spec = RankSpec(rank, world_size, addr, port, backend, threads, timeout_s, output, workdir, os.getpid())
@@ -237,8 +242,9 @@ def launch(
                 p.start()
                 procs.append(p)
             with signals.forwarding(procs):  # SIGTERM/SIGHUP/Ctrl-C: passed on, the ranks given a grace period
-                _supervise(procs, workdir)
+                _supervise(procs, workdir, watch)
         finally:
+            watch.close()
             stop_ranks(procs)
             if output == "ranks":
                 _print_rank_logs(world_size, workdir)
@@ -250,8 +256,9 @@ def launch(
         return results
 
 
-def _supervise(procs: list, workdir: str) -> None:
-    """Wait for every rank; on the first failure stop the rest and raise the root cause."""
+def _supervise(procs: list, workdir: str, watch: FlightWatch | None = None) -> None:
+    """Wait for every rank; on the first failure stop the rest and raise the root cause (the rank the
+    others waited on, when the flight records show one and the first reports are only timeouts)."""
     exit_seen: dict[int, float] = {}
     failed_at: float | None = None
     while True:
@@ -265,8 +272,14 @@ def _supervise(procs: list, workdir: str) -> None:
             failed_at = time.monotonic()
         if failed_at is not None:
             if all(c is not None for c in codes) or time.monotonic() - failed_at > _FAILURE_GRACE_S:
+                stopped = watch.request() if watch is not None else {}
                 stop_ranks(procs)
-                raise _failure(procs, workdir, exit_seen)
+                failure = _failure(procs, workdir, exit_seen)
+                if watch is not None:
+                    raise watch.explain(failure, is_peer_loss(str(failure).split("\n")[0]), stopped)
+                raise failure
+        if watch is not None:
+            watch.poll()
         wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
 
 
@@ -308,10 +321,17 @@ def _run_under_torchrun(
     if output == "rank0" and env.rank != 0:
         sys.stdout = open(os.devnull, "w")
     initialised_here = not dist.is_initialized()
+    flight.install(env.rank)  # SIGUSR1 dumps this rank's record (SHARDLAB_FLIGHT_DIR or a temporary directory)
     if initialised_here:
         _init_attempt_group(backend, datetime.timedelta(seconds=timeout_s))
     try:
         result = fn(*args, **kwargs)
+    except BaseException as exc:
+        where = flight.dump(f"failure: {type(exc).__name__}")
+        if where is not None:
+            print(f"rank {env.rank}: flight record in {where}; `shardlab doctor {where.parent}` compares the ranks'",
+                  file=sys.stderr)
+        raise
     finally:
         if initialised_here and dist.is_initialized():
             dist.destroy_process_group()

@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
+from shardlab.dist import flight
 from shardlab.dist.env import group_timeout
 
 
@@ -156,6 +157,7 @@ class DeviceMesh:
 
     def _make_group(self, key: tuple[str, ...]) -> dist.ProcessGroup | None:
         if self.size(key) == self.world_size:
+            flight.name_group(None, "+".join(key))
             return None  # the default group already is this line
         mine = None
         rest = [n for n in self.names if n not in key]
@@ -167,6 +169,7 @@ class DeviceMesh:
             group = self._by_ranks[ranks]
             if self.rank in ranks:
                 mine = group
+        flight.name_group(mine, "+".join(key))  # the flight recorder shows "dp", "tp", "dp+cp"
         return mine
 
     def __repr__(self) -> str:

@@ -21,7 +21,9 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from shardlab.dist import flight
 from shardlab.dist.env import device_for, threads_per_rank
+from shardlab.dist.hang import rank_dir
 
 OUTPUT_MODES = ("rank0", "ranks", "all")
 
@@ -109,6 +111,7 @@ def setup_output(spec: RankSpec) -> None:
 
 def init_rank(spec: RankSpec) -> None:
     """Set this rank's environment and threads, then join the process group through the parent's store."""
+    flight.install(spec.rank, rank_dir(spec.workdir))  # first: SIGUSR1 must dump, never kill the rank
     local_world = spec.world_size  # local spawns are single-node: every rank is local
     os.environ.update(
         RANK=str(spec.rank),
