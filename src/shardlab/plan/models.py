@@ -210,7 +210,7 @@ def spec_from_config(m, name: str | None = None) -> ModelSpec:
         raise ValueError(f"the planner models GPT-style decoders; model.name is {m.name!r}")
     return ModelSpec(
         name or f"shardlab-gpt-{m.n_layer}x{m.d_model}", layers=m.n_layer, hidden=m.d_model, heads=m.n_head,
-        kv_heads=m.n_kv_head, ffn=m.d_ff, vocab=VOCAB_SIZE, seq=m.seq_len, bias=m.bias,
+        kv_heads=m.n_kv_head, ffn=m.d_ff, vocab=m.vocab_size or VOCAB_SIZE, seq=m.seq_len, bias=m.bias,
         tied_embeddings=m.tie_embeddings, learned_positions=not m.rotary, attention="flash",
         dropout=m.dropout > 0, source="shardlab configuration",
     )

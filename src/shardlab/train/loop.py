@@ -18,6 +18,7 @@ sampled text and summary.json into log.out_dir.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         checkpointer.close()  # waits for an asynchronous save still in flight
     wall = time.perf_counter() - run_start
     sample = None
-    if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0:
+    if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0 and task.tokenizer is not None:
         from shardlab.train.sample import sample_text
 
         # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward,
@@ -201,7 +202,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         # Sequence parallelism splits every sequence over tp: the window is padded to a multiple of it.
         sample = sample_text(model, cfg.model.seq_len, cfg.log.sample_prompt, cfg.log.sample_tokens,
                              cfg.log.sample_temperature, seed=cfg.train.seed, device=device,
-                             multiple=lay.tp if lay.sp else 1)
+                             multiple=lay.tp if lay.sp else 1, tokenizer=task.tokenizer)
     if rank != 0:
         return None
     assert writer is not None
@@ -209,6 +210,9 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     if not records:  # resumed from a checkpoint of the last step: nothing left to train
         return {"steps": 0, "resumed_from": resumed, "out_dir": str(out_dir), "metrics": str(writer.path)}
     summary = _finish(cfg, sample, records, steady + window, wall, tokens_per_step, out_dir)
+    if summary["final_val_loss"] is not None and task.bytes_per_token:
+        # Per token, losses of different tokenizers do not compare; per byte of text they do.
+        summary["final_val_bits_per_byte"] = summary["final_val_loss"] / math.log(2) / task.bytes_per_token
     if resumed:
         summary["resumed_from"] = resumed
     # Where every rank sat and what it paid: its mesh coordinates, peak memory, communication share.
@@ -266,6 +270,7 @@ def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untr
         "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"],
         "final_val_loss": records[-1].get("val_loss"),
+        "final_val_perplexity": math.exp(records[-1]["val_loss"]) if records[-1].get("val_loss") is not None else None,
         "wall_s": wall,
         "median_step_s": steady[len(steady) // 2],
         "tokens_per_s": tokens_per_step / steady[len(steady) // 2],
