@@ -5,7 +5,6 @@ model's vocabulary refused before launch, naming the id and the file."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from shardlab.cli.main import main
 from shardlab.train.config import load_config

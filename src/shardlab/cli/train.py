@@ -275,7 +275,7 @@ def _render(table) -> str:
 
     console = Console(file=io.StringIO(), width=120, color_system=None, force_terminal=False)
     console.print(table)
-    return console.file.getvalue().rstrip()
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()).strip("\n")
 
 
 def result_table(summary: dict) -> str:
@@ -283,7 +283,7 @@ def result_table(summary: dict) -> str:
     from rich import box
     from rich.table import Table
 
-    table = Table(box=box.SIMPLE_HEAD, title="result", title_justify="left")
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title="result", title_justify="left")
     table.add_column("")
     table.add_column("value", justify="right")
     table.add_row("train loss (last step)", f"{summary['final_loss']:.4f}")
@@ -304,7 +304,7 @@ def rank_table(ranks: list[dict]) -> str:
 
     axes = [a for a in ranks[0]["coords"] if len({r["coords"][a] for r in ranks}) > 1]
     nodes = len({r["node"] for r in ranks}) > 1
-    table = Table(box=box.SIMPLE_HEAD)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
     for name in ["rank", *axes, *(["node"] if nodes else []), "peak mem", "comm wait"]:
         table.add_column(name, justify="right")
     for r in ranks:
