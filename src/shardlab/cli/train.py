@@ -8,8 +8,9 @@ import sys
 from shardlab.cli.common import add_launch_options, launch_kwargs
 
 TRAIN_DOC = """\
-Train the GPT (byte-level text, by default the Python standard library's sources on this machine)
-or the lecture's deep MLP, with the parallel layout the configuration or the flags give.
+Train the GPT (on text, by default the Python standard library's sources on this machine, as bytes or
+through a tokenizer; or on a token file from `shardlab data prepare`) or the lecture's deep MLP, with
+the parallel layout the configuration or the flags give. model.vocab_size follows the data.
 
 The configuration is resolved in order: built-in defaults, --config FILE, --set overrides, then the
 shortcut flags (--model, --dp, ...). It is validated before any rank starts; errors name the fields.
@@ -31,6 +32,8 @@ examples:
   shardlab train --config configs/gpt-small.toml --dry-run
   shardlab train --model llama3-8b --dry-run        # a planner preset's shape in the trainer (docs/models.md)
   shardlab train --init-from-hf ./hf-model --set model.seq_len=128   # from a local GPT-2 or Llama checkpoint
+  shardlab train --config configs/gpt-bpe.toml              # a BPE trained on the stdlib first (cached)
+  shardlab train --config configs/gpt-small.toml --set data.source=runs/data/owt.tok   # a token file
   shardlab train --help-config                      # every configuration field, documented
   torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
   torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m shardlab train --config \
@@ -203,7 +206,15 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
             flags.append(f"{key}={str(value).lower()}")
         elif value is not None:
             flags.append(f'{key}="{value}"' if isinstance(value, str) else f"{key}={value}")
-    return load_config(args.config, [*family, *args.overrides, *flags], base=base)
+    cfg = load_config(args.config, [*family, *args.overrides, *flags], base=base)
+    if cfg.model.name == "gpt" and not cfg.model.vocab_size:
+        from shardlab.train.corpus import model_vocab
+
+        try:  # the data's vocabulary, padded for tp: what every rank and the dry run will build
+            cfg.model.vocab_size = model_vocab(cfg)
+        except (OSError, ValueError, ImportError):
+            pass  # validate() names the data source's problem
+    return cfg
 
 
 def hf_assignments(path: str) -> list[str]:
@@ -314,11 +325,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"shardlab train: {why}", file=sys.stderr)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
         check_before_launch(cfg, make_out_dir=not args.dry_run)
+        if args.dry_run:
+            return dry_run(cfg)
+        check_data_before_launch(cfg)
     except ConfigError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        return dry_run(cfg)
     from shardlab.dist.signals import Terminated
     from shardlab.train.loop import train_rank
 
@@ -333,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nloss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
           + (f" (validation {summary['final_val_loss']:.4f})" if summary.get("final_val_loss") is not None else "")
           + f" in {summary['wall_s']:.0f} s, {summary['tokens_per_s']:,.0f} tokens/s (median step)")
+    print("\n" + result_table(summary))
     print(utilisation_line(summary))
     if args.json:
         import json
@@ -390,17 +403,72 @@ def discard_partial_save(cfg) -> None:
         _clear_leftovers(root)
 
 
+def _render(table) -> str:
+    """A rich table as plain text: no colour or cursor codes, so CI logs and files read the same as a terminal."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=120, color_system=None, force_terminal=False)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()).strip("\n")
+
+
+def result_table(summary: dict) -> str:
+    """The run's end: training and validation loss, perplexity, bits per byte, throughput."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title="result", title_justify="left")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("train loss (last step)", f"{summary['final_loss']:.4f}")
+    if summary.get("final_val_loss") is not None:
+        table.add_row("validation loss", f"{summary['final_val_loss']:.4f}")
+        table.add_row("validation perplexity", f"{summary['final_val_perplexity']:.2f}")
+    if summary.get("final_val_bits_per_byte") is not None:
+        table.add_row("validation bits per byte", f"{summary['final_val_bits_per_byte']:.3f}")
+    table.add_row("tokens/s (median step)", f"{summary['tokens_per_s']:,.0f}")
+    table.add_row("wall time", f"{summary['wall_s']:.0f} s")
+    return _render(table)
+
+
 def rank_table(ranks: list[dict]) -> str:
-    """One line per rank: its place in the mesh (axes of degree > 1), peak memory, communication share."""
+    """One row per rank: its place in the mesh (axes of degree > 1), peak memory, communication share."""
+    from rich import box
+    from rich.table import Table
+
     axes = [a for a in ranks[0]["coords"] if len({r["coords"][a] for r in ranks}) > 1]
     nodes = len({r["node"] for r in ranks}) > 1
-    head = " ".join(f"{a:>2}" for a in axes) + ("  node" if nodes else "")
-    lines = [f"rank  {head}   peak mem  comm wait"]
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
+    for name in ["rank", *axes, *(["node"] if nodes else []), "peak mem", "comm wait"]:
+        table.add_column(name, justify="right")
     for r in ranks:
-        where = " ".join(f"{r['coords'][a]:>2}" for a in axes) + (f"  {r['node']:>4}" if nodes else "")
         mem = "-" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**20:.1f} MiB"
-        lines.append(f"{r['rank']:>4}  {where}  {mem:>9}  {r['comm_wait_share']:9.0%}")
-    return "\n".join(lines)
+        table.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in axes), *([str(r["node"])] if nodes else []),
+                      mem, f"{r['comm_wait_share']:.0%}")
+    return _render(table)
+
+
+def check_data_before_launch(cfg) -> None:
+    """The data, before any rank starts: text for a tokenizer other than bytes is encoded (once,
+    cached), every id is checked against model.vocab_size (naming the id and the file), and a sample
+    needs a tokenizer to be read. Raises ConfigError."""
+    from shardlab.train.config import ConfigError
+    from shardlab.train.corpus import check_token_ids, corpus_tokenizer, resolve_data
+
+    if cfg.model.name != "gpt":
+        return
+    try:
+        resolve_data(cfg)
+        check_token_ids(cfg)
+        tokenizer = corpus_tokenizer(cfg)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if tokenizer is None and cfg.log.sample_tokens > 0:
+        raise ConfigError(f"log.sample_tokens = {cfg.log.sample_tokens}: data.source = {cfg.data.source!r} holds raw "
+                          f"ids and names no tokenizer to turn samples into text; set data.tokenizer to its "
+                          f"tokenizer.json (or .tiktoken) file, or log.sample_tokens = 0")
 
 
 def dry_run(cfg) -> int:

@@ -34,7 +34,7 @@ class ModelSection:
     """Which model to build and its size."""
 
     name: str = "gpt"
-    """'gpt' (a decoder on byte-level text) or 'mlp' (the lecture's deep MLP on a regression task)."""
+    """'gpt' (a decoder on text: bytes or any tokenizer's ids) or 'mlp' (the lecture's deep MLP on a regression task)."""
     n_layer: int = 4
     """Blocks (GPT) or d x d layers (MLP)."""
     d_model: int = 128
@@ -47,6 +47,10 @@ class ModelSection:
     """GPT feed-forward width; 0: 4 x d_model."""
     seq_len: int = 128
     """GPT context length: tokens per training sequence."""
+    vocab_size: int = 0
+    """GPT token ids (embedding and output rows); 0: the data's vocabulary (256 for bytes, a token file's
+    header, data.vocab_size for a raw .bin) padded up to a multiple of 64 and of layout.tp, as Megatron-LM
+    does. A corpus with an id at or past it is refused before launch."""
     rotary: bool = False
     """GPT: rotary position embedding instead of a learned position table."""
     tie_embeddings: bool = True
@@ -98,9 +102,26 @@ class DataSection:
 
     source: str = "stdlib"
     """'stdlib' (the Python standard library's sources on this machine), a directory, a glob, a
-    text file, or a pre-tokenized .bin file."""
+    text file, a token file from `shardlab data prepare` (its header names vocabulary and tokenizer),
+    or a raw id file (.bin, nanoGPT's format; see data.vocab_size)."""
+    tokenizer: str = "bytes"
+    """For a text source: 'bytes' (one id per byte, read directly), 'bpe' (a byte-level BPE of
+    data.bpe_vocab ids trained on the source) or a tokenizer.json / .tiktoken file; other than bytes,
+    the text is first encoded into a token file under data.cache_dir, once, and reused. For a raw
+    .bin: the tokenizer it was made with, to sample text. Nothing is downloaded."""
+    bpe_vocab: int = 4096
+    """Ids of the BPE that data.tokenizer = 'bpe' trains."""
+    cache_dir: str = "runs/data"
+    """Where text encoded for data.tokenizer (other than bytes) is kept, named by source and tokenizer."""
+    vocab_size: int = 0
+    """A raw .bin's vocabulary (e.g. 50257 for GPT-2's ids), which the file cannot say; also picks its
+    dtype: uint16 above 256 ids, uint32 above 65,536. 0: a byte-level (uint8) file."""
+    token_dtype: str = ""
+    """A raw .bin's id type ('uint8', 'uint16', 'uint32'); '': from data.vocab_size, or uint16 for a
+    file named *.u16.bin, else uint8."""
     max_bytes: int = 0
-    """Read at most this many bytes of text; 0: the loader's default (64 MiB)."""
+    """Read at most this many bytes of text (for a token file or .bin: of ids); 0: 64 MiB of text,
+    token files whole."""
     val_fraction: float = 0.05
     """Fraction of the corpus held out (its tail) for validation loss."""
 
@@ -178,11 +199,11 @@ class LogSection:
     plot: bool = True
     """Write the loss curve as out_dir/loss.png at the end."""
     sample_tokens: int = 300
-    """GPT: bytes of text to sample at the end (0: none)."""
+    """GPT: tokens of text to sample at the end, through the corpus's tokenizer (0: none)."""
     sample_prompt: str = "def "
     """GPT: the text the sample continues."""
     sample_temperature: float = 0.8
-    """GPT: softmax temperature of the sample (lower: more likely bytes, less variety)."""
+    """GPT: softmax temperature of the sample (lower: more likely tokens, less variety)."""
     peak_tflops: float = 0.0
     """Peak throughput per rank for MFU; 0: from the device table (known GPUs), else MFU is not shown."""
     memory: bool = True

@@ -64,6 +64,7 @@ def problems(cfg: Config) -> list[str]:
             out.append(f"data.source = {d.source!r} does not exist")
     if d.max_bytes < 0:
         out.append(f"data.max_bytes = {d.max_bytes} must be >= 0")
+    out.extend(data_problems(cfg))
     positive("optim.lr", o.lr)
     if not 0.0 <= o.min_lr <= o.lr:
         out.append(f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
@@ -291,6 +292,32 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     return out
 
 
+def data_problems(cfg: Config) -> list[str]:
+    """The vocabulary and tokenizer fields (train/corpus.py reads them)."""
+    m, d = cfg.model, cfg.data
+    out: list[str] = []
+    for name, value in (("model.vocab_size", m.vocab_size), ("data.vocab_size", d.vocab_size)):
+        if value < 0:
+            out.append(f"{name} = {value} must be >= 0 (0: from the data)")
+    if d.token_dtype not in ("", "uint8", "uint16", "uint32"):
+        out.append(f"data.token_dtype = {d.token_dtype!r} must be one of '', 'uint8', 'uint16', 'uint32'")
+    if d.tokenizer == "bpe" and d.bpe_vocab <= 257:
+        out.append(f"data.bpe_vocab = {d.bpe_vocab} must be above 257 (256 byte symbols and <|endoftext|>)")
+    if m.name == "gpt" and not out:
+        from shardlab.train.corpus import data_vocab, padded_vocab
+
+        try:
+            vocab = data_vocab(cfg)
+        except (OSError, ValueError, ImportError) as exc:
+            out.append(f"data.source = {d.source!r}, data.tokenizer = {d.tokenizer!r}: {exc}")
+        else:
+            if m.vocab_size and m.vocab_size < vocab:
+                out.append(f"model.vocab_size = {m.vocab_size} is smaller than the data's vocabulary ({vocab} ids "
+                           f"from data.source = {d.source!r}); set it to 0 (from the data, padded to "
+                           f"{padded_vocab(vocab, cfg.layout.tp)})")
+    return out
+
+
 def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     """What keeps the tensor-parallel plan from fitting: the plan checked on the model built on the
     meta device (no memory; `check_plan` needs no process group), with each module's message tied
@@ -300,7 +327,7 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     import torch
 
     from shardlab.parallel.tensor import check_plan, named_plan
-    from shardlab.train.data import VOCAB_SIZE
+    from shardlab.train.corpus import model_vocab
     from shardlab.train.task import build_model
 
     m, lay, t = cfg.model, cfg.layout, cfg.train
@@ -329,10 +356,15 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
                        f"{t.micro_batches}) = {rows} rows")
     if not (model_ok and plan_ok):
         return out
+    try:
+        vocab = model_vocab(cfg) if m.name == "gpt" else 0
+    except (OSError, ValueError, ImportError):
+        return out  # data_problems names the source
     with torch.device("meta"):
-        model = build_model(m)
+        model = build_model(m, vocab)
+    rows = f"model.vocab_size = {vocab}" + (" (from the data)" if not m.vocab_size else "")
     hints = {
-        "tok_emb": f"the vocabulary has {m.vocab_size or VOCAB_SIZE} rows", "head": f"the vocabulary has {m.vocab_size or VOCAB_SIZE} rows",
+        "tok_emb": rows, "head": rows,
         "attn": f"model.n_head = {m.n_head}, model.n_kv_head = {m.n_kv_head or m.n_head}",
         "mlp": f"model.d_ff = {m.d_ff}" if m.d_ff else f"model.d_ff = 0: 4 x model.d_model = {4 * m.d_model}",
         "layers": f"model.d_model = {m.d_model}", "sequence parallelism": f"model.seq_len = {m.seq_len}",

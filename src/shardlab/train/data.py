@@ -1,8 +1,9 @@
-"""Byte-level training data that needs no download, and a rank-aware deterministic batch sampler.
+"""Training tokens that need no download, and a rank-aware deterministic batch sampler.
 
-Tokens are bytes (vocabulary 256) of real text already on the machine: by default the Python
-standard library's own sources. Pre-tokenized `.bin` files (raw token ids) are also accepted so
-that a larger vocabulary can be plugged in later without changing the sampler.
+Text already on the machine (by default the Python standard library's own sources) is read as bytes
+(vocabulary 256). Token files made by `shardlab data prepare` (any tokenizer; shardlab.data.tokenfile)
+and raw id files (`.bin`, nanoGPT's format) are memory-mapped; train/corpus.py reads their
+vocabulary and tokenizer.
 
 The sampler draws the whole global batch from a generator seeded by (seed, step) alone, and
 each data-parallel rank keeps only its rows. Two consequences the trainer relies on:
@@ -16,45 +17,24 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from shardlab.data.sources import FILE_SEPARATOR, TEXT_EXTENSIONS, stdlib_files
+from shardlab.data.tokenfile import is_token_file, read_token_file
+
+__all__ = ["FILE_SEPARATOR", "TEXT_EXTENSIONS", "VOCAB_SIZE", "BatchSampler", "decode", "load_tokens",
+           "split_tokens", "stdlib_files"]
+
 VOCAB_SIZE = 256
 """Byte-level vocabulary: every byte value is a token."""
 
-FILE_SEPARATOR = b"\n\x0c\n"
-"""Put between concatenated files: a form feed on its own line rarely occurs in source text, so
-the model can learn that a new document starts there."""
-
-TEXT_EXTENSIONS = frozenset(
-    {".py", ".pyi", ".md", ".txt", ".rst", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go",
-     ".java", ".js", ".ts", ".html", ".css", ".json", ".toml", ".yaml", ".yml", ".cfg", ".ini",
-     ".sh", ".tex", ".csv", ".xml"}
-)
-"""Extensions read when a directory is given; a glob pattern reads whatever files it matches."""
-
-# Skipped in the default corpus: third-party code (not stdlib), the huge test suites (they would
-# dominate the mix with repetitive test code), and two large rarely-idiomatic packages.
-_STDLIB_SKIP_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-)
-
 _DEFAULT_MAX_BYTES = 64 * 2**20
-
-
-def stdlib_files() -> list[Path]:
-    """The standard library's `*.py` files on this machine, in sorted (deterministic) order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # Pruning in place stops os.walk from descending into skipped directories at all.
-        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
-        found.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+"""Text is read into memory: at most this many bytes unless told otherwise. Memory-mapped token
+files are mapped whole (only the windows the sampler touches are read)."""
 
 
 def _concat_files(paths: Iterable[Path], max_bytes: int | None) -> np.ndarray:
@@ -99,10 +79,13 @@ def _load_bin(path: Path, max_bytes: int | None, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
+_DEFAULT = object()
+
+
 def load_tokens(
     source: str | os.PathLike[str] | None = None,
     *,
-    max_bytes: int | None = _DEFAULT_MAX_BYTES,
+    max_bytes: int | None | object = _DEFAULT,
     token_dtype: str | np.dtype | type | None = None,
     min_tokens: int = 1,
 ) -> np.ndarray:
@@ -112,15 +95,20 @@ def load_tokens(
       * None or "stdlib": the Python standard library's `*.py` sources (see stdlib_files);
       * a directory: its files with a TEXT_EXTENSIONS suffix, recursively, in sorted order;
       * a glob pattern (`~` expanded, `**` recursive): every file it matches, sorted;
+      * a token file (`shardlab data prepare`): its ids, memory-mapped, in the header's dtype;
       * a `.bin` file: raw token ids, memory-mapped; uint8 unless named `*.u16.bin` or
         token_dtype says otherwise;
       * any other file: its bytes.
-    max_bytes caps the bytes read (None: no cap); for `.bin` files it caps bytes, not tokens.
+    max_bytes caps the bytes read (None: no cap; by default 64 MiB of text, memory-mapped files
+    whole); for token and `.bin` files it caps bytes, not tokens.
     token_dtype, for text sources, is the dtype of the returned byte ids (uint8 by default).
     min_tokens: raise if fewer tokens than this were found (e.g. seq_len + 1 for one sequence).
 
     The same arguments give the same array on every call and every rank.
     """
+    mapped_cap = None if max_bytes is _DEFAULT else max_bytes
+    if max_bytes is _DEFAULT:
+        max_bytes = _DEFAULT_MAX_BYTES
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
     dtype = None if token_dtype is None else np.dtype(token_dtype)
@@ -146,8 +134,13 @@ def load_tokens(
                 )
             tokens = _concat_files(files, max_bytes)
         elif path.is_file():
-            if path.suffix == ".bin":
-                tokens = _load_bin(path, max_bytes, _bin_dtype(path, dtype))
+            if is_token_file(path):
+                tokens = read_token_file(path).tokens
+                if mapped_cap is not None:
+                    tokens = tokens[: mapped_cap // tokens.dtype.itemsize]
+                dtype = None  # already in its stored dtype
+            elif path.suffix == ".bin":
+                tokens = _load_bin(path, mapped_cap, _bin_dtype(path, dtype))
                 dtype = None  # already in its stored dtype
             else:
                 tokens = _concat_files([path], max_bytes)

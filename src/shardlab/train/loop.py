@@ -18,6 +18,7 @@ sampled text and summary.json into log.out_dir.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -227,7 +228,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         checkpointer.close()  # waits for an asynchronous save still in flight
     wall = time.perf_counter() - run_start
     sample = None
-    if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0 and not stopped_by:  # a stopped run ends fast
+    if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0 and task.tokenizer is not None and not stopped_by:
         from shardlab.train.sample import sample_text
 
         # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward,
@@ -236,7 +237,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         with autocast_context(lay.precision, device):
             sample = sample_text(model, cfg.model.seq_len, cfg.log.sample_prompt, cfg.log.sample_tokens,
                                  cfg.log.sample_temperature, seed=cfg.train.seed, device=device,
-                                 multiple=lay.tp if lay.sp else 1)
+                                 multiple=lay.tp if lay.sp else 1, tokenizer=task.tokenizer)
     if rank != 0:
         return None
     assert writer is not None
@@ -245,6 +246,9 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         return {"steps": 0, "resumed_from": resumed, "out_dir": str(out_dir), "metrics": str(writer.path)}
     summary = _finish(cfg, sample, records, steady + window, wall, tokens_per_step, out_dir,
                       flops=flops, world=world, stopped_by=signals.signal_name(stopped_by) if stopped_by else None)
+    if summary["final_val_loss"] is not None and task.bytes_per_token:
+        # Per token, losses of different tokenizers do not compare; per byte of text they do.
+        summary["final_val_bits_per_byte"] = summary["final_val_loss"] / math.log(2) / task.bytes_per_token
     if resumed:
         summary["resumed_from"] = resumed
     # Where every rank sat and what it paid: its mesh coordinates, peak memory, communication share.
@@ -321,6 +325,7 @@ def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untr
         "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"],
         "final_val_loss": records[-1].get("val_loss"),
+        "final_val_perplexity": math.exp(records[-1]["val_loss"]) if records[-1].get("val_loss") is not None else None,
         "wall_s": wall,
         "median_step_s": steady[len(steady) // 2],
         "tokens_per_s": tokens_per_step / steady[len(steady) // 2],

@@ -81,14 +81,16 @@ class MetricsWriter:
         self._jsonl.writelines(line + "\n" for line in kept)
         self._tb = None
         if tensorboard:
-            from shardlab.train.tensorboard import EventWriter
+            # The tensorboard package's writer (imported here: it is slow to import, and only rank 0 with
+            # log.tensorboard needs it).
+            from torch.utils.tensorboard import SummaryWriter
 
             # A rerun into the same directory starts a fresh curve rather than zig-zagging over the old
             # one; a resumed run adds a new event file (TensorBoard shows the latest value per step).
             if resume_step is None:
                 for old in (out_dir / "tb").glob("events.out.tfevents.*"):
                     old.unlink()
-            self._tb = EventWriter(out_dir / "tb")
+            self._tb = SummaryWriter(str(out_dir / "tb"))
 
     def write(self, rec: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(rec) + "\n")

@@ -5,7 +5,8 @@ which model they drive: `task.batch(step, dp_rank, dp_size, micro_batches, micro
 (inputs, targets), `task.global_batch(step)` the whole batch a single process would see, and
 `tokens_per_row` / `flops_per_token` turn step times into tokens/s and MFU.
 
-  gpt  byte-level text (train/data.py), held-out tail for validation loss.
+  gpt  text as bytes or a token file's ids (train/data.py, train/corpus.py), held-out tail for
+       validation loss; the vocabulary comes from the data (model.vocab_size = 0).
   mlp  the lecture's deep MLP regressing a fixed random "teacher" network's output on Gaussian
        inputs: synthetic (the lecture's model has no natural dataset) but learnable, so the loss
        falls, and drawn per (seed, step) like the text sampler so ranks split it exactly.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -26,21 +27,25 @@ from shardlab.parallel.precision import apply_precision
 from shardlab.train.config import Config, ModelSection
 from shardlab.train.data import VOCAB_SIZE, BatchSampler, load_tokens, split_tokens
 
+if TYPE_CHECKING:
+    from shardlab.data.tokenizer import Tokenizer
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def build_model(m: ModelSection) -> nn.Module:
-    """The plain model a configuration describes (no parallelism applied)."""
+def build_model(m: ModelSection, vocab_size: int = 0) -> nn.Module:
+    """The plain model a configuration describes (no parallelism applied). The GPT's vocabulary:
+    vocab_size, else model.vocab_size, else bytes' 256 (train/corpus.py's model_vocab reads the data's)."""
     if m.name == "mlp":
         return DeepMLP(MLPConfig(d_model=m.d_model, n_layer=m.n_layer, bias=m.bias))
-    return GPT(gpt_config(m))
+    return GPT(gpt_config(m, vocab_size))
 
 
-def gpt_config(m: ModelSection) -> GPTConfig:
+def gpt_config(m: ModelSection, vocab_size: int = 0) -> GPTConfig:
     """The GPT's configuration for a model section (one mapping, used by the trainer, the Hugging
     Face export and import, and the planner's presets)."""
     return GPTConfig(
-        vocab_size=m.vocab_size or VOCAB_SIZE, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+        vocab_size=vocab_size or m.vocab_size or VOCAB_SIZE, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
         n_kv_head=m.n_kv_head or None, d_model=m.d_model, d_ff=m.d_ff or None, rotary=m.rotary,
         tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias, n_experts=m.experts, top_k=m.top_k,
         capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef, norm=m.norm, mlp=m.mlp,
@@ -52,8 +57,10 @@ def prepare_model(cfg: Config) -> nn.Module:
     """Build the model from the run's seed and apply the model options that are not architecture:
     frozen parameters and the compute precision (layout.precision). Every rank and every reference built
     this way starts from identical weights."""
+    from shardlab.train.corpus import model_vocab
+
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, model_vocab(cfg) if cfg.model.name == "gpt" else 0)
     if cfg.model.init_from_hf:
         load_hf_weights(model, cfg.model.init_from_hf)
     for name, p in model.named_parameters():
@@ -127,6 +134,10 @@ class Task:
     val: BatchSampler | RegressionSampler
     tokens_per_row: int
     flops_per_token: float
+    tokenizer: Tokenizer | None = None
+    """The GPT's: prompts are encoded and samples decoded with it (None: a raw id file naming none)."""
+    bytes_per_token: float | None = None
+    """Bytes of text per token (1 for bytes; a token file's header says): turns loss into bits per byte."""
 
     def batch(self, step: int, dp_rank: int, dp_size: int, micro_batches: int = 1, micro: int = 0) -> Batch:
         return self.train.batch(step, dp_rank, dp_size, micro_batches, micro)
@@ -144,12 +155,15 @@ def build_task(cfg: Config, model: nn.Module, tokens: np.ndarray | None = None) 
         train = RegressionSampler(cfg.model.d_model, t.global_batch, t.seed)
         val = RegressionSampler(cfg.model.d_model, t.global_batch, t.seed + 1_000_000, teacher_seed=t.seed)
         return Task(train, val, tokens_per_row=1, flops_per_token=model.flops_per_sample())
+    from shardlab.train.corpus import bytes_per_token, check_token_ids, corpus_tokenizer, source_kind
+
+    if source_kind(cfg) == "text" and cfg.data.tokenizer not in ("", "bytes"):
+        raise ValueError(f"data.source = {cfg.data.source!r} with data.tokenizer = {cfg.data.tokenizer!r} must be "
+                         f"encoded first: shardlab train does it before launch (train.corpus.resolve_data), or "
+                         f"make a token file with `shardlab data prepare`")
     if tokens is None:
         tokens = load_corpus(cfg)
-    vocab = model.cfg.vocab_size if isinstance(model, GPT) else VOCAB_SIZE
-    if len(tokens) and int(tokens.max()) >= vocab:
-        raise ValueError(f"data.source = {cfg.data.source!r} holds token ids up to {int(tokens.max())}, but the GPT's "
-                         f"vocabulary has {vocab} ids (model.vocab_size); give text or a uint8 .bin")
+    check_token_ids(cfg, tokens, scan=False)  # a token file's header; raw ids are scanned (they have none)
     train_tokens, val_tokens = split_tokens(tokens, cfg.data.val_fraction)
     seq = cfg.model.seq_len
     return Task(
@@ -157,13 +171,18 @@ def build_task(cfg: Config, model: nn.Module, tokens: np.ndarray | None = None) 
         BatchSampler(val_tokens, seq, t.global_batch, seed=t.seed + 1),
         tokens_per_row=seq,
         flops_per_token=model.flops_per_token(seq),
+        tokenizer=corpus_tokenizer(cfg),
+        bytes_per_token=bytes_per_token(cfg),
     )
 
 
 def load_corpus(cfg: Config) -> np.ndarray:
+    from shardlab.train.corpus import bin_dtype, source_kind
+
     source = None if cfg.data.source in ("", "stdlib") else cfg.data.source
     # Enough tokens that both splits hold at least one window.
     min_tokens = int((cfg.model.seq_len + 2) / min(cfg.data.val_fraction, 1 - cfg.data.val_fraction)) + 1
+    dtype = bin_dtype(cfg) if source_kind(cfg) == "bin" else None
     if cfg.data.max_bytes:
-        return load_tokens(source, max_bytes=cfg.data.max_bytes, min_tokens=min_tokens)
-    return load_tokens(source, min_tokens=min_tokens)
+        return load_tokens(source, max_bytes=cfg.data.max_bytes, min_tokens=min_tokens, token_dtype=dtype)
+    return load_tokens(source, min_tokens=min_tokens, token_dtype=dtype)
