@@ -96,10 +96,11 @@ def test_figure1_memory_within_ten_percent():
 
 def test_layout_check_names_the_failing_factor():
     spec = get_model("megatron-175b")
-    # Uneven stages are allowed (the trainer splits them too); interleaved chunks still need to divide.
+    # Uneven stages are allowed (the trainer splits them too), as long as every chunk has a layer.
     PlanLayout(pp=7).check(spec)
-    with pytest.raises(LayoutError, match="pp 7 x virtual 2 does not divide the 96 layers"):
-        PlanLayout(pp=7, virtual=2, schedule="interleaved").check(spec)
+    PlanLayout(pp=7, virtual=2, schedule="interleaved").check(spec)
+    with pytest.raises(LayoutError, match="pp 32 x virtual 4 exceeds the 96 layers"):
+        PlanLayout(pp=32, virtual=4, schedule="interleaved").check(spec)
     with pytest.raises(LayoutError, match=r"stage layers \[10, 10\] must be 2 positive counts summing to the 96"):
         PlanLayout(pp=2, stage_layers=(10, 10)).check(spec)
     with pytest.raises(LayoutError, match="tp 5 does not divide the 96 attention heads"):

@@ -57,6 +57,7 @@ class Hardware:
     matmul_grid: tuple[dict, ...] = ()  # measured matmul FLOP/s by shape (override peak x mm_eff)
     attention_flops: float = 0.0        # measured fused-attention FLOP/s, as flops.py counts them (0: roofline)
     attn_eff: float = 0.0               # fused attention's share of the 16-bit peak (0: mm_eff, as a GEMM)
+    fp8_eff: float = 0.0                # fp8 GEMMs' share of the fp8 peak (0: mm_eff)
     network: tuple[Level, ...] = ()     # the cluster as levels (network.py); () = the intra/inter two-link model
     activation_bandwidth: float = 0.0   # measured bytes/s of activation functions (0: roofline)
     source: str = ""
@@ -113,16 +114,17 @@ _ASSUMED = ("mem_eff 0.8 and link_eff 0.8 are assumptions (sustained copy bandwi
             "Table 4")
 
 
-# The fraction of H100 peak the linear layers' GEMMs reach, fitted by validate_h100.calibrate() to
-# NeMo Framework's published DGX-H100 pre-training table (fp8, NeMo 24.07; tests/test_plan_h100.py
-# refits it and checks this value). The same fraction is used for bf16 on Hopper (H100, H200): an
-# assumption, checked against Llama 3 405B's published BF16 MFU (docs/planner.md).
-H100_MM_EFF = 0.60
-# Fused attention's share of the 16-bit peak on Hopper: an assumption (FlashAttention-2 reports about
-# a third of H100's peak, FlashAttention-3 and cuDNN's fused kernels about 0.6-0.75), not fitted.
-HOPPER_ATTN_EFF = 0.5
+# Hopper, fitted by validate_h100.calibrate() to NeMo Framework's published DGX-H100 pre-training
+# table (fp8, NeMo 24.07; tests/test_plan_h100.py refits them and checks these values): the fp8 GEMMs'
+# share of the fp8 peak, and fused attention's share of the bf16 peak (attention runs in bf16).
+H100_FP8_EFF = 0.547
+HOPPER_ATTN_EFF = 0.251
+# bf16 GEMMs on Hopper: no bf16 row in NeMo's table, so the A100's fitted fraction is carried over (an
+# assumption), checked against Llama 3 405B's published BF16 MFU (docs/planner.md).
+H100_MM_EFF = A100_MM_EFF
 _CARRIED = "mm_eff carried over from the A100 fit (not validated on this GPU)"
-_HOPPER = "mm_eff fitted to NeMo's DGX-H100 table (fp8); used for bf16 too (checked against Llama 3 405B)"
+_HOPPER = ("fp8_eff and attn_eff fitted to NeMo's DGX-H100 table (fp8); bf16 mm_eff carried over from the A100 "
+           "fit, checked against Llama 3 405B")
 
 
 def _node_network(nvlink_gbps: float, ib_gbps: float, per_node: int = 8) -> tuple[Level, ...]:
@@ -132,7 +134,8 @@ def _node_network(nvlink_gbps: float, ib_gbps: float, per_node: int = 8) -> tupl
 
 
 def _gpu(name: str, nvlink_gbps: float, ib_gbps: float, mm_eff: float, extra: str = "", *, key: str = "",
-         attn_eff: float = 0.0, network: tuple[Level, ...] = (), per_node: int = 8) -> Hardware:
+         attn_eff: float = 0.0, network: tuple[Level, ...] = (), per_node: int = 8,
+         fp8_eff: float = 0.0) -> Hardware:
     """A cluster of `key`'s GPUs (default: `name`) whose peaks, memory and SMs are plan/devices.py's
     data sheet, on `network` (default: DGX nodes on a fat-tree)."""
     spec = device_spec(key or name)
@@ -141,7 +144,7 @@ def _gpu(name: str, nvlink_gbps: float, ib_gbps: float, mm_eff: float, extra: st
     return Hardware(
         name, peaks, spec.memory_bytes, spec.memory_bw, per_node,
         intra=Link(nvlink_gbps * GB, 5e-6), inter=Link(ib_gbps * GB, 10e-6), mm_eff=mm_eff, sms=spec.sms,
-        overlap_cost=GPU_OVERLAP_COST, attn_eff=attn_eff,
+        overlap_cost=GPU_OVERLAP_COST, attn_eff=attn_eff, fp8_eff=fp8_eff,
         network=network or _node_network(nvlink_gbps, ib_gbps, per_node),
         source=f"{_NVIDIA}; {_LINKS}", notes=(_ASSUMED,) + ((extra,) if extra else ()),
     )
@@ -168,15 +171,15 @@ def _tpu(name: str, link_gbps: float, ndim: int, wrap_multiple: int) -> Hardware
 PRESETS: dict[str, Hardware] = {h.name: h for h in [
     _gpu("a100-40gb", 300, 25, A100_MM_EFF),
     _gpu("a100-80gb", 300, 25, A100_MM_EFF),       # DGX A100 SuperPOD: HDR 200 Gb/s per GPU, fat-tree 1:1
-    _gpu("h100-sxm", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF),   # DGX H100, NDR 400 Gb/s
-    _gpu("h200", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF),
+    _gpu("h100-sxm", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF),   # DGX H100, NDR 400 Gb/s
+    _gpu("h200", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF),
     # H100 NVLink Switch System: 256 GPUs in one NVLink domain (57,600 GB/s bisection), NDR beyond.
-    _gpu("h100-nvl256", 450, 50, H100_MM_EFF, _HOPPER, key="h100-sxm", attn_eff=HOPPER_ATTN_EFF,
+    _gpu("h100-nvl256", 450, 50, H100_MM_EFF, _HOPPER, key="h100-sxm", attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF,
          network=(Level("nvlink-switch", 256, "nvlink-switch", 450 * GB, 5e-6),
                   Level("infiniband", 0, "fat-tree", 50 * GB, 10e-6))),
     # GB200 NVL72: 72 GPUs on NVLink 5 (900 GB/s per direction); 400 Gb/s NICs between racks (assumed).
     _gpu("gb200-nvl72", 900, 50, H100_MM_EFF, "mm_eff carried over from H100 (not validated on Blackwell)",
-         key="gb200", attn_eff=HOPPER_ATTN_EFF, per_node=72,
+         key="gb200", attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF, per_node=72,
          network=(Level("nvlink-switch", 72, "nvlink-switch", 900 * GB, 5e-6),
                   Level("infiniband", 0, "fat-tree", 50 * GB, 10e-6))),
     _tpu("tpu-v4", 45, 3, 4),

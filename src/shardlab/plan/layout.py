@@ -20,6 +20,17 @@ RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 
 
+def _even_split(layers: int, parts: int) -> list[int]:
+    """`layers` over `parts` as evenly as possible, the parts with one layer fewer placed at the two
+    ends first (they sit beside the embedding and the head)."""
+    base, extra = divmod(layers, parts)
+    if not extra:
+        return [base] * parts
+    ends = list(dict.fromkeys(i for pair in zip(range(parts), range(parts - 1, -1, -1)) for i in pair))
+    light = set(ends[:parts - extra])
+    return [base + (0 if i in light else 1) for i in range(parts)]
+
+
 class LayoutError(ValueError):
     """A layout that cannot run this model on this many ranks; the message says which factor fails."""
 
@@ -77,13 +88,8 @@ class PlanLayout:
         also hold the embedding and the head; Llama 3 405B's 126 layers over 16 stages: 7, 8 x 14, 7)."""
         if self.stage_layers:
             return self.stage_layers[stage]
-        base, extra = divmod(layers, self.pp)
-        if not extra:
-            return base
-        short = self.pp - extra                 # stages with `base` layers: the edges first
-        ends = [i for pair in zip(range(self.pp), range(self.pp - 1, -1, -1)) for i in pair]
-        light = set(list(dict.fromkeys(ends))[:short])
-        return base + (0 if stage in light else 1)
+        chunks = _even_split(layers, self.pp * self.virtual)   # interleaved: stage s holds chunks s, s + pp, ...
+        return sum(chunks[stage::self.pp])
 
     def stage_layer_counts(self, layers: int) -> list[int]:
         return [self.layers_on(layers, i) for i in range(self.pp)]
@@ -144,10 +150,8 @@ class PlanLayout:
                            f"the {spec.layers} layers")
             if self.virtual > 1:
                 bad.append("explicit stage layers do not combine with the interleaved schedule's chunks")
-        elif self.virtual > 1 and spec.layers % (self.pp * self.virtual):
-            bad.append(f"pp {self.pp} x virtual {self.virtual} does not divide the {spec.layers} layers")
-        elif spec.layers < self.pp:
-            bad.append(f"pp {self.pp} exceeds the {spec.layers} layers")
+        elif spec.layers < self.pp * self.virtual:
+            bad.append(f"pp {self.pp} x virtual {self.virtual} exceeds the {spec.layers} layers")
         if self.virtual > 1 and self.schedule != "interleaved":
             bad.append(f"virtual {self.virtual} needs the interleaved schedule")
         if self.schedule == "interleaved" and self.pp == 1:

@@ -68,10 +68,11 @@ def op_time(hw: Hardware, precision: str, op: flops.Op) -> float:
         # than a large GEMM); under fp8 it stays 16-bit, as Transformer Engine's default recipe keeps it.
         compute = op.flops / (hw.attn_eff * hw.peak(matmul_precision(precision, False)))
     else:
-        eff = hw.mm_eff
+        rate = matmul_precision(precision, bool(op.shape))
+        eff = hw.fp8_eff if (rate == "fp8" and hw.fp8_eff) else hw.mm_eff
         if op.shape and hw.sms:
             eff *= flops.tiles_efficiency(op.shape[0], op.shape[2], hw.sms, hw.tile)
-        compute = op.flops / (eff * hw.peak(matmul_precision(precision, bool(op.shape))))
+        compute = op.flops / (eff * hw.peak(rate))
     memory = op.bytes / (hw.mem_eff * hw.memory_bw)
     return max(compute, memory) + op.kernels * hw.kernel_overhead_s
 
