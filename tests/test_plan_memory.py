@@ -96,9 +96,28 @@ def test_figure1_memory_within_ten_percent():
 
 def test_layout_check_names_the_failing_factor():
     spec = get_model("megatron-175b")
-    with pytest.raises(LayoutError, match="pp 7 x virtual 1 does not divide the 96 layers"):
-        PlanLayout(pp=7).check(spec)
+    # Uneven stages are allowed (the trainer splits them too), as long as every chunk has a layer.
+    PlanLayout(pp=7).check(spec)
+    PlanLayout(pp=7, virtual=2, schedule="interleaved").check(spec)
+    with pytest.raises(LayoutError, match="pp 32 x virtual 4 exceeds the 96 layers"):
+        PlanLayout(pp=32, virtual=4, schedule="interleaved").check(spec)
+    with pytest.raises(LayoutError, match=r"stage layers \[10, 10\] must be 2 positive counts summing to the 96"):
+        PlanLayout(pp=2, stage_layers=(10, 10)).check(spec)
     with pytest.raises(LayoutError, match="tp 5 does not divide the 96 attention heads"):
         PlanLayout(tp=5).check(spec)
     with pytest.raises(LayoutError, match=r"= 16, not the 32 ranks"):
         PlanLayout(dp=2, tp=8).check(spec, world=32)
+
+
+def test_uneven_stages_split_as_evenly_as_possible_lighter_at_the_edges():
+    # Llama 3 405B: 126 layers over 16 stages, one layer fewer on the first and last (Llama 3 paper sec. 3.3).
+    lay = PlanLayout(pp=16)
+    counts = lay.stage_layer_counts(126)
+    assert sum(counts) == 126 and counts[0] == counts[-1] == 7 and set(counts[1:-1]) == {8}
+    assert PlanLayout(pp=12).stage_layer_counts(70) == [5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 5]   # BLOOM's 70 over 12
+    spec = get_model("megatron-175b")
+    explicit = PlanLayout(pp=2, stage_layers=(40, 56))
+    explicit.check(spec)
+    # The fuller stage holds more parameters and is the one the memory report picks.
+    assert stage_params(spec, explicit, 1)[0] > stage_params(spec, explicit, 0)[0] * 1.3
+    assert rank_memory(spec, explicit, 8).stage == 1

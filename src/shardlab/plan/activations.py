@@ -65,10 +65,11 @@ def layer_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
         if spec.dropout:
             add("attention dropout mask", probs * 1, True)
             add("attention dropout output", probs * e, True)
+        add("projection input", sb * spec.q_dim / t * e)
     else:
-        add("attention output (fused kernel)", sb * spec.q_dim / t * e)
+        # The fused kernel's output is the projection's input: one tensor, saved once.
+        add("attention output = projection input (fused kernel)", sb * spec.q_dim / t * e)
         add("attention log-sum-exp", sb * a_loc * 4)
-    add("projection input", sb * spec.q_dim / t * e)
     if spec.dropout:
         add("attention residual dropout mask", sb * h / rs)
     # MLP block. A mixture of experts processes each token top_k times, spread over the ep ranks.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardlab.plan import network
 from shardlab.plan.activations import local_kv_dim
 from shardlab.plan.alphabeta import AlphaBeta, model_for
 from shardlab.plan.hardware import Hardware, Link
@@ -75,6 +76,8 @@ def collective_time(hw: Hardware, op: str, nbytes: float, group: Group) -> float
     fit = _fit_for(hw, op, n)
     if fit is not None:
         return fit.predict(nbytes, n)
+    if hw.network:
+        return network.collective_seconds(hw.network, op, nbytes, n, group.stride, hw.link_eff)
     k = group.per_node(hw.devices_per_node)
     if k >= n:
         return _ring(op, nbytes, n, hw.intra, hw.link_eff)
@@ -98,6 +101,8 @@ def p2p_time(hw: Hardware, nbytes: float, group: Group) -> float:
     fit = _fit_for(hw, "sendrecv", 2)
     if fit is not None:
         return fit.predict(nbytes, 2)
+    if hw.network:
+        return network.p2p_seconds(hw.network, nbytes, group.stride, hw.link_eff)
     link = hw.inter if group.per_node(hw.devices_per_node) == 1 else hw.intra
     return link.latency + nbytes / (link.bandwidth * hw.link_eff)
 
@@ -152,7 +157,11 @@ def layer_comms(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Comm]:
                 Comm("expert combine", "all_to_all", "ep", moved, "fwd"),
                 Comm("expert dispatch grad", "all_to_all", "ep", moved, "bwd"),
                 Comm("expert combine grad", "all_to_all", "ep", moved, "bwd")]
-    if not lay.tp_overlap:
+    if lay.tp_comm_overlap:
+        # Megatron-LM's --tp-comm-overlap: each all-gather/reduce-scatter split into chunks pipelined
+        # with the GEMM that consumes or produces it, forward and backward.
+        out = [Comm(c.name, c.op, c.axis, c.nbytes, c.phase, "gemm") if c.axis == "tp" else c for c in out]
+    elif not lay.tp_overlap:
         out = [Comm(c.name, c.op, c.axis, c.nbytes, c.phase) if c.axis == "tp" else c for c in out]
     if lay.recompute == "full":
         out += [Comm(c.name + " (recompute)", c.op, c.axis, c.nbytes, "bwd", c.hides_behind)

@@ -103,7 +103,21 @@ def layer_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
     if spec.experts > 1:
         ops.append(_memory("combine permute", 2 * k * tok * h * e))
     ops.append(_memory("bias, dropout, residual add", 3 * res + mask))
-    return ops
+    return fp8_casts(ops) if lay.precision == "fp8" else ops
+
+
+def fp8_casts(ops: list[Op]) -> list[Op]:
+    """Under fp8 each linear layer's input is quantized before its GEMM (Transformer Engine: read
+    16-bit, write 8-bit, plus the amax reduction): a memory-bound op of 3 bytes per input element
+    beside each GEMM (its backward, 1.5x, stands for casting the output gradient). Weights are cast
+    once per step, not per micro-batch: left out."""
+    out = []
+    for op in ops:
+        if op.shape and not op.attention_core:
+            m, k, _ = op.shape
+            out.append(_memory(f"{op.name} fp8 cast", 3 * m * k))
+        out.append(op)
+    return out
 
 
 def backward(ops: list[Op]) -> list[Op]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from shardlab.plan.alphabeta import AlphaBeta, load_fits
 from shardlab.plan.devices import device_spec
+from shardlab.plan.network import Level, resolve
 
 GB = 1e9
 
@@ -55,6 +56,9 @@ class Hardware:
     fits: tuple[AlphaBeta, ...] = ()    # measured collectives (override the link model)
     matmul_grid: tuple[dict, ...] = ()  # measured matmul FLOP/s by shape (override peak x mm_eff)
     attention_flops: float = 0.0        # measured fused-attention FLOP/s, as flops.py counts them (0: roofline)
+    attn_eff: float = 0.0               # fused attention's share of the 16-bit peak (0: mm_eff, as a GEMM)
+    fp8_eff: float = 0.0                # fp8 GEMMs' share of the fp8 peak (0: mm_eff)
+    network: tuple[Level, ...] = ()     # the cluster as levels (network.py); () = the intra/inter two-link model
     activation_bandwidth: float = 0.0   # measured bytes/s of activation functions (0: roofline)
     source: str = ""
     notes: tuple[str, ...] = field(default=())
@@ -66,7 +70,15 @@ class Hardware:
             raise ValueError(f"{self.name} has no {precision} peak; known: {', '.join(self.peak_flops)}") from None
 
     def with_nodes(self, devices_per_node: int) -> Hardware:
-        return replace(self, devices_per_node=devices_per_node)
+        """Nodes of another size: the innermost network level (if any) takes the new size."""
+        net = self.network
+        if net and net[0].kind != "torus":
+            net = (replace(net[0], size=devices_per_node),) + net[1:]
+        return replace(self, devices_per_node=devices_per_node, network=net)
+
+    def sized(self, devices: int) -> Hardware:
+        """The cluster for `devices` devices: a torus network shaped to them (TPU slices)."""
+        return replace(self, network=resolve(self.network, devices)) if self.network else self
 
     def to_dict(self) -> dict:
         return {
@@ -77,6 +89,7 @@ class Hardware:
             "inter": {"gbps": self.inter.bandwidth / GB, "latency_us": self.inter.latency * 1e6},
             "mm_eff": self.mm_eff, "mem_eff": self.mem_eff, "link_eff": self.link_eff,
             "kernel_overhead_us": self.kernel_overhead_s * 1e6, "measured_fits": len(self.fits),
+            "attn_eff": self.attn_eff, "network": [lv.describe() for lv in self.network],
             "source": self.source,
         }
 
@@ -101,27 +114,79 @@ _ASSUMED = ("mem_eff 0.8 and link_eff 0.8 are assumptions (sustained copy bandwi
             "Table 4")
 
 
-def _gpu(name: str, nvlink_gbps: float, ib_gbps: float, mm_eff: float, extra: str = "") -> Hardware:
-    """A DGX-style node of 8 GPUs whose peaks, memory and SMs are plan/devices.py's data sheet."""
-    spec = device_spec(name)
-    peaks = {p: spec.peak_flops[p] for p in ("bf16", "fp16")}
+# Hopper, fitted by validate_h100.calibrate() to NeMo Framework's published DGX-H100 pre-training
+# table (fp8, NeMo 24.07; tests/test_plan_h100.py refits them and checks these values): the fp8 GEMMs'
+# share of the fp8 peak, and fused attention's share of the bf16 peak (attention runs in bf16).
+H100_FP8_EFF = 0.547
+HOPPER_ATTN_EFF = 0.251
+# bf16 GEMMs on Hopper: no bf16 row in NeMo's table, so the A100's fitted fraction is carried over (an
+# assumption), checked against Llama 3 405B's published BF16 MFU (docs/planner.md).
+H100_MM_EFF = A100_MM_EFF
+_CARRIED = "mm_eff carried over from the A100 fit (not validated on this GPU)"
+_HOPPER = ("fp8_eff and attn_eff fitted to NeMo's DGX-H100 table (fp8); bf16 mm_eff carried over from the A100 "
+           "fit, checked against Llama 3 405B")
+
+
+def _node_network(nvlink_gbps: float, ib_gbps: float, per_node: int = 8) -> tuple[Level, ...]:
+    """A DGX-style node on a non-blocking InfiniBand fat-tree: NVSwitch inside, one NIC per GPU."""
+    return (Level("nvswitch", per_node, "switch", nvlink_gbps * GB, 5e-6),
+            Level("infiniband", 0, "fat-tree", ib_gbps * GB, 10e-6))
+
+
+def _gpu(name: str, nvlink_gbps: float, ib_gbps: float, mm_eff: float, extra: str = "", *, key: str = "",
+         attn_eff: float = 0.0, network: tuple[Level, ...] = (), per_node: int = 8,
+         fp8_eff: float = 0.0) -> Hardware:
+    """A cluster of `key`'s GPUs (default: `name`) whose peaks, memory and SMs are plan/devices.py's
+    data sheet, on `network` (default: DGX nodes on a fat-tree)."""
+    spec = device_spec(key or name)
+    peaks = {p: spec.peak_flops[p] for p in ("bf16", "fp16", "fp8") if p in spec.peak_flops}
     peaks["fp32"] = spec.peak_flops["tf32"]  # fp32 matmuls are assumed to run as TF32 (see PRESETS)
     return Hardware(
-        name, peaks, spec.memory_bytes, spec.memory_bw, 8,
+        name, peaks, spec.memory_bytes, spec.memory_bw, per_node,
         intra=Link(nvlink_gbps * GB, 5e-6), inter=Link(ib_gbps * GB, 10e-6), mm_eff=mm_eff, sms=spec.sms,
-        overlap_cost=GPU_OVERLAP_COST,
+        overlap_cost=GPU_OVERLAP_COST, attn_eff=attn_eff, fp8_eff=fp8_eff,
+        network=network or _node_network(nvlink_gbps, ib_gbps, per_node),
         source=f"{_NVIDIA}; {_LINKS}", notes=(_ASSUMED,) + ((extra,) if extra else ()),
     )
 
 
-_CARRIED = "mm_eff carried over from the A100 fit (not validated on this GPU)"
+_TPU = ("Google Cloud TPU system architecture pages (v4, v5e, v5p: bf16 peak, HBM); ICI per link per direction "
+        "4.5e10 B/s (v4, v5e) and 9e10 B/s (v5p), about 1 us per hop, wrap-around on v5e axes of 16 and on "
+        "v4/v5p axes that are multiples of 4 (full cubes): How to Scale Your Model, parts 2-3 "
+        "(jax-ml.github.io/scaling-book)")
+
+
+def _tpu(name: str, link_gbps: float, ndim: int, wrap_multiple: int) -> Hardware:
+    """A TPU slice: one ICI torus of `ndim` axes, shaped to the chip count by Hardware.sized()."""
+    spec = device_spec(name)
+    torus = Level("ici", 0, "torus", link_gbps * GB, 1e-6, 0.9, ndim=ndim, wrap_multiple=wrap_multiple)
+    link = Link(link_gbps * GB, 1e-6)
+    return Hardware(name, {"bf16": spec.peak_flops["bf16"]}, spec.memory_bytes, spec.memory_bw, 16, link, link,
+                    mm_eff=A100_MM_EFF, overlap_cost=GPU_OVERLAP_COST, network=(torus,), source=_TPU,
+                    notes=("mm_eff carried over from the A100 fit and ICI efficiency 0.9 assumed: TPU step "
+                           "times are unvalidated predictions; tp is searched up to 16 chips (one axis)",))
+
+
 # fp32 column: TF32 tensor-core rate (what frameworks use for fp32 matmuls when TF32 is allowed).
 PRESETS: dict[str, Hardware] = {h.name: h for h in [
     _gpu("a100-40gb", 300, 25, A100_MM_EFF),
-    _gpu("a100-80gb", 300, 25, A100_MM_EFF),
-    _gpu("h100-sxm", 450, 50, A100_MM_EFF, _CARRIED),
-    _gpu("h200", 450, 50, A100_MM_EFF, _CARRIED),
+    _gpu("a100-80gb", 300, 25, A100_MM_EFF),       # DGX A100 SuperPOD: HDR 200 Gb/s per GPU, fat-tree 1:1
+    _gpu("h100-sxm", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF),   # DGX H100, NDR 400 Gb/s
+    _gpu("h200", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF),
+    # H100 NVLink Switch System: 256 GPUs in one NVLink domain (57,600 GB/s bisection), NDR beyond.
+    _gpu("h100-nvl256", 450, 50, H100_MM_EFF, _HOPPER, key="h100-sxm", attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF,
+         network=(Level("nvlink-switch", 256, "nvlink-switch", 450 * GB, 5e-6),
+                  Level("infiniband", 0, "fat-tree", 50 * GB, 10e-6))),
+    # GB200 NVL72: 72 GPUs on NVLink 5 (900 GB/s per direction); 400 Gb/s NICs between racks (assumed).
+    _gpu("gb200-nvl72", 900, 50, H100_MM_EFF, "mm_eff carried over from H100 (not validated on Blackwell)",
+         key="gb200", attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF, per_node=72,
+         network=(Level("nvlink-switch", 72, "nvlink-switch", 900 * GB, 5e-6),
+                  Level("infiniband", 0, "fat-tree", 50 * GB, 10e-6))),
+    _tpu("tpu-v4", 45, 3, 4),
+    _tpu("tpu-v5p", 90, 3, 4),
+    _tpu("tpu-v5e", 45, 2, 16),
 ]}
+ALIASES = {"dgx-a100-hdr": "a100-80gb", "dgx-h100-ndr": "h100-sxm"}
 
 
 def get_hardware(name: str, calibration: str | Path | None = None) -> Hardware:
@@ -131,9 +196,10 @@ def get_hardware(name: str, calibration: str | Path | None = None) -> Hardware:
 
         return this_cpu(load_calibration(calibration or default_calibration_path()))
     try:
-        return PRESETS[name]
+        return PRESETS[ALIASES.get(name, name)]
     except KeyError:
-        raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(PRESETS)}, this-cpu") from None
+        raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(list(PRESETS) + list(ALIASES))}, "
+                         f"this-cpu") from None
 
 
 def this_cpu(cal: dict) -> Hardware:

@@ -15,7 +15,20 @@ from dataclasses import asdict, dataclass
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("bf16", "fp16", "fp32")
+# fp8: the linear layers' matmuls at the fp8 rate (Transformer Engine's recipe); weights, activations
+# and gradients stay 16-bit in memory, attention and the optimizer as under bf16.
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+
+
+def _even_split(layers: int, parts: int) -> list[int]:
+    """`layers` over `parts` as evenly as possible, the parts with one layer fewer placed at the two
+    ends first (they sit beside the embedding and the head)."""
+    base, extra = divmod(layers, parts)
+    if not extra:
+        return [base] * parts
+    ends = list(dict.fromkeys(i for pair in zip(range(parts), range(parts - 1, -1, -1)) for i in pair))
+    light = set(ends[:parts - extra])
+    return [base + (0 if i in light else 1) for i in range(parts)]
 
 
 class LayoutError(ValueError):
@@ -41,6 +54,11 @@ class PlanLayout:
     tp_overlap: bool = True      # tp's backward collectives behind the weight-gradient matmuls (Megatron-LM)
     grads_persist: bool = True   # gradient buffers live through forward (DDP buckets, Megatron's grad buffer);
                                  # False: made in backward, freed after the step (zero_grad(set_to_none))
+    tp_comm_overlap: bool = False   # every tp/sp collective split and hidden behind its GEMM (Megatron-LM's
+                                    # --tp-comm-overlap, userbuffers), forward and backward
+    param_gather_overlap: bool = False  # ZeRO >= 1: the next step's parameter all-gather hidden behind the
+                                        # forward (Megatron-LM's --overlap-param-gather)
+    stage_layers: tuple[int, ...] = ()  # layers per pipeline stage; () = as even as possible (see layers_on)
 
     @property
     def world(self) -> int:
@@ -64,6 +82,18 @@ class PlanLayout:
         """AdamW state per parameter: two fp32 moments, plus an fp32 master copy under 16-bit."""
         return 8 if self.precision == "fp32" else 12
 
+    def layers_on(self, layers: int, stage: int) -> int:
+        """Transformer layers on pipeline stage `stage`: the explicit `stage_layers`, or `layers`
+        split as evenly as possible, the stages with one layer fewer placed first and last (they
+        also hold the embedding and the head; Llama 3 405B's 126 layers over 16 stages: 7, 8 x 14, 7)."""
+        if self.stage_layers:
+            return self.stage_layers[stage]
+        chunks = _even_split(layers, self.pp * self.virtual)   # interleaved: stage s holds chunks s, s + pp, ...
+        return sum(chunks[stage::self.pp])
+
+    def stage_layer_counts(self, layers: int) -> list[int]:
+        return [self.layers_on(layers, i) for i in range(self.pp)]
+
     def micro_batches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)
 
@@ -79,6 +109,8 @@ class PlanLayout:
             text += f" {self.schedule}" + (f"/v{self.virtual}" if self.schedule == "interleaved" else "")
         if self.recompute != "none":
             text += f" rc-{self.recompute[:3]}"
+        if self.precision == "fp8":
+            text += " fp8"
         return text + f" mb{self.micro_batch}"
 
     def to_dict(self) -> dict:
@@ -111,8 +143,15 @@ class PlanLayout:
             bad.append(f"tp {self.tp} does not divide the feed-forward size {spec.d_ff}")
         if spec.vocab % self.tp:
             bad.append(f"tp {self.tp} does not divide the vocabulary {spec.vocab}")
-        if spec.layers % (self.pp * self.virtual):
-            bad.append(f"pp {self.pp} x virtual {self.virtual} does not divide the {spec.layers} layers")
+        if self.stage_layers:
+            if len(self.stage_layers) != self.pp or sum(self.stage_layers) != spec.layers \
+                    or min(self.stage_layers) < 1:
+                bad.append(f"stage layers {list(self.stage_layers)} must be {self.pp} positive counts summing to "
+                           f"the {spec.layers} layers")
+            if self.virtual > 1:
+                bad.append("explicit stage layers do not combine with the interleaved schedule's chunks")
+        elif spec.layers < self.pp * self.virtual:
+            bad.append(f"pp {self.pp} x virtual {self.virtual} exceeds the {spec.layers} layers")
         if self.virtual > 1 and self.schedule != "interleaved":
             bad.append(f"virtual {self.virtual} needs the interleaved schedule")
         if self.schedule == "interleaved" and self.pp == 1:

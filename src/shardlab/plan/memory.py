@@ -32,6 +32,7 @@ PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
     "fp32": (4, 4, 8),
     "bf16": (2, 2, 12),  # bf16 weights and gradients; fp32 master, momentum and variance
     "fp16": (2, 2, 12),
+    "fp8": (2, 2, 12),   # Transformer Engine keeps bf16 weights and gradients; fp8 copies are transient
 }
 
 
@@ -89,7 +90,7 @@ def stage_params(spec: ModelSpec, lay: PlanLayout, stage: int) -> tuple[float, f
     else:
         expert, dense_mlp = 0.0, (spec.expert_params() - (h if spec.bias else 0)) / t
     per_layer = replicated + attention + dense_mlp
-    layers = spec.layers / lay.pp
+    layers = lay.layers_on(spec.layers, stage)
     dense, experts = layers * per_layer, layers * expert
     if stage == 0:
         dense += spec.vocab * h / t + (spec.seq * h if spec.learned_positions else 0)
@@ -166,7 +167,7 @@ def stage_memory(spec: ModelSpec, lay: PlanLayout, global_batch: int, stage: int
     zd = shard_state(dense, lay.dp * lay.cp, lay.zero, p, g, k)
     ze = shard_state(experts, lay.dp * lay.cp // lay.ep, lay.zero, p, g, k)
     flight = in_flight(lay, m, stage)
-    layers = spec.layers / lay.pp
+    layers = lay.layers_on(spec.layers, stage)
     activations = layers * flight * act.layer_activation_bytes(spec, lay, b)
     if stage == 0:
         activations += flight * sum(x.bytes for x in act.embedding_tensors(spec, lay, b))
@@ -200,4 +201,6 @@ def rank_memory(spec: ModelSpec, lay: PlanLayout, global_batch: int) -> RankMemo
     """The busiest rank: the pipeline stage whose total is largest (usually the first, which holds
     the embedding and the most micro-batches in flight, or the last, with the head)."""
     stages = {0, lay.pp - 1} | ({1} if lay.pp > 2 else set())
+    counts = lay.stage_layer_counts(spec.layers)
+    stages.add(counts.index(max(counts)))   # uneven stages: the first of the fullest
     return max((stage_memory(spec, lay, global_batch, i) for i in sorted(stages)), key=lambda r: r.total)

@@ -44,6 +44,14 @@ def expected_max_normal(n: int) -> float:
     return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
+def matmul_precision(precision: str, linear: bool) -> str:
+    """The rate a matmul runs at: fp8 layouts run the linear layers' GEMMs (ops with a shape) at
+    the fp8 rate and everything else (attention's batched matmuls) at bf16."""
+    if precision == "fp8":
+        return "fp8" if linear else "bf16"
+    return precision
+
+
 def op_time(hw: Hardware, precision: str, op: flops.Op) -> float:
     """Roofline: the op is bound by its matmul FLOPs or by its memory traffic, whichever is slower.
     A matmul's rate is the achievable fraction of peak times its wave-quantization efficiency."""
@@ -55,11 +63,16 @@ def op_time(hw: Hardware, precision: str, op: flops.Op) -> float:
         return op.bytes / (hw.activation_bandwidth * hw.mem_eff) + op.kernels * hw.kernel_overhead_s
     if op.shape and hw.matmul_grid:
         compute = op.flops / (grid_rate(hw.matmul_grid, *op.shape) * hw.mm_eff)
+    elif op.kind == "attention" and hw.attn_eff:
+        # A fused attention kernel has its own rate (FlashAttention reaches a smaller share of peak
+        # than a large GEMM); under fp8 it stays 16-bit, as Transformer Engine's default recipe keeps it.
+        compute = op.flops / (hw.attn_eff * hw.peak(matmul_precision(precision, False)))
     else:
-        eff = hw.mm_eff
+        rate = matmul_precision(precision, bool(op.shape))
+        eff = hw.fp8_eff if (rate == "fp8" and hw.fp8_eff) else hw.mm_eff
         if op.shape and hw.sms:
             eff *= flops.tiles_efficiency(op.shape[0], op.shape[2], hw.sms, hw.tile)
-        compute = op.flops / (eff * hw.peak(precision))
+        compute = op.flops / (eff * hw.peak(rate))
     memory = op.bytes / (hw.mem_eff * hw.memory_bw)
     return max(compute, memory) + op.kernels * hw.kernel_overhead_s
 
@@ -74,6 +87,7 @@ class Phase:
     wgrad: float = 0.0      # weight-gradient matmuls (tp gradient collectives hide behind them)
     dgrad: float = 0.0      # the other backward matmuls (sp's re-gather hides behind them)
     attention: float = 0.0  # the attention core (ring attention's passes hide behind it)
+    gemm: float = 0.0       # the linear layers' matmuls (tp-comm-overlap hides tp collectives behind them)
     flops: float = 0.0      # matmul FLOPs executed
 
     @property
@@ -93,6 +107,8 @@ def _phase(hw: Hardware, lay: PlanLayout, ops: list[flops.Op], comms: list[comm.
             ph.dgrad += t
         if op.attention_core:
             ph.attention += t
+        elif op.shape:
+            ph.gemm += t
     hidden: dict[str, float] = {}
     for c in comms:
         t = comm.comm_time(hw, lay, c)
@@ -101,7 +117,7 @@ def _phase(hw: Hardware, lay: PlanLayout, ops: list[flops.Op], comms: list[comm.
             hidden[c.hides_behind] = hidden.get(c.hides_behind, 0.0) + t
         else:
             ph.comm_exposed += t
-    window = {"wgrad": ph.wgrad, "dgrad": ph.dgrad, "attention": ph.attention}
+    window = {"wgrad": ph.wgrad, "dgrad": ph.dgrad, "attention": ph.attention, "gemm": ph.gemm}
     for k, t in hidden.items():
         exposed = max(0.0, t - window[k])
         # Hidden communication still slows the compute beside it (its kernels take SMs and memory bandwidth).
@@ -116,7 +132,7 @@ def layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase,
     """(forward, backward incl. recomputation) of one layer on one rank, per micro-batch. Cached:
     a search times thousands of layouts that differ only in ZeRO stage or schedule."""
     key = (id(spec), id(hw), lay.tp, lay.cp, lay.ep, lay.sp, lay.recompute, lay.micro_batch, lay.precision,
-           lay.tp_overlap)
+           lay.tp_overlap, lay.tp_comm_overlap)
     hit = _PHASES.get(key)
     if hit is not None and hit[0] is spec and hit[1] is hw:
         return hit[2]
@@ -154,6 +170,8 @@ class StepTime:
     hfu: float                 # executed matmul FLOPs (recomputation included) / (time x ranks x peak)
     micro_batches: int
     stage_s: list[float] = field(default_factory=list)   # t_f + t_b per micro-batch, by stage
+    mfu_causal: float = 0.0          # vs the 16-bit peak, causal attention counted as s/2 keys per query
+    mfu_full_attention: float = 0.0  # vs the 16-bit peak, attention counted as the whole s x s square
 
     def breakdown(self) -> dict[str, float]:
         """Shares of the step: they sum to 1."""
@@ -190,7 +208,7 @@ def _param_tensors(spec: ModelSpec, layers: float) -> int:
 def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int) -> StepTime:
     b, m, p = lay.micro_batch, lay.micro_batches(global_batch), lay.pp
     fwd, bwd = layer_phases(spec, lay, hw)
-    layers = spec.layers / p
+    counts = lay.stage_layer_counts(spec.layers)
     head = flops.head_forward(spec, lay, b)
 
     def edges(first: bool, last: bool) -> Phase:
@@ -208,10 +226,10 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
     # sender's tp ranks each send their 1/tp of it (sp's shards, or Megatron-LM's scatter-gather).
     p2p_one = comm.p2p_time(hw, b * spec.seq / lay.cp * spec.hidden * lay.act_bytes / lay.tp, comm.groups(lay)["pp"])
     p2p_mb = 2 * p2p_one * lay.virtual if p > 1 else 0.0
-    base = layers * (fwd.total + bwd.total)
-    stages = [base + extra[i].total + p2p_mb for i in range(p)]
+    stages = [counts[i] * (fwd.total + bwd.total) + extra[i].total + p2p_mb for i in range(p)]
     slow = max(range(p), key=lambda i: stages[i])
     t_max = stages[slow]
+    layers = counts[slow]
     if p == 1:
         pipeline = m * t_max
     elif lay.schedule == "interleaved":
@@ -232,7 +250,7 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
     # backward, and reduce-scatters each unit's gradients: one collective per unit, each paying its latency.
     units = int(layers) + 1 if lay.zero == 3 else 1
     gathers = 1 if lay.zero < 3 else 2 * m
-    dp_total = 0.0
+    dp_total = gather_total = 0.0
     for n, group in ((dense, dp), (experts, expert_dp)):
         if not n:
             continue
@@ -240,7 +258,16 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
             dp_total += comm.collective_time(hw, "all_reduce", n * lay.grad_bytes, group)
         else:
             dp_total += units * comm.collective_time(hw, "reduce_scatter", n * lay.grad_bytes / units, group)
-            dp_total += units * gathers * comm.collective_time(hw, "all_gather", n * lay.param_bytes / units, group)
+            gather_total += units * gathers * comm.collective_time(hw, "all_gather", n * lay.param_bytes / units,
+                                                                   group)
+    separate = 0.0   # exposed time of gathers overlapped on their own (not behind the backward)
+    if lay.zero in (1, 2) and lay.param_gather_overlap:
+        # Megatron-LM's --overlap-param-gather: the updated parameters are gathered bucket by bucket
+        # during the next step's first forward pass; what hides still costs the overlap share.
+        window = layers * fwd.total
+        separate = max(gather_total - window, 0.0) + hw.overlap_cost * min(gather_total, window)
+    else:
+        dp_total += gather_total
     if lay.zero == 3:
         # Gathers are prefetched a unit ahead, behind the compute of the micro-batches; the first
         # unit's gather of each pass cannot hide, and what hides costs the overlap share.
@@ -254,6 +281,9 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
         dp_exposed = max(dp_total - window, 0.0) + hw.overlap_cost * min(dp_total, window)
     else:
         dp_exposed = dp_total
+    if lay.zero in (1, 2) and lay.param_gather_overlap:
+        dp_exposed += separate
+        dp_total += gather_total
     if p > 1 and spec.tied_embeddings:
         pair = comm.Group("pp", 2, lay.tp * lay.cp * lay.dp * (p - 1))
         tied = comm.collective_time(hw, "all_reduce", spec.vocab * spec.hidden / lay.tp * lay.grad_bytes, pair)
@@ -271,6 +301,11 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
     model_flops = spec.flops_per_token() * tokens
     hw_flops_rank = m * (layers * (fwd.flops + bwd.flops) + 3 * flops.flops_of(head))
     peak = hw.peak(lay.precision)
+    # The published conventions side by side, against the dense 16-bit peak (what papers call "BF16
+    # MFU", and what NeMo's TFLOP/s/GPU and Llama 3's 38-43% are quoted against): causal attention
+    # counted as the half a causal kernel computes, or as the whole s x s square (Megatron-LM, NeMo).
+    half = hw.peak("bf16") if "bf16" in hw.peak_flops else peak
+    per_rank_s = total * lay.world * half
     return StepTime(
         total_s=total, pipeline_s=pipeline,
         compute_s=compute, stragglers_s=stragglers,
@@ -280,4 +315,6 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
         p2p_s=m * p2p_mb, bubble_s=bubble, dp_comm_s=dp_exposed, dp_comm_total_s=dp_total, optimizer_s=optimizer,
         tokens_per_s=tokens / total, mfu=model_flops / (total * lay.world * peak),
         hfu=hw_flops_rank / (total * peak), micro_batches=m, stage_s=stages,
+        mfu_causal=spec.flops_per_token(causal=True) * tokens / per_rank_s,
+        mfu_full_attention=spec.flops_per_token(causal=False) * tokens / per_rank_s,
     )
