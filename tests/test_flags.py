@@ -41,6 +41,16 @@ def test_timeouts_must_be_positive_and_finite(value, capfd):
     refused(["collectives", "-n", "2", "--timeout", value], capfd, f"--timeout {float(value)}: must be")
 
 
+def test_a_bad_timeout_from_the_environment_is_refused_naming_it(monkeypatch, capfd):
+    monkeypatch.setenv("SHARDLAB_TIMEOUT", "0")
+    refused(["collectives", "-n", "2"], capfd, "--timeout 0.0: must be positive (its default comes from "
+                                               "SHARDLAB_TIMEOUT='0')")
+    monkeypatch.setenv("SHARDLAB_TIMEOUT", "soon")
+    with pytest.raises(SystemExit) as info:
+        main(["collectives", "-n", "2"])
+    assert info.value.code == 2 and "argument --timeout: invalid float value: 'soon'" in capfd.readouterr().err
+
+
 def test_learning_rates_and_tolerances_must_be_finite_and_positive(capfd):
     refused(["train", "--set", "optim.lr=inf", "--dry-run"], capfd, "optim.lr = inf must be positive and finite")
     refused(["train", "--set", "optim.lr=nan", "--dry-run"], capfd, "optim.lr = nan must be positive and finite")

@@ -27,7 +27,8 @@ def add_launch_options(parser: argparse.ArgumentParser, world_size_default: int 
     g.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per rank (default: cores / local ranks, at least 1; "
                         "SHARDLAB_THREADS or OMP_NUM_THREADS also set it)")
-    g.add_argument("--timeout", type=float, default=float(os.environ.get("SHARDLAB_TIMEOUT", "60")),
+    # A string default goes through `type` when parsed: a bad SHARDLAB_TIMEOUT is refused naming --timeout.
+    g.add_argument("--timeout", type=float, default=os.environ.get("SHARDLAB_TIMEOUT", "60"),
                    help="seconds any collective may wait for its peers before failing: the bound within which "
                         "the other ranks stop when one dies (default: %(default)s; SHARDLAB_TIMEOUT sets it)")
     g.add_argument("--master-addr", default=None,

@@ -182,6 +182,12 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             for item in value:
                 check_number(flag, action.dest, item, command)
         else:
-            check_number(flag, action.dest, value, command)
+            try:
+                check_number(flag, action.dest, value, command)
+            except FlagError as exc:
+                if action.dest == "timeout" and "SHARDLAB_TIMEOUT" in os.environ:
+                    raise FlagError(f"{exc} (its default comes from SHARDLAB_TIMEOUT="
+                                    f"{os.environ['SHARDLAB_TIMEOUT']!r})") from None
+                raise
     if hasattr(args, "master_port") and not under_torchrun():
         check_rendezvous(getattr(args, "master_addr", None), args.master_port)

@@ -93,6 +93,15 @@ def group_timeout():
     return datetime.timedelta(seconds=float(os.environ.get("SHARDLAB_GROUP_TIMEOUT", DEFAULT_TIMEOUT_S)))
 
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDLAB_TIMEOUT", "60"))
+def _env_timeout() -> float:
+    # Not a number: 60 here, so that importing shardlab does not fail; the `shardlab` command refuses
+    # it before any rank starts, naming --timeout (cli/common.py parses the same variable).
+    try:
+        return float(os.environ.get("SHARDLAB_TIMEOUT", "60"))
+    except ValueError:
+        return 60.0
+
+
+DEFAULT_TIMEOUT_S = _env_timeout()
 """How long a collective waits for its peers before failing: a rank that died is noticed within it."""
 

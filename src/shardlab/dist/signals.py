@@ -27,7 +27,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import FrameType
 from typing import Any
 
@@ -136,13 +136,16 @@ def cooperative() -> Iterator[None]:
     """Within the block a stop signal is recorded for `requested()` instead of raised: the code
     stops itself at a point where it can (the trainer, at a step boundary)."""
     global _cooperative
-    if _in_main_thread() and signal.getsignal(signal.SIGTERM) is not _handler:
-        install()  # a rank started by someone else's launcher (torchrun) without `shardlab`'s main
-    _cooperative += 1
-    try:
-        yield
-    finally:
-        _cooperative -= 1
+    # A rank started without `shardlab`'s main (a script under torchrun, a test's pool) gets the
+    # handlers for the block only.
+    own = _in_main_thread() and signal.getsignal(signal.SIGTERM) is not _handler
+    with installed() if own else nullcontext():
+        _cooperative += 1
+        try:
+            yield
+        finally:
+            _cooperative -= 1
+
 
 
 @contextmanager
