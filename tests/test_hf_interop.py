@@ -35,6 +35,7 @@ def _offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.mark.filterwarnings("ignore:.*single process.*:UserWarning")
 @pytest.mark.parametrize("family,layout,hf_class", [
     ("gpt2", ["layout.dp=2", "layout.zero=3"], "GPT2LMHeadModel"),
     ("llama", ["layout.tp=2", "layout.sp=true"], "LlamaForCausalLM"),

@@ -90,6 +90,8 @@ def torch_plan(model: GPT, sequence_parallel: bool) -> dict[str, Any]:
             plan[b + "ln1"] = SequenceParallel()
             plan[b + "ln2"] = SequenceParallel()
             plan[b + "mlp"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+        if hasattr(model.blocks[i].mlp, "gate"):  # SwiGLU: the gate is split like the up projection
+            plan[b + "mlp.gate"] = ColwiseParallel()
         plan[b + "mlp.fc"] = ColwiseParallel()
         plan[b + "mlp.proj"] = RowwiseParallel(output_layouts=stream)
     return plan

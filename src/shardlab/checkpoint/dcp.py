@@ -14,6 +14,7 @@ shardlab's, not torchtitan's Llama names (a renaming table would be the next ste
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -44,5 +45,7 @@ def export_dcp(path: str | os.PathLike, out: str | os.PathLike, optimizer: bool 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    dcp.save(dcp_state(path, optimizer), storage_writer=dcp.FileSystemWriter(str(out)), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.save(dcp_state(path, optimizer), storage_writer=dcp.FileSystemWriter(str(out)), no_dist=True)
     return out
