@@ -212,8 +212,8 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             writer.write(rec)
             if logged or "val_loss" in rec:
                 print(step_line(rec, t.steps), flush=True)
-        every = cfg.checkpoint.every
-        if checkpointer is not None and ((every and ((step + 1) % every == 0 or step == t.steps - 1))
+        save_every = cfg.checkpoint.every
+        if checkpointer is not None and ((save_every and ((step + 1) % save_every == 0 or step == t.steps - 1))
                                          or (stopped_by and cfg.checkpoint.save_on_signal)):
             checkpointer.save(step + 1, model, optimizer, config=cfg.to_dict())
         if stopped_by:
