@@ -13,7 +13,7 @@ group's collectives cross.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shardlab.plan import comm, network
 from shardlab.plan.hardware import Hardware, get_hardware
@@ -85,7 +85,7 @@ def compare_networks(spec: ModelSpec, gpus: int, global_batch: int, base: PlanLa
         same = None
         if reference is not None:
             try:
-                same = evaluate(spec, replace(reference), hw, global_batch, mem_fraction)
+                same = evaluate(spec, reference, hw, global_batch, mem_fraction)
             except LayoutError:
                 same = None
         rows.append(NetworkRow(label, hw, best, same, crossings(hw, best.layout) if best else {}))
