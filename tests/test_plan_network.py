@@ -48,7 +48,9 @@ def test_torus_wraparound_and_several_axes():
     assert collective_seconds((square,), "all_gather", big, 16, 1) == pytest.approx(
         collective_seconds((ring,), "all_gather", big, 16, 1) / 2, rel=0.01)
     # Fewer hops on a 4x4 than on 16 in a row: the latency-bound case shows it.
-    assert collective_seconds((square,), "all_gather", 1e3, 16, 1) < collective_seconds((ring,), "all_gather", 1e3, 16, 1)
+    small = 1e3
+    assert collective_seconds((square,), "all_gather", small, 16, 1) < collective_seconds((ring,), "all_gather", small,
+                                                                                           16, 1)
 
 
 def test_tpu_slices_are_shaped_to_the_chip_count():

@@ -14,12 +14,15 @@ activations tensor by tensor, Korthikanti et al. 2022; micro-batches in flight b
 buffers) and time per step (matmuls and memory-bound ops on a roofline, each collective on the links
 its group crosses, the pipeline bubble, overlap, the optimizer), with tokens/s and MFU.
 
-With --dp, --tp or --pp: that one layout, in full (unset degrees are 1; dp fills the rest).
+With --dp, --tp or --pp: that one layout, in full (unset degrees are 1; dp fills the rest); a layout
+that does not fit still prints its breakdown, with the verdict (exit 0; non-zero only on errors).
 Otherwise: every layout that divides and fits, ranked by predicted throughput; other layout flags
 given (--zero, --schedule, --recompute, --micro-batch, --sp ...) are kept fixed in the search.
-Model: a preset (--model), a shardlab configuration (--config), or any GPT shape (--layers,
---hidden, --heads ... override a preset's fields). The model, its sources and its validation
-against published and measured runs: docs/planner.md.
+Model: a preset (--model), a shardlab configuration (--config), or any GPT shape: shape flags alone
+(--layers, --hidden, --heads, ...) build exactly that shape; with --model or --config they override
+its fields. Cluster: a preset (--hardware, default a100-80gb), with --peak-tflops, --memory-gb and
+--link to describe any other. The model, its sources and its validation against published and
+measured runs: docs/planner.md.
 
 examples:
   shardlab plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536 --seq 2048
@@ -28,7 +31,14 @@ examples:
   shardlab plan --model llama3-70b --gpus 256 --hardware h100-sxm --global-batch 512 --zero 1
   shardlab plan --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --seq 8192 \\
       --gated --gpus 64 --hardware h200 --global-batch 256
+  shardlab plan --model llama3-405b --hardware h100-sxm --gpus 8192 --tp 8 --pp 16 --dp 64 \
+      --global-batch 2048 --zero 2 --sp --tp-comm-overlap      # Llama 3 405B as published (126 layers / 16)
+  shardlab plan --compare-networks --model gpt3-175b --gpus 256 --global-batch 1536
+  shardlab plan --hardware h100-sxm --link nvl:size=8,kind=switch,gbps=450,us=5 \
+      --link roce:kind=fat-tree,gbps=50,us=12,oversub=2 --model llama3-70b --gpus 512 --global-batch 1024
   shardlab plan --validate                        # Korthikanti et al. 2022 Tables 4-5, predicted vs published
+  shardlab plan --validate-h100                   # NeMo's DGX-H100 table and Llama 3 405B
+  shardlab plan --validate-comm                   # collectives vs nccl-tests and TPU all-gathers
   shardlab plan --validate-local                  # this machine: predicted vs measured memory and step time
   shardlab plan --calibrate cal.json              # measure this machine (matmuls, copies, collectives)
   shardlab plan --config configs/gpt-small.toml --hardware this-cpu --calibration cal.json --gpus 2 --dp 2
@@ -36,6 +46,7 @@ examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from shardlab.plan.hardware import ALIASES
     from shardlab.plan.hardware import PRESETS as HW
     from shardlab.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES
     from shardlab.plan.models import PRESETS as MODELS
@@ -43,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="predict memory and step time of parallel layouts; rank those that fit",
                        description=PLAN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, a configuration, or a shape; shape flags override the first two)")
-    m.add_argument("--model", choices=list(MODELS), default=None, help="a built-in model (default: gpt3-175b)")
+    m.add_argument("--model", choices=list(MODELS), default=None,
+                   help="a built-in model (default: gpt3-175b, unless shape flags describe one)")
     m.add_argument("--config", default=None, metavar="FILE", help="a shardlab TOML configuration's GPT")
     for flag, text in (("layers", "transformer blocks"), ("hidden", "model width"), ("heads", "attention heads"),
                        ("kv-heads", "key-value heads (grouped-query attention)"), ("ffn", "feed-forward width"),
@@ -58,7 +70,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
                    help="output head tied to the token embedding")
     c = p.add_argument_group("cluster")
-    c.add_argument("--hardware", default="a100-80gb", help=f"{', '.join(HW)}, or this-cpu (needs --calibration)")
+    c.add_argument("--hardware", default="a100-80gb",
+                   help=f"a cluster preset (default: a100-80gb, DGX A100 nodes on an HDR fat-tree): "
+                        f"{', '.join(list(HW) + list(ALIASES))}, or this-cpu (needs --calibration)")
+    c.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense 16-bit (bf16/fp16) peak TFLOP/s per device, replacing the preset's")
+    c.add_argument("--memory-gb", type=float, default=None, help="device memory in GB, replacing the preset's")
+    c.add_argument("--link", action="append", default=None, metavar="NAME:KEY=VALUE,...",
+                   help="a network level, innermost first (repeat for each; replaces the preset's network): "
+                        "size=N (0 or absent: the rest), kind=switch|fat-tree|nvlink-switch|ring|torus, gbps=G "
+                        "(per device, or per link for a torus, one direction), us=latency, eff=share, "
+                        "oversub=R (fat-tree), dims=4x4x4 and wrap=yyn (torus), sharp=1 (in-switch reduction)")
     c.add_argument("--gpus", type=int, default=None,
                    help="devices (ranks) in all (default: the layout's product, or 8)")
     c.add_argument("--devices-per-node", type=int, default=None,
@@ -69,7 +91,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--bench-comm", default=None, metavar="PATH",
                    help="a `shardlab bench comm --json` file: its fitted alpha-beta per collective and group size "
                         "replace the link model (a measured cluster)")
-    c.add_argument("--mem-fraction", type=float, default=0.9,
+    c.add_argument("--mem-fraction", type=_fraction, default=0.9,
                    help="share of device memory a layout may use (the rest: framework, allocator, workspaces; "
                         "default 0.9)")
     lay = p.add_argument_group("layout (a degree given means: evaluate that layout; otherwise search)")
@@ -91,6 +113,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lay.add_argument("--precision", choices=PRECISIONS, default=None,
                      help="weights and activations (default bf16, or the configuration's)")
     lay.add_argument("--grad-fp32", action="store_true", help="accumulate and reduce gradients in fp32 (Megatron-LM)")
+    lay.add_argument("--tp-comm-overlap", action="store_true",
+                     help="hide tensor-parallel all-gathers/reduce-scatters behind their GEMMs (Megatron-LM's "
+                          "--tp-comm-overlap)")
+    lay.add_argument("--param-gather-overlap", action="store_true",
+                     help="ZeRO 1-2: hide the parameter all-gather behind the next forward (--overlap-param-gather)")
+    lay.add_argument("--stage-layers", default=None, metavar="N,N,...",
+                     help="layers per pipeline stage (default: as even as possible, the edges lighter)")
     lay.add_argument("--global-batch", type=int, default=None,
                      help="sequences per optimizer step (default: 8 x dp for one layout, 8 x gpus in a search, "
                           "or the configuration's)")
@@ -102,6 +131,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--validate", action="store_true",
                    help="compare with Korthikanti et al. 2022: Table 5 iteration times with mm_eff refitted, "
                         "leave-one-out and sensitivity, Table 4 layer times, Figure 1 memory (about 20 s)")
+    o.add_argument("--validate-h100", action="store_true",
+                   help="compare with NeMo Framework's published DGX-H100 table (fit, leave-one-out) and Llama 3 "
+                        "405B (held out), MFU both ways (about 6 s)")
+    o.add_argument("--validate-comm", action="store_true",
+                   help="compare predicted collective times with published nccl-tests bus bandwidths and the TPU "
+                        "all-gathers of How to Scale Your Model")
+    o.add_argument("--compare-networks", nargs="?", const="default", default=None, metavar="PRESETS",
+                   help="the same model and GPU count on an A100 SuperPOD, an H100 NVLink Switch System and a TPU "
+                        "v4 torus (or the comma-separated presets given): best layout, step time, collectives' "
+                        "share; with --plot a PNG")
     o.add_argument("--validate-local", action="store_true",
                    help="calibrate this machine (or use --calibration), run small GPT layouts with the trainer's "
                         "code and compare predicted with measured memory and step time (about 95 s on 2 idle "
@@ -118,26 +157,65 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+_SHAPE = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads", "ffn": "ffn",
+          "vocab": "vocab", "seq": "seq", "experts": "experts", "top_k": "top_k", "gated": "gated_mlp",
+          "attention": "attention", "dropout": "dropout", "norm": "norm", "tied": "tied_embeddings"}
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"--mem-fraction must lie in (0, 1], got {value}")
+    return value
+
+
 def build_spec(args: argparse.Namespace):
+    """The model: a configuration's or a preset's, with shape flags overriding its fields; shape
+    flags alone build exactly that shape (a fused-attention, dropout-free GPT with the defaults of
+    ModelSpec for whatever is not given), never an edited gpt3-175b."""
     from shardlab.plan.models import ModelSpec, get_model, spec_from_config
 
+    changes = {field: getattr(args, arg) for arg, field in _SHAPE.items() if getattr(args, arg) is not None}
     if args.config:
         from shardlab.train.config import load_config
 
         spec = spec_from_config(load_config(args.config, []).model)
-    elif args.model or args.layers is None:
+    elif args.model or not changes:
         spec = get_model(args.model or "gpt3-175b")
     else:
-        missing = [f for f in ("hidden", "heads") if getattr(args, f) is None]
+        missing = [f for f in ("layers", "hidden", "heads") if f not in changes]
         if missing:
-            raise ValueError(f"a custom shape needs --{' and --'.join(missing)}")
-        spec = ModelSpec("custom", layers=args.layers, hidden=args.hidden, heads=args.heads, attention="flash",
-                         dropout=False)
-    fields = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads", "ffn": "ffn",
-              "vocab": "vocab", "seq": "seq", "experts": "experts", "top_k": "top_k", "gated": "gated_mlp",
-              "attention": "attention", "dropout": "dropout", "norm": "norm", "tied": "tied_embeddings"}
-    changes = {field: getattr(args, arg) for arg, field in fields.items() if getattr(args, arg) is not None}
+            raise ValueError(f"shape flags without --model or --config build that shape, which needs "
+                             f"--{', --'.join(missing)} (given: {', '.join('--' + k for k in changes)})")
+        base = {"attention": "flash", "dropout": False}
+        return ModelSpec("custom", **{**base, **changes})
     return replace(spec, **changes) if changes else spec
+
+
+def build_hardware(args: argparse.Namespace, gpus: int | None = None):
+    """The cluster: a preset, its peak and memory replaced if asked, its network replaced by --link
+    levels, shaped for the device count."""
+    from shardlab.plan.hardware import get_hardware
+    from shardlab.plan.network import parse_link
+
+    hw = get_hardware(args.hardware, args.calibration)
+    if args.peak_tflops is not None:
+        if args.peak_tflops <= 0:
+            raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")
+        hw = replace(hw, peak_flops={**hw.peak_flops, "bf16": args.peak_tflops * 1e12,
+                                     "fp16": args.peak_tflops * 1e12}, name=hw.name + "*")
+    if args.memory_gb is not None:
+        if args.memory_gb <= 0:
+            raise ValueError(f"--memory-gb must be positive, got {args.memory_gb}")
+        hw = replace(hw, memory_bytes=args.memory_gb * 1e9, name=hw.name.rstrip("*") + "*")
+    if args.link:
+        levels = tuple(parse_link(text) for text in args.link)
+        hw = replace(hw, network=levels, name=hw.name.rstrip("*") + "*")
+        if levels[0].kind != "torus" and levels[0].size:
+            hw = replace(hw, devices_per_node=levels[0].size)
+    if args.devices_per_node:
+        hw = hw.with_nodes(args.devices_per_node)
+    return hw.sized(gpus) if gpus else hw
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,17 +225,23 @@ def run(args: argparse.Namespace) -> int:
         from shardlab.plan.validate_report import print_local_validation
 
         return print_local_validation(args.calibration, args.json, args.plot, args.threads)
-    from shardlab.plan.hardware import get_hardware
     from shardlab.plan.layout import LayoutError, PlanLayout
 
+    if args.validate_comm:
+        from shardlab.plan.report_h100 import print_comm_validation
+
+        return print_comm_validation(args.json)
+    if args.validate_h100:
+        from shardlab.plan.report_h100 import print_h100_validation
+
+        return print_h100_validation(args.json, args.plot)
     try:
         spec = build_spec(args)
-        hw = get_hardware(args.hardware, args.calibration)
+        hw = build_hardware(args)
+        stage_layers = tuple(int(x) for x in args.stage_layers.split(",")) if args.stage_layers else ()
     except (ValueError, FileNotFoundError) as exc:
         print(f"shardlab plan: {exc}", file=sys.stderr)
         return 2
-    if args.devices_per_node:
-        hw = hw.with_nodes(args.devices_per_node)
     if args.bench_comm:
         from shardlab.plan.alphabeta import load_fits
 
@@ -176,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
 
         _, base, config_batch = plan_from_config(load_config(args.config, []))
         given.setdefault("dp", base.dp)
-    base = replace(base, **given, grad_fp32=args.grad_fp32 or base.grad_fp32)
+    base = replace(base, **given, grad_fp32=args.grad_fp32 or base.grad_fp32, stage_layers=stage_layers,
+                   tp_comm_overlap=args.tp_comm_overlap, param_gather_overlap=args.param_gather_overlap)
     single = any(k in given for k in ("dp", "tp", "pp"))
     gpus = args.gpus
     if single:
@@ -186,9 +271,24 @@ def run(args: argparse.Namespace) -> int:
             base = replace(base, dp=max(1, gpus // rest))
     gpus = gpus or 8
     gb = args.global_batch or config_batch or 8 * (base.dp if single else gpus)
+    try:
+        hw = hw.sized(gpus)
+    except ValueError as exc:
+        print(f"shardlab plan: --gpus {gpus} on {hw.name}: {exc}", file=sys.stderr)
+        return 2
+    if args.compare_networks:
+        from shardlab.plan.compare_report import print_comparison
+
+        return print_comparison(spec, gpus, gb, base, set(given) | ({"stage_layers"} if stage_layers else set()),
+                                args.mem_fraction, args.compare_networks, args.json, args.plot)
     print(spec.summary())
     print(f"{gpus} x {hw.name} ({hw.memory_bytes / 1e9:.0f} GB, {hw.devices_per_node} per node), "
           f"global batch {gb} x {spec.seq} tokens, {base.precision}")
+    if hw.network:
+        print("network: " + "; ".join(lv.describe() for lv in hw.network))
+    if base.recompute == "selective" and spec.attention == "flash":
+        print("note: --recompute selective changes nothing here: with flash attention no s x s tensors are kept "
+              "(the fused kernel already recomputes them in its backward); memory and time are as without it")
     try:
         if single:
             return _one(spec, base, hw, gpus, gb, args)
@@ -207,10 +307,13 @@ def _one(spec, lay, hw, gpus, gb, args) -> int:
     lay.check(spec, world=gpus, global_batch=gb)
     e = evaluate(spec, lay, hw, gb, args.mem_fraction)
     print(format_one(e))
+    m = e.memory
+    print(f"verdict: {'fits' if e.fits else 'DOES NOT FIT'} ({m.total / 1e9:.1f} GB of {e.capacity / 1e9:.1f} GB "
+          f"usable on the busiest rank, pipeline stage {m.stage})")
     if args.json:
         _write(args.json, {"tool": "shardlab plan", "model": asdict(spec), "hardware": hw.to_dict(),
                            "gpus": gpus, "global_batch": gb, "evaluation": e.to_dict()})
-    return 0 if e.fits else 1
+    return 0
 
 
 def _search(spec, base, pinned, hw, gpus, gb, args) -> int:
@@ -230,7 +333,8 @@ def _search(spec, base, pinned, hw, gpus, gb, args) -> int:
 
         title = f"{spec.name} on {gpus} x {hw.name}, global batch {gb}: the fastest layouts"
         print(f"wrote {plot_breakdown(result.ranked[:args.top], args.plot, title)}")
-    return 0 if result.ranked else 1
+    print(f"verdict: {len(result.ranked):,} layout(s) fit" if result.ranked else "verdict: no layout fits")
+    return 0
 
 
 def _write(path: str, data: dict) -> None:

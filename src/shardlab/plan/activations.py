@@ -67,9 +67,12 @@ def layer_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
             add("attention dropout output", probs * e, True)
         add("projection input", sb * spec.q_dim / t * e)
     else:
-        # The fused kernel's output is the projection's input: one tensor, saved once.
-        add("attention output = projection input (fused kernel)", sb * spec.q_dim / t * e)
+        # The fused kernel's output is the projection's input: one tensor, saved once, unless the
+        # model copies it into another layout first (then the projection keeps the copy).
+        add("attention output (fused kernel)", sb * spec.q_dim / t * e)
         add("attention log-sum-exp", sb * a_loc * 4)
+        if spec.attention_output_copied:
+            add("projection input (a copy of the output)", sb * spec.q_dim / t * e)
     if spec.dropout:
         add("attention residual dropout mask", sb * h / rs)
     # MLP block. A mixture of experts processes each token top_k times, spread over the ep ranks.

@@ -171,7 +171,8 @@ def _tpu(name: str, link_gbps: float, ndim: int, wrap_multiple: int) -> Hardware
 PRESETS: dict[str, Hardware] = {h.name: h for h in [
     _gpu("a100-40gb", 300, 25, A100_MM_EFF),
     _gpu("a100-80gb", 300, 25, A100_MM_EFF),       # DGX A100 SuperPOD: HDR 200 Gb/s per GPU, fat-tree 1:1
-    _gpu("h100-sxm", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF),   # DGX H100, NDR 400 Gb/s
+    # DGX H100 nodes on an NDR 400 Gb/s fat-tree
+    _gpu("h100-sxm", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF),
     _gpu("h200", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF),
     # H100 NVLink Switch System: 256 GPUs in one NVLink domain (57,600 GB/s bisection), NDR beyond.
     _gpu("h100-nvl256", 450, 50, H100_MM_EFF, _HOPPER, key="h100-sxm", attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF,

@@ -41,6 +41,9 @@ class ModelSpec:
     learned_positions: bool = True
     attention: str = "eager"     # "eager" stores the s x s probabilities; "flash" does not
     dropout: bool = True         # dropout layers present (their masks are saved for backward)
+    attention_output_copied: bool = False  # flash: the kernel's (b, heads, s, d) output is copied to (b, s, h)
+                                           # before the projection, which keeps the copy (shardlab's GPT): two
+                                           # tensors; False: the projection keeps the kernel's own output (Megatron)
     source: str = ""
     notes: tuple[str, ...] = field(default=())
 
@@ -203,9 +206,9 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     # shardlab's own configurations (configs/*.toml): byte-level vocabulary, learned positions, tied head,
     # no biases, no dropout; attention through torch's scaled_dot_product_attention (flash-style on CPU).
     ModelSpec("shardlab-small", layers=4, hidden=128, heads=4, vocab=256, seq=128, bias=False, dropout=False,
-              attention="flash", source="configs/gpt-small.toml"),
+              attention="flash", attention_output_copied=True, source="configs/gpt-small.toml"),
     ModelSpec("shardlab-tiny", layers=2, hidden=64, heads=4, vocab=256, seq=64, bias=False, dropout=False,
-              attention="flash", source="configs/gpt-tiny.toml"),
+              attention="flash", attention_output_copied=True, source="configs/gpt-tiny.toml"),
 ]}
 
 
@@ -231,5 +234,5 @@ def spec_from_config(m, name: str | None = None) -> ModelSpec:
         kv_heads=m.n_kv_head, ffn=m.d_ff, vocab=m.vocab_size or VOCAB_SIZE, seq=m.seq_len, bias=m.bias,
         gated_mlp=m.mlp == "swiglu", norm=m.norm,
         tied_embeddings=m.tie_embeddings, learned_positions=not m.rotary, attention="flash",
-        dropout=m.dropout > 0, source="shardlab configuration",
+        dropout=m.dropout > 0, attention_output_copied=True, source="shardlab configuration",
     )

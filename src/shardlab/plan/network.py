@@ -38,7 +38,7 @@ class Level:
     kind: str                       # KINDS
     bandwidth: float                # bytes/s per device (torus, ring: per link), one direction
     latency: float                  # seconds per step (hop)
-    efficiency: float = 0.0         # achievable share of the bandwidth for large collectives (0: the hardware's link_eff)
+    efficiency: float = 0.0         # achievable share of the bandwidth (0: the hardware's link_eff)
     oversubscription: float = 1.0   # fat-tree: bandwidth above the leaf switches divided by this
     dims: tuple[int, ...] = ()      # torus: axis lengths (their product is `size`)
     wrap: tuple[bool, ...] = ()     # torus: wrap-around link per axis
@@ -52,7 +52,8 @@ class Level:
         if self.kind not in KINDS:
             raise ValueError(f"level {self.name}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if self.bandwidth <= 0 or self.latency < 0 or not 0 <= self.efficiency <= 1:
-            raise ValueError(f"level {self.name}: bandwidth must be > 0, latency >= 0, efficiency in (0, 1]")
+            raise ValueError(f"level {self.name}: bandwidth must be > 0, latency >= 0, efficiency in [0, 1] "
+                             f"(0: the hardware's), got {self.bandwidth}, {self.latency}, {self.efficiency}")
         if self.kind == "torus" and (len(self.dims) != len(self.wrap) or math.prod(self.dims) != self.size):
             raise ValueError(f"level {self.name}: a torus needs dims multiplying to its size {self.size} "
                              f"and a wrap flag per axis, got {self.dims} and {self.wrap}")

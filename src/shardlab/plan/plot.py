@@ -45,7 +45,7 @@ def plot_agreement(points: list[tuple[str, float, float]], path: str | Path, tit
     return save_figure(fig, path)
 
 
-def plot_breakdown(evaluations: list, path: str | Path, title: str) -> Path:
+def plot_breakdown(evaluations: list, path: str | Path, title: str, labels: list[str] | None = None) -> Path:
     """Stacked bars: each ranked layout's step time by component (compute, exposed communication,
     bubble, optimizer)."""
     from shardlab.bench.plot import save_figure
@@ -54,7 +54,7 @@ def plot_breakdown(evaluations: list, path: str | Path, title: str) -> Path:
     parts = [("compute", "compute_s"), ("tp/cp/ep comm", "comm_exposed_s"), ("pipeline p2p", "p2p_s"),
              ("bubble", "bubble_s"), ("dp comm", "dp_comm_s"), ("optimizer", "optimizer_s")]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(evaluations) + 1.6))
-    names = [e.layout.name() for e in evaluations][::-1]
+    names = (labels or [e.layout.name() for e in evaluations])[::-1]
     left = [0.0] * len(names)
     for label, key in parts:
         vals = [getattr(e.time, key) for e in evaluations][::-1]
