@@ -212,3 +212,15 @@ def test_sigusr1_to_the_launcher_writes_every_rank_record_while_blocked(tmp_path
     d = diagnose(dumps)
     assert d.culprit == 1 and "; it was at " in d.blamed[0].headline() and "in _hold" in d.blamed[0].headline()
     shutil.rmtree(kept)
+
+
+def test_sigusr1_goes_only_to_processes_that_catch_it():
+    from shardlab.dist.hang import catches
+
+    old = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    try:
+        assert not catches(os.getpid(), signal.SIGUSR1)      # default action: the process would end
+        signal.signal(signal.SIGUSR1, lambda *a: None)
+        assert catches(os.getpid(), signal.SIGUSR1)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
