@@ -175,6 +175,9 @@ def test_doctor_names_the_all_reduce_one_rank_skipped(capsys):
     skip_line = _skip_one.__code__.co_firstlineno + 4
     assert f"rank 1 skipped the all_reduce that rank 0 called from {__file__}:{skip_line} in _skip_one" in first, out
     assert "all_reduce #2 on group world [4] float32" in out and "never by rank 1" in out
+    assert main(["doctor", kept, "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["culprit"] == 1 and report["findings"][0]["kind"] == "skipped"
     shutil.rmtree(kept)
 
 
