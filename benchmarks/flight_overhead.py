@@ -14,27 +14,41 @@ Writes docs/results/flight_overhead.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from shardlab.bench.flight import measure_calls
+from shardlab.cli.main import main as cli_main
 from shardlab.dist import launch
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpt-tiny.toml"
 
 
 def train_step_s(flight_on: bool, steps: int, extra: list[str]) -> tuple[float, int | None]:
-    """Median step time of one `shardlab train` launch, and the operations rank 0 recorded."""
+    """Median step time of one `shardlab train` launch, and the operations rank 0 recorded. Run in this
+    process (its ranks are fresh processes, which read SHARDLAB_FLIGHT when they start)."""
+    saved = {k: os.environ.get(k) for k in ("SHARDLAB_FLIGHT", "SHARDLAB_FLIGHT_DIR")}
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as records:
-        env = dict(os.environ, SHARDLAB_FLIGHT="1" if flight_on else "0", SHARDLAB_FLIGHT_DIR=records)
-        cmd = [sys.executable, "-m", "shardlab", "train", "--config", str(CONFIG), "--steps", str(steps),
-               "--set", f'log.out_dir="{out}"', "--set", "train.eval_every=0", "--set", f"train.warmup_steps={min(5, steps)}", "--threads", "1", *extra]
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        os.environ.update(SHARDLAB_FLIGHT="1" if flight_on else "0", SHARDLAB_FLIGHT_DIR=records)
+        argv = ["train", "--config", str(CONFIG), "--steps", str(steps), "--set", f'log.out_dir="{out}"',
+                "--set", "train.eval_every=0", "--set", f"train.warmup_steps={min(5, steps)}", "--threads", "1",
+                "--output", "ranks", *extra]
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                code = cli_main(argv)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        if code != 0:
+            raise RuntimeError(f"shardlab {' '.join(argv)} exited with {code}")
         rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
         ops = None
         if flight_on:
