@@ -175,6 +175,9 @@ def test_doctor_names_the_all_reduce_one_rank_skipped(capsys):
     skip_line = _skip_one.__code__.co_firstlineno + 4
     assert f"rank 1 skipped the all_reduce that rank 0 called from {__file__}:{skip_line} in _skip_one" in first, out
     assert "all_reduce #2 on group world [4] float32" in out and "never by rank 1" in out
+    assert main(["doctor", kept, "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["culprit"] == 1 and report["findings"][0]["kind"] == "skipped"
     shutil.rmtree(kept)
 
 
@@ -212,3 +215,15 @@ def test_sigusr1_to_the_launcher_writes_every_rank_record_while_blocked(tmp_path
     d = diagnose(dumps)
     assert d.culprit == 1 and "; it was at " in d.blamed[0].headline() and "in _hold" in d.blamed[0].headline()
     shutil.rmtree(kept)
+
+
+def test_sigusr1_goes_only_to_processes_that_catch_it():
+    from shardlab.dist.hang import catches
+
+    old = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    try:
+        assert not catches(os.getpid(), signal.SIGUSR1)      # default action: the process would end
+        signal.signal(signal.SIGUSR1, lambda *a: None)
+        assert catches(os.getpid(), signal.SIGUSR1)
+    finally:
+        signal.signal(signal.SIGUSR1, old)

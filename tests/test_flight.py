@@ -96,3 +96,33 @@ def _off() -> tuple:
 def test_recording_can_be_turned_off(pools):
     entry, was_on = pools(2).run(_off)[0]
     assert entry is None and was_on
+
+
+def test_overhead_benchmark_smoke(pools, tmp_path):
+    """benchmarks/flight_overhead.py's two parts at tiny sizes (its figures are in docs/reliability.md)."""
+    import importlib.util
+    from pathlib import Path
+
+    from shardlab.bench.flight import measure_calls
+
+    calls = pools(2).run(measure_calls, 5, 1)[0]
+    assert set(calls) >= {"record (begin+end)", "all_reduce 4 B torch", "all_reduce 4 B ring", "isend+irecv 4 B"}
+    assert all(v["on_us"] > 0 and v["off_us"] > 0 for v in calls.values())
+    path = Path(__file__).parents[1] / "benchmarks" / "flight_overhead.py"
+    spec = importlib.util.spec_from_file_location("flight_overhead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    step_s, ops = bench.train_step_s(True, 2, ["--tp", "2", "--set", "data.max_bytes=65536"])
+    assert step_s > 0 and ops > 0
+
+
+def _world_spellings() -> list[int]:
+    before = flight.snapshot("t")["entries"][-1]["id"] if flight.snapshot("t")["entries"] else -1
+    comm.barrier()
+    comm.barrier(dist.group.WORLD)
+    return [e["seq"] for e in flight.snapshot("t")["entries"] if e["id"] > before]
+
+
+def test_the_default_group_counts_once_however_it_is_named(pools):
+    seqs = pools(2).run(_world_spellings)[0]
+    assert seqs[1] == seqs[0] + 1

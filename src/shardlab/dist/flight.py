@@ -78,27 +78,39 @@ def set_enabled(on: bool) -> bool:
 
 def name_group(group: Any, name: str) -> None:
     """Give a process group a readable name in the records (the mesh names its axes: dp, tp, ...)."""
+    import torch.distributed as dist
+
+    if group is not None and group is dist.group.WORLD:
+        group = None  # the default group, however it is spelled
     old = _names.get(group)
     if old and name not in old.split("/") and old.count("/") < 2:
         name = f"{old}/{name}"  # one group serving several axes (same ranks); a long-lived pool replaces
     elif old and name in old.split("/"):
         name = old
     _names[group] = name
-    info = _groups.get(group)
-    if info is not None:
-        info[2] = name
+    for key in ((None, dist.group.WORLD) if group is None else (group,)):
+        info = _groups.get(key)
+        if info is not None:
+            info[2] = name
 
 
 def _register(group: Any) -> list:
     import torch.distributed as dist
 
-    g = group if group is not None else dist.group.WORLD
+    world = dist.group.WORLD
+    g = group if group is not None else world
+    if g is world and world is not None:  # None and WORLD are one group: one counter for both spellings
+        info = _groups.get(None if group is world else world)
+        if info is not None:
+            _groups[group] = info
+            return info
     try:
         ranks = dist.get_process_group_ranks(g)
         key = f"{g.group_name}"
     except Exception:  # noqa: BLE001 - a group torch no longer knows: still record, under its id
         ranks, key = [], f"id{id(g)}"
-    name = _names.get(group) or _names.get(g) or ("world" if g is dist.group.WORLD else "ranks " + ",".join(map(str, ranks)))
+    alias = None if g is world else g
+    name = _names.get(alias) or ("world" if g is world else "ranks " + ",".join(map(str, ranks)))
     info = [key, 0, name, ranks]
     _groups[group] = info
     return info

@@ -48,6 +48,18 @@ def process_state(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether a process has a handler for `signum` (/proc's SigCgt mask): SIGUSR1's default action
+    ends a process, so a rank still starting up (importing torch) must not be sent it."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 class FlightWatch:
     """Owns the records of one launch: forwards SIGUSR1, collects and keeps records, explains failures."""
 
@@ -70,7 +82,7 @@ class FlightWatch:
 
     def _forward(self, signum: int, frame: Any) -> None:
         for p in self.procs:
-            if p.exitcode is None and p.pid:
+            if p.exitcode is None and p.pid and catches(p.pid, signal.SIGUSR1):
                 os.kill(p.pid, signal.SIGUSR1)
         self._asked_at = time.time()
 
@@ -99,7 +111,8 @@ class FlightWatch:
         """Ask every rank still alive for its record; returns {rank: state} of those that were stopped."""
         asked_at = time.time()
         stopped: dict[int, str] = {}
-        alive = [(r, p) for r, p in enumerate(self.procs) if p.exitcode is None and p.pid]
+        alive = [(r, p) for r, p in enumerate(self.procs)
+                 if p.exitcode is None and p.pid and catches(p.pid, signal.SIGUSR1)]
         for r, p in alive:
             state = process_state(p.pid)
             try:
