@@ -234,7 +234,9 @@ def _assemble(out: Path, parts_dir: Path, units: list[Unit], tok: Tokenizer, dty
         except ValueError:
             spec["path"] = str(Path(spec["path"]).resolve())
     header = TokenFileHeader(vocab_size=tok.vocab_size, dtype=dtype, count=count, documents=docs, tokenizer=spec,
-                             eot=tok.eot, text_bytes=text_bytes, sources=list(sources)[:32])
+                             eot=tok.eot, text_bytes=text_bytes,
+                             # The header has 4 KiB: the first sources as given, then how many more.
+                             sources=list(sources)[:8] + ([f"... and {len(sources) - 8} more"] if len(sources) > 8 else []))
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(encode_header(header))
