@@ -77,6 +77,22 @@ def trainer_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse.Na
     return step
 
 
+def profile(step: Callable[[], None], sync: Callable[[], None], out: Path, cuda: bool) -> None:
+    """Three steps under torch.profiler: where the time goes (matmuls, attention, optimizer, Python)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        sync()
+    prof.export_chrome_trace(str(out / "trace.json"))
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    (out / "ops.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d-model", type=int, default=1024)
@@ -90,6 +106,9 @@ def main() -> None:
     p.add_argument("--step", choices=["standalone", "trainer"], default="standalone",
                    help="standalone: this script's own step; trainer: shardlab train's train_step")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after timing, profile 3 more steps with torch.profiler: DIR/trace.json (Chrome trace) and "
+                        "DIR/ops.txt (operators by device time)")
     p.add_argument("--json", default=None, help="write the result here")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -117,6 +136,8 @@ def main() -> None:
         step()
         sync()
         times.append(time.perf_counter() - t0)
+    if args.profile:
+        profile(step, sync, Path(args.profile), cuda=device.type == "cuda")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     step_s = statistics.median(times)
     tokens = args.batch * args.seq
