@@ -109,3 +109,21 @@ def test_gpu_config_resolves_on_cpu_without_allocating_the_model(capfd):
     assert "# gpt: 354,871,296 parameters" in out and "compile = true" in out and 'precision = "bf16-autocast"' in out
     assert "model FLOPs/token 2.274 GFLOP (causal" in out and "2.425 GFLOP (whole square" in out
     assert grown < 500 * 2**20  # the meta device: the 1.4 GB of fp32 weights were never allocated
+
+
+@pytest.mark.parametrize("step", ["standalone", "trainer"])
+def test_gpt_mfu_benchmark_smoke_on_cpu(tmp_path, monkeypatch, step):
+    """benchmarks/gpt_mfu.py's two steps at a tiny shape on CPU (its figures are a GPU's: docs/gpu.md)."""
+    import json
+    import runpy
+    import sys
+
+    out = tmp_path / "mfu.json"
+    monkeypatch.setattr(sys, "argv", ["gpt_mfu.py", "--device", "cpu", "--d-model", "32", "--layers", "1",
+                                      "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "256",
+                                      "--steps", "1", "--step", step, "--json", str(out)])
+    runpy.run_path("benchmarks/gpt_mfu.py", run_name="__main__")
+    result = json.loads(out.read_text())
+    assert result["tokens_per_step"] == 32 and result["step_ms_median"] > 0 and result["mfu"] is None
+    assert result["model_tflops_per_s"] * 1e12 == pytest.approx(
+        GPT(GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16)).flops_per_token() * 32 / (result["step_ms_median"] / 1e3))

@@ -47,3 +47,90 @@ def _nccl_ops() -> dict:
 def test_nccl_world_size_1():
     results = launch(_nccl_ops, 1, backend="nccl")
     assert results[0]["torch"]
+
+
+# ---------------------------------------------------------------------------- the trainer on one GPU
+# Written without a GPU at hand (issue 22): they run, and are meant to be run, where one is.
+
+def _train(tmp_path, *overrides: str) -> dict:
+    from shardlab.train.config import load_config
+    from shardlab.train.loop import train_rank
+
+    cfg = load_config(None, ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.seq_len=64",
+                             "train.steps=4", "train.global_batch=8", "train.warmup_steps=1", "train.log_every=2",
+                             "train.eval_batches=1", "log.sample_tokens=8", "log.tensorboard=false",
+                             "log.plot=false", f'log.out_dir="{tmp_path}"', "data.max_bytes=200000", *overrides])
+    cfg.validate(1)
+    return launch(train_rank, 1, cfg.to_dict(), backend="nccl")[0]
+
+
+@pytest.mark.parametrize("overrides", [
+    ['layout.precision="bf16"'],
+    ['layout.precision="bf16-autocast"'],
+    ['layout.precision="fp16"'],
+    ['layout.dp_mode="naive"', 'layout.precision="bf16"'],
+    ["layout.zero=2", 'layout.precision="bf16"'],
+    ["layout.zero=3", 'layout.precision="bf16"'],
+    ["layout.sp=true"],
+    ['layout.recompute="full"', 'layout.precision="bf16"'],
+])
+def test_trainer_on_one_gpu_with_nccl(tmp_path, overrides):
+    """Every layout a world of one can hold, on cuda: it trains, MFU is against the 16-bit peak,
+    memory comes from the CUDA allocator (allocated and reserved)."""
+    from shardlab.plan.devices import match_device
+
+    s = _train(tmp_path, *overrides)
+    assert s["final_loss"] < s["first_loss"] and s["final_val_loss"] is not None
+    precision = next((o.split("=")[1].strip('"') for o in overrides if o.startswith("layout.precision")), "fp32")
+    assert s["peak_precision"] == {"bf16": "bf16", "bf16-autocast": "bf16", "fp16": "fp16", "fp32": "fp32"}[precision]
+    spec = match_device(torch.cuda.get_device_name())
+    if spec is not None:
+        assert s["peak_flops_per_device"] == spec.peak(s["peak_precision"]) and s["mfu"] > 0
+    assert s["peak_mem_bytes"][0] > 0 and s["peak_reserved_bytes"][0] >= s["peak_mem_bytes"][0]
+
+
+def test_compiled_trainer_on_one_gpu(tmp_path):
+    s = _train(tmp_path, "train.compile=true", 'layout.precision="bf16-autocast"', 'layout.recompute="selective"')
+    assert s["final_loss"] < s["first_loss"] and s["hfu"] > s["mfu"] > 0
+
+
+def test_inductor_compiled_blocks_equal_eager_on_cuda():
+    import copy
+
+    from shardlab.models import GPT, GPTConfig
+    from shardlab.train.compile import compile_blocks
+
+    torch.manual_seed(0)
+    eager = GPT(GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=32)).cuda()
+    compiled = compile_blocks(copy.deepcopy(eager))
+    x, y = (torch.randint(0, 256, (4, 32), device="cuda") for _ in range(2))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        losses = [m(x, y) for m in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert torch.allclose(losses[0], losses[1], rtol=2e-2)
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=5e-2, atol=1e-3)
+
+
+def test_fused_adamw_and_prefetched_batches_on_cuda():
+    import numpy as np
+
+    from shardlab.models import GPT, GPTConfig
+    from shardlab.train.config import OptimSection
+    from shardlab.train.data import BatchSampler
+    from shardlab.train.prefetch import Prefetcher
+    from shardlab.train.step import make_optimizer
+
+    model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2, seq_len=16)).cuda()
+    assert make_optimizer(model, OptimSection()).defaults["fused"] is True
+    assert make_optimizer(model.to(torch.bfloat16), OptimSection(), "bf16").optim.defaults["fused"] is True
+    sampler = BatchSampler(np.arange(500) % 200, seq_len=16, global_batch=4)
+    feed = Prefetcher(sampler, torch.device("cuda", 0))
+    try:
+        for step in range(4):
+            x, y = feed.batch(step, 0, 1)
+            assert x.is_cuda and torch.equal(x.cpu(), sampler.batch(step, 0, 1)[0])
+        assert feed.served_ahead == 3
+    finally:
+        feed.close()
