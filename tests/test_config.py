@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardlab.train.config import Config, ConfigError, describe_fields, load_config
+from shardlab.train.config import Config, ConfigError, load_config
+from shardlab.train.config_help import describe_fields
 from shardlab.train.step import lr_at
 
 

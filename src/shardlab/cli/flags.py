@@ -40,6 +40,10 @@ NON_NEGATIVE = {
     "ceiling_size": "0: skip the memory-copy ceiling",
     "p2p_size": "0: skip the point-to-point ceiling",
     "atol": "0: relative tolerance only",
+    "train_bpe": "0: no BPE trained, --tokenizer encodes",
+    "data workers": "0: one process per core",
+    "max_bytes": "0: every byte of the sources",
+    "show": "0: decode no ids",
 }
 # Flags with a bounded range: dest -> (low, high, inclusive low, what the bounds mean).
 RANGES = {

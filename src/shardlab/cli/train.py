@@ -6,6 +6,9 @@ import argparse
 import sys
 
 from shardlab.cli.common import add_launch_options, launch_kwargs
+from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, memory and tests use them)
+    check_before_launch, check_data_before_launch, hf_assignments)
+from shardlab.cli.train_report import rank_table, result_table, utilisation_line  # noqa: F401
 
 TRAIN_DOC = """\
 Train the GPT (on text, by default the Python standard library's sources on this machine, as bytes or
@@ -217,78 +220,7 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     return cfg
 
 
-def hf_assignments(path: str) -> list[str]:
-    """`--init-from-hf DIR` as model.* assignments: the checkpoint's shape, then where to load it from."""
-    from shardlab.checkpoint import CheckpointError
-    from shardlab.checkpoint.hf import hf_model_fields
-    from shardlab.train.config import ConfigError, _toml_value
 
-    try:
-        fields = hf_model_fields(path)
-    except (CheckpointError, OSError, ValueError) as exc:
-        raise ConfigError(f"--init-from-hf {path}: {exc}") from exc
-    return [f"model.{k}={_toml_value(v)}" for k, v in fields.items()] + [f"model.init_from_hf={_toml_value(path)}"]
-
-
-def hf_problems(m) -> list[str]:
-    """Where the model.* fields differ from the Hugging Face checkpoint model.init_from_hf names."""
-    from shardlab.checkpoint import CheckpointError
-    from shardlab.checkpoint.hf import hf_model_fields
-
-    try:
-        fields = hf_model_fields(m.init_from_hf)
-    except (CheckpointError, OSError, ValueError) as exc:
-        return [f"model.init_from_hf = {m.init_from_hf!r}: {exc}"]
-    out = []
-    for k, v in fields.items():
-        ours = getattr(m, k)
-        if k == "n_kv_head":
-            ours, v = ours or m.n_head, v or fields["n_head"]
-        if k == "seq_len" and fields["rotary"] is False and ours > v:
-            out.append(f"model.seq_len = {ours} is longer than the checkpoint's {v} learned positions")
-        elif k != "seq_len" and (abs(ours - v) > 1e-12 * abs(v) if isinstance(v, float) else ours != v):
-            out.append(f"model.{k} = {ours!r}, but the checkpoint {m.init_from_hf} has {v!r}")
-    return out
-
-
-def check_before_launch(cfg, make_out_dir: bool = True) -> None:
-    """What validation cannot see without building the model (on the meta device: no memory) or
-    touching the disk; raises ConfigError."""
-    import fnmatch
-    from pathlib import Path
-
-    import torch
-
-    from shardlab.train.config import ConfigError
-    from shardlab.train.task import build_model
-
-    if cfg.model.init_from_hf:
-        problems = hf_problems(cfg.model)
-        if problems:
-            raise ConfigError("the model does not fit its Hugging Face checkpoint:\n  - " + "\n  - ".join(problems))
-    with torch.device("meta"):
-        names = [n for n, _ in build_model(cfg.model).named_parameters()]
-    for pattern in filter(None, (p.strip() for p in cfg.model.freeze.split(","))):
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter of the {cfg.model.name} "
-                              f"(names look like {names[0]!r}, {names[-1]!r})")
-    if names and all(cfg.frozen(n) for n in names):
-        raise ConfigError(f"model.freeze = {cfg.model.freeze!r} freezes all {len(names)} parameters of the "
-                          f"{cfg.model.name}: nothing would train")
-    if make_out_dir:
-        from shardlab.cli.flags import FlagError, check_writable_dir
-
-        try:
-            Path(cfg.log.out_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"log.out_dir = {cfg.log.out_dir!r} cannot be created: {exc.strerror}") from exc
-        # Found now, not at the first save or the last step's summary.
-        for field, where in (("log.out_dir", cfg.log.out_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
-            if where:
-                try:
-                    check_writable_dir(field, where)
-                except FlagError as exc:
-                    raise ConfigError(str(exc).replace(f"{field} {where}:", f"{field} = {where!r}:", 1)) from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -313,7 +245,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from shardlab.dist import launch, under_torchrun
     from shardlab.dist.env import read_torchrun_env
-    from shardlab.train.config import ConfigError, describe_fields
+    from shardlab.train.config import ConfigError
+    from shardlab.train.config_help import describe_fields
 
     if args.help_config:
         print(describe_fields())
@@ -370,26 +303,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def utilisation_line(summary: dict) -> str:
-    """MFU at the median step with its conventions (train/flops.py), and peak memory."""
-    from shardlab.train.metrics import fmt_bytes
-
-    if summary.get("mfu") is not None:
-        text = (f"MFU {summary['mfu']:.1%} (causal attention over s/2"
-                + (f"; {summary['mfu_full_attention']:.1%} counting the whole square"
-                   if summary.get("mfu_full_attention") is not None else "")
-                + (f"; HFU {summary['hfu']:.1%} with recomputation" if summary.get("hfu") is not None else "")
-                + f") against {summary['peak_flops_per_device'] / 1e12:g} TFLOP/s {summary['peak_precision']} "
-                  f"per device")
-    else:
-        text = (f"MFU not shown: no {summary.get('peak_precision', 'fp32')} peak known for this device "
-                f"(set log.peak_tflops)")
-    if summary.get("peak_mem_bytes"):
-        text += f" | peak memory {fmt_bytes(max(summary['peak_mem_bytes']))}"
-        if summary.get("peak_reserved_bytes"):
-            text += f" allocated, {fmt_bytes(max(summary['peak_reserved_bytes']))} reserved"
-    return text
-
 
 def discard_partial_save(cfg) -> None:
     """After ranks were killed (a stop signal's grace period ran out, or a second signal), remove a
@@ -403,72 +316,8 @@ def discard_partial_save(cfg) -> None:
         _clear_leftovers(root)
 
 
-def _render(table) -> str:
-    """A rich table as plain text: no colour or cursor codes, so CI logs and files read the same as a terminal."""
-    import io
-
-    from rich.console import Console
-
-    console = Console(file=io.StringIO(), width=120, color_system=None, force_terminal=False)
-    console.print(table)
-    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()).strip("\n")
 
 
-def result_table(summary: dict) -> str:
-    """The run's end: training and validation loss, perplexity, bits per byte, throughput."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, title="result", title_justify="left")
-    table.add_column("")
-    table.add_column("value", justify="right")
-    table.add_row("train loss (last step)", f"{summary['final_loss']:.4f}")
-    if summary.get("final_val_loss") is not None:
-        table.add_row("validation loss", f"{summary['final_val_loss']:.4f}")
-        table.add_row("validation perplexity", f"{summary['final_val_perplexity']:.2f}")
-    if summary.get("final_val_bits_per_byte") is not None:
-        table.add_row("validation bits per byte", f"{summary['final_val_bits_per_byte']:.3f}")
-    table.add_row("tokens/s (median step)", f"{summary['tokens_per_s']:,.0f}")
-    table.add_row("wall time", f"{summary['wall_s']:.0f} s")
-    return _render(table)
-
-
-def rank_table(ranks: list[dict]) -> str:
-    """One row per rank: its place in the mesh (axes of degree > 1), peak memory, communication share."""
-    from rich import box
-    from rich.table import Table
-
-    axes = [a for a in ranks[0]["coords"] if len({r["coords"][a] for r in ranks}) > 1]
-    nodes = len({r["node"] for r in ranks}) > 1
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
-    for name in ["rank", *axes, *(["node"] if nodes else []), "peak mem", "comm wait"]:
-        table.add_column(name, justify="right")
-    for r in ranks:
-        mem = "-" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**20:.1f} MiB"
-        table.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in axes), *([str(r["node"])] if nodes else []),
-                      mem, f"{r['comm_wait_share']:.0%}")
-    return _render(table)
-
-
-def check_data_before_launch(cfg) -> None:
-    """The data, before any rank starts: text for a tokenizer other than bytes is encoded (once,
-    cached), every id is checked against model.vocab_size (naming the id and the file), and a sample
-    needs a tokenizer to be read. Raises ConfigError."""
-    from shardlab.train.config import ConfigError
-    from shardlab.train.corpus import check_token_ids, corpus_tokenizer, resolve_data
-
-    if cfg.model.name != "gpt":
-        return
-    try:
-        resolve_data(cfg)
-        check_token_ids(cfg)
-        tokenizer = corpus_tokenizer(cfg)
-    except (OSError, ValueError, ImportError) as exc:
-        raise ConfigError(str(exc)) from exc
-    if tokenizer is None and cfg.log.sample_tokens > 0:
-        raise ConfigError(f"log.sample_tokens = {cfg.log.sample_tokens}: data.source = {cfg.data.source!r} holds raw "
-                          f"ids and names no tokenizer to turn samples into text; set data.tokenizer to its "
-                          f"tokenizer.json (or .tiktoken) file, or log.sample_tokens = 0")
 
 
 def dry_run(cfg) -> int:

@@ -208,3 +208,27 @@ def bytes_per_token(cfg: Config) -> float | None:
     if kind == "text" and cfg.data.tokenizer in ("", "bytes"):
         return 1.0
     return None
+
+
+def data_problems(cfg: Config) -> list[str]:
+    """The vocabulary and tokenizer fields (train/corpus.py reads them)."""
+    m, d = cfg.model, cfg.data
+    out: list[str] = []
+    for name, value in (("model.vocab_size", m.vocab_size), ("data.vocab_size", d.vocab_size)):
+        if value < 0:
+            out.append(f"{name} = {value} must be >= 0 (0: from the data)")
+    if d.token_dtype not in ("", "uint8", "uint16", "uint32"):
+        out.append(f"data.token_dtype = {d.token_dtype!r} must be one of '', 'uint8', 'uint16', 'uint32'")
+    if d.tokenizer == "bpe" and d.bpe_vocab <= 257:
+        out.append(f"data.bpe_vocab = {d.bpe_vocab} must be above 257 (256 byte symbols and <|endoftext|>)")
+    if m.name == "gpt" and not out:
+        try:
+            vocab = data_vocab(cfg)
+        except (OSError, ValueError, ImportError) as exc:
+            out.append(f"data.source = {d.source!r}, data.tokenizer = {d.tokenizer!r}: {exc}")
+        else:
+            if m.vocab_size and m.vocab_size < vocab:
+                out.append(f"model.vocab_size = {m.vocab_size} is smaller than the data's vocabulary ({vocab} ids "
+                           f"from data.source = {d.source!r}); set it to 0 (from the data, padded to "
+                           f"{padded_vocab(vocab, cfg.layout.tp)})")
+    return out

@@ -1,0 +1,100 @@
+"""What `shardlab train` checks before any rank starts, beyond the configuration's own rules
+(train/config_check.py): a Hugging Face checkpoint's shape, output directories, the data and its
+vocabulary. Each raises ConfigError naming the field and the value."""
+
+from __future__ import annotations
+
+
+def hf_assignments(path: str) -> list[str]:
+    """`--init-from-hf DIR` as model.* assignments: the checkpoint's shape, then where to load it from."""
+    from shardlab.checkpoint import CheckpointError
+    from shardlab.checkpoint.hf import hf_model_fields
+    from shardlab.train.config import ConfigError, _toml_value
+
+    try:
+        fields = hf_model_fields(path)
+    except (CheckpointError, OSError, ValueError) as exc:
+        raise ConfigError(f"--init-from-hf {path}: {exc}") from exc
+    return [f"model.{k}={_toml_value(v)}" for k, v in fields.items()] + [f"model.init_from_hf={_toml_value(path)}"]
+
+
+def hf_problems(m) -> list[str]:
+    """Where the model.* fields differ from the Hugging Face checkpoint model.init_from_hf names."""
+    from shardlab.checkpoint import CheckpointError
+    from shardlab.checkpoint.hf import hf_model_fields
+
+    try:
+        fields = hf_model_fields(m.init_from_hf)
+    except (CheckpointError, OSError, ValueError) as exc:
+        return [f"model.init_from_hf = {m.init_from_hf!r}: {exc}"]
+    out = []
+    for k, v in fields.items():
+        ours = getattr(m, k)
+        if k == "n_kv_head":
+            ours, v = ours or m.n_head, v or fields["n_head"]
+        if k == "seq_len" and fields["rotary"] is False and ours > v:
+            out.append(f"model.seq_len = {ours} is longer than the checkpoint's {v} learned positions")
+        elif k != "seq_len" and (abs(ours - v) > 1e-12 * abs(v) if isinstance(v, float) else ours != v):
+            out.append(f"model.{k} = {ours!r}, but the checkpoint {m.init_from_hf} has {v!r}")
+    return out
+
+
+def check_before_launch(cfg, make_out_dir: bool = True) -> None:
+    """What validation cannot see without building the model (on the meta device: no memory) or
+    touching the disk; raises ConfigError."""
+    import fnmatch
+    from pathlib import Path
+
+    import torch
+
+    from shardlab.train.config import ConfigError
+    from shardlab.train.task import build_model
+
+    if cfg.model.init_from_hf:
+        problems = hf_problems(cfg.model)
+        if problems:
+            raise ConfigError("the model does not fit its Hugging Face checkpoint:\n  - " + "\n  - ".join(problems))
+    with torch.device("meta"):
+        names = [n for n, _ in build_model(cfg.model).named_parameters()]
+    for pattern in filter(None, (p.strip() for p in cfg.model.freeze.split(","))):
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter of the {cfg.model.name} "
+                              f"(names look like {names[0]!r}, {names[-1]!r})")
+    if names and all(cfg.frozen(n) for n in names):
+        raise ConfigError(f"model.freeze = {cfg.model.freeze!r} freezes all {len(names)} parameters of the "
+                          f"{cfg.model.name}: nothing would train")
+    if make_out_dir:
+        from shardlab.cli.flags import FlagError, check_writable_dir
+
+        try:
+            Path(cfg.log.out_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"log.out_dir = {cfg.log.out_dir!r} cannot be created: {exc.strerror}") from exc
+        # Found now, not at the first save or the last step's summary.
+        for field, where in (("log.out_dir", cfg.log.out_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+            if where:
+                try:
+                    check_writable_dir(field, where)
+                except FlagError as exc:
+                    raise ConfigError(str(exc).replace(f"{field} {where}:", f"{field} = {where!r}:", 1)) from None
+
+
+def check_data_before_launch(cfg) -> None:
+    """The data, before any rank starts: text for a tokenizer other than bytes is encoded (once,
+    cached), every id is checked against model.vocab_size (naming the id and the file), and a sample
+    needs a tokenizer to be read. Raises ConfigError."""
+    from shardlab.train.config import ConfigError
+    from shardlab.train.corpus import check_token_ids, corpus_tokenizer, resolve_data
+
+    if cfg.model.name != "gpt":
+        return
+    try:
+        resolve_data(cfg)
+        check_token_ids(cfg)
+        tokenizer = corpus_tokenizer(cfg)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if tokenizer is None and cfg.log.sample_tokens > 0:
+        raise ConfigError(f"log.sample_tokens = {cfg.log.sample_tokens}: data.source = {cfg.data.source!r} holds raw "
+                          f"ids and names no tokenizer to turn samples into text; set data.tokenizer to its "
+                          f"tokenizer.json (or .tiktoken) file, or log.sample_tokens = 0")
