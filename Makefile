@@ -33,7 +33,7 @@ demo: $(STAMP)
 	$(BIN)/shardlab collectives --world-size 4 --impl ring --ops all_reduce,reduce_scatter,all_gather
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The measurements recorded in docs/ (about 40 minutes on 2 cores; run on a quiet machine).
 bench-comm: $(STAMP)
