@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.checkpoint.slices import CheckpointError, Slice
