@@ -43,7 +43,7 @@ from shardlab.checkpoint.rng import restore_rng_state
 from shardlab.checkpoint.slices import CheckpointError, Slice, Source, fill
 from shardlab.checkpoint.verify import check_step_name
 from shardlab.checkpoint.state import (
-    OptPiece, inner_optimizer, local_tensors, named_parameters, optimizer_pieces, tensor_cuts, whole_slice,
+    OptPiece, inner_optimizer, local_tensors, named_parameters, optimizer_pieces, param_slice, placement,
 )
 from shardlab.parallel.optim import PieceOptimizer
 
@@ -160,7 +160,7 @@ def _load_optimizer(files: Files, model: nn.Module, optimizer: torch.optim.Optim
     if saved["class"] != type(inner).__name__ and strict:
         raise CheckpointError(f"the checkpoint's optimizer is {saved['class']}, this one {type(inner).__name__}")
     names = {id(p): n for n, p in named_parameters(model)}
-    cuts = tensor_cuts(model)
+    record = placement(model)
     index = {id(t): i for i, t in enumerate(t for g in inner.param_groups for t in g["params"])}
     group = {id(t): gi for gi, g in enumerate(inner.param_groups) for t in g["params"]}
     sd = inner.state_dict()
@@ -172,7 +172,7 @@ def _load_optimizer(files: Files, model: nn.Module, optimizer: torch.optim.Optim
         saved_group = saved["group_of"].get(n)
         if saved_group is not None and saved_group != group[id(pc.key)] and strict:
             raise CheckpointError(f"rank {rank}: {n} was in optimizer group {saved_group}, here in {group[id(pc.key)]}")
-        want = whole_slice(pc.param, cuts.get(id(pc.param)), pc.start, pc.stop)
+        want = param_slice(record, names[id(pc.param)], pc.param, pc.start, pc.stop)
         state = _piece_state(files, pc, n, want, rank)
         if state:
             sd["state"][index[id(pc.key)]] = state

@@ -4,7 +4,8 @@ elements between two such descriptions.
 One description covers every layout shardlab has, because each cuts a parameter at most twice, in
 a fixed order:
 
-  1. the tensor-parallel cut (parallel/tensor/shards.py's ShardSpec): `dim` is made of `parts`
+  1. the tensor-parallel cut (a Shard on the placement record's "tp" axis, parallel/placement.py,
+     from which checkpoint/state.py makes the slice a rank saves and loads): `dim` is made of `parts`
      equal blocks and this piece holds part `index` of `count` of every block (parts 2 is the
      GPT's fused key/value rows; count 1 means no cut);
   2. a flat range [start, stop) of the row-major flattening of what step 1 left (ZeRO's bucket

@@ -2,12 +2,12 @@
 
     held = local_tensors(model, optimizer)   # [Held(name, slice, live tensor), ...]
 
-Works for every layout `apply_layout` builds, and for a pipeline stage, by asking each layer of
-wrapping what it cuts rather than which layout it is:
+Works for every layout `apply_layout` builds, and for a pipeline stage, by reading the model's
+placement record (parallel/placement.py) rather than asking which layout it is:
 
-  * names: the plain model's (a tensor-parallel model and a pipeline stage keep them; data-parallel
-    wrappers hold the model as `.module`);
-  * the tensor-parallel cut of each parameter: its module's `tp_specs` and the tp group's rank/size;
+  * names: the plain model's, as the record names this rank's parameters;
+  * the tensor-parallel cut of each parameter: its Shard on the record's "tp" axis, and that axis's
+    index and size;
   * the optimizer's pieces (parallel/optim.py): flat ranges of those (local) parameters, each with
     its fp32 master when the parameter is 16-bit, and the inner optimizer's state keyed by the
     master. A plain torch optimizer's pieces are its whole parameters.
@@ -22,11 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.checkpoint.slices import CheckpointError, Slice
 from shardlab.parallel.optim import PieceOptimizer
+from shardlab.parallel.placement import Placement, Shard, placement_of
 
 
 @dataclass
@@ -60,12 +60,23 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def placement(model: nn.Module) -> Placement:
+    """The record of where `model`'s parameters live (apply_layout's, a strategy's), or, for a model
+    no strategy placed, every parameter whole under its own names."""
+    record = placement_of(model)
+    return Placement.whole(unwrap(model).named_parameters()) if record is None else record
+
+
 def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(plain model's name, parameter) for every parameter this rank holds, each once."""
-    inner = unwrap(model)
-    if hasattr(inner, "stage_named_parameters"):  # a pipeline stage: original names
-        return list(inner.stage_named_parameters())
-    return list(inner.named_parameters())
+    """(plain model's name, parameter) for every parameter this rank holds, each once, as the
+    placement record names them (a pipeline stage's by their original names)."""
+    record = placement(model)
+    params = {id(p): p for p in unwrap(model).parameters()}
+    unnamed = [tuple(p.shape) for pid, p in params.items() if pid not in record.local]
+    if unnamed:
+        raise CheckpointError(f"{len(unnamed)} parameters of {type(unwrap(model)).__name__} (shapes {unnamed[:3]}) are "
+                              f"not in its placement record: they were replaced after the layout was applied")
+    return [(n, params[pid]) for pid, n in record.local.items() if pid in params]
 
 
 def aliases(model: nn.Module) -> dict[str, str]:
@@ -90,31 +101,19 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def tensor_cuts(model: nn.Module) -> dict[int, tuple[int, int, int, int]]:
-    """id(parameter) -> (dim, parts, index, count) for each tensor-parallel shard this rank holds."""
-    from shardlab.parallel.tensor.shards import param_specs
-
-    inner = unwrap(model)
-    specs = param_specs(inner)
-    if not specs:
-        return {}
-    holder = next((m for m in inner.modules() if hasattr(m, "tp_group")), None)
-    if holder is None:
-        raise CheckpointError(f"{type(inner).__name__} has tensor-parallel shards but no tp_group to say whose they are")
-    group = holder.tp_group  # None: the default group (tp spans every rank)
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
-    return {pid: (spec.dim, spec.parts, rank, n) for pid, spec in specs.items()}
-
-
-def whole_slice(p: torch.Tensor, cut: tuple[int, int, int, int] | None, start: int = 0,
-                stop: int | None = None) -> Slice:
-    """The slice a local tensor `p` (or its elements [start, stop)) is of its whole tensor."""
-    if cut is None:
+def param_slice(record: Placement, name: str, p: torch.Tensor, start: int = 0, stop: int | None = None) -> Slice:
+    """The slice this rank's `p` (or its elements [start, stop)) is of the whole tensor `name`, as the
+    record places it: a Shard on an axis of more than one rank is the cut, the rest is whole."""
+    shards = [(record.axis(a), pl) for a, pl in record[name].axes if isinstance(pl, Shard)]
+    shards = [(a, pl) for a, pl in shards if a.size > 1]
+    if not shards:
         return Slice.make(p.shape, start, stop)
-    dim, parts, index, count = cut
-    shape = list(p.shape)
-    shape[dim] *= count
-    return Slice.make(shape, start, stop, dim=dim, parts=parts, index=index, count=count)
+    if len(shards) > 1:
+        raise CheckpointError(f"{name} is cut along {len(shards)} axes ({', '.join(a.name for a, _ in shards)}): "
+                              f"a checkpoint slice describes one cut")
+    axis, shard = shards[0]
+    return Slice.make(record[name].shape, start, stop, dim=shard.dim, parts=shard.blocks, index=axis.index,
+                      count=axis.size)
 
 
 def find_fsdp(model: nn.Module) -> nn.Module | None:
@@ -173,24 +172,25 @@ def local_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
     """Every tensor of model and optimizer state this rank holds, as named slices (see the module
     docstring). with_state False: leave out the inner optimizer's state (a load creates it) but
     keep the masters."""
+    record = placement(model)
     names = {id(p): n for n, p in named_parameters(model)}
-    cuts = tensor_cuts(model)
     held: list[Held] = []
     fsdp = find_fsdp(model)
     # FSDP holds the parameters it shards as this rank's pieces of its units' flat shards only.
     sharded = {id(p) for u in fsdp.units for p in u.params} if fsdp is not None else set()
     for n, p in named_parameters(model):
         if id(p) not in sharded:
-            held.append(Held(f"model/{n}", whole_slice(p, cuts.get(id(p))), p))
+            held.append(Held(f"model/{n}", param_slice(record, n, p), p))
     for pc in (pc for u in fsdp.units for pc in u.pieces) if fsdp is not None else ():
         if id(pc.param) in names:
             held.append(Held(f"model/{names[id(pc.param)]}",
-                             whole_slice(pc.param, cuts.get(id(pc.param)), pc.start, pc.stop), pc.tensor))
+                             param_slice(record, names[id(pc.param)], pc.param, pc.start, pc.stop), pc.tensor))
     held += [Held(f"model/{n}", Slice.make(b.shape), b) for n, b in persistent_buffers(model)]
     for pc in optimizer_pieces(optimizer):
         if id(pc.param) not in names:
             continue
-        n, s = names[id(pc.param)], whole_slice(pc.param, cuts.get(id(pc.param)), pc.start, pc.stop)
+        n = names[id(pc.param)]
+        s = param_slice(record, n, pc.param, pc.start, pc.stop)
         if pc.master is not None:
             held.append(Held(f"optim/{n}/master", s, pc.master))
         if with_state:

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from shardlab.comm import Handle
 from shardlab.parallel.optim import Piece, PieceOptimizer
+from shardlab.parallel.placement import FlatChunk, MeshAxis, Placement
 
 Policy = Union[None, int, type, Iterable[type], Callable[[nn.Module], bool]]
 
@@ -175,3 +176,18 @@ def load_sharded_state(fsdp: Any, state: dict[str, Any]) -> None:
         p.copy_(state["replicated"][names[id(p)]])
     for n, b in fsdp.module.named_buffers():
         b.copy_(state["buffers"][n])
+
+
+def fsdp_placement(fsdp: Any, record: Placement) -> Placement:
+    """`record` with FSDP's "dp" axis: each sharded parameter a FlatChunk of its unit's flat vector
+    (offset, length, and the chunk each rank keeps), the others replicated. The parameters keep
+    their identity (their data points at placeholders), so the record's names still find them."""
+    chunks = {}
+    for u in fsdp.units:
+        for p, off in zip(u.params, u.offsets):
+            name = record.name_of(p)
+            if name is None:
+                raise KeyError(f"FSDP unit {u.index} holds a parameter of shape {tuple(p.shape)} the placement "
+                               f"record does not name")
+            chunks[name] = FlatChunk(u.index, off, p.numel(), u.padded // fsdp.world)
+    return record.with_axis(MeshAxis("dp", fsdp.world, fsdp.rank, fsdp.group), chunks)

@@ -1,18 +1,16 @@
 """The global gradient norm and clipping, written once for every layout.
 
-A rank's gradients may be cut three ways at once: into pieces of flat vectors over the data-parallel
-group (ZeRO, FSDP: `over_dp`), into tensor-parallel shards over the tp group (`over_tp`), and by
-depth into pipeline stages (`pp`: every parameter of a rank's stage is cut over the pipeline group).
-The whole model's norm counts every element's square once: a square cut over a group is summed over
-it; one replicated over a group (equal on all its ranks) is taken as it is. So the squares fall
-into four sums, [whole, tp-cut, dp-cut, cut both ways], reduced over dp (the dp-cut ones) and then
-over tp (the tp-cut ones), and their total over pp: at most three small all-reduces per step, the
-same result on every rank.
+Which ranks hold which part of a gradient is read from the placement record (parallel/placement.py),
+the one description of sharding: a gradient's square is summed over every mesh axis that does not
+replicate its parameter (`Placement.cut_axes`: tp and ep shards, pipeline stages) and taken as it is
+over the others (equal on all their ranks). A tied copy another stage owns is left out
+(`Placement.counts`), so a tied weight is counted once, as one process counts it. Pieces of flat
+vectors over the data-parallel group (ZeRO, FSDP) are still said by the caller (`over_dp`).
 
-Pipeline stages hold disjoint parameters with one exception: a weight tied between the first and
-the last stage (the GPT's embedding and head) has a copy on each, with equal gradients after the
-pipeline sums them. `PipelineSharding.duplicates` names the copies a rank holds but another rank
-counts, and callers leave them out, so a tied weight is counted once, as one process counts it.
+So the squares fall into sums indexed by (cut over dp, cut over each of the record's axes): each is
+reduced over dp, then over every axis of more than one rank that cuts it, in the record's order:
+at most one small all-reduce per axis per step, the same result on every rank. Pipeline stages come
+last, on one number, since every stage's parameter is cut by them.
 
 Parameters may also be torch's DTensors (torch FSDP2's `fully_shard`, which the benchmarks run
 through the same training step): a DTensor gradient counts its local shard, cut over the mesh
@@ -23,7 +21,7 @@ Squares are summed in fp64: the norm then agrees with the single-process one to 
 model is cut, so a clipped step scales the gradients by the reference's coefficient, not one that
 differs in its seventh digit (fp32 sums in another order would).
 
-    norm = global_grad_norm([(g, over_dp, over_tp), ...], device, dp_group=g_dp, dp_size=2, tp=sharding)
+    norm = global_grad_norm([(g, over_dp, param), ...], device, dp_group=g_dp, dp_size=2, tp=record, pp=record)
     coef = clip_coefficient(norm, max_norm)     # torch.nn.utils.clip_grad_norm_'s rule
 """
 
@@ -31,68 +29,66 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from shardlab import comm
 from shardlab.comm.dispatch import Group
+from shardlab.parallel.placement import Placement
 
-
-@dataclass(frozen=True)
-class TensorSharding:
-    """Which parameters are cut over `group` (`size` ranks) by tensor parallelism, by id(); the
-    model's others are replicated over it (equal on every rank of it)."""
-
-    group: Group
-    size: int
-    sharded: frozenset[int]
-
-    def cuts(self, p: torch.Tensor) -> bool:
-        return id(p) in self.sharded
-
-
-@dataclass(frozen=True)
-class PipelineSharding:
-    """A pipeline stage's parameters: cut by depth over `group` (`size` stages), so their squares
-    are summed over it, except the tied copies in `duplicates` (by id()), which another stage counts."""
-
-    group: Group
-    size: int
-    duplicates: frozenset[int]
-
-    def counts(self, p: torch.Tensor) -> bool:
-        """Whether this rank's square of `p` belongs in the whole model's norm."""
-        return id(p) not in self.duplicates
+PIPELINE_AXIS = "pp"
+DATA_AXIS = "dp"
+"""Flat pieces over the data-parallel group are the caller's (`over_dp`: its optimizer's pieces), so
+the record's dp axis is not reduced again here."""
 
 
 @torch.no_grad()
-def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, bool]], device: torch.device | None, *,
-                     dp_group: Group = None, dp_size: int = 1, tp: TensorSharding | None = None,
-                     pp: PipelineSharding | None = None) -> torch.Tensor:
+def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], device: torch.device | None, *,
+                     dp_group: Group = None, dp_size: int = 1, tp: Placement | None = None,
+                     pp: Placement | None = None) -> torch.Tensor:
     """The whole model's gradient 2-norm (fp64 scalar, equal on every rank) from this rank's
-    (gradient, cut over dp, cut over tp) triples; under a pipeline (`pp`) the caller has left out
-    the tied copies `pp.counts` refuses. A collective over each group of more than one rank: call
-    it on every rank, with or without gradients of its own."""
-    sq = torch.zeros(4, dtype=torch.float64, device=device)  # [whole, tp-cut, dp-cut, both]
-    for g, over_dp, over_tp in grads:
-        sq[2 * bool(over_dp) + bool(over_tp)] += g.detach().double().square().sum()
+    (gradient, cut over dp, parameter) triples, each parameter looked up in the placement record.
+
+    Callers pass the model's one record twice, once per reduction it drives, so that each can be
+    named (and left out by the tests that show it is needed): `tp`, for the axes within a stage that
+    cut parameters (tp, ep), their squares summed over those axes' groups; `pp`, for the pipeline
+    axis, the stages' total summed over it, tied copies counted by their owner only. A parameter
+    the record does not name (or no record) is whole on every rank of every axis. A collective over
+    dp and over each such axis of more than one rank: call it on every rank, with or without
+    gradients."""
+    record = tp if tp is not None else pp
+    axes = [] if tp is None else [a for a in tp.axes if a.size > 1 and a.name not in (PIPELINE_AXIS, DATA_AXIS)]
+    bit = {a.name: 1 << (i + 1) for i, a in enumerate(axes)}
+    sq = torch.zeros(2 << len(axes), dtype=torch.float64, device=device)  # bit 0: over dp; bit i+1: axes[i]
+    for g, over_dp, p in grads:
+        index = int(bool(over_dp))
+        name = None if record is None else record.name_of(p)
+        if name is not None:
+            if pp is not None and not pp.counts(name):
+                continue
+            index += sum(bit.get(a, 0) for a in record.cut_axes(name))
+        sq[index] += g.detach().double().square().sum()
     if dp_size > 1:
-        cut = sq[2:].clone()
-        comm.all_reduce(cut, "sum", dp_group)
-        sq[2:] = cut
-    if tp is not None and tp.size > 1:
-        cut = (sq[1] + sq[3]).reshape(1)
-        comm.all_reduce(cut, "sum", tp.group)
-        sq[1], sq[3] = cut[0], 0.0
+        _reduce_where(sq, 1, dp_group)
+    for a in axes:
+        _reduce_where(sq, bit[a.name], a.group)
     total = sq.sum()
-    if pp is not None and pp.size > 1:
-        # Last, on one number: the stages' sums are each already whole over dp and tp.
+    stages = None if pp is None else pp.axis(PIPELINE_AXIS)
+    if stages is not None and stages.size > 1:
+        # Last, on one number: the stages' sums are each already whole over dp and the other axes.
         total = total.reshape(1)
-        comm.all_reduce(total, "sum", pp.group)
+        comm.all_reduce(total, "sum", stages.group)
         total = total[0]
     return total.sqrt()
+
+
+def _reduce_where(sq: torch.Tensor, bit: int, group: Group) -> None:
+    """Sum over `group` the entries of `sq` whose index has `bit` set (those cut over it)."""
+    idx = torch.tensor([i for i in range(sq.numel()) if i & bit], device=sq.device)
+    cut = sq[idx]
+    comm.all_reduce(cut, "sum", group)
+    sq[idx] = cut
 
 
 def clip_coefficient(norm: float | torch.Tensor, max_norm: float) -> float:
@@ -133,12 +129,12 @@ def dtensor_cut(p: torch.Tensor) -> tuple[Group, int]:
 
 
 @torch.no_grad()
-def whole_grad_norm(params: Iterable[nn.Parameter], tp: TensorSharding | None = None,
-                    pp: PipelineSharding | None = None) -> torch.Tensor:
+def whole_grad_norm(params: Iterable[nn.Parameter], placement: Placement | None = None) -> torch.Tensor:
     """The norm (fp64) of gradients that are whole over data parallelism: one process, plain data
-    parallelism, a tensor-parallel model's shards and replicas under it, or a pipeline stage's
-    parameters (`pp`); or DTensor gradients sharded over one group (torch FSDP2: see the module
-    docstring). A collective over tp and pp, and over the DTensors' group."""
+    parallelism, a tensor-parallel model's shards and replicas under it, a pipeline stage's or an
+    expert-parallel model's parameters, as `placement` places them; or DTensor gradients sharded over
+    one group (torch FSDP2: see the module docstring). A collective over the record's axes, and over
+    the DTensors' group."""
     unique = list({id(p): p for p in params}.values())
     device = unique[0].device if unique else None  # the collectives' device, with or without gradients
     cuts = {id(p): dtensor_cut(p) for p in unique}
@@ -147,19 +143,18 @@ def whole_grad_norm(params: Iterable[nn.Parameter], tp: TensorSharding | None = 
         raise ValueError(f"DTensor parameters sharded over {len(groups)} different groups: the gradient norm sums "
                          f"over one")
     dp_group, dp_size = next(iter(groups.values()), (None, 1))
-    grads = ((_local(p.grad), cuts[id(p)][1] > 1, tp is not None and tp.cuts(p)) for p in unique
-             if p.grad is not None and (pp is None or pp.counts(p)))
-    return global_grad_norm(grads, device, dp_group=dp_group, dp_size=dp_size, tp=tp, pp=pp)
+    grads = ((_local(p.grad), cuts[id(p)][1] > 1, p) for p in unique if p.grad is not None)
+    return global_grad_norm(grads, device, dp_group=dp_group, dp_size=dp_size, tp=placement, pp=placement)
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, tp: TensorSharding | None = None,
-                    pp: PipelineSharding | None = None) -> torch.Tensor:
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float,
+                    placement: Placement | None = None) -> torch.Tensor:
     """Scale gradients whole over data parallelism (see whole_grad_norm) so that the model's norm
     is at most max_norm (math.inf: measure only); return the norm before, in fp32. Tied copies a
     pipeline stage does not count are scaled too: every copy takes the same step."""
     params = list(params)
-    norm = whole_grad_norm(params, tp, pp)
+    norm = whole_grad_norm(params, placement)
     coef = clip_coefficient(norm, max_norm)
     if coef < 1.0:
         torch._foreach_mul_([_local(p.grad) for p in {id(p): p for p in params}.values() if p.grad is not None],

@@ -20,6 +20,11 @@ previous one produced:
 The data-parallel wrapper sees the tensor-parallel model's local shards as ordinary parameters; its
 broadcast from dp rank 0 is right because shards differ only across tp.
 
+Each step writes its entries into the placement record (parallel/placement.py: what every mesh axis
+does to every parameter, by plain name) as it applies itself; the returned module carries the whole
+record as `model.placement` (the gradient norm, checkpoints and the whole views read it). Its "dp"
+axis is the replica group data parallelism wraps, ("dp", "ep", "cp").
+
 A wrapper may provide, besides forward: `no_sync()`, `finish_gradient_sync()`, `build_optimizer()`
 (when the optimizer must know the sharding), `clip_grad_norm_()` (when gradients are sharded) and
 `full_parameters()` / `full_gradients()` (whole over dp). train/step.py uses whichever exist;
@@ -37,6 +42,7 @@ import torch.nn as nn
 
 from shardlab.dist.mesh import DeviceMesh
 from shardlab.parallel.data import DataParallel
+from shardlab.parallel.placement import MeshAxis, Placement, tied_aliases
 from shardlab.parallel.zero import ZeroDataParallel
 
 if TYPE_CHECKING:
@@ -124,8 +130,10 @@ def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | N
     over every rank; any other layout needs the mesh). Tensor parallelism converts `model` in place.
 
     The returned module trains like the plain one: forward, backward, then
-    `finish_gradient_sync()` (a no-op where backward already synchronised), optimizer step.
+    `finish_gradient_sync()` (a no-op where backward already synchronised), optimizer step. Its
+    `placement` is the record every step below wrote.
     """
+    record = Placement.whole(model.named_parameters(), tied_aliases(model))  # the plain model's names and shapes
     group = None
     if mesh is not None:
         _check_mesh(layout, mesh)
@@ -136,29 +144,51 @@ def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | N
                          f"{layout.cp}: this layout needs a DeviceMesh (build_mesh(layout)) to know its groups")
     # 1. The pipeline split (tensor parallelism inside each stage): its own data-parallel wrapper.
     if uses_pipeline(layout):
-        return apply_pipeline(model, layout, mesh)
+        return apply_pipeline(model, layout, mesh, record)
     # 2. Tensor and sequence parallelism.
     if uses_tensor_parallel(layout):
         from shardlab.parallel.tensor import apply_tensor_parallel, named_plan
 
-        model = apply_tensor_parallel(model, mesh, named_plan(model, layout.tp_plan), sequence_parallel=layout.sp)
+        model = apply_tensor_parallel(model, mesh, named_plan(model, layout.tp_plan), sequence_parallel=layout.sp,
+                                      base=record)
+        record = model.placement
     # 3. Expert and context parallelism (hooks: parallel/expert, parallel/context).
-    model = apply_expert_parallel(model, layout, mesh)
+    model, record = apply_expert_parallel(model, layout, mesh, record)
     model = apply_context_parallel(model, layout, mesh)
+    if layout.cp > 1:  # every rank of a cp group holds every parameter whole: replicated over it
+        record = record.with_axis(MeshAxis.of("cp", mesh.group("cp")), {})
     # 4. Activation checkpointing.
     model = apply_recompute(model, layout)
     # 5. Data parallelism or ZeRO over the replicas, last: it wraps what the steps above produced.
-    return apply_data_parallel(model, layout, group)
+    wrapped = apply_data_parallel(model, layout, group)
+    wrapped.placement = data_placement(wrapped, record, group)
+    return wrapped
 
 
-def apply_expert_parallel(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | None) -> nn.Module:
+def data_placement(wrapped: nn.Module, record: Placement, group: dist.ProcessGroup | None) -> Placement:
+    """Step 5's entries: the "dp" axis over the replica group; every parameter replicated over it
+    (plain data parallelism, ZeRO-1/2, whose optimizer state alone is sharded) except FSDP's, each a
+    FlatChunk of its unit."""
+    from shardlab.parallel.fsdp import FullyShardedDataParallel
+
+    if isinstance(wrapped, FullyShardedDataParallel):
+        from shardlab.parallel.fsdp_units import fsdp_placement
+
+        return fsdp_placement(wrapped, record)
+    return record.with_axis(MeshAxis.of("dp", group), {})
+
+
+def apply_expert_parallel(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | None,
+                          record: Placement) -> tuple[nn.Module, Placement]:
     """Step 3a: spread the MoE layers' experts over the mesh's "ep" axis (parallel/expert), in place;
-    each expert remembers its replicas, ("dp", "cp"), over which step 5 averages its gradient."""
+    each expert remembers its replicas, ("dp", "cp"), over which step 5 averages its gradient. The
+    model and `record` with the experts' entries."""
     if layout.ep > 1:
         from shardlab.parallel.expert import convert_expert_parallel
 
-        return convert_expert_parallel(model, mesh.group("ep"), mesh.group(("dp", "cp")))
-    return model
+        model = convert_expert_parallel(model, mesh.group("ep"), mesh.group(("dp", "cp")), base=record)
+        return model, model.placement
+    return model, record
 
 
 def apply_context_parallel(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | None) -> nn.Module:
@@ -200,7 +230,7 @@ def apply_data_parallel(model: nn.Module, layout: "LayoutSection", group: dist.P
     return DataParallel(model, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
 
 
-def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh) -> nn.Module:
+def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, record: Placement) -> nn.Module:
     """This rank's stage of `model` (copied: the model is left as it was, unless tensor parallelism
     converts it first: the split is planned on the plain model, then the converted one is cut the
     same way, so every stage holds its tp shards), run by layout.schedule over the mesh's pp group,
@@ -231,14 +261,17 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh) 
     if uses_tensor_parallel(layout):
         from shardlab.parallel.pipeline.tensor_stage import tensor_parallel_for_stages
 
-        model, tp = tensor_parallel_for_stages(model, mesh, layout.tp_plan)
-    stage = build_stage(model, plan, mesh.local_rank("pp"))
+        model, tp = tensor_parallel_for_stages(model, mesh, layout.tp_plan, base=record)
+        record = model.placement
+    stage = build_stage(model, plan, mesh.local_rank("pp"), base=record)
     stage = apply_recompute(stage, layout)  # step 4, on this rank's copies of its blocks
     dp = None
     if layout.dp > 1:
         dp = DataParallel(stage, replica_group(mesh), mode=layout.dp_mode, bucket_mb=layout.bucket_mb,
                           impl=layout.comm_impl)
-    return PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)
+    pipe = PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)
+    pipe.placement = pipe.placement.with_axis(MeshAxis.of("dp", replica_group(mesh)), {})
+    return pipe
 
 
 # ---------------------------------------------------------------------------- whole-model views

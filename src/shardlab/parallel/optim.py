@@ -11,8 +11,9 @@ pieces are its shards and need nothing). So mixed precision and clipping are wri
     its gradient is cast to fp32 inside `step()`, multiplied there by the clip coefficient and by
     1/loss_scale, so the low-precision gradient is never rescaled (nor held twice) outside `step()`.
   * the global norm (gradnorm.py): squares summed in fp64 over this rank's pieces, sharded pieces
-    all-reduced across the group, replicated ones (whole on every rank) counted once; under tensor
-    parallelism (`tp`) the squares of tp-sharded parameters are summed over the tp group too. A
+    all-reduced across the group, replicated ones (whole on every rank) counted once; the model's
+    placement record (`tp`, parallel/placement.py) says which parameters other axes cut (tp shards,
+    experts), whose squares are summed over those axes' groups too. A
     non-finite norm is how fp16 overflow is found: every rank computes the same norm, so every rank
     skips alike.
 
@@ -32,7 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
-from shardlab.parallel.gradnorm import TensorSharding, clip_coefficient, global_grad_norm
+from shardlab.parallel.gradnorm import clip_coefficient, global_grad_norm
+from shardlab.parallel.placement import Placement
 from shardlab.parallel.precision import LossScaler
 
 # Optimizers whose update of an element depends on that element's gradient and state only.
@@ -92,13 +94,14 @@ class PieceOptimizer(torch.optim.Optimizer):
     `param_groups` are the inner optimizer's (one per given group, options kept), so learning-rate
     schedules work as usual. `loss_scaler`: a LossScaler for fp16; multiply the loss by
     `loss_scale` before backward. `last_step_skipped` tells whether the last step was skipped.
-    `tp`: the parameters are a tensor-parallel model's, cut over another group as it says (their
-    norm is summed over it as well; see gradnorm.py).
+    `tp`: the placement record of the model the parameters belong to, when axes other than this
+    optimizer's group cut them (tensor or expert parallelism): their norm is summed over those axes
+    as well (gradnorm.py). The keyword keeps its name: the trainer passes the record under it.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], layout: PieceLayout,
                  group: dist.ProcessGroup | None = None, *, impl: str = comm.TORCH,
-                 loss_scaler: LossScaler | None = None, tp: TensorSharding | None = None,
+                 loss_scaler: LossScaler | None = None, tp: Placement | None = None,
                  **optimizer_kwargs: Any) -> None:
         if not issubclass(optimizer_cls, ELEMENTWISE):
             raise ValueError(f"{optimizer_cls.__name__} is not known to update elements independently; sharding "
@@ -153,10 +156,9 @@ class PieceOptimizer(torch.optim.Optimizer):
         """The whole model's gradient L2 norm (unscaled), the same on every rank: a collective."""
         self._attach_grads()
         device = self.layout.params[0].device if self.layout.params else None
-        tp = self.tp
-        grads = ((pc.tensor.grad, not pc.replicated, tp is not None and tp.cuts(pc.param))
-                 for pc in self.pieces if pc.tensor.grad is not None)
-        norm = global_grad_norm(grads, device, dp_group=self.process_group, dp_size=self.layout.world, tp=tp)
+        grads = ((pc.tensor.grad, not pc.replicated, pc.param) for pc in self.pieces if pc.tensor.grad is not None)
+        norm = global_grad_norm(grads, device, dp_group=self.process_group, dp_size=self.layout.world,
+                                tp=self.tp, pp=self.tp)
         self._norm = norm / self.loss_scale
         return self._norm.to(torch.float32)
 

@@ -34,7 +34,7 @@ from shardlab.comm.dispatch import Group
 from shardlab.parallel.buckets import trainable_params
 from shardlab.parallel.data import DataParallel
 from shardlab.parallel.expert.layer import expert_layers, expert_parameters
-from shardlab.parallel.gradnorm import TensorSharding
+from shardlab.parallel.placement import Owned, Placement
 
 
 class ExpertDataParallel(nn.Module):
@@ -59,7 +59,8 @@ class ExpertDataParallel(nn.Module):
         self._wrappers = (DataParallel(module, group, params=dense, **kw),
                           DataParallel(module, layers[0].expert_replicas, params=experts, average=False, **kw))
         self._expert_params = [p for p in experts if p.requires_grad]
-        self._sharding = TensorSharding(self.ep_group, self.ep, frozenset(expert_ids))
+        # The record convert_expert_parallel wrote: experts Owned over "ep", what the norm sums over it.
+        self.placement: Placement = module.placement
         self._sync = True
 
     @property
@@ -111,7 +112,7 @@ class ExpertDataParallel(nn.Module):
         if tp is not None:
             raise ValueError("expert parallelism with tensor parallelism is not supported (layout.ep > 1 with "
                              "layout.tp > 1): the gradient norm would need both groups")
-        return MixedPrecisionOptimizer(groups, optimizer_cls, tp=self._sharding, **kwargs)
+        return MixedPrecisionOptimizer(groups, optimizer_cls, tp=self.placement, **kwargs)
 
     # ------------------------------------------------------------------- whole-model views
     @torch.no_grad()
@@ -127,8 +128,8 @@ class ExpertDataParallel(nn.Module):
     def _whole(self, local: dict[str, Any]) -> dict[str, Any]:
         """`local` (by name) with every ep rank's experts added: one all_gather_object over the ep
         group (verification and inspection only, not the training path)."""
-        params = dict(self.module.named_parameters())
-        mine = {n: None if t is None else t.cpu() for n, t in local.items() if id(params[n]) in self._sharding.sharded}
+        mine = {n: None if t is None else t.cpu() for n, t in local.items()
+                if isinstance(self.placement[n].on("ep"), Owned)}
         everyone: list[Any] = [None] * self.ep
         dist.all_gather_object(everyone, mine, group=self.ep_group)
         device = next(self.module.parameters()).device

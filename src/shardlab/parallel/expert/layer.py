@@ -30,6 +30,7 @@ import torch.nn as nn
 from shardlab.comm.dispatch import Group
 from shardlab.models.moe import MoE, combine, route, run_experts
 from shardlab.parallel.expert.alltoall import A2AStats, all_to_all_rows, exchange_counts
+from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
 
 
 class ExpertParallelMoE(nn.Module):
@@ -82,8 +83,20 @@ def _expert_major(counts: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(block_start, by_expert) + within
 
 
-def convert_expert_parallel(model: nn.Module, group: Group, expert_replicas: Group = None) -> nn.Module:
-    """Replace every MoE in `model` (in place) by its expert-parallel form over `group`; returns `model`."""
+def convert_expert_parallel(model: nn.Module, group: Group, expert_replicas: Group = None,
+                            base: Placement | None = None) -> nn.Module:
+    """Replace every MoE in `model` (in place) by its expert-parallel form over `group`; returns `model`
+    with its placement record written (`model.placement`: `base`, default the plain model's, with
+    the "ep" axis added: each expert's parameters Owned by the ep rank that keeps it)."""
+    base = Placement.whole(model.named_parameters(), tied_aliases(model)) if base is None else base
+    ep = dist.get_world_size(group)
+    owners: dict[str, Owned] = {}
+    for path, moe in list(model.named_modules()):
+        if isinstance(moe, MoE):
+            per_rank = moe.n_experts // ep if moe.n_experts % ep == 0 else 1  # else refused just below
+            for i, expert in enumerate(moe.experts):
+                for n, _ in expert.named_parameters(prefix=f"{path}.experts.{i}" if path else f"experts.{i}"):
+                    owners[n] = Owned(i // per_rank, (i // per_rank,))
     found = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -93,6 +106,7 @@ def convert_expert_parallel(model: nn.Module, group: Group, expert_replicas: Gro
     if not found:
         raise ValueError("expert parallelism needs mixture-of-experts layers: the model has none "
                          "(set model.experts > 0)")
+    model.placement = base.with_axis(MeshAxis.of("ep", group), owners, local=list(model.named_parameters()))
     return model
 
 

@@ -23,7 +23,7 @@ from shardlab.parallel.pipeline.check import ScheduleError, Simulation, check, s
 from shardlab.parallel.pipeline.executor import PipelineExecutor, PipelineResult
 from shardlab.parallel.pipeline.model import PipelineParallel, StageOptimizer, forward_only
 from shardlab.parallel.pipeline.params import (
-    clip_grad_norm_, gather_gradients, gather_parameters, stage_sharding, sum_tied_grads,
+    clip_grad_norm_, gather_gradients, gather_parameters, stage_placement, sum_tied_grads,
 )
 from shardlab.parallel.pipeline.schedules import (
     KINDS, bubble_theory, chunk_owner, compute_order, in_flight_theory, schedule, with_comms,
@@ -60,7 +60,7 @@ __all__ = [
     "schedule",
     "simulate",
     "split_model",
-    "stage_sharding",
+    "stage_placement",
     "sum_tied_grads",
     "with_comms",
 ]

@@ -28,13 +28,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
-from shardlab.parallel.gradnorm import PipelineSharding, TensorSharding, global_grad_norm
+from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import PieceOptimizer, WholeLayout, param_groups, unique_trainable
 from shardlab.parallel.pipeline.executor import PipelineExecutor
-from shardlab.parallel.pipeline.params import TIED_TAG, gather_gradients, gather_parameters, stage_sharding
+from shardlab.parallel.pipeline.params import TIED_TAG, gather_gradients, gather_parameters, stage_placement
 from shardlab.parallel.pipeline.schedules import chunk_owner, compute_order, schedule
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.pipeline.timeline import WAIT
+from shardlab.parallel.placement import Placement
 from shardlab.parallel.precision import LossScaler
 
 # Above the executor's activation/gradient tags and the tied-weight exchange's, below the tags
@@ -88,26 +89,27 @@ def forward_only(stage: PipelineStage, inputs: torch.Tensor, targets: torch.Tens
 class StageOptimizer(PieceOptimizer):
     """One stage's optimizer: optim.py's PieceOptimizer over the stage's whole parameters (fp32
     masters for 16-bit ones, fp16 loss scaling and overflow skips), with the gradient norm of the
-    whole model: this stage's squares, tied copies counted by their owner only, summed over the
-    pipeline group (parallel/gradnorm.py); under tensor parallelism (`tp`) the squares of the
-    stage's shards are summed over its tp group first. Data-parallel replicas of a stage hold equal
-    gradients after their sync, so no dp reduction enters the norm."""
+    whole model, as the stage's placement record says: this stage's squares, tied copies counted by
+    their owner only, summed over the pipeline group (parallel/gradnorm.py); under tensor
+    parallelism the squares of the stage's shards are summed over its tp group first. Data-parallel
+    replicas of a stage hold equal gradients after their sync, so no dp reduction enters the norm."""
 
-    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], pp: PipelineSharding, *,
-                 tp: TensorSharding | None = None, loss_scaler: LossScaler | None = None,
-                 **optimizer_kwargs: Any) -> None:
+    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], placement: Placement, *,
+                 loss_scaler: LossScaler | None = None, **optimizer_kwargs: Any) -> None:
         groups = param_groups(params)
         super().__init__(groups, optimizer_cls, WholeLayout(unique_trainable(groups)), loss_scaler=loss_scaler,
-                         **optimizer_kwargs)
-        self.pp, self.tp = pp, tp
+                         tp=placement, **optimizer_kwargs)
+
+    @property
+    def placement(self) -> Placement:
+        return self.tp  # type: ignore[return-value]
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (unscaled), the same on every stage: a collective over pp."""
         device = self.layout.params[0].device if self.layout.params else None
-        grads = ((pc.tensor.grad, False, self.tp is not None and self.tp.cuts(pc.param)) for pc in self.pieces
-                 if pc.tensor.grad is not None and self.pp.counts(pc.param))
-        self._norm = global_grad_norm(grads, device, tp=self.tp, pp=self.pp) / self.loss_scale
+        grads = ((pc.tensor.grad, False, pc.param) for pc in self.pieces if pc.tensor.grad is not None)
+        self._norm = global_grad_norm(grads, device, tp=self.placement, pp=self.placement) / self.loss_scale
         return self._norm.to(torch.float32)
 
 
@@ -131,6 +133,8 @@ class PipelineParallel(nn.Module):
         # False: no tensor parallelism (None is a group: the default one, when tp spans the world). Not
         # "tp_group": that attribute marks a whole tensor-parallel model (find_tensor_parallel).
         self.stage_tp_group = tp_group
+        # The stage's record (pp written by the split, tp before it) with its pipeline group.
+        self.placement: Placement = stage_placement(stage, group)
         self.runners: dict[int, PipelineExecutor] = {}
         self.comm_wait_s = 0.0
         self.last_events: list = []
@@ -167,25 +171,13 @@ class PipelineParallel(nn.Module):
         if self.data_parallel is not None:
             self.data_parallel.finish_gradient_sync()
 
-    def sharding(self) -> PipelineSharding:
-        """How this stage's gradients enter the whole model's norm (parallel/gradnorm.py)."""
-        return stage_sharding(self.module, self.group)
-
-    def tensor_sharding(self) -> TensorSharding | None:
-        """Which of the stage's parameters are cut over its tp group (None: no tensor parallelism)."""
-        if self.stage_tp_group is False:
-            return None
-        from shardlab.parallel.pipeline.tensor_stage import stage_tensor_sharding
-
-        return stage_tensor_sharding(self.module, self.stage_tp_group)
-
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], *,
                         tp: Any = None, **optimizer_kwargs: Any) -> StageOptimizer:
         # `tp` is what the trainer found outside the pipeline (nothing: the stage's tensor
         # parallelism is inside it, and known here).
         if tp is not None:
             raise ValueError("a pipeline's tensor parallelism is applied inside its stages, not around them")
-        return StageOptimizer(params, optimizer_cls, self.sharding(), tp=self.tensor_sharding(), **optimizer_kwargs)
+        return StageOptimizer(params, optimizer_cls, self.placement, **optimizer_kwargs)
 
     def skip_first_layer(self) -> Callable[[], None]:
         """Bypass the model's layer 0 on the rank holding it (its output becomes its input) until
@@ -202,12 +194,9 @@ class PipelineParallel(nn.Module):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the whole model by its original name, on every stage (gathered over
         the pipeline group: for verification, not the training loop)."""
-        return self._on_device(gather_parameters(self.module, self.group, self._tp()))  # type: ignore[return-value]
+        return self._on_device(gather_parameters(self.module, self.group))  # type: ignore[return-value]
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient by original name (None where it has none; tied copies already
         summed), once the gradients are final: data-parallel gradients are whole after their sync."""
-        return self._on_device(gather_gradients(self.module, self.group, self._tp()))
-
-    def _tp(self) -> Any:
-        return None if self.stage_tp_group is False else (self.stage_tp_group,)
+        return self._on_device(gather_gradients(self.module, self.group))

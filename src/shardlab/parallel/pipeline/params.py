@@ -2,7 +2,7 @@
 
     sum_tied_grads(stage, pp_group)            # before the optimizer step (the executor's STEP does it)
     norm = clip_grad_norm_(stage, 1.0, pp_group)  # the whole model's gradient norm, tied weights once
-    sharding = stage_sharding(stage, pp_group)    # the same, for parallel/gradnorm.py and optimizers
+    record = stage_placement(stage, pp_group)     # its placement record, for gradnorm.py and optimizers
     full = gather_parameters(stage, pp_group)  # {original name: tensor} of the whole model, every rank
     grads = gather_gradients(stage, pp_group)
 
@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
-from shardlab.parallel.gradnorm import PipelineSharding
 from shardlab.parallel.gradnorm import clip_grad_norm_ as clip_whole_grads_
 from shardlab.parallel.pipeline.stages import PipelineStage
+from shardlab.parallel.placement import Placement
 
 # Tied-weight exchanges travel above every tag the executor uses for activations and gradients.
 TIED_TAG = 1 << 19
@@ -49,11 +49,10 @@ def sum_tied_grads(stage: PipelineStage, group: dist.ProcessGroup | None = None)
         p.grad = total
 
 
-def stage_sharding(stage: PipelineStage, group: dist.ProcessGroup | None = None) -> PipelineSharding:
-    """How `stage`'s parameters enter the whole model's gradient norm (parallel/gradnorm.py): summed
-    over the pipeline group, each tied weight counted by its owner (the lowest rank holding it) only."""
-    duplicates = frozenset(id(p) for name, p in stage.stage_named_parameters() if not stage.owns(name))
-    return PipelineSharding(group, dist.get_world_size(group), duplicates)
+def stage_placement(stage: PipelineStage, group: dist.ProcessGroup | None = None) -> Placement:
+    """`stage`'s placement record with its pipeline group: every parameter Owned by the stages
+    holding it, a tied weight counted by its owner (the lowest rank holding it) only."""
+    return stage.placement.with_group("pp", group)
 
 
 def clip_grad_norm_(stage: PipelineStage, max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -62,20 +61,17 @@ def clip_grad_norm_(stage: PipelineStage, max_norm: float, group: dist.ProcessGr
     does; max_norm = inf only measures. Every rank of the pipeline group must call it. Data-parallel
     replicas hold equal gradients after their sync, so the pipeline group's sum is the global one."""
     params = [p for _, p in stage.stage_named_parameters()]
-    return clip_whole_grads_(params, max_norm, pp=stage_sharding(stage, group))
+    return clip_whole_grads_(params, max_norm, stage_placement(stage, group))
 
 
-def _gather(stage: PipelineStage, group: dist.ProcessGroup | None, grads: bool,
-            tp: tuple | None = None) -> dict[str, torch.Tensor | None]:
+def _gather(stage: PipelineStage, group: dist.ProcessGroup | None, grads: bool) -> dict[str, torch.Tensor | None]:
     local = {}
     for name, p in stage.stage_named_parameters():
-        if stage.owns(name):
+        if stage.placement.counts(name):  # a tied copy is reported by its owner only
             t = p.grad if grads else p
-            local[name] = None if t is None else t.detach().clone()
-    if tp is not None:  # (tp_group,): the stage's tensor-parallel shards made whole first
-        from shardlab.parallel.pipeline.tensor_stage import whole_over_tp
-
-        local = whole_over_tp(stage, local, tp[0])
+            local[name] = None if t is None else t.detach()
+    # Whole over tp first, as the stage's record says (its tp axis, from the tensor-parallel model's).
+    local = stage.placement.gather(local, "tp")
     local = {n: None if t is None else t.cpu() for n, t in local.items()}
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, local, group=group)
@@ -83,14 +79,12 @@ def _gather(stage: PipelineStage, group: dist.ProcessGroup | None, grads: bool,
     return {name: merged[name] for name in stage.all_names if name in merged}
 
 
-def gather_parameters(stage: PipelineStage, group: dist.ProcessGroup | None = None,
-                      tp: tuple | None = None) -> dict[str, torch.Tensor]:
-    """Every parameter of the whole model on every rank, keyed and ordered as model.named_parameters();
-    `tp` = (tp_group,) when the stage is tensor-parallel (its shards are gathered whole over it)."""
-    return _gather(stage, group, grads=False, tp=tp)  # type: ignore[return-value]
+def gather_parameters(stage: PipelineStage, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter of the whole model on every rank, keyed and ordered as model.named_parameters()
+    (a tensor-parallel stage's shards gathered whole over its tp group, as its record says)."""
+    return _gather(stage, group, grads=False)  # type: ignore[return-value]
 
 
-def gather_gradients(stage: PipelineStage, group: dist.ProcessGroup | None = None,
-                     tp: tuple | None = None) -> dict[str, torch.Tensor | None]:
+def gather_gradients(stage: PipelineStage, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor | None]:
     """Every parameter's gradient (None where it has none), like gather_parameters."""
-    return _gather(stage, group, grads=True, tp=tp)
+    return _gather(stage, group, grads=True)

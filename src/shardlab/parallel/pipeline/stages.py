@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardlab.models import GPT, DeepMLP
+from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
 from shardlab.parallel.pipeline.partition import balance as balance_costs
 from shardlab.parallel.pipeline.partition import check_sizes
 from shardlab.parallel.pipeline.schedules import chunk_owner
@@ -209,9 +210,13 @@ def _make_chunk(model: nn.Module, plan: SplitPlan, c: int, memo: dict) -> nn.Mod
 
 class PipelineStage(nn.Module):
     """The chunks one pipeline rank holds, keyed by global chunk index. An nn.Module, so an optimizer
-    or a DataParallel wrapper takes it whole; `stage_named_parameters` gives the original names."""
+    or a DataParallel wrapper takes it whole; `stage_named_parameters` gives the original names.
 
-    def __init__(self, model: nn.Module, plan: SplitPlan, rank: int) -> None:
+    `placement`: the record (parallel/placement.py) of `base` (default: `model`'s parameters whole)
+    with the "pp" axis added: every parameter Owned by the stages holding it, the lowest counting a
+    tied copy. Its pp axis has no group until PipelineParallel (or params.stage_placement) gives one."""
+
+    def __init__(self, model: nn.Module, plan: SplitPlan, rank: int, base: Placement | None = None) -> None:
         super().__init__()
         if not 0 <= rank < plan.stages:
             raise ValueError(f"rank {rank} is not in a pipeline of {plan.stages} stages")
@@ -232,6 +237,10 @@ class PipelineStage(nn.Module):
                         holders.setdefault(self.original[n], set()).add(chunk_owner(c, plan.stages))
         self.held = {n for n, _ in self.stage_named_parameters()}
         self.tied = {n: sorted(h) for n, h in holders.items() if len(h) > 1 and n in self.held}
+        base = Placement.whole(model.named_parameters(), tied_aliases(model)) if base is None else base
+        self.placement = base.with_axis(MeshAxis("pp", plan.stages, rank, None),
+                                        {n: Owned(min(h), tuple(sorted(h))) for n, h in holders.items()},
+                                        local=list(self.stage_named_parameters()))
 
     def chunk(self, c: int) -> nn.Module:
         return self.chunks[str(c)]
@@ -265,9 +274,10 @@ class PipelineStage(nn.Module):
         return None
 
 
-def build_stage(model: nn.Module, plan: SplitPlan, rank: int) -> PipelineStage:
-    """This rank's chunks of `model` under `plan`: copies, so the model itself is left as it was."""
-    return PipelineStage(model, plan, rank)
+def build_stage(model: nn.Module, plan: SplitPlan, rank: int, base: Placement | None = None) -> PipelineStage:
+    """This rank's chunks of `model` under `plan`: copies, so the model itself is left as it was.
+    `base`: `model`'s placement record when a strategy applied before the split placed it (tp x pp)."""
+    return PipelineStage(model, plan, rank, base)
 
 
 def split_model(model: nn.Module, stages: int, rank: int, virtual: int = 1,

@@ -22,29 +22,31 @@ rank, so the pipeline's tied-copy exchange (params.sum_tied_grads) pairs matchin
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.comm.autograd import gather_from_group
 from shardlab.comm.dispatch import Group
 from shardlab.dist.mesh import DeviceMesh
 from shardlab.models import GPT
-from shardlab.parallel.gradnorm import TensorSharding
-from shardlab.parallel.pipeline.stages import GPTChunk, PipelineStage
+from shardlab.parallel.pipeline.stages import GPTChunk
+from shardlab.parallel.placement import Placement
 from shardlab.parallel.tensor.layers import ColumnParallelLinear
-from shardlab.parallel.tensor.shards import SharesGroups, param_specs, unshard_many
+from shardlab.parallel.tensor.shards import SharesGroups
 from shardlab.parallel.tensor.vocab import vocab_parallel_cross_entropy
 
 
-def tensor_parallel_for_stages(model: nn.Module, mesh: DeviceMesh, plan_name: str) -> tuple[nn.Module, Group]:
+def tensor_parallel_for_stages(model: nn.Module, mesh: DeviceMesh, plan_name: str,
+                               base: Placement | None = None) -> tuple[nn.Module, Group]:
     """`model` converted in place to its tensor-parallel form over the mesh's "tp" axis (no sequence
-    parallelism: config_check refuses it with pp), ready for build_stage; and the tp group."""
+    parallelism: config_check refuses it with pp), ready for build_stage (its `placement` the record
+    to split); and the tp group."""
     from shardlab.parallel.tensor import apply_tensor_parallel, named_plan
 
     if not isinstance(model, GPT):
         raise ValueError(f"tensor-parallel pipeline stages are built for the GPT, not {type(model).__name__}")
     group = mesh.group("tp")
-    return apply_tensor_parallel(model, group, named_plan(model, plan_name), sequence_parallel=False), group
+    return apply_tensor_parallel(model, group, named_plan(model, plan_name), sequence_parallel=False,
+                                 base=base), group
 
 
 class TensorParallelGPTChunk(SharesGroups, GPTChunk):
@@ -70,22 +72,3 @@ class TensorParallelGPTChunk(SharesGroups, GPTChunk):
         losses = vocab_parallel_cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                                               self.tp_group)
         return losses.mean()
-
-
-def stage_tensor_sharding(stage: PipelineStage, group: Group) -> TensorSharding:
-    """Which of the stage's parameters are cut over the tp group, for the gradient norm."""
-    return TensorSharding(group, dist.get_world_size(group), frozenset(param_specs(stage)))
-
-
-@torch.no_grad()
-def whole_over_tp(stage: PipelineStage, tensors: dict[str, torch.Tensor | None],
-                  group: Group) -> dict[str, torch.Tensor | None]:
-    """`tensors` (this rank's shards of the stage's parameters or gradients, by original names; None
-    kept) made whole over the tp group: one all-gather per dtype. A collective over `group`: every
-    tp rank of a stage holds the same names in the same order."""
-    specs = param_specs(stage)
-    params = dict(stage.stage_named_parameters())
-    cut = [n for n, t in tensors.items() if t is not None and id(params[n]) in specs]
-    gathered = unshard_many([tensors[n] for n in cut], [specs[id(params[n])] for n in cut], group)
-    whole = dict(zip(cut, gathered))
-    return {n: whole.get(n, t) for n, t in tensors.items()}

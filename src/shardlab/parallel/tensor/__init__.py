@@ -25,7 +25,7 @@ from shardlab.parallel.tensor.plan import (
 from shardlab.parallel.tensor.sequence import SequenceParallelLayerNorm, SequenceParallelRMSNorm, convert_layer_norm
 from shardlab.parallel.tensor.shared_input import copied_linears, sequence_parallel_linears
 from shardlab.parallel.tensor.shards import (
-    ShardSpec, TensorParallelModel, clip_grad_norm_, find_tensor_parallel, full_gradients, full_parameters, grad_norm,
+    TensorParallelModel, clip_grad_norm_, find_tensor_parallel, full_gradients, full_parameters, grad_norm,
     shard_tensor, tensor_sharding, unshard_tensor, whole_tensors,
 )
 from shardlab.parallel.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -43,7 +43,6 @@ __all__ = [
     "RowParallelLinear",
     "SequenceParallelLayerNorm",
     "SequenceParallelRMSNorm",
-    "ShardSpec",
     "TensorParallelDeepMLP",
     "TensorParallelGPT",
     "TensorParallelModel",

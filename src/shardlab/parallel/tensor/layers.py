@@ -46,7 +46,8 @@ from shardlab.comm.autograd import (
 from shardlab.comm.dispatch import Group
 from shardlab.parallel.tensor.sequence import replicated
 from shardlab.parallel.tensor.shared_input import copied_linears, sequence_parallel_linears
-from shardlab.parallel.tensor.shards import SharesGroups, ShardSpec, shard_tensor
+from shardlab.parallel.placement import Shard
+from shardlab.parallel.tensor.shards import SharesGroups, shard_tensor
 
 ColumnInput = Literal["copy", "gather_seq", "none"]
 ColumnOutput = Literal["none", "gather", "gather_partial"]
@@ -97,7 +98,7 @@ class ColumnParallelLinear(SharesGroups, nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty(out_features // n, in_features, **kw))
         self.bias = nn.Parameter(torch.empty(out_features // n, **kw)) if bias else None
-        self.tp_specs = {"weight": ShardSpec(0, parts), "bias": ShardSpec(0, parts)}
+        self.tp_specs = {"weight": Shard(0, parts), "bias": Shard(0, parts)}
         _init_uniform(self.weight, in_features)
         if self.bias is not None:
             _init_uniform(self.bias, in_features)
@@ -158,7 +159,7 @@ class RowParallelLinear(SharesGroups, nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // n, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
-        self.tp_specs = {"weight": ShardSpec(1)}
+        self.tp_specs = {"weight": Shard(1)}
         _init_uniform(self.weight, in_features)
         if self.bias is not None:
             _init_uniform(self.bias, in_features)

@@ -44,9 +44,11 @@ from shardlab.comm.dispatch import Group
 from shardlab.dist.mesh import DeviceMesh
 from shardlab.models.gpt import GPT
 from shardlab.models.mlp import DeepMLP
+from shardlab.parallel.placement import Placement, tied_aliases
 from shardlab.parallel.tensor.attention import head_problems
 from shardlab.parallel.tensor.gpt import convert_gpt, gpt_plan, gpt_problems
 from shardlab.parallel.tensor.lecture_mlp import LECTURE_MLP_PLAN, MEGATRON_MLP_PLAN, convert_mlp, mlp_problems
+from shardlab.parallel.tensor.shards import tensor_placement
 
 STYLES = ("column", "row", "vocab", "heads", "lecture", "replicate")
 PLAN_NAMES = ("megatron", "lecture")
@@ -162,9 +164,11 @@ def check_plan(model: nn.Module, plan: Mapping[str, str] | None = None, tp: int 
 
 
 def apply_tensor_parallel(model: nn.Module, group_or_mesh: Group | DeviceMesh = None,
-                          plan: Mapping[str, str] | None = None, sequence_parallel: bool = False) -> nn.Module:
+                          plan: Mapping[str, str] | None = None, sequence_parallel: bool = False,
+                          base: Placement | None = None) -> nn.Module:
     """Convert `model` (GPT or DeepMLP) in place to its tensor-parallel form over the group (or the
-    "tp" axis of a DeviceMesh; None: the default group) and return it.
+    "tp" axis of a DeviceMesh; None: the default group) and return it, its placement record
+    (`model.placement`: `base`, default the plain model's, with the "tp" axis added) written.
 
     Raises ValueError, on every rank alike and before changing anything, when the plan does not fit.
     The result keeps the plain model's forward signature and parameter names; it has
@@ -180,4 +184,8 @@ def apply_tensor_parallel(model: nn.Module, group_or_mesh: Group | DeviceMesh = 
         raise ValueError(f"the tensor-parallel plan does not fit {type(model).__name__} at tp {n}:\n  "
                          + "\n  ".join(problems))
     styles, _ = resolve_plan(model, form.default_plan(model) if plan is None else plan)
-    return form.convert(model, styles, group, sequence_parallel)
+    # The whole shapes and tied names are the plain model's: read before the conversion cuts them.
+    base = Placement.whole(model.named_parameters(), tied_aliases(model)) if base is None else base
+    model = form.convert(model, styles, group, sequence_parallel)
+    model.placement = tensor_placement(model, group, base)
+    return model

@@ -1,11 +1,12 @@
 """How a tensor-parallel parameter is cut from the whole one, and put back together.
 
-Each tensor-parallel module lists, in its `tp_specs` attribute, which of its parameters are sharded
-and how: `ShardSpec(dim, parts)` cuts `dim` into `parts` equal blocks and gives rank r the r-th of n
-equal pieces of every block. `parts` is 1 for an ordinary column or row split; 2 for the GPT's fused
-key/value projection, whose rows are [keys of every head; values of every head], so that each rank
-gets the keys *and* the values of its own heads. A parameter with no spec is replicated: every rank
-holds it whole and, after backward, with its whole gradient.
+Each tensor-parallel module declares, in its `tp_specs` attribute, which of its parameters are
+sharded and how: `Shard(dim, blocks)` (parallel/placement.py) cuts `dim` into `blocks` equal blocks
+and gives rank r the r-th of n equal pieces of every block. `blocks` is 1 for an ordinary column or
+row split; 2 for the GPT's fused key/value projection, whose rows are [keys of every head; values of
+every head], so that each rank gets the keys *and* the values of its own heads. A parameter with no
+spec is replicated. apply_tensor_parallel reads these declarations once, when it converts the model,
+and writes the model's placement record (`tensor_placement`); everything below reads the record.
 
 `full_parameters(model)` and `full_gradients(model)` gather every parameter whole, keyed by the
 plain model's names (the conversion keeps them), so the equivalence harness compares a
@@ -16,7 +17,7 @@ model's tensor-parallel group: call them on every rank.
 from __future__ import annotations
 
 import copy
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,18 +25,14 @@ import torch.nn as nn
 
 from shardlab.comm.autograd import gather_along
 from shardlab.comm.dispatch import Group
-from shardlab.parallel.gradnorm import TensorSharding, whole_grad_norm
 from shardlab.parallel.gradnorm import clip_grad_norm_ as clip_grads
+from shardlab.parallel.gradnorm import whole_grad_norm
+from shardlab.parallel.placement import MeshAxis, Placement, Shard
 
 
-class ShardSpec(NamedTuple):
-    dim: int
-    parts: int = 1
-
-
-def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, n: int) -> torch.Tensor:
+def shard_tensor(full: torch.Tensor, spec: Shard, rank: int, n: int) -> torch.Tensor:
     """Rank `rank`'s piece of `full` (a new tensor: the whole one can be freed afterwards)."""
-    blocks = full.detach().unflatten(spec.dim, (spec.parts, -1))
+    blocks = full.detach().unflatten(spec.dim, (spec.blocks, -1))
     size = blocks.shape[spec.dim + 1]
     if size % n:
         raise ValueError(f"cannot cut {size} elements into {n} equal pieces")
@@ -43,21 +40,33 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, n: int) -> torc
     return piece.flatten(spec.dim, spec.dim + 1).clone(memory_format=torch.contiguous_format)
 
 
-def unshard_tensor(local: torch.Tensor, spec: ShardSpec, group: Group) -> torch.Tensor:
+def unshard_tensor(local: torch.Tensor, spec: Shard, group: Group) -> torch.Tensor:
     """The whole tensor from every rank's piece (a collective over `group`)."""
-    blocks = local.detach().unflatten(spec.dim, (spec.parts, -1))
+    blocks = local.detach().unflatten(spec.dim, (spec.blocks, -1))
     return gather_along(blocks, group, spec.dim + 1).flatten(spec.dim, spec.dim + 1).contiguous()
 
 
-def param_specs(model: nn.Module) -> dict[int, ShardSpec]:
-    """id(parameter) -> spec, for every sharded parameter of `model`."""
-    out: dict[int, ShardSpec] = {}
+def param_specs(model: nn.Module) -> dict[int, Shard]:
+    """id(parameter) -> Shard, from the modules' `tp_specs` declarations: what the conversion
+    writes into the placement record (tensor_placement); readers use the record."""
+    out: dict[int, Shard] = {}
     for module in model.modules():
         for attr, spec in getattr(module, "tp_specs", {}).items():
             p = getattr(module, attr, None)
             if p is not None:
                 out[id(p)] = spec
     return out
+
+
+def tensor_placement(model: nn.Module, group: Group, base: Placement,
+                     named: list[tuple[str, nn.Parameter]] | None = None) -> Placement:
+    """`base` with the "tp" axis over `group` added: each parameter of `model` its module declares
+    sharded as Shard, the others replicated. `named`: (plain name, parameter) pairs of this rank
+    (default: model.named_parameters(), whose names the conversion keeps)."""
+    specs = param_specs(model)
+    named = list(model.named_parameters()) if named is None else named
+    return base.with_axis(MeshAxis.of("tp", group), {n: specs[id(p)] for n, p in named if id(p) in specs},
+                          local=named)
 
 
 def find_tensor_parallel(model: nn.Module) -> nn.Module | None:
@@ -75,52 +84,18 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return found
 
 
-def tensor_sharding(model: nn.Module) -> TensorSharding | None:
-    """Which parameters of `model` (or of the tensor-parallel model under its wrappers) are cut over
-    its tp group, for the gradient norm (parallel/gradnorm.py); None when it is not tensor-parallel."""
+def tensor_sharding(model: nn.Module) -> Placement | None:
+    """The placement record of `model`'s tensor-parallel model (itself or under its wrappers), which
+    the gradient norm and the optimizers read; None when it is not tensor-parallel."""
     found = find_tensor_parallel(model)
-    if found is None:
-        return None
-    return TensorSharding(found.tp_group, dist.get_world_size(found.tp_group), frozenset(param_specs(found)))
-
-
-def _assemble(pieces: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """The whole tensor from every rank's piece stacked along a new dim 0: (n, *local shape)."""
-    d = spec.dim
-    blocks = pieces.unflatten(d + 1, (spec.parts, -1))      # (n, ..., parts, m, ...)
-    blocks = blocks.movedim(0, d + 1)                         # (..., parts, n, m, ...)
-    return blocks.flatten(d + 1, d + 2).flatten(d, d + 1).contiguous()
-
-
-def unshard_many(tensors: list[torch.Tensor], specs: list[ShardSpec], group: Group) -> list[torch.Tensor]:
-    """unshard_tensor for many tensors with one all-gather per dtype (one flat buffer, not a call each)."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for dtype in dict.fromkeys(t.dtype for t in tensors):  # first-seen order: the same on every rank
-        idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-        everyone = gather_along(flat, group, 0).view(-1, flat.numel())  # (n, total)
-        offset = 0
-        for i in idx:
-            t = tensors[i]
-            out[i] = _assemble(everyone[:, offset : offset + t.numel()].reshape(-1, *t.shape), specs[i])
-            offset += t.numel()
-    return out
-
-
-def _whole(model: nn.Module, named: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> dict[str, torch.Tensor]:
-    """{name: whole tensor} for (name, parameter, tensor) triples; sharded ones gathered in one call."""
-    specs = param_specs(model)
-    sharded = [(n, t, specs[id(p)]) for n, p, t in named if t is not None and id(p) in specs]
-    gathered = unshard_many([t for _, t, _ in sharded], [s for _, _, s in sharded], model.tp_group)
-    whole = {n: g for (n, _, _), g in zip(sharded, gathered)}
-    return {n: whole[n] if n in whole else t.detach().clone() for n, p, t in named if t is not None}
+    return None if found is None else found.placement
 
 
 @torch.no_grad()
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole, by the plain model's names (tied parameters once, as named_parameters)."""
     model = _unwrap(model)
-    return _whole(model, [(n, p, p) for n, p in model.named_parameters()])
+    return model.placement.gather({n: p for n, p in model.named_parameters()}, "tp")
 
 
 @torch.no_grad()
@@ -128,12 +103,10 @@ def whole_tensors(model: nn.Module, tensors: dict[str, torch.Tensor | None]) -> 
     """`tensors`, this rank's shards of parameters or gradients by the plain names (None kept), made
     whole over the tp group: e.g. a data-parallel wrapper's views, already whole over dp. A collective."""
     model = _unwrap(model)
-    params = dict(model.named_parameters())
-    unknown = sorted(set(tensors) - set(params))
+    unknown = sorted(set(tensors) - set(model.placement.params))
     if unknown:
         raise KeyError(f"{unknown[:5]} are not parameters of {type(model).__name__}")
-    whole = _whole(model, [(n, params[n], t) for n, t in tensors.items()])
-    return {n: whole.get(n) for n in tensors}
+    return model.placement.gather(tensors, "tp")
 
 
 @torch.no_grad()
@@ -142,9 +115,7 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor | None]:
 
     Every rank of the group runs the same graph, so a gradient is None on all of them or on none."""
     model = _unwrap(model)
-    named = [(n, p, p.grad) for n, p in model.named_parameters() if p.requires_grad]
-    whole = _whole(model, named)
-    return {n: whole.get(n) for n, _, _ in named}
+    return model.placement.gather({n: p.grad for n, p in model.named_parameters() if p.requires_grad}, "tp")
 
 
 @torch.no_grad()
@@ -152,7 +123,7 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
     """The whole model's gradient 2-norm: shards' squares summed over the group, replicated
     gradients (equal on every rank) counted once. A collective over the tensor-parallel group."""
     model = _unwrap(model)
-    return whole_grad_norm(model.parameters(), tensor_sharding(model))
+    return whole_grad_norm(model.parameters(), model.placement)
 
 
 @torch.no_grad()
@@ -160,7 +131,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale every gradient so that the whole model's norm is at most `max_norm`; return the norm.
     The rule and the norm are parallel/gradnorm.py's, which the trainer's other layouts use too."""
     model = _unwrap(model)
-    return clip_grads(model.parameters(), max_norm, tensor_sharding(model))
+    return clip_grads(model.parameters(), max_norm, model.placement)
 
 
 class SharesGroups:
@@ -184,6 +155,7 @@ class TensorParallelModel(SharesGroups):
 
     tp_group: Group
     sequence_parallel: bool
+    placement: Placement  # written by apply_tensor_parallel (tensor_placement)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by the plain model's names (a collective over the tp group)."""

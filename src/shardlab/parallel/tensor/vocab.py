@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from shardlab.comm.autograd import all_reduce_, reduce_from_group, reduce_scatter_to_sequence
 from shardlab.comm.dispatch import Group
 from shardlab.parallel.tensor.layers import keep_frozen
-from shardlab.parallel.tensor.shards import SharesGroups, ShardSpec, shard_tensor
+from shardlab.parallel.placement import Shard
+from shardlab.parallel.tensor.shards import SharesGroups, shard_tensor
 
 
 def _vocab_range(local: int, group: Group) -> tuple[int, int]:
@@ -46,7 +47,7 @@ class VocabParallelEmbedding(SharesGroups, nn.Module):
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         self.output_op, self.seq_dim = output_op, seq_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings // n, embedding_dim, device=device, dtype=dtype))
-        self.tp_specs = {"weight": ShardSpec(0)}
+        self.tp_specs = {"weight": Shard(0)}
         nn.init.normal_(self.weight)
 
     @classmethod
@@ -57,7 +58,7 @@ class VocabParallelEmbedding(SharesGroups, nn.Module):
         layer = cls(emb.num_embeddings, emb.embedding_dim, group, device=emb.weight.device,
                     dtype=emb.weight.dtype, **kwargs)
         with torch.no_grad():
-            layer.weight.copy_(shard_tensor(emb.weight, ShardSpec(0), dist.get_rank(group),
+            layer.weight.copy_(shard_tensor(emb.weight, Shard(0), dist.get_rank(group),
                                             dist.get_world_size(group)))
         return keep_frozen(layer, emb)
 
