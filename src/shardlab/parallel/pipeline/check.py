@@ -1,11 +1,20 @@
 """Simulate every rank's action list before anything runs: prove it complete and deadlock-free, and time it.
 
-The semantics are the executor's (executor.py): a send or receive is *posted* and never blocks; a
-compute that needs a received tensor blocks until the matching send has been posted; messages
-between two ranks are matched in the order they were posted, as NCCL matches them (gloo would
-also match by tag, but a schedule that relies on it would hang on GPUs). The simulation advances
-every rank as far as it can; if some rank cannot finish, the first blocked rank, its action and what
-it waits for are named, following the chain of waits to its cycle.
+The semantics are the executor's (executor.py), which are NCCL's grouped point-to-point:
+  * the communication actions between two computes of a rank's list form one *group*, posted at
+    once (one `batch_isend_irecv`) when the rank reaches it; posting never blocks the rank;
+  * a rank's groups run one after another, as on NCCL's communication stream: a group becomes
+    *active* once it is posted and the rank's previous group has completed;
+  * a send and its receive transfer once both of their groups are active (so the sends and
+    receives inside one group never wait for one another, whatever their order); a group
+    completes when all its transfers have;
+  * a compute that needs a received tensor blocks until the group holding that receive completes;
+  * messages between two ranks are matched in the order they were posted, as NCCL matches them
+    (gloo would also match by tag, but a schedule that relies on it would hang on GPUs).
+These are stricter than gloo's (where a send completes once its receiver posts, whatever else is
+pending), so a schedule proved here runs on both backends. The simulation advances every rank as
+far as it can; if some rank cannot finish, the first blocked rank, its action and what it waits for
+are named, following the chain of waits to its cycle.
 
 `check(schedule)` raises ScheduleError on the first conflict:
   * a compute missing, duplicated or on a rank that does not own its chunk;
@@ -16,9 +25,11 @@ it waits for are named, following the chain of waits to its cycle.
   * a receive whose send never comes, or a cycle of waits (deadlock);
   * a send never received.
 
-The returned Simulation also says, for every send, the first point of the sender's list at which the
-receiver has provably taken the tensor (vector clocks carried by the messages): the executor waits
-for the send there and frees its buffer, instead of holding every sent gradient to the end.
+The returned Simulation also says, for every send, the first point of the sender's list at which its
+whole group is provably complete (the receiver of every send in it has taken its tensor, known from
+vector clocks carried by the messages, and every receive in it has been consumed here): the
+executor waits for the send there and frees its tensor, instead of holding every sent gradient to
+the end.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from dataclasses import dataclass, field
 from shardlab.parallel.pipeline.actions import (
     B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule,
 )
+from shardlab.parallel.pipeline.streams import Streams
 
 DEFAULT_COSTS: dict[str, float] = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
 """Time of one microbatch through one whole stage: unit forward, backward twice as long (two matmuls
@@ -46,6 +58,15 @@ class ScheduleError(ValueError):
         super().__init__(f"rank {rank}, action {index}: {message}")
 
 
+class DeadlockError(ScheduleError):
+    """A cycle of waits. `late`: (rank, action index) of the receives a send in the cycle waits
+    for that are not posted yet, which posting earlier could break the cycle (see grouped())."""
+
+    def __init__(self, rank: int, index: int, message: str, late: list[tuple[int, int]]) -> None:
+        super().__init__(rank, index, message)
+        self.late = late
+
+
 @dataclass
 class Simulation:
     schedule: Schedule
@@ -55,7 +76,9 @@ class Simulation:
     start: list[list[float]]
     end: list[list[float]]
     release: list[dict[int, list[int]]]
-    """release[r][i]: indices of r's sends known received once r has done action i."""
+    """release[r][i]: indices of r's sends whose group is known complete once r has done action i."""
+    groups: list[list[list[int]]]
+    """groups[r]: rank r's communication groups, each the indices of the actions posted together."""
     peak_in_flight: list[int]
     """Most (microbatch, chunk) pairs whose activations each rank held at once."""
     costs: dict[str, float] = field(default_factory=dict)
@@ -86,6 +109,20 @@ def _desc(a: Action) -> Desc:
 def _show(d: Desc) -> str:
     kind, mb, chunk = d
     return f"{'activation' if kind == 'F' else 'gradient'} of mb {mb} from chunk {chunk}"
+
+
+def comm_groups(actions: list[Action]) -> list[list[int]]:
+    """The indices of each maximal run of communication actions (no compute or STEP between them):
+    the sends and receives that are posted together as one group."""
+    groups: list[list[int]] = []
+    for i, a in enumerate(actions):
+        if not a.is_comm:
+            continue
+        if groups and groups[-1][-1] == i - 1:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _static(schedule: Schedule) -> tuple[dict[int, int], int, int]:
@@ -135,9 +172,13 @@ def _static(schedule: Schedule) -> tuple[dict[int, int], int, int]:
     return owners, mbs, chunks
 
 
-def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, latency: float = 0.0) -> Simulation:
+def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, latency: float = 0.0,
+             *, grouped_posts: bool = False) -> Simulation:
     """Run the schedule on paper. `costs`: time of each op for one microbatch through a whole stage
-    (a chunk of an interleaved schedule takes 1/v of it); `latency`: a message's time in flight."""
+    (a chunk of an interleaved schedule takes 1/v of it); `latency`: a message's time in flight.
+    `grouped_posts`: NCCL's grouped semantics (the module's docstring); False: each message on its
+    own, as gloo runs it (a compute waits only for its own message's send to be posted), which is
+    the schedule's own timing and what the papers' bubble formulas describe."""
     owners, mbs, chunks = _static(schedule)
     ranks = len(schedule)
     v = max(1, chunks // ranks)
@@ -153,7 +194,11 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
     recvs: dict[tuple[int, int], list] = {}
     posted: list[dict[Desc, int]] = [{} for _ in range(ranks)]   # desc -> k on its channel
     consumed: dict[tuple[int, int, int], int] = {}                # (src, dst, k) -> consuming index at dst
-    unreleased: list[list[tuple[int, int, int]]] = [[] for _ in range(ranks)]  # (dst, k, send index)
+    taken: list[set[int]] = [set() for _ in range(ranks)]           # receive actions consumed so far
+    groups = [comm_groups(actions) for actions in schedule]
+    streams = Streams(schedule, groups, latency)
+    # groups holding sends, not yet known complete: (group index, [(dst, k, send index)])
+    unreleased: list[list[tuple[int, list[tuple[int, int, int]]]]] = [[] for _ in range(ranks)]
     release: list[dict[int, list[int]]] = [{} for _ in range(ranks)]
     holding, peak = [0] * ranks, [0] * ranks
 
@@ -175,13 +220,19 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
             raise ScheduleError(r, i, f"{a} needs the {_show(d)} from rank {src}, but no receive for it is "
                                       f"posted before this action")
         k = posted[r][d]
+        j = recvs[(src, r)][k][1]
         s = sends.get((src, r), [])
-        if k >= len(s):
-            return None  # blocked: the sender has not posted it yet
+        if grouped_posts:
+            ready = streams.completed(r, j)
+        else:
+            ready = s[k][1] + latency if k < len(s) else None
+        if ready is None:
+            return None  # blocked: its group has not completed (its send is not posted)
         if (src, r, k) not in consumed:
             consumed[(src, r, k)] = i
+            taken[r].add(j)
             vc[r] = [max(x, y) for x, y in zip(vc[r], s[k][2])]
-        return s[k][1] + latency
+        return ready
 
     def try_run(r: int, i: int, a: Action) -> bool:
         ready = clock[r]
@@ -225,10 +276,15 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
             elif a.op in (B, BW):
                 holding[r] -= 1
         vc[r][r] = i + 1
+        if a.is_comm:
+            streams.post(r, i, a, clock[r])
         if a.op in (SEND_F, SEND_B):
             ch = sends.setdefault((r, a.peer), [])
             ch.append((_desc(a), clock[r], list(vc[r]), i))
-            unreleased[r].append((a.peer, len(ch) - 1, i))
+            g = streams.group_of[r][i]
+            if not unreleased[r] or unreleased[r][-1][0] != g:
+                unreleased[r].append((g, []))
+            unreleased[r][-1][1].append((a.peer, len(ch) - 1, i))
             match(r, a.peer, len(ch) - 1)
         elif a.op in (RECV_F, RECV_B):
             ch = recvs.setdefault((a.peer, r), [])
@@ -238,9 +294,13 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
             ch.append((_desc(a), i))
             if (a.peer, r) in sends:
                 match(a.peer, r, len(ch) - 1)
-        known = [(d, k, j) for d, k, j in unreleased[r] if (r, d, k) in consumed and vc[r][d] > consumed[(r, d, k)]]
+        # A group's sends are waited for (and their tensors freed) once the whole group is known
+        # complete: every send in it taken by its receiver, and every receive in it consumed here.
+        known = [(g, ss) for g, ss in unreleased[r] if groups[r][g][-1] <= i
+                 and all((r, d, k) in consumed and vc[r][d] > consumed[(r, d, k)] for d, k, _ in ss)
+                 and all(j in taken[r] for j in groups[r][g] if schedule[r][j].op in (RECV_F, RECV_B))]
         if known:
-            release[r][i] = [j for _, _, j in known]
+            release[r][i] = [j for _, ss in known for _, _, j in ss]
             unreleased[r] = [u for u in unreleased[r] if u not in known]
         return True
 
@@ -251,7 +311,9 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
                 pc[r] += 1
                 progress = True
         if not progress:
-            raise _deadlock(schedule, pc, owners, sends, posted)
+            if not grouped_posts:
+                raise _deadlock_ops(schedule, pc, owners, sends, posted)
+            raise _deadlock(schedule, pc, owners, streams, recvs, posted)
     for (src, dst), ch in sends.items():
         got = len(recvs.get((src, dst), []))
         if len(ch) > got:
@@ -264,10 +326,61 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
             if (src, r, k) not in consumed:
                 i = recvs[(src, r)][k][1]
                 raise ScheduleError(r, i, f"{schedule[r][i]}: no compute on rank {r} uses the {_show(d)}")
-    return Simulation(schedule, mbs, chunks, owners, start, end, release, peak, cost)
+    return Simulation(schedule, mbs, chunks, owners, start, end, release, groups, peak, cost)
 
 
-def _deadlock(schedule: Schedule, pc: list[int], owners: dict[int, int], sends: dict, posted: list) -> ScheduleError:
+def _deadlock(schedule: Schedule, pc: list[int], owners: dict[int, int], streams: Streams, recvs: dict,
+              posted: list) -> ScheduleError:
+    """Follow the waits from the first blocked rank to their root: a message never sent (reported
+    at the rank waiting for it) or a cycle (reported at the first blocked rank), the chain included.
+    A rank's compute waits for the group of its receive; a group waits for the group its transfer is
+    matched with to become active (queued behind that rank's earlier groups), or for its peer to post."""
+    first = min(r for r in range(len(schedule)) if pc[r] < len(schedule[r]))
+    chain: list[str] = []
+    late: list[tuple[int, int]] = []
+    node: tuple = ("host", first)
+    seen: set[tuple] = set()
+    while True:
+        if node in seen:
+            return DeadlockError(first, pc[first], "blocked: " + "; ".join(chain) + ": a cycle of waits, deadlock",
+                                 late)
+        seen.add(node)
+        if node[0] == "host":
+            r = node[1]
+            a = schedule[r][pc[r]]
+            if a.op == F:
+                d, src = ("F", a.microbatch, a.chunk - 1), owners[a.chunk - 1]
+            else:
+                d, src = ("B", a.microbatch, a.chunk + 1), owners[a.chunk + 1]
+            k = posted[r][d]
+            j = recvs[(src, r)][k][1]
+            where = f"rank {r} at action {pc[r]} ({a}) waits for the {_show(d)} (message #{k} from rank {src})"
+            g = streams.group_of[r][j]
+            if g > streams.head[r] or streams.partner(r, j) is not None:
+                chain.append(f"{where}, received by {streams._span(r, g)}")
+                node = ("group", r, g)
+                continue
+            sent = len(streams.chan_sends.get((src, r), []))
+            rest = [x for x in range(pc[src], len(schedule[src]))
+                    if schedule[src][x].op in (SEND_F, SEND_B) and schedule[src][x].peer == r]
+            if sent + len(rest) <= k:
+                root = f"{where}, which rank {src} never sends (it sends rank {r} only {sent + len(rest)} message(s))"
+                behind = f" (blocking: {'; '.join(chain)})" if chain else ""
+                return ScheduleError(r, pc[r], f"blocked: {root}{behind}")
+            chain.append(f"{where}, which rank {src} would send at action {rest[k - sent]}")
+            node = ("host", src)
+        else:
+            _, r, g = node
+            text, nxt, waits_for = streams.why_group(r, g, pc)
+            chain.append(text)
+            if waits_for is not None and schedule[waits_for[0]][waits_for[1]].op in (RECV_F, RECV_B):
+                late.append(waits_for)
+            if nxt is None:
+                return ScheduleError(first, pc[first], "blocked: " + "; ".join(chain))
+            node = nxt
+
+
+def _deadlock_ops(schedule: Schedule, pc: list[int], owners: dict[int, int], sends: dict, posted: list) -> ScheduleError:
     """Follow the waits from the first blocked rank to their root: a message never sent (reported
     at the rank waiting for it) or a cycle (reported at the first blocked rank), the chain included."""
     first = min(r for r in range(len(schedule)) if pc[r] < len(schedule[r]))
@@ -295,5 +408,13 @@ def _deadlock(schedule: Schedule, pc: list[int], owners: dict[int, int], sends: 
 
 
 def check(schedule: Schedule) -> Simulation:
-    """Prove the schedule runs to completion under the executor's semantics, or raise ScheduleError."""
-    return simulate(schedule)
+    """Prove the schedule runs to completion under the executor's semantics, or raise ScheduleError.
+
+    Two proofs: the schedule itself, each message on its own (errors name the schedule's own
+    actions: a swapped order, a missing send, a cycle of computes); then the plan the executor
+    posts, `grouped(schedule)`, under NCCL's grouped semantics. Returns the plan's simulation (its
+    `schedule` is the plan, whose indices the executor's release points refer to)."""
+    from shardlab.parallel.pipeline.grouping import grouped  # it builds on simulate(): imported late
+
+    simulate(schedule, grouped_posts=False)
+    return simulate(grouped(schedule), grouped_posts=True)

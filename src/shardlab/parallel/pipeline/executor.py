@@ -4,13 +4,19 @@
     runner = PipelineExecutor(stage, schedule("1f1b", P, M), pp_group)
     result = runner.run(x, y, on_step=optimizer_step)   # result.loss on every rank
 
-Semantics (the ones check.py proves a schedule safe under):
-  * RECV_* posts an irecv into a fresh buffer and returns; SEND_* posts an isend and returns. The
-    schedules post each receive one compute early, so a transfer overlaps the compute before the one
-    that needs it; sends overlap everything after them.
+Semantics (the ones check.py proves a schedule safe under, on gloo and NCCL alike):
+  * The executor runs check()'s plan of the schedule (grouping.grouped: the same computes and
+    sends, each receive moved to where NCCL's in-order groups cannot deadlock). The sends and
+    receives between two computes are one group, posted at once with one `batch_isend_irecv`
+    (NCCL runs it as one ncclGroupStart/End, so the sends and receives of a group never wait for
+    one another; gloo posts them one by one, which its per-message matching makes equivalent).
+  * Receives land in buffers kept between steps, one pool per (kind, chunk, shape): a buffer goes
+    back to its pool only once the (weight-gradient) backward of its microbatch has run, because
+    the received activation is an input of the chunk's forward that its backward reads (and BW's
+    deferred matmuls read the received gradient), so a later receive cannot overwrite them.
   * A compute waits for the receive it needs (that wait is recorded as a WAIT event). A send is
-    waited for, and its tensor freed, at the first action after which the simulation proves the
-    receiver has taken it; the rest at the end of the step.
+    waited for, and its tensor freed, at the first action after which the simulation proves its
+    group complete; the rest at the end of the step.
   * The last chunk scales each microbatch's mean loss by its share of the rows, so the gradients
     accumulated over microbatches are the gradient of the whole batch's mean loss, as one process
     computes it (microbatches may differ in size by one row when M does not divide the batch).
@@ -35,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from shardlab.dist import flight
 from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule
 from shardlab.parallel.pipeline.check import check
 from shardlab.parallel.pipeline.params import TIED_TAG, clip_grad_norm_, sum_tied_grads
@@ -64,12 +71,16 @@ class PipelineExecutor:
         if stage.rank != self.rank or stage.plan.stages != size:
             raise ValueError(f"stage built for rank {stage.rank} of {stage.plan.stages}, run on rank {self.rank} of {size}")
         self.sim = check(schedule)  # every rank checks the same lists: all refuse together, before any send
+        # Kept between steps: receive buffers by (kind, chunk, shape), free ones ready for reuse.
+        self.pool: dict[tuple, list[torch.Tensor]] = {}
+        self.allocated = 0
         if self.sim.chunks != stage.plan.chunks:
             raise ValueError(f"the schedule runs {self.sim.chunks} chunks but the model is split into {stage.plan.chunks}")
         for c, r in self.sim.owners.items():
             if r != chunk_owner(c, size):
                 raise ValueError(f"the schedule runs chunk {c} on rank {r}; the split placed it on {chunk_owner(c, size)}")
-        self.actions = schedule[self.rank]
+        self.actions = self.sim.schedule[self.rank]  # the grouped plan (receives moved, nothing else)
+        self.group_at = {g[0]: g for g in self.sim.groups[self.rank]}
         self.microbatches, self.chunks = self.sim.microbatches, self.sim.chunks
         if 2 * self.microbatches * self.chunks + 2 >= TIED_TAG:
             raise ValueError(f"{self.microbatches} microbatches x {self.chunks} chunks exceed the message tags")
@@ -93,7 +104,8 @@ class PipelineExecutor:
         self.ys = torch.tensor_split(targets, m) if targets is not None else [None] * m
         self.rows = inputs.shape[0]
         self.events: list[Event] = []
-        self.recvs: dict[tuple[str, int, int], comm.Handle] = {}
+        self.recvs: dict[tuple[str, int, int], tuple[comm.Handle, torch.Tensor]] = {}
+        self.lent: dict[tuple[int, int], list[tuple[tuple, torch.Tensor]]] = {}  # (pool key, buffer) by (mb, chunk)
         self.sends: dict[int, tuple[comm.Handle, torch.Tensor]] = {}
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}   # tensors for sends and local hand-offs
@@ -102,19 +114,19 @@ class PipelineExecutor:
         stepped = False
         for i, a in enumerate(self.actions):
             start = time.perf_counter()
-            if a.op in (RECV_F, RECV_B):
-                self._post_recv(a, inputs.device)
-            elif a.op in (SEND_F, SEND_B):
-                kind = "F" if a.op == SEND_F else "B"
-                t = self.outgoing.pop((kind, a.microbatch, a.chunk))
-                self.sends[i] = (comm.isend(t, a.peer, self.group, tag=self._tag(kind, a.microbatch, a.chunk),
-                                            timeout_s=self.timeout_s), t)
+            if a.is_comm:
+                if i not in self.group_at:
+                    continue  # posted with its group
+                self._post_group(self.group_at[i], inputs.device)
             elif a.op == F:
                 start = self._forward(a)
             elif a.op in (B, BI):
                 start = self._backward(a)
+                if a.op == B:
+                    self._give_back(a.microbatch, a.chunk)
             elif a.op == BW:
                 self.stores.pop((a.microbatch, a.chunk)).flush()
+                self._give_back(a.microbatch, a.chunk)
             elif a.op == STEP:
                 self._finish(on_step)
                 stepped = True
@@ -129,24 +141,60 @@ class PipelineExecutor:
         if not stepped:
             self._finish(on_step)
         comm.broadcast(self.loss, self.last_rank, self.group, timeout_s=self.timeout_s)
-        leftovers = [k for d in (self.saved, self.outgoing, self.stores, self.recvs) for k in d]
+        leftovers = [k for d in (self.saved, self.outgoing, self.stores, self.recvs, self.lent) for k in d]
         if leftovers:  # check() makes this impossible; a guard against state leaking into the next step
             raise RuntimeError(f"rank {self.rank}: pipeline state left over after the step: {leftovers[:4]}")
         return PipelineResult(float(self.loss.item()), self.events)
 
     # ------------------------------------------------------------------------------ actions
-    def _post_recv(self, a: Action, device: torch.device) -> None:
-        kind = "F" if a.op == RECV_F else "B"
-        producer = a.chunk - 1 if kind == "F" else a.chunk + 1
-        buf = torch.empty(self.stage.activation_shape(self.xs[a.microbatch]), dtype=self.dtype, device=device)
-        self.recvs[(kind, a.microbatch, a.chunk)] = comm.irecv(
-            buf, a.peer, self.group, tag=self._tag(kind, a.microbatch, producer), timeout_s=self.timeout_s)
+    def _post_group(self, indices: list[int], device: torch.device) -> None:
+        """Post the sends and receives at `indices` as one batch_isend_irecv."""
+        ops: list[dist.P2POp] = []
+        for j in indices:
+            a = self.actions[j]
+            kind = "F" if a.op in (SEND_F, RECV_F) else "B"
+            if a.op in (SEND_F, SEND_B):
+                t = self.outgoing.pop((kind, a.microbatch, a.chunk)).contiguous()
+                tag = self._tag(kind, a.microbatch, a.chunk)
+                ops.append(dist.P2POp(dist.isend, t, group=self.group, tag=tag, group_peer=a.peer))
+            else:
+                t = self._buffer(kind, a.chunk, self.stage.activation_shape(self.xs[a.microbatch]), device)
+                tag = self._tag(kind, a.microbatch, a.chunk - 1 if kind == "F" else a.chunk + 1)
+                ops.append(dist.P2POp(dist.irecv, t, group=self.group, tag=tag, group_peer=a.peer))
+        works = dist.batch_isend_irecv(ops)
+        for n, (j, op) in enumerate(zip(indices, ops)):
+            a = self.actions[j]
+            # gloo returns one work per message; NCCL one for the whole group (its wait covers all).
+            mine = [works[n]] if len(works) == len(ops) else works
+            name = "send" if a.op in (SEND_F, SEND_B) else "recv"
+            record = flight.begin(name, self.group, op.tensor.shape, op.tensor.dtype, peer=a.peer, tag=op.tag)
+            handle = comm.Handle(name, self.group, works=mine, timeout_s=self.timeout_s, record=record)
+            if name == "send":
+                self.sends[j] = (handle, op.tensor)
+            else:
+                self.recvs[("F" if a.op == RECV_F else "B", a.microbatch, a.chunk)] = (handle, op.tensor)
+
+    def _buffer(self, kind: str, chunk: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        free = self.pool.setdefault((kind, chunk, tuple(shape), device), [])
+        if free:
+            return free.pop()
+        self.allocated += 1
+        return torch.empty(shape, dtype=self.dtype, device=device)
 
     def _take(self, kind: str, mb: int, c: int) -> torch.Tensor:
+        """The received tensor, lent to (mb, c) until its backward has run (see _give_back)."""
         start = time.perf_counter()
-        t = self.recvs.pop((kind, mb, c)).wait()
+        handle, buf = self.recvs.pop((kind, mb, c))
+        handle.wait()
         self.events.append(Event(self.rank, WAIT, mb, c, start, time.perf_counter()))
-        return t
+        self.lent.setdefault((mb, c), []).append(((kind, c, tuple(buf.shape), buf.device), buf))
+        return buf
+
+    def _give_back(self, mb: int, c: int) -> None:
+        """(mb, c)'s backward is complete (B, or BW after BI): nothing reads its received tensors any
+        more, so their buffers may take the next receives."""
+        for key, buf in self.lent.pop((mb, c), []):
+            self.pool[key].append(buf)
 
     def _wait_send(self, index: int) -> None:
         handle, _ = self.sends.pop(index)
@@ -163,7 +211,8 @@ class PipelineExecutor:
         elif chunk_owner(c - 1, self.stage.plan.stages) == self.rank:
             inp = self.outgoing.pop(("L", mb, c - 1)).detach().requires_grad_()
         else:
-            inp = self._take("F", mb, c).requires_grad_()
+            # A new leaf over the pooled buffer: the buffer itself never joins a graph or holds .grad.
+            inp = self._take("F", mb, c).detach().requires_grad_()
         start = time.perf_counter()
         last = c == self.chunks - 1
         defer = contextlib.nullcontext()
