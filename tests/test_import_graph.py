@@ -9,6 +9,7 @@ import the library, nothing below it imports bench/.
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardlab"
@@ -41,6 +42,11 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
 
 
+@cache
+def tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
 def layer(module: str) -> str:
     if module in ROOT_LAYER:
         return ROOT_LAYER[module]
@@ -53,7 +59,7 @@ def imports(module: str, path: Path) -> list[tuple[str, int]]:
     """The shardlab modules `module` imports, anywhere in its body, with line numbers."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree(path)):
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "shardlab"]
         elif isinstance(node, ast.ImportFrom):
@@ -71,6 +77,7 @@ def imports(module: str, path: Path) -> list[tuple[str, int]]:
     return found
 
 
+@cache
 def upward_imports() -> list[tuple[str, str, int, str, str]]:
     rank = {name: i for i, name in enumerate(LAYERS)}
     bad = []
@@ -103,13 +110,22 @@ def test_known_exceptions_still_exist():
     assert not stale, "known upward imports that no longer exist; remove them from KNOWN:\n  " + "\n  ".join(stale)
 
 
+def private_imports() -> list[tuple[str, str, str, int]]:
+    """(importer, name, module, line) for every `from shardlab.x import _name`."""
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(tree(path)):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("shardlab"):
+                found += [(module, a.name, node.module, node.lineno) for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
 def test_no_private_names_across_modules():
     # A name another module needs is public in the module that owns it.
-    bad = []
-    for module, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("shardlab"):
-                bad += [f"{module} imports {a.name} from {node.module} at line {node.lineno}"
-                        for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
-                        and (module, a.name) not in KNOWN_PRIVATE]
+    found = private_imports()
+    bad = [f"{m} imports {name} from {owner} at line {line}" for m, name, owner, line in found
+           if (m, name) not in KNOWN_PRIVATE]
     assert not bad, "private names imported across modules:\n  " + "\n  ".join(bad)
+    stale = [f"{m}: {name}" for m, name in KNOWN_PRIVATE if (m, name) not in {(f[0], f[1]) for f in found}]
+    assert not stale, "private imports that no longer exist; remove them from KNOWN_PRIVATE:\n  " + "\n  ".join(stale)
