@@ -25,10 +25,8 @@ KNOWN: dict[tuple[str, str], str] = {}
 
 # Private names still imported across modules, each with its reason: (importer, name) -> why.
 KNOWN_PRIVATE: dict[tuple[str, str], str] = {
-    ("shardlab.bench.memory", "_storage"): "train/memory.py's storage walk; rename when memory.py is next touched",
     ("shardlab.cli.train", "_toml_value"): "config.py's TOML writer; config.py is being edited on other branches",
     ("shardlab.cli.train", "_clear_leftovers"): "checkpoint/save.py is being reworked by the placement record (i17)",
-    ("shardlab.parallel.tensor.attention", "_rotate"): "models/gpt.py's rotary helper; the one-forward rework owns gpt.py",
 }
 
 
