@@ -15,7 +15,7 @@ from shardlab.cli.main import main
 from shardlab.dist import RankFailure
 from shardlab.parallel.pipeline import Timeline, schedule, simulate
 from shardlab.parallel.pipeline.actions import F, SEND_F
-from shardlab.parallel.pipeline.measure import ModelSpec
+from shardlab.bench.pipeline_measure import ModelSpec
 from shardlab.parallel.pipeline.timeline import Event
 
 KINDS = ["1f1b", "gpipe", "interleaved", "zb1"]

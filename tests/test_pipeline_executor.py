@@ -171,7 +171,7 @@ def _timeline_task() -> list:
 
 def test_the_executor_records_a_timeline_that_traces_and_draws(pools, tmp_path):
     from shardlab.parallel.pipeline import Timeline
-    from shardlab.parallel.pipeline.gantt import draw_gantt
+    from shardlab.bench.pipeline_gantt import draw_gantt
 
     per_rank = pools(2).run(_timeline_task)
     timeline = Timeline.merge(per_rank)

@@ -9,7 +9,7 @@ import pytest
 
 from shardlab.cli.main import main
 from shardlab.parallel.pipeline import Timeline, schedule, simulate
-from shardlab.parallel.pipeline.gantt import render_text
+from shardlab.bench.pipeline_gantt import render_text
 
 
 def test_viz_schedule_draws_prints_and_writes(capfd, tmp_path):
@@ -55,14 +55,14 @@ def test_text_chart_falls_back_to_letters_when_too_wide():
 
 
 def _measure_task() -> list:
-    from shardlab.parallel.pipeline.measure import ModelSpec, measure_rank
+    from shardlab.bench.pipeline_measure import ModelSpec, measure_rank
 
     return measure_rank([("gpipe", 4, 1), ("1f1b", 4, 1)], ModelSpec("mlp", d_model=32, n_layer=4, batch=512),
                         steps=1, warmup=0)
 
 
 def test_measured_activation_memory_follows_microbatches_in_flight(pools):
-    from shardlab.parallel.pipeline.measure import summarise
+    from shardlab.bench.pipeline_measure import summarise
 
     raw = pools(2).run(_measure_task)[0]
     gpipe, one_f = (summarise(kind, 2, m, v, r["per_rank"]) for r in raw for kind, m, v in [r["case"]])

@@ -1,8 +1,8 @@
 """The planner against measurement on this machine (issue 10, item 5).
 
 This machine is calibrated live (matmul rates by shape, copy bandwidth, fused attention and GELU,
-per-op cost, collective alpha-beta fits, overlap cost, a reference step: plan/calibrate.py), then
-small layouts of a 3.2 M-parameter GPT are run by the trainer's own code (plan/measure.py) and
+per-op cost, collective alpha-beta fits, overlap cost, a reference step: bench/plan_calibrate.py), then
+small layouts of a 3.2 M-parameter GPT are run by the trainer's own code (bench/plan_measure.py) and
 compared with the prediction: peak tensor memory within 10% and median step time within 25%, the
 issue's bars.
 
@@ -21,9 +21,10 @@ import time
 
 import pytest
 
-from shardlab.plan.calibrate import calibrate_rank
-from shardlab.plan.measure import measure_rank
-from shardlab.plan.validate_local import LOCAL_LAYOUTS, compare_row, local_config, run_hardware
+from shardlab.bench.plan_calibrate import calibrate_rank
+from shardlab.bench.plan_local import LOCAL_LAYOUTS, local_config
+from shardlab.bench.plan_measure import measure_rank
+from shardlab.plan.validate_local import compare_row, run_hardware
 
 # A cheap subset of docs/planner.md's table: one rank, data parallelism, ZeRO-1, tensor parallelism.
 CHECKED = ["dp1", "dp2", "dp2 ZeRO-1", "tp2"]

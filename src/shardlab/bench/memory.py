@@ -22,7 +22,7 @@ from shardlab.dist.env import synchronize
 from shardlab.parallel.layout import apply_layout, build_mesh
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
-from shardlab.train.memory import MemoryTracker, _storage
+from shardlab.train.memory import MemoryTracker, storage_of
 from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import build_task, prepare_model
 
@@ -47,7 +47,7 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     for name, tensors in categories.items():
         total = 0
         for t in tensors:
-            s = None if t is None else _storage(t)
+            s = None if t is None else storage_of(t)
             if s is not None and s.nbytes() and (t.device, s.data_ptr()) not in seen:
                 seen.add((t.device, s.data_ptr()))
                 total += s.nbytes()

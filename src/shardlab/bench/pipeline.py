@@ -52,7 +52,7 @@ from shardlab.bench.pipeline_variants import OURS, TORCH, TORCH_KINDS, build_var
 from shardlab.parallel.pipeline import Timeline, bubble_theory, compute_order, in_flight_theory
 from shardlab.parallel.pipeline.actions import B, BI, BW, F
 from shardlab.parallel.pipeline.check import simulate
-from shardlab.parallel.pipeline.measure import ModelSpec
+from shardlab.bench.pipeline_measure import ModelSpec
 from shardlab.parallel.pipeline.schedules import schedule
 from shardlab.parallel.pipeline.timeline import Event
 

@@ -225,7 +225,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
 def draw_gantts(result: dict[str, Any], prefix: str | Path, variants: list[str]) -> list[Path]:
     """The median-bubble step of a median run, per stage count and listed variant: PREFIX-p2-ours_1f1b.png."""
     from shardlab.bench.pipeline_replay import replay
-    from shardlab.parallel.pipeline.gantt import draw_gantt
+    from shardlab.bench.pipeline_gantt import draw_gantt
 
     prefix = Path(prefix)
     latency = {r["stages"]: r["latency_s"] for r in result["runs"]}

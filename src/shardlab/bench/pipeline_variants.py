@@ -33,7 +33,7 @@ import torch.nn.functional as F_
 
 from shardlab.parallel.pipeline import PipelineExecutor, build_stage, gather_gradients, plan_split, schedule, sum_tied_grads
 from shardlab.parallel.pipeline.actions import B, F
-from shardlab.parallel.pipeline.measure import ModelSpec
+from shardlab.bench.pipeline_measure import ModelSpec
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.pipeline.timeline import Event
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 from shardlab.bench.sweep import OPS, format_size
+# save_figure lives in the planner's plots (a layer below bench) so that both can use it; kept
+# importable from here for the bench modules that do.
+from shardlab.plan.plot import save_figure
+
+__all__ = ["plot_busbw", "save_figure"]
 
 
 def _size_label(nbytes: float) -> str:
@@ -72,14 +76,3 @@ def plot_busbw(result: dict, path: str | Path, title: str | None = None) -> Path
                  fontsize=10)
     return save_figure(fig, path)
 
-
-def save_figure(fig: Any, path: str | Path) -> Path:
-    """Lay out, write (creating the directory) and close a matplotlib figure."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

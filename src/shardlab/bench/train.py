@@ -99,7 +99,7 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _Drawn:
+class DrawnBatches:
     """A task's batches for steps [0, n), drawn and moved to the device in advance (`Task.batch`'s
     signature, so train_step takes it for the task)."""
 
@@ -159,7 +159,7 @@ def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, s
     task = build_task(cfg, model)  # the data depend on the seed only: one task serves every variant
     n_params = sum(p.numel() for p in model.parameters())
     del model
-    drawn = _Drawn(task, warmup + steps, rank, n, t.micro_batches, device)
+    drawn = DrawnBatches(task, warmup + steps, rank, n, t.micro_batches, device)
     # The benchmark's own data (pre-drawn batches, the MLP's teacher weights) is not any variant's memory.
     data = [*vars(task.train).values(), *vars(task.val).values(), *(x for b in drawn.batches.values() for x in b)]
     data_bytes = tensor_bytes(x for x in data if isinstance(x, torch.Tensor) and x.device == device)

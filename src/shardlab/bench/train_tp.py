@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.bench import torch_tp as ttp
-from shardlab.bench.train import _Drawn, timed_steps
+from shardlab.bench.train import DrawnBatches, timed_steps
 from shardlab.comm.autograd import count_comm
 from shardlab.dist.env import synchronize
 from shardlab.train.config import Config
@@ -88,7 +88,7 @@ class Setup:
     mesh: Any             # ours: shardlab.dist.mesh.DeviceMesh, dp x tp
     torch_mesh: Any       # torch's 1-D DeviceMesh over tp, None without torch variants
     task: Task            # the data (reading the corpus takes seconds: once per run)
-    drawn: _Drawn         # this dp rank's batches
+    drawn: DrawnBatches         # this dp rank's batches
     dp_rank: int
     dp_size: int
     data_bytes: int = 0  # the batches and corpus: in every whole-step figure, subtracted
@@ -150,7 +150,7 @@ def check_losses(variants: list[str], s: Setup, rtol: float = RTOL) -> dict[str,
     batch and for every variant; raises LossMismatch (on every rank alike) when any differs."""
     c = s.cfg
     plain = prepare_model(c).to(s.device)
-    global_batch = _Drawn(s.task, 2, 0, 1, c.train.micro_batches, s.device)
+    global_batch = DrawnBatches(s.task, 2, 0, 1, c.train.micro_batches, s.device)
     ref_setup = Setup(c, s.device, None, None, s.task, global_batch, 0, 1)
     opt = make_optimizer(plain, c.optim, c.layout.precision)
     ref = [step("plain", plain, opt, ref_setup, 0), eval_loss("plain", plain, ref_setup, 1)]
@@ -233,7 +233,7 @@ def _setup(cfg: Config, variants: list[str], steps: int) -> Setup:
         torch_mesh = init_device_mesh(device.type, (cfg.layout.tp,), mesh_dim_names=("tp",))
     dp_rank, dp_size = mesh.local_rank("dp"), cfg.layout.dp
     task = build_task(cfg, prepare_model(cfg))
-    drawn = _Drawn(task, max(2, steps), dp_rank, dp_size, cfg.train.micro_batches, device)
+    drawn = DrawnBatches(task, max(2, steps), dp_rank, dp_size, cfg.train.micro_batches, device)
     s = Setup(cfg, device, mesh, torch_mesh, task, drawn, dp_rank, dp_size)
     # The benchmark's own data (the corpus, the batches drawn in advance) is no variant's memory.
     data = [*vars(task.train).values(), *vars(task.val).values(), *(x for b in drawn.batches.values() for x in b)]

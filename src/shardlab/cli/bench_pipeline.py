@@ -173,7 +173,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from shardlab.bench import pipeline_report as report
     from shardlab.cli.common import launch_kwargs
     from shardlab.dist import under_torchrun
-    from shardlab.parallel.pipeline.measure import ModelSpec
+    from shardlab.bench.pipeline_measure import ModelSpec
 
     if under_torchrun():
         print("shardlab bench pipeline launches its own ranks (a fresh launch per run and P); run it without "

@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(args)
     if args.validate_local:
-        from shardlab.plan.validate_report import print_local_validation
+        from shardlab.bench.plan_local import print_local_validation
 
         return print_local_validation(args.calibration, args.json, args.plot, args.threads)
     from shardlab.plan.layout import LayoutError, PlanLayout
@@ -345,8 +345,8 @@ def _write(path: str, data: dict) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from shardlab.bench.plan_local import calibrate_here
     from shardlab.plan.calibrate import save_calibration
-    from shardlab.plan.validate_local import calibrate_here
 
     print(f"calibrating this machine on {args.world_size} rank(s), {args.threads} thread(s) each ...")
     cal = calibrate_here(args.threads, args.world_size)

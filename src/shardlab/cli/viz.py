@@ -114,7 +114,7 @@ def _times(text: str) -> dict[str, float]:
 
 def run_schedule(args: argparse.Namespace) -> int:
     from shardlab.parallel.pipeline import ScheduleError, Timeline, bubble_theory, fmt, in_flight_theory, schedule, simulate
-    from shardlab.parallel.pipeline.gantt import draw_gantt, render_text
+    from shardlab.bench.pipeline_gantt import draw_gantt, render_text
 
     p, m = args.stages, args.microbatches
     v = args.virtual_stages if args.schedule == "interleaved" else 1
@@ -158,8 +158,8 @@ def _suffixed(path: str, case: str, many: bool) -> str:
 
 
 def run_measure(args: argparse.Namespace) -> int:
-    from shardlab.parallel.pipeline.gantt import draw_gantt
-    from shardlab.parallel.pipeline.measure import ModelSpec, measure
+    from shardlab.bench.pipeline_gantt import draw_gantt
+    from shardlab.bench.pipeline_measure import ModelSpec, measure
     from shardlab.parallel.pipeline.schedules import KINDS, compute_order
 
     cases = []

@@ -65,7 +65,7 @@ class GPTConfig:
         return self.d_model // self.n_head
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -86,7 +86,7 @@ class CausalSelfAttention(nn.Module):
         k, v = self.kv(x).view(b, t, 2, -1, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         y = self.attend(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 

@@ -46,7 +46,7 @@ from shardlab.parallel.placement import MeshAxis, Placement, tied_aliases
 from shardlab.parallel.zero import ZeroDataParallel
 
 if TYPE_CHECKING:
-    from shardlab.train.config import LayoutSection
+    from shardlab.parallel.layout_section import LayoutSection
 
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
 """The mesh's axes in their default order, outermost first (layout.mesh_order permutes them)."""

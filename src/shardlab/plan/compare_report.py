@@ -6,7 +6,7 @@ from shardlab.plan.compare import NETWORKS, compare_networks, explain_comparison
 from shardlab.plan.hardware import get_hardware
 from shardlab.plan.layout import PlanLayout
 from shardlab.plan.models import ModelSpec
-from shardlab.plan.validate_report import _write
+from shardlab.plan.validate_report import write_json
 
 
 def _networks(choice: str) -> list[tuple[str, str]]:
@@ -36,7 +36,7 @@ def print_comparison(spec: ModelSpec, gpus: int, global_batch: int, base: PlanLa
     print(format_comparison(rows))
     print()
     print("\n".join(explain_comparison(rows)))
-    _write(json_path, {"tool": "shardlab plan --compare-networks", "gpus": gpus, "global_batch": global_batch,
+    write_json(json_path, {"tool": "shardlab plan --compare-networks", "gpus": gpus, "global_batch": global_batch,
                        "rows": [{"network": r.label, "hardware": r.hardware.to_dict(),
                                  "best": r.best.to_dict() if r.best else None,
                                  "same_layout": r.same.to_dict() if r.same else None,

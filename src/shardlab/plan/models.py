@@ -225,13 +225,13 @@ def spec_from_config(m, name: str | None = None) -> ModelSpec:
     shardlab's GPT: LayerNorm (gain and bias) or RMSNorm, a GELU or SwiGLU MLP, optional linear biases, learned positions unless
     rotary, a head tied to the embedding or not, dropout only when its probability is above 0, and
     torch's fused scaled_dot_product_attention (no s x s matrix kept for backward)."""
-    from shardlab.train.data import VOCAB_SIZE
+    from shardlab.data.tokenizer import ByteTokenizer  # the default: byte tokens
 
     if m.name != "gpt":
         raise ValueError(f"the planner models GPT-style decoders; model.name is {m.name!r}")
     return ModelSpec(
         name or f"shardlab-gpt-{m.n_layer}x{m.d_model}", layers=m.n_layer, hidden=m.d_model, heads=m.n_head,
-        kv_heads=m.n_kv_head, ffn=m.d_ff, vocab=m.vocab_size or VOCAB_SIZE, seq=m.seq_len, bias=m.bias,
+        kv_heads=m.n_kv_head, ffn=m.d_ff, vocab=m.vocab_size or ByteTokenizer.vocab_size, seq=m.seq_len, bias=m.bias,
         gated_mlp=m.mlp == "swiglu", norm=m.norm,
         tied_embeddings=m.tie_embeddings, learned_positions=not m.rotary, attention="flash",
         dropout=m.dropout > 0, attention_output_copied=True, source="shardlab configuration",

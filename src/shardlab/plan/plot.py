@@ -15,11 +15,21 @@ def _plt() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay out, write (creating the directory) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_agreement(points: list[tuple[str, float, float]], path: str | Path, title: str, unit: str,
                    band: float, log: bool = True) -> Path:
     """Predicted (y) against reference (x), the y = x line and a +/- `band` relative corridor."""
-    from shardlab.bench.plot import save_figure
-
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.2, 5.2))
     xs = [p[1] for p in points]
@@ -48,8 +58,6 @@ def plot_agreement(points: list[tuple[str, float, float]], path: str | Path, tit
 def plot_breakdown(evaluations: list, path: str | Path, title: str, labels: list[str] | None = None) -> Path:
     """Stacked bars: each ranked layout's step time by component (compute, exposed communication,
     bubble, optimizer)."""
-    from shardlab.bench.plot import save_figure
-
     plt = _plt()
     parts = [("compute", "compute_s"), ("tp/cp/ep comm", "comm_exposed_s"), ("pipeline p2p", "p2p_s"),
              ("bubble", "bubble_s"), ("dp comm", "dp_comm_s"), ("optimizer", "optimizer_s")]

@@ -7,7 +7,7 @@ from shardlab.plan.hardware import H100_FP8_EFF, HOPPER_ATTN_EFF, get_hardware
 from shardlab.plan.published_h100 import LLAMA3_405B
 from shardlab.plan.validate_comm import comm_rows, format_comm
 from shardlab.plan.validate_h100 import calibrate, h100_rows, leave_one_out, summary
-from shardlab.plan.validate_report import _write
+from shardlab.plan.validate_report import write_json
 
 
 def h100_report() -> tuple[str, dict]:
@@ -47,7 +47,7 @@ def h100_report() -> tuple[str, dict]:
 def print_h100_validation(json_path: str | None = None, plot_path: str | None = None) -> int:
     text, data = h100_report()
     print(text)
-    _write(json_path, data)
+    write_json(json_path, data)
     if plot_path:
         from shardlab.plan.plot import plot_agreement
 
@@ -63,5 +63,5 @@ def print_comm_validation(json_path: str | None = None) -> int:
     print(format_comm(rows))
     for r in rows:
         print(f"  {r['case']}: {r['source']}" + (f" ({r['note']})" if r["note"] else ""))
-    _write(json_path, {"rows": rows})
+    write_json(json_path, {"rows": rows})
     return 0

@@ -1,7 +1,8 @@
-"""Validation against measurement: layouts run on this machine beside the planner's prediction.
+"""Validation against measurement: the planner's prediction of a run configuration, beside what
+bench/plan_local.py measured of it on this machine (the measuring is a tool, outside the library).
 
-    cal = calibrate_here()                       # this machine's rates, on 2 ranks (calibrate.py)
-    rows = compare(LOCAL_LAYOUTS, this_cpu(cal)) # each layout measured (measure.py) and predicted
+    spec, layout, global_batch = plan_from_config(cfg)   # the planner's view of a trainer config
+    row = compare_row(name, cfg, measured, run_hardware(cal, measured), cal.get("probe_flops"))
 
 The planner sees shardlab's trainer as it is: fp32 on CPU, gloo, no asynchronous tensor-parallel
 collectives (shardlab's autograd collectives block), gradient buckets that persist under data
@@ -16,29 +17,6 @@ from shardlab.plan.layout import PlanLayout
 from shardlab.plan.memory import RankMemory, rank_memory
 from shardlab.plan.models import ModelSpec, spec_from_config
 from shardlab.plan.steptime import StepTime, step_time
-
-# A GPT big enough that matmuls dominate a step on one core (3.2 M parameters, 0.3-0.7 s a step),
-# small enough that a layout measures in seconds.
-LOCAL_BASE = ["model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.seq_len=128",
-              "train.global_batch=16", "data.max_bytes=2097152", "train.warmup_steps=0"]
-LOCAL_LAYOUTS: dict[str, list[str]] = {
-    "dp1": [],
-    "dp1, 2 micro-batches": ["train.micro_batches=2"],
-    "dp2": ["layout.dp=2"],
-    "dp2 ZeRO-1": ["layout.dp=2", "layout.zero=1"],
-    "dp2 ZeRO-2": ["layout.dp=2", "layout.zero=2"],
-    "dp2 ZeRO-3": ["layout.dp=2", "layout.zero=3"],
-    "tp2": ["layout.tp=2"],
-}
-
-
-def local_config(overrides: list[str]):
-    from shardlab.train.config import load_config
-
-    cfg = load_config(None, LOCAL_BASE + overrides)
-    cfg.validate()
-    return cfg
-
 
 def plan_from_config(cfg) -> tuple[ModelSpec, PlanLayout, int]:
     """The planner's view of a shardlab run configuration: (model, layout, global batch)."""
@@ -61,25 +39,10 @@ def predict(cfg, hw: Hardware) -> tuple[RankMemory, StepTime]:
     return rank_memory(spec, lay, gb), step_time(spec, lay, hw, gb)
 
 
-def calibrate_here(threads: int = 1, world_size: int = 2, **launch_kwargs) -> dict:
-    """Calibrate on `world_size` ranks of this machine (calibrate.calibrate_rank)."""
-    from shardlab.dist import launch
-    from shardlab.plan.calibrate import calibrate_rank
-
-    return launch(calibrate_rank, world_size, threads, threads=threads, **launch_kwargs)[0]
-
-
-def measure(cfg, steps: int = 5, threads: int = 1, **launch_kwargs) -> dict:
-    from shardlab.dist import launch
-    from shardlab.plan.measure import measure_rank
-
-    return launch(measure_rank, cfg.world_size, cfg.to_dict(), steps, threads=threads, **launch_kwargs)[0]
-
-
 def run_hardware(cal: dict, measured: dict) -> Hardware:
     """this-cpu as it was during a run: the calibration's kernel rates (their relative costs by
     shape and kind), with the step efficiency taken from the reference step timed during the run
-    (measure.py) instead of at calibration. This machine is shared and its speed drifts by 10-20%
+    (bench/plan_measure.py) instead of at calibration. This machine is shared and its speed drifts by 10-20%
     from minute to minute; the reference step, a GPT of another shape than any layout validated,
     run on the same ranks at the same time, carries that drift and nothing of the layout."""
     from shardlab.plan.calibrate import reference_efficiency
@@ -91,7 +54,7 @@ def run_hardware(cal: dict, measured: dict) -> Hardware:
 
 def compare_row(name: str, cfg, measured: dict, hw: Hardware, calibration_probe: float | None = None) -> dict:
     """Predicted beside measured. `speed` is a diagnostic: the reference matmul timed during the
-    run (measure.py) over the same matmul at calibration (far from 1: the run saw another load)."""
+    run (bench/plan_measure.py) over the same matmul at calibration (far from 1: the run saw another load)."""
     mem, st = predict(cfg, hw)
     speed = measured["probe_flops"] / calibration_probe if calibration_probe and measured.get("probe_flops") else None
     return {

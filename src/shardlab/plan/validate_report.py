@@ -64,7 +64,8 @@ def published_report(refit: bool = True, loo: bool = True) -> tuple[str, dict]:
     return "\n".join(lines), data
 
 
-def _write(path: str | None, data: dict) -> None:
+def write_json(path: str | None, data: dict) -> None:
+    """Write `data` as indented JSON to `path` (nothing when it is None) and say so."""
     if path:
         with open(path, "w") as f:
             json.dump(data, f, indent=2)
@@ -75,49 +76,10 @@ def _write(path: str | None, data: dict) -> None:
 def print_validation(json_path: str | None = None, plot_path: str | None = None) -> int:
     text, data = published_report()
     print(text)
-    _write(json_path, data)
+    write_json(json_path, data)
     if plot_path:
         from shardlab.plan.plot import plot_agreement
 
         pts = [(r["case"], r["published_s"], r["predicted_s"]) for r in data["rows"]]
         print(f"wrote {plot_agreement(pts, plot_path, 'Korthikanti et al. 2022, Table 5: seconds per iteration', 's', 0.08)}")
-    return 0
-
-
-def local_report(rows: list[dict], cal: dict) -> str:
-    lines = [f"This machine ({cal.get('host')}, {cal.get('threads')} thread per rank): matmul {cal['matmul_flops'] / 1e9:.1f} "
-             f"GFLOP/s (median of the grid), copy {cal['copy_bandwidth'] / 1e9:.1f} GB/s, {cal['op_overhead_s'] * 1e6:.0f} us "
-             f"per op, overlap cost {cal.get('overlap_cost', 1.0):.2f}, {len(cal.get('fits', []))} collective fits",
-             f"{'layout':<22}{'ranks':>6}{'mem pred':>10}{'mem meas':>10}{'err':>8}{'step pred':>11}{'step meas':>11}"
-             f"{'err':>8}{'eff':>6}{'speed':>7}", "-" * 99]
-    for r in rows:
-        lines.append(f"{r['layout']:<22}{r['world_size']:>6}{r['predicted_bytes'] / 2**20:>9.1f}M"
-                     f"{r['measured_bytes'] / 2**20:>9.1f}M{r['memory_error'] * 100:>+7.1f}%"
-                     f"{r['predicted_step_s']:>10.3f}s{r['measured_step_s']:>10.3f}s{r['time_error'] * 100:>+7.1f}%"
-                     f"{r['step_efficiency']:>6.2f}{r['speed'] or float('nan'):>7.2f}")
-    lines.append("eff: step efficiency from the reference step timed during the run; speed: a reference matmul's "
-                 "rate during the run over its rate at calibration (this machine is shared)")
-    return "\n".join(lines)
-
-
-def print_local_validation(calibration: str | None, json_path: str | None, plot_path: str | None,
-                           threads: int = 1) -> int:
-    from shardlab.plan.calibrate import load_calibration
-    from shardlab.plan.validate_local import (LOCAL_LAYOUTS, calibrate_here, compare_row, local_config, measure,
-                                              run_hardware)
-
-    cal = load_calibration(calibration) if calibration else calibrate_here(threads)
-    rows = []
-    for name, overrides in LOCAL_LAYOUTS.items():
-        cfg = local_config(overrides)
-        measured = measure(cfg, threads=threads)
-        rows.append(compare_row(name, cfg, measured, run_hardware(cal, measured), cal.get("probe_flops")))
-        print(f"  measured {name}", flush=True)
-    print(local_report(rows, cal))
-    _write(json_path, {"calibration": cal, "rows": rows})
-    if plot_path:
-        from shardlab.plan.plot import plot_agreement
-
-        pts = [(r["layout"], r["measured_step_s"], r["predicted_step_s"]) for r in rows]
-        print(f"wrote {plot_agreement(pts, plot_path, 'This machine: seconds per step, predicted vs measured', 's', 0.25)}")
     return 0

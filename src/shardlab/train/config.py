@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardlab.train.layout_section import LayoutSection
+from shardlab.parallel.layout_section import LayoutSection
 
 
 class ConfigError(ValueError):

@@ -33,7 +33,7 @@ _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.defa
 _Baseline = Iterable[torch.Tensor | None] | Callable[[], Iterable[torch.Tensor | None]]
 
 
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The tensor's storage, or None where it has none (sparse, meta, wrapper subclasses)."""
     if t.layout != torch.strided or t.device.type == "meta":
         return None
@@ -68,7 +68,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     storage counts whole even where only part of it is viewed, as the memory is held all the same)."""
     seen: dict[tuple[torch.device, int], int] = {}
     for t in (d for t in tensors if t is not None for d in _dense(t)):
-        s = _storage(t)
+        s = storage_of(t)
         if s is not None:  # keyed by address: two storage objects over one memory are one memory
             seen[(t.device, s.data_ptr())] = s.nbytes()
     return sum(seen.values())
@@ -177,7 +177,7 @@ class MemoryTracker:
             # A DTensor's op ran its local op with this mode off: its shard is seen only from here.
             self._see(_inner(out), new)
             return
-        s = _storage(out) if isinstance(out, torch.Tensor) and out.device == self.device else None
+        s = storage_of(out) if isinstance(out, torch.Tensor) and out.device == self.device else None
         ref = None if s is None else self._live.get(id(s))
         if ref is None:
             if s is not None and new:
@@ -207,7 +207,7 @@ class MemoryTracker:
         with self._lock:
             self._live, self._current = {}, 0
         for t in (d for t in self._baseline_tensors() if t is not None for d in _dense(t)):
-            s = _storage(t) if t.device == self.device else None
+            s = storage_of(t) if t.device == self.device else None
             if s is not None and id(s) not in self._live:
                 self._register(s)
         self._peak = self._at_entry = self._current

@@ -14,8 +14,8 @@ receives each implies), zero_bubble.py (ZB-H1), check.py (simulation: deadlock p
 partition.py and stages.py (the split), splitgrad.py (backward split into BI and BW), executor.py,
 params.py (tied copies, gathering by original name), model.py (a stage packaged for the trainer:
 PipelineParallel, its forward-only pass and StageOptimizer), tensor_stage.py (stages cut by tensor
-parallelism: tp x pp), timeline.py and gantt.py (traces and charts),
-measure.py (bubble and activation memory of real runs). See docs/pipeline.md.
+parallelism: tp x pp), timeline.py (traces; the charts are bench/pipeline_gantt.py and the
+measurement of real runs bench/pipeline_measure.py). See docs/pipeline.md.
 """
 
 from shardlab.parallel.pipeline.actions import Action, Schedule, fmt

@@ -1,6 +1,6 @@
 """What each rank did when: planned (from the simulation) or measured (from the executor).
 
-One Timeline feeds the Gantt chart (gantt.py), the Chrome-trace JSON (open it in chrome://tracing
+One Timeline feeds the Gantt chart (bench/pipeline_gantt.py), the Chrome-trace JSON (open it in chrome://tracing
 or https://ui.perfetto.dev: one row per rank) and the bubble fraction, so the plan and a real run are
 read the same way.
 """

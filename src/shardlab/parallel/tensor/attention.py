@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from shardlab.comm.autograd import copy_to_group
 from shardlab.comm.dispatch import Group
-from shardlab.models.gpt import CausalSelfAttention, _rotate
+from shardlab.models.gpt import CausalSelfAttention, apply_rotary
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from shardlab.parallel.tensor.shared_input import copied_linears, sequence_parallel_linears
 from shardlab.parallel.tensor.shards import SharesGroups
@@ -103,7 +103,7 @@ class HeadParallelAttention(SharesGroups, CausalSelfAttention):
         k, v = kv.view(b, t, 2, -1, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         y = self.attend(q, k, v).transpose(1, 2)
         return self.proj(y.reshape(b * t, -1) if self.sequence_parallel else y.reshape(b, t, -1))
 

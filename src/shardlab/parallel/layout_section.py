@@ -1,4 +1,5 @@
-"""The `[layout]` section of a configuration: how the work is spread over ranks (train/config.py
+"""The `[layout]` section of a configuration: how the work is spread over ranks (the layout's options,
+here below the trainer so that parallel/layout.py reads them without importing train/; train/config.py
 holds the other sections and the loading; config_check.py the rules that refuse a layout)."""
 
 from __future__ import annotations

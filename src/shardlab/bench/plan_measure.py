@@ -5,8 +5,8 @@ pieces (the plain model, the layout applied over the mesh, the optimizer, train/
 train_step), one warm-up step, `steps` timed steps (the slowest rank's time per step; the median
 is reported), then one step under the MemoryTracker (train/memory.py: live tensor storages, the
 measure `shardlab memory` and the trainer use). Before and after the timed steps every rank times
-the calibration's reference matmul (calibrate.probe_rate), and before each timed step the
-calibration's reference training step (calibrate.reference_step): the machine's speed during the
+the calibration's reference matmul (plan_calibrate.probe_rate), and before each timed step the
+calibration's reference training step (plan_calibrate.reference_step): the machine's speed during the
 run, seen by both alike. Nothing is written to disk.
 """
 
@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 
 def measure_rank(cfg_dict: dict, steps: int = 5) -> dict[str, Any]:
+    from shardlab.bench.plan_calibrate import probe_rate, reference_step
     from shardlab.dist.env import synchronize
-    from shardlab.plan.calibrate import probe_rate, reference_step
     from shardlab.parallel.layout import apply_layout, build_mesh
     from shardlab.train.config import Config
     from shardlab.train.memory import MemoryTracker, tensor_bytes
