@@ -25,8 +25,6 @@ KNOWN: dict[tuple[str, str], str] = {}
 
 # Private names still imported across modules, each with its reason: (importer, name) -> why.
 KNOWN_PRIVATE: dict[tuple[str, str], str] = {
-    ("shardlab.cli.train", "_toml_value"): "config.py's TOML writer; config.py is being edited on other branches",
-    ("shardlab.cli.train", "_clear_leftovers"): "checkpoint/save.py is being reworked by the placement record (i17)",
 }
 
 

@@ -126,7 +126,7 @@ def plan(everyone: list[list[tuple]]) -> tuple[list[list[int]], dict[str, tuple[
     return [sorted(c) for c in chosen], shapes
 
 
-def _clear_leftovers(root: Path) -> None:
+def clear_leftovers(root: Path) -> None:
     for d in root.iterdir():
         if d.is_dir() and (d.name.startswith(".tmp-") or d.name.startswith(".trash-")):
             shutil.rmtree(d, ignore_errors=True)
@@ -151,7 +151,7 @@ def write_snapshot(snap: Snapshot, root: Path, keep: int | None, group: dist.Pro
     if g.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            _clear_leftovers(root)
+            clear_leftovers(root)
         except OSError as exc:
             problem = f"rank 0 cannot prepare {root}: {plain_os_error(exc, root)}"
     # Also orders rank 0's clean-up before every write.

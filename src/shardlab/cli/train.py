@@ -308,12 +308,12 @@ def discard_partial_save(cfg) -> None:
     """After ranks were killed (a stop signal's grace period ran out, or a second signal), remove a
     save they left half-written (.tmp-step_N/; never a checkpoint: only a rename publishes one)
     rather than leave it for the next save to clear. Every rank is gone: nothing writes there now."""
-    from shardlab.checkpoint.save import _clear_leftovers
+    from shardlab.checkpoint.save import clear_leftovers
     from shardlab.train.loop import checkpoint_dir
 
     root = checkpoint_dir(cfg)
     if root.is_dir():
-        _clear_leftovers(root)
+        clear_leftovers(root)
 
 
 

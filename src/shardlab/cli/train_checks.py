@@ -9,13 +9,13 @@ def hf_assignments(path: str) -> list[str]:
     """`--init-from-hf DIR` as model.* assignments: the checkpoint's shape, then where to load it from."""
     from shardlab.checkpoint import CheckpointError
     from shardlab.checkpoint.hf import hf_model_fields
-    from shardlab.train.config import ConfigError, _toml_value
+    from shardlab.train.config import ConfigError, toml_value
 
     try:
         fields = hf_model_fields(path)
     except (CheckpointError, OSError, ValueError) as exc:
         raise ConfigError(f"--init-from-hf {path}: {exc}") from exc
-    return [f"model.{k}={_toml_value(v)}" for k, v in fields.items()] + [f"model.init_from_hf={_toml_value(path)}"]
+    return [f"model.{k}={toml_value(v)}" for k, v in fields.items()] + [f"model.init_from_hf={toml_value(path)}"]
 
 
 def hf_problems(m) -> list[str]:

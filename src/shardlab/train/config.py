@@ -292,7 +292,7 @@ class Config:
         for name in SECTIONS:
             lines.append(f"[{name}]")
             for key, value in dataclasses.asdict(getattr(self, name)).items():
-                lines.append(f"{key} = {_toml_value(value)}")
+                lines.append(f"{key} = {toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
 
@@ -353,7 +353,7 @@ def _coerce(name: str, value: Any, annotation: Any, origin: str) -> Any:
     raise ConfigError(f"{origin}: {name} must be {kind}, got {value!r}")
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):

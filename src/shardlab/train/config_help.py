@@ -7,7 +7,7 @@ import ast
 import dataclasses
 import inspect
 
-from shardlab.train.config import SECTIONS, _toml_value
+from shardlab.train.config import SECTIONS, toml_value
 
 
 def describe_fields() -> str:
@@ -17,7 +17,7 @@ def describe_fields() -> str:
         docs = _field_docs(cls)
         lines.append(f"[{name}]  {(cls.__doc__ or '').strip()}")
         for f in dataclasses.fields(cls):
-            default = _toml_value(f.default)
+            default = toml_value(f.default)
             lines.append(f"  {f.name} = {default}  ({f.type})")
             if docs.get(f.name):
                 lines.append(f"      {docs[f.name]}")
