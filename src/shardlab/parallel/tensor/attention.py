@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from shardlab.comm.autograd import copy_to_group
 from shardlab.comm.dispatch import Group
+from shardlab.parallel.precision import carry_fp32_source
 from shardlab.models.gpt import CausalSelfAttention, _rotate
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from shardlab.parallel.tensor.shared_input import copied_linears, sequence_parallel_linears
@@ -61,6 +62,9 @@ class KVReplicaLinear(SharesGroups, nn.Module):
         self.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=linear.weight.requires_grad)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                    requires_grad=linear.bias.requires_grad)
+        for src, dst in ((linear.weight, self.weight), (linear.bias, self.bias)):
+            if src is not None and dst is not None:
+                carry_fp32_source(src, dst, lambda t: t)  # whole on every rank: masters from fp32
 
     def local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Rows are [keys of every head; values of every head]: take this head's keys and values.
