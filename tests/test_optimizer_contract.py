@@ -127,3 +127,16 @@ def test_masters_start_from_the_fp32_weights(pools, precision):
             assert r["all_pieces"] > 0 and r["all_not_exact"] == 0 and r["all_not_rounded"] == 0, (zero, r)
             assert r["rounded_differs"] > 0, (zero, r)  # the rounding is not the fp32 value: not vacuous
             assert r["kept"] == 0, (zero, r)  # the fp32 copies went once the masters held them
+
+
+def test_weights_loaded_after_the_cast_win_over_the_kept_fp32_values():
+    from shardlab.parallel import MixedPrecisionOptimizer, apply_precision
+
+    torch.manual_seed(0)
+    net = nn.Linear(6, 4)
+    exact = net.weight.detach().clone()
+    apply_precision(net, "bf16")
+    with torch.no_grad():
+        net.bias.fill_(0.5)  # a load into the 16-bit model: its master must start from it, not the stale fp32
+    opt = MixedPrecisionOptimizer(net.parameters(), torch.optim.AdamW)
+    assert torch.equal(opt.masters[0], exact) and torch.equal(opt.masters[1], torch.full((4,), 0.5))

@@ -175,23 +175,32 @@ def drop_fp32_sources(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def carry_fp32_source(src: torch.Tensor, dst: torch.Tensor, cut: Any) -> None:
+def carry_fp32_source(src: torch.Tensor, dst: torch.Tensor, cut: Any, owner: nn.Module | None = None,
+                      name: str = "") -> None:
     """`dst` is made from `src` by `cut` (a tensor-parallel shard): give it `cut` of src's fp32
-    source, and src's refusal of plain optimizers."""
+    source, and src's refusal of plain optimizers; kept also on `owner` (dst's module, under
+    `name`) so that a deep copy of it (a pipeline stage's) keeps them."""
     source = fp32_source(src)
     if source is not None:
         set_fp32_source(dst, cut(source).detach().clone().view(dst.shape))
     carry_refusal(src, dst)
+    if source is not None and owner is not None:
+        owner.__dict__.setdefault(_FP32_SOURCE, {})[name] = (fp32_source(dst), refusal(dst))
 
 
 @torch.no_grad()
 def master_from_source(param: torch.Tensor, start: int, stop: int, tensor: torch.Tensor) -> torch.Tensor:
     """The fp32 master of elements [start, stop) of `param`, held as `tensor`: from the fp32 source
-    where apply_precision kept one, else from the compute-dtype tensor itself."""
+    where apply_precision kept one, else from the compute-dtype tensor itself. An element whose
+    weight no longer is its source's rounding (weights loaded into the 16-bit model after
+    apply_precision) starts from the weight: a stale source must not undo a load."""
+    rounded = tensor.detach().float()
     source = fp32_source(param)
-    if source is not None and source.numel() == param.numel():
-        return source.reshape(-1)[start:stop].view(tensor.shape).clone()
-    return tensor.detach().float()
+    if source is None or source.numel() != param.numel():
+        return rounded
+    # The source stays where apply_precision ran (a model moved to a GPU after it keeps it on the host).
+    exact = source.reshape(-1)[start:stop].view(tensor.shape).to(tensor.device, copy=True)
+    return torch.where(exact.to(tensor.dtype) == tensor, exact, rounded)
 
 
 class LossScaler:

@@ -62,9 +62,9 @@ class KVReplicaLinear(SharesGroups, nn.Module):
         self.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=linear.weight.requires_grad)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                    requires_grad=linear.bias.requires_grad)
-        for src, dst in ((linear.weight, self.weight), (linear.bias, self.bias)):
+        for name, src, dst in (("weight", linear.weight, self.weight), ("bias", linear.bias, self.bias)):
             if src is not None and dst is not None:
-                carry_fp32_source(src, dst, lambda t: t)  # whole on every rank: masters from fp32
+                carry_fp32_source(src, dst, lambda t: t, self, name)  # whole on every rank
 
     def local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Rows are [keys of every head; values of every head]: take this head's keys and values.

@@ -71,10 +71,10 @@ def keep_frozen(new: nn.Module, old: nn.Module) -> nn.Module:
             p.requires_grad_(src.requires_grad)
             spec = specs.get(name)
             if spec is None:  # whole on every rank
-                carry_fp32_source(src, p, lambda t: t)
+                carry_fp32_source(src, p, lambda t: t, new, name)
             else:
                 r, n = dist.get_rank(new.group), dist.get_world_size(new.group)
-                carry_fp32_source(src, p, lambda t, s=spec: shard_tensor(t, s, r, n))
+                carry_fp32_source(src, p, lambda t, s=spec: shard_tensor(t, s, r, n), new, name)
     return new
 
 
