@@ -41,10 +41,9 @@ def _model() -> nn.Module:
 
 def test_masters_are_fp32_and_the_weights_their_rounding():
     model = apply_precision(_model(), "bf16")
-    exact = _model()  # the same initial weights in fp32, stepped by plain AdamW on the same gradients
-    with torch.no_grad():
-        for p, q in zip(exact.parameters(), model.parameters()):
-            p.copy_(q.float())  # start from the bf16-rounded weights, as the masters do
+    # The same initial weights in fp32, stepped by plain AdamW on the same gradients: the masters start
+    # from the fp32 initialisation (not from its bf16 rounding), so this is the fp32 model itself.
+    exact = _model()
     opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     ref = torch.optim.AdamW(exact.parameters(), lr=1e-2)
     assert all(m.dtype == torch.float32 for m in opt.master_tensors())

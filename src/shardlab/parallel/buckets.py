@@ -101,11 +101,20 @@ def trainable_params(module: nn.Module) -> list[nn.Parameter]:
 @torch.no_grad()
 def broadcast_state(module: nn.Module, group: "torch.distributed.ProcessGroup | None") -> None:
     """Start every rank from rank 0's weights and buffers (e.g. BatchNorm running stats), each tensor
-    once, so the replicas are equal from the first step; every data-parallel wrapper begins so."""
+    once, so the replicas are equal from the first step; every data-parallel wrapper begins so.
+    The fp32 weights a mixed-precision model keeps for its masters (precision.py) go with them."""
     from shardlab import comm
+    from shardlab.parallel.precision import fp32_source, restore_fp32_sources, set_fp32_source
 
+    restore_fp32_sources(module)
     for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
         comm.broadcast(t.data, 0, group)
+        source = fp32_source(t)
+        if source is not None:
+            if source.device != t.device:  # kept where apply_precision ran; the backend needs t's device
+                source = source.to(t.device)
+                set_fp32_source(t, source)
+            comm.broadcast(source, 0, group)
 
 
 def build_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:

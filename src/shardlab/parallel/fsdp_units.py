@@ -15,6 +15,7 @@ import torch.nn as nn
 from shardlab.comm import Handle
 from shardlab.parallel.optim import Piece, PieceOptimizer
 from shardlab.parallel.placement import FlatChunk, MeshAxis, Placement
+from shardlab.parallel.stepguard import refuse_plain_step
 
 Policy = Union[None, int, type, Iterable[type], Callable[[nn.Module], bool]]
 
@@ -113,6 +114,7 @@ def make_unit(index: int, module: nn.Module, params: list[nn.Parameter], world: 
             a = off + start - lo
             pieces.append(Piece(p, start, stop, a, nn.Parameter(shard[a : a + stop - start])))
         p.data = placeholder(p)
+        refuse_plain_step(p, "a ZeRO-3 placeholder between gathers (the rank's shard lives in its unit)")
     return Unit(index, module, params, offsets, padded, shard, pieces)
 
 

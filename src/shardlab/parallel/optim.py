@@ -35,7 +35,7 @@ import torch.nn as nn
 from shardlab import comm
 from shardlab.parallel.gradnorm import clip_coefficient, global_grad_norm
 from shardlab.parallel.placement import Placement
-from shardlab.parallel.precision import LossScaler
+from shardlab.parallel.precision import LossScaler, master_from_source, set_fp32_source
 
 # Optimizers whose update of an element depends on that element's gradient and state only.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
@@ -112,10 +112,15 @@ class PieceOptimizer(torch.optim.Optimizer):
         groups = param_groups(params)
         self.pieces: list[Piece] = list(layout.pieces())
         # A low-precision piece is stepped through its fp32 master; an fp32 piece is its own master.
+        # Masters start from the fp32 weights apply_precision kept (precision.py), not from the
+        # rounded copy; once made, they are the source of truth and the kept copies go.
         self.masters: list[nn.Parameter] = [
-            nn.Parameter(pc.tensor.detach().float()) if pc.tensor.dtype != torch.float32 else pc.tensor
+            nn.Parameter(master_from_source(pc.param, pc.start, pc.stop, pc.tensor))
+            if pc.tensor.dtype != torch.float32 else pc.tensor
             for pc in self.pieces
         ]
+        for p in layout.params:
+            set_fp32_source(p, None)
         where = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
         missing = [tuple(p.shape) for p in layout.params if id(p) not in where]
         if missing:

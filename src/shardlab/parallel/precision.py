@@ -23,8 +23,22 @@ matmuls (and other ops on its lower-precision list) in bf16, casting the fp32 we
 More memory (4 + 4 + 8 bytes per parameter, and fp32 gradients on the wire), no rounding of the
 weights at all. Which of the two is faster on a GPU was not measured yet (docs/gpu.md, pending).
 
-Where the masters start: from the compute-dtype weights (the model is cast first), so every layout
-and its single-process reference start from the same rounded values.
+Where the masters start: fp32 is the source of truth. `apply_precision` keeps each trainable
+parameter's fp32 value (`fp32_source`) before casting it, and every optimizer with masters
+(optim.py's PieceOptimizer: one process, plain DP, ZeRO-1/2, FSDP) initialises its masters from
+those fp32 values, or from the slice of them its piece covers; the 16-bit weights are their
+rounding, made for compute. So the masters equal the fp32 initialisation bit for bit (as in FSDP2,
+whose sharded parameters stay fp32, and Megatron-LM), not the rounded copy: an embedding entry near
+3 no longer starts 1e-3 away from it. The copies are kept on the parameters and, by name, on their
+modules (a deep copy of a module, as verify's reference and a pipeline stage's pieces are, keeps
+only the latter: `restore_fp32_sources`); they go once the optimizer has its masters
+(train/step.py's make_optimizer drops them). Wrappers broadcast them from rank 0 with the weights.
+A layout that makes new parameters out of the model's (tensor parallelism) carries the slice of
+the source along (`carry_fp32_source`). Not done: FSDP2's fp32 shards gathered as 16 bits; here
+ZeRO-3's shards stay in the compute dtype beside their fp32 masters, as under ZeRO-1/2.
+
+A plain torch optimizer over the 16-bit parameters would update the rounded copy with no masters:
+its first step raises (stepguard.py) and says to use MixedPrecisionOptimizer or make_optimizer.
 """
 
 from __future__ import annotations
@@ -35,6 +49,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from shardlab.parallel.stepguard import carry_refusal, refusal, refuse_plain_step
+
+_FP32_SOURCE = "_shardlab_fp32_source"
 
 
 @dataclass(frozen=True)
@@ -98,10 +116,91 @@ def averaging_op(t: torch.Tensor, world: int) -> str:
     return "avg"
 
 
+@torch.no_grad()
 def apply_precision(model: nn.Module, precision: str | Precision) -> nn.Module:
-    """Cast the model's floating-point parameters and buffers to the compute dtype, in place."""
+    """Cast the model's floating-point parameters and buffers to the compute dtype, in place. Each
+    trainable parameter keeps its value in the master dtype (`fp32_source`), where the optimizer's
+    masters start from, and refuses a plain torch optimizer (stepguard.py)."""
     p = get_precision(precision) if isinstance(precision, str) else precision
-    return model.to(p.compute) if p.mixed else model
+    if not p.mixed:
+        return model
+    for m in model.modules():
+        for name, param in m._parameters.items():
+            if param is None or not (param.requires_grad and param.is_floating_point()) or param.dtype == p.compute:
+                continue
+            source = fp32_source(param)
+            if source is None:
+                source = param.detach().to(p.master, copy=True)
+                set_fp32_source(param, source)
+                refuse_plain_step(param, f"a {p.name} compute copy (the update belongs on its fp32 master)")
+            # Also kept on the module, by name: copy.deepcopy of a module (verify's reference, a
+            # pipeline stage's pieces) copies its __dict__ but not a Parameter's attributes.
+            m.__dict__.setdefault(_FP32_SOURCE, {})[name] = (source, refusal(param))
+    return model.to(p.compute)
+
+
+def fp32_source(p: torch.Tensor) -> torch.Tensor | None:
+    """The value `p` had in the master dtype before apply_precision rounded it, or None."""
+    return getattr(p, _FP32_SOURCE, None)
+
+
+def set_fp32_source(p: torch.Tensor, source: torch.Tensor | None) -> None:
+    """Give `p` a master-dtype source (None: drop it, e.g. once an optimizer holds its masters)."""
+    if source is None:
+        if hasattr(p, _FP32_SOURCE):
+            delattr(p, _FP32_SOURCE)
+    else:
+        setattr(p, _FP32_SOURCE, source)
+
+
+def restore_fp32_sources(model: nn.Module) -> None:
+    """Give the parameters of `model` back the fp32 sources (and refusals) their modules keep:
+    a deep copy of the model has them on its modules only. Called where masters are made."""
+    for m in model.modules():
+        for name, (source, why) in m.__dict__.get(_FP32_SOURCE, {}).items():
+            param = m._parameters.get(name)
+            if param is not None and fp32_source(param) is None and source.shape == param.shape:
+                set_fp32_source(param, source)
+                if why is not None:
+                    refuse_plain_step(param, why)
+
+
+def drop_fp32_sources(model: nn.Module) -> None:
+    """Free the fp32 copies once the optimizer holds its masters (they are the source of truth now)."""
+    for m in model.modules():
+        m.__dict__.pop(_FP32_SOURCE, None)
+        for param in m._parameters.values():
+            if param is not None:
+                set_fp32_source(param, None)
+
+
+@torch.no_grad()
+def carry_fp32_source(src: torch.Tensor, dst: torch.Tensor, cut: Any, owner: nn.Module | None = None,
+                      name: str = "") -> None:
+    """`dst` is made from `src` by `cut` (a tensor-parallel shard): give it `cut` of src's fp32
+    source, and src's refusal of plain optimizers; kept also on `owner` (dst's module, under
+    `name`) so that a deep copy of it (a pipeline stage's) keeps them."""
+    source = fp32_source(src)
+    if source is not None:
+        set_fp32_source(dst, cut(source).detach().clone().view(dst.shape))
+    carry_refusal(src, dst)
+    if source is not None and owner is not None:
+        owner.__dict__.setdefault(_FP32_SOURCE, {})[name] = (fp32_source(dst), refusal(dst))
+
+
+@torch.no_grad()
+def master_from_source(param: torch.Tensor, start: int, stop: int, tensor: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of elements [start, stop) of `param`, held as `tensor`: from the fp32 source
+    where apply_precision kept one, else from the compute-dtype tensor itself. An element whose
+    weight no longer is its source's rounding (weights loaded into the 16-bit model after
+    apply_precision) starts from the weight: a stale source must not undo a load."""
+    rounded = tensor.detach().float()
+    source = fp32_source(param)
+    if source is None or source.numel() != param.numel():
+        return rounded
+    # The source stays where apply_precision ran (a model moved to a GPU after it keeps it on the host).
+    exact = source.reshape(-1)[start:stop].view(tensor.shape).to(tensor.device, copy=True)
+    return torch.where(exact.to(tensor.dtype) == tensor, exact, rounded)
 
 
 class LossScaler:

@@ -47,6 +47,7 @@ from shardlab import comm
 from shardlab.parallel.buckets import broadcast_state, sync_enabled_as, trainable_params
 from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups, unique_trainable
 from shardlab.parallel.precision import LossScaler, averaging_op
+from shardlab.parallel.stepguard import refuse_plain_step
 
 @dataclass
 class ShardBucket:
@@ -171,6 +172,9 @@ class ZeroDataParallel(nn.Module):
         broadcast_state(module, group)
         self.layout = ShardLayout(trainable_params(module), dist.get_world_size(group), dist.get_rank(group),
                                   int(bucket_mb * 2**20))
+        for p in self.layout.params:  # their .grad is dropped for the optimizer's reduced pieces
+            refuse_plain_step(p, f"a ZeRO-{stage} parameter, whose reduced gradient goes to the sharded "
+                                 "optimizer's pieces, not to its .grad")
         self._sync_enabled = True
         self._handles: dict[int, Any] = {}
         self._next_launch = 0

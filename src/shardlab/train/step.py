@@ -22,7 +22,13 @@ import torch.nn as nn
 from shardlab.parallel.buckets import trainable_params as unique_trainable
 from shardlab.parallel.gradnorm import clip_grad_norm_
 from shardlab.parallel.optim import MixedPrecisionOptimizer
-from shardlab.parallel.precision import LossScaler, autocast_context, get_precision
+from shardlab.parallel.precision import (
+    LossScaler,
+    autocast_context,
+    drop_fp32_sources,
+    get_precision,
+    restore_fp32_sources,
+)
 from shardlab.parallel.tensor import tensor_sharding
 from shardlab.train.config import Config, OptimSection
 from shardlab.train.task import Task, skip_layer
@@ -49,6 +55,14 @@ def make_optimizer(model: nn.Module, o: OptimSection, precision: str = "fp32") -
     Those optimizers clip over the whole model themselves, so they are told which parameters a
     tensor-parallel model cuts over its tp group. A pipeline stage builds its own (StageOptimizer:
     the same, with the norm summed over the stages)."""
+    restore_fp32_sources(model)  # masters start from the fp32 weights (parallel/precision.py)
+    try:
+        return _make_optimizer(model, o, precision)
+    finally:
+        drop_fp32_sources(model)  # the masters hold them now
+
+
+def _make_optimizer(model: nn.Module, o: OptimSection, precision: str) -> torch.optim.Optimizer:
     groups, kwargs = decay_groups(model, o), adamw_kwargs(o)
     p = get_precision(precision)
     if p.loss_scaling:

@@ -37,6 +37,7 @@ from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
 from shardlab.parallel.pipeline.partition import balance as balance_costs
 from shardlab.parallel.pipeline.partition import check_sizes
 from shardlab.parallel.pipeline.schedules import chunk_owner
+from shardlab.parallel.precision import restore_fp32_sources
 
 
 def model_pieces(model: nn.Module) -> list[tuple[str, list[str]]]:
@@ -199,6 +200,8 @@ def _make_chunk(model: nn.Module, plan: SplitPlan, c: int, memo: dict) -> nn.Mod
     all_modules = dict(model.named_modules())
     # One deepcopy memo per rank: a weight tied between two pieces stays one Parameter on a rank.
     modules = {path: copy.deepcopy(all_modules[path], memo) for i in plan.chunk_range(c) for path in plan.paths[i]}
+    for m in modules.values():  # the copies' parameters lost the fp32 sources and refusals their modules keep
+        restore_fp32_sources(m)
     if isinstance(model, GPT) and hasattr(model, "tp_group"):  # converted by tensor parallelism first
         from shardlab.parallel.pipeline.tensor_stage import TensorParallelGPTChunk
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from shardlab.comm.autograd import copy_to_group
 from shardlab.comm.dispatch import Group
 from shardlab.models.gpt import CausalSelfAttention, apply_rotary
+from shardlab.parallel.precision import carry_fp32_source
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from shardlab.parallel.tensor.shared_input import copied_linears, sequence_parallel_linears
 from shardlab.parallel.tensor.shards import SharesGroups
@@ -61,6 +62,9 @@ class KVReplicaLinear(SharesGroups, nn.Module):
         self.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=linear.weight.requires_grad)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                    requires_grad=linear.bias.requires_grad)
+        for name, src, dst in (("weight", linear.weight, self.weight), ("bias", linear.bias, self.bias)):
+            if src is not None and dst is not None:
+                carry_fp32_source(src, dst, lambda t: t, self, name)  # whole on every rank
 
     def local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Rows are [keys of every head; values of every head]: take this head's keys and values.

@@ -44,6 +44,7 @@ from shardlab.comm.autograd import (
     gather_from_group, gather_from_sequence, reduce_from_group, reduce_scatter_to_sequence, split_to_group,
 )
 from shardlab.comm.dispatch import Group
+from shardlab.parallel.precision import carry_fp32_source
 from shardlab.parallel.tensor.sequence import replicated
 from shardlab.parallel.tensor.shared_input import copied_linears, sequence_parallel_linears
 from shardlab.parallel.placement import Shard
@@ -62,11 +63,19 @@ def _check(value: str, allowed: tuple[str, ...], what: str) -> str:
 
 
 def keep_frozen(new: nn.Module, old: nn.Module) -> nn.Module:
-    """Carry each parameter's requires_grad over to its slice: a frozen weight stays frozen."""
+    """Carry each parameter's requires_grad over to its slice: a frozen weight stays frozen. Under
+    mixed precision the slice of its fp32 source goes along too (the masters start from it)."""
+    specs = getattr(new, "tp_specs", {})
     for name, p in new.named_parameters(recurse=False):
         src = getattr(old, name, None)
         if isinstance(src, torch.Tensor):
             p.requires_grad_(src.requires_grad)
+            spec = specs.get(name)
+            if spec is None:  # whole on every rank
+                carry_fp32_source(src, p, lambda t: t, new, name)
+            else:
+                r, n = dist.get_rank(new.group), dist.get_world_size(new.group)
+                carry_fp32_source(src, p, lambda t, s=spec: shard_tensor(t, s, r, n), new, name)
     return new
 
 
