@@ -87,7 +87,7 @@ def test_grouped_posting_reuses_buffers_only_after_the_backward(pools):
 
 def _nccl_layout_task() -> str:
     from shardlab.parallel import layout as lay
-    from shardlab.train.layout_section import LayoutSection
+    from shardlab.parallel.layout_section import LayoutSection
 
     section = LayoutSection(pp=2, schedule="1f1b")
     real = lay.dist.get_backend
