@@ -348,10 +348,7 @@ def _deadlock(schedule: Schedule, pc: list[int], owners: dict[int, int], streams
         if node[0] == "host":
             r = node[1]
             a = schedule[r][pc[r]]
-            if a.op == F:
-                d, src = ("F", a.microbatch, a.chunk - 1), owners[a.chunk - 1]
-            else:
-                d, src = ("B", a.microbatch, a.chunk + 1), owners[a.chunk + 1]
+            d, src = _awaited(a, owners)
             k = posted[r][d]
             j = recvs[(src, r)][k][1]
             where = f"rank {r} at action {pc[r]} ({a}) waits for the {_show(d)} (message #{k} from rank {src})"
@@ -380,6 +377,13 @@ def _deadlock(schedule: Schedule, pc: list[int], owners: dict[int, int], streams
             node = nxt
 
 
+def _awaited(a: Action, owners: dict[int, int]) -> tuple[tuple, int]:
+    """The message a blocked compute waits for (its kind, microbatch and sending chunk) and its sender."""
+    if a.op == F:
+        return ("F", a.microbatch, a.chunk - 1), owners[a.chunk - 1]
+    return ("B", a.microbatch, a.chunk + 1), owners[a.chunk + 1]
+
+
 def _deadlock_ops(schedule: Schedule, pc: list[int], owners: dict[int, int], sends: dict, posted: list) -> ScheduleError:
     """Follow the waits from the first blocked rank to their root: a message never sent (reported
     at the rank waiting for it) or a cycle (reported at the first blocked rank), the chain included."""
@@ -390,10 +394,7 @@ def _deadlock_ops(schedule: Schedule, pc: list[int], owners: dict[int, int], sen
             return ScheduleError(first, pc[first], "blocked: " + "; ".join(chain) + ": a cycle of waits, deadlock")
         seen.add(r)
         a = schedule[r][pc[r]]
-        if a.op == F:
-            d, src = ("F", a.microbatch, a.chunk - 1), owners[a.chunk - 1]
-        else:
-            d, src = ("B", a.microbatch, a.chunk + 1), owners[a.chunk + 1]
+        d, src = _awaited(a, owners)
         k = posted[r][d]
         sent = len(sends.get((src, r), []))
         rest = [j for j in range(pc[src], len(schedule[src]))
