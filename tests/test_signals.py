@@ -118,6 +118,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_saves(tmp_path):
     assert info.step == n
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_sigterm_to_torchrun_stops_every_rank(tmp_path):
     """torchrun's agent, sent SIGTERM, sends SIGTERM to each rank: each stops at the same step
