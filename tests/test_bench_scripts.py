@@ -105,3 +105,22 @@ def test_gpt_mfu_says_it_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["gpt_mfu.py"])
     with pytest.raises(SystemExit, match="no CUDA device"):
         module.main()
+
+
+def test_compose_matrix(monkeypatch, tmp_path, capsys):
+    """A resume pair (a recomputed run's checkpoint resumed by a plain single process) through the
+    trainer, a case the configuration check refuses (its reason recorded, nothing launched), then
+    the tables again from the JSON."""
+    out = tmp_path / "compose.json"
+    module = _script("compose_matrix")
+    monkeypatch.setattr(sys, "argv", ["compose_matrix.py", "--only", "rc-full,resume", "--no-multi",
+                                      "--json", str(out), "--markdown", str(tmp_path / "compose.md")])
+    assert module.main() == 0
+    rows = json.loads(out.read_text())
+    assert [(r["case"], r["outcome"]) for r in rows] == [("rc-full + resume", "pass")], rows
+    assert rows[0]["loss"] <= 1e-5
+    refused = module.run_verify("tp3", ["--tp", "3"], tmp_path, timeout=120)
+    assert refused["outcome"] == "refused" and "layout.tp = 3" in refused["reason"], refused
+    monkeypatch.setattr(sys, "argv", ["compose_matrix.py", "--from-json", str(out)])
+    assert module.main() == 0
+    assert "| rc-full + resume | pass |" in capsys.readouterr().out
