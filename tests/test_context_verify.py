@@ -64,8 +64,7 @@ def test_cp2_mixed_precision(pools):
 @pytest.mark.parametrize("extra, message", [
     (["model.seq_len=18"], "seq_len 18 must divide by 2 x cp = 4"),
     (["model.dropout=0.1"], "model.dropout = 0.1"),
-    (["layout.pp=2"], "layout.cp = 2 with layout.pp = 2"),
-    (["layout.tp=2"], "layout.cp = 2 with layout.tp = 2"),
+    (["layout.tp=4", "layout.sp=true", "model.seq_len=20"], "each rank's zigzag tokens, model.seq_len = 20 / cp"),
     (['model.name="mlp"'], "only the gpt"),
     (["model.experts=4"], "model.experts = 4"),
 ])
@@ -73,6 +72,13 @@ def test_refused_before_launch(extra, message):
     cfg = load_config(None, ['model.name="gpt"', "layout.cp=2", *extra], base=VERIFY_BASE)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         cfg.validate()
+
+
+@pytest.mark.parametrize("extra", [["layout.tp=2"], ["layout.tp=2", "layout.sp=true"],
+                                   ["layout.pp=2", "layout.tp=2", "layout.sp=true", "train.micro_batches=4"]])
+def test_lifted_combinations_accepted_before_launch(extra):
+    # cp x tp, cp x tp x sp, pp x cp (x tp x sp): the swap points compose (verified in test_compose.py).
+    load_config(None, ['model.name="gpt"', "layout.cp=2", *extra], base=VERIFY_BASE).validate()
 
 
 def _sample_logits() -> list[float]:

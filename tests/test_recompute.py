@@ -171,8 +171,10 @@ def test_verify_one_process_and_mlp(pools):
     from shardlab.train.verify import verify_rank
 
     for extra in (('model.name="gpt"', 'layout.recompute="selective"'),
-                  ('model.name="mlp"', 'layout.recompute="full"', "layout.dp=2")):
-        world = 2 if "layout.dp=2" in extra else 1
+                  ('model.name="mlp"', 'layout.recompute="full"', "layout.dp=2"),
+                  # the tensor-parallel deep MLP: its body swap point checkpointed, collectives rerun
+                  ('model.name="mlp"', 'layout.recompute="full"', "layout.tp=2", "layout.sp=true")):
+        world = 2 if "layout.dp=2" in extra or "layout.tp=2" in extra else 1
         report = pools(world).run(verify_rank, _cfg(*extra), 1e-6, 1e-5)[0]
         assert report["passed"], (extra, json.dumps(report["per_step"], indent=1))
 
@@ -182,7 +184,6 @@ def test_verify_one_process_and_mlp(pools):
     (('layout.recompute="full"', "layout.dp=2", "layout.zero=3"), "layout.zero = 3: FSDP"),
     (('layout.recompute="full"', "layout.pp=2", 'layout.schedule="zb1"'), "layout.schedule = 'zb1'"),
     (('layout.recompute="selective"', 'model.name="mlp"'), "the deep MLP has none"),
-    (('layout.recompute="full"', 'model.name="mlp"', "layout.tp=2"), "tensor-parallel deep MLP"),
 ])
 def test_refused_before_launch(extra, needle):
     cfg = load_config(None, list(extra), base=VERIFY_BASE)

@@ -121,7 +121,79 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+class Tokens(nn.Module):
+    """Swap point: which tokens of the batch's whole rows a forward runs, where they sit in their
+    sequences, and how its result stands for the whole rows'. The plain model runs every token at
+    positions 0..t-1 and returns its result as it is; a layout that gives a rank only some of each
+    sequence's tokens replaces this module (context parallelism's zigzag chunks, parallel/context)."""
+
+    def local(self, ids: torch.Tensor, pad: bool = False) -> torch.Tensor:
+        """The tokens (b, t_local) this forward runs of whole rows `ids` (b, t); `pad`: the rows may
+        be padded at their ends first (inference only, where the causal mask hides the padding)."""
+        return ids
+
+    def local_length(self, t: int) -> int:
+        return t
+
+    def whole_length(self, t_local: int) -> int:
+        return t_local
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """Positions in their sequences of the tokens `local` keeps of t-token rows."""
+        return torch.arange(t, device=device)
+
+    def whole_logits(self, logits: torch.Tensor, t: int) -> torch.Tensor:
+        """The logits of the whole t-token rows from this forward's (b, t_local, vocab)."""
+        return logits
+
+    def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to return from this forward's mean over its own tokens."""
+        return loss
+
+
+class Embedding(nn.Module):
+    """Swap point: the input embedding, the token table's rows plus the learned positions' (rotary
+    models have no table). The tables stay the model's own `tok_emb` and `pos_emb`, passed in, so
+    their parameter names do not change when this module is replaced (sequence parallelism keeps
+    each rank's share of the tokens here)."""
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, tok_emb: nn.Module,
+                pos_emb: nn.Module | None) -> torch.Tensor:
+        x = tok_emb(ids)
+        return x if pos_emb is None else x + pos_emb(positions)
+
+    def hidden_shape(self, b: int, t: int, d: int) -> tuple[int, ...]:
+        """The shape of the hidden states of b rows of t tokens (what passes between blocks)."""
+        return (b, t, d)
+
+    def attended_length(self, x: torch.Tensor) -> int:
+        """Tokens per row the hidden states `x` stand for (what attention sees)."""
+        return x.shape[1]
+
+
+class CrossEntropy(nn.Module):
+    """Swap point: the loss from the head's output, the mean cross-entropy over the tokens; without
+    targets, the logits themselves (a vocabulary-parallel head replaces it: parallel/tensor)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class GPT(nn.Module):
+    """The GPT. Its forward is the only one: it runs whichever of its pieces it holds (a pipeline
+    stage's chunk is a GPT holding some of them), through named swap points that a layout replaces
+    as modules (parameter names never change):
+
+      tokens      Tokens: which tokens of the rows run, at which positions (context parallelism)
+      tok_emb, embedding   the token table; Embedding, table rows plus positions (tp: vocabulary
+                  rows; sp: the rank's share of the tokens)
+      blocks.*.attn, blocks.*.attn.attend, blocks.*.mlp   attention (heads), its core (the ring,
+                  recomputation), the MLP (columns and rows, experts)
+      head, loss  the output projection; CrossEntropy (the vocabulary-parallel loss)
+    """
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -132,6 +204,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        self.tokens, self.embedding, self.loss = Tokens(), Embedding(), CrossEntropy()
         self.apply(self._init)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat in depth.
         for name, p in self.named_parameters():
@@ -145,44 +218,58 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def _rope(self, t: int, device: torch.device, dtype: torch.dtype,
-              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary cos and sin tables (tokens, head_dim / 2) of the tokens at `positions`."""
         half = self.cfg.head_dim // 2
-        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
-        pos = torch.arange(t, device=device, dtype=torch.float32) if positions is None else positions.float()
-        angles = torch.outer(pos, inv)
+        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(half, device=positions.device, dtype=torch.float32) / half))
+        angles = torch.outer(positions.float(), inv)
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def block_list(self) -> list[nn.Module]:
+        """The blocks this model holds, in order (a pipeline chunk keeps some, keyed by index)."""
+        return list(self.blocks.values()) if isinstance(self.blocks, nn.ModuleDict) else list(self.blocks)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (b, t, vocab); with targets, the mean cross-entropy loss instead.
 
-        positions: where idx's t tokens sit in their sequences (default 0..t-1). A layout that gives
-        a rank only some of each sequence's tokens (context parallelism) passes theirs."""
-        b, t = idx.shape
-        if t > self.cfg.seq_len:
-            raise ValueError(f"sequence of {t} tokens is longer than seq_len {self.cfg.seq_len}")
-        if positions is not None and int(positions.max()) >= self.cfg.seq_len:
-            raise ValueError(f"position {int(positions.max())} is beyond seq_len {self.cfg.seq_len}")
-        x = self.tok_emb(idx)
-        rope = None
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(t, device=idx.device) if positions is None else positions)
-        else:
-            rope = self._rope(t, idx.device, x.dtype, positions)
-        for block in self.blocks:
+        positions: where idx's t tokens sit in their sequences (default: the `tokens` swap point's,
+        0..t-1). A model holding only some pieces (a pipeline chunk) takes hidden states instead of
+        ids when it has no embedding, and returns them when it has no head."""
+        blocks = self.block_list()
+        if self.tok_emb is not None:
+            b, t = idx.shape
+            if t > self.cfg.seq_len:
+                raise ValueError(f"sequence of {t} tokens is longer than seq_len {self.cfg.seq_len}")
+            if positions is not None and int(positions.max()) >= self.cfg.seq_len:
+                raise ValueError(f"position {int(positions.max())} is beyond seq_len {self.cfg.seq_len}")
+            ids = self.tokens.local(idx, pad=targets is None and self.head is not None)
+            t_local = ids.shape[1]
+            if positions is None:
+                positions = self.tokens.positions(self.tokens.whole_length(t_local), idx.device)
+            x = self.embedding(ids, positions, self.tok_emb, self.pos_emb)
+        else:  # hidden states from the previous chunk
+            x, b, t_local = idx, idx.shape[0], self.embedding.attended_length(idx)
+            t = self.tokens.whole_length(t_local)
+            if positions is None and self.cfg.rotary and blocks:
+                positions = self.tokens.positions(t, idx.device)
+        # Rotary: attention sees all of this forward's tokens, so the tables cover them all.
+        rope = self.rope_tables(positions, x.dtype) if self.cfg.rotary and blocks else None
+        for block in blocks:
             x = block(x, rope)
+        if self.head is None:
+            return x
         logits = self.head(self.ln_f(x))
         if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            return self.tokens.whole_logits(self.loss(logits).reshape(b, t_local, -1), t)
+        loss = self.loss(logits, self.tokens.local(targets))
         # Mixture-of-experts blocks (or their expert-parallel replacements) leave their
         # load-balancing term on the module; summed over layers, as in Switch Transformer.
-        for block in self.blocks:
+        for block in blocks:
             aux = getattr(block.mlp, "aux_loss", None)
             if aux is not None:
                 loss = loss + aux
-        return loss
+        return self.tokens.whole_loss(loss)
 
     def num_params(self, exclude_embeddings: bool = True) -> int:
         """Parameters, counted once when tied; position tables excluded by default (as in 6N counts)."""

@@ -7,9 +7,10 @@
 The order is fixed (docs/mesh.md), as torchtitan's parallelize does it, each step acting on what the
 previous one produced:
 
-  1. pipeline split (pp): this rank's stage, copied from the plain model (pipeline/model.py); with
-     tp > 1 the plain model is first made tensor-parallel, then split, so every stage is cut over
-     its tp group (pipeline/tensor_stage.py);
+  1. pipeline split (pp): this rank's stage, copied from the model (pipeline/model.py), planned on
+     the plain model; with tp or sp the model is first made tensor-parallel and with cp its tokens
+     and attention cores swapped (steps 2 and 3 on the whole model), then split, so every stage's
+     chunks run GPT.forward over the same swapped modules (pipeline/tensor_stage.py);
   2. tensor and sequence parallelism (tp, sp) over the mesh's "tp" axis, converting in place;
   3. expert parallelism (ep) and context parallelism (cp): hooks their modules fill in;
   4. activation checkpointing (recompute);
@@ -240,14 +241,12 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     from shardlab.parallel.pipeline import PipelineParallel, build_stage, plan_split
 
     refused = []
-    if layout.sp:
-        refused.append(f"layout.sp = {layout.sp}")
     if layout.zero:
         refused.append(f"layout.zero = {layout.zero}")
     if layout.dp_mode == "overlap" and layout.dp > 1:
         refused.append("layout.dp_mode = 'overlap'")
-    if layout.ep > 1 or layout.cp > 1:
-        refused.append(f"layout.ep = {layout.ep}, layout.cp = {layout.cp}")
+    if layout.ep > 1:
+        refused.append(f"layout.ep = {layout.ep}")
     if refused:
         raise ValueError(f"layout.pp = {layout.pp} with {', '.join(refused)} is not supported (see "
                          f"Config.validate for why)")
@@ -258,12 +257,16 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     if uses_tensor_parallel(layout):
         from shardlab.parallel.pipeline.tensor_stage import tensor_parallel_for_stages
 
-        model, tp = tensor_parallel_for_stages(model, mesh, layout.tp_plan, base=record)
+        model, tp = tensor_parallel_for_stages(model, mesh, layout.tp_plan, base=record, sequence_parallel=layout.sp)
         record = model.placement
+    # Context parallelism's swaps (tokens, attention cores) before the split: every chunk copies them.
+    model = apply_context_parallel(model, layout, mesh)
+    if layout.cp > 1:
+        record = record.with_axis(MeshAxis.of("cp", mesh.group("cp")), {})
     stage = build_stage(model, plan, mesh.local_rank("pp"), base=record)
     stage = apply_recompute(stage, layout)  # step 4, on this rank's copies of its blocks
     dp = None
-    if layout.dp > 1:
+    if layout.dp * layout.cp > 1:  # a stage's replicas: its dp ranks and the cp ranks sharing its rows
         dp = DataParallel(stage, replica_group(mesh), mode=layout.dp_mode, bucket_mb=layout.bucket_mb,
                           impl=layout.comm_impl)
     pipe = PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)

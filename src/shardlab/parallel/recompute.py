@@ -52,8 +52,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from shardlab.models.gpt import Block, CausalSelfAttention
-from shardlab.models.mlp import DeepMLP
-from shardlab.parallel.pipeline.stages import MLPChunk
+from shardlab.models.mlp import DeepMLP, GeluLayers
 
 MODES = ("none", "selective", "full")
 
@@ -85,39 +84,24 @@ def _pair(x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
     return x
 
 
-def _recomputed_layers(x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
-    """The deep MLP's body, x -> gelu(layer(x)) for each layer, checkpointed two layers at a time
-    (the last one alone when their number is odd): forward keeps one activation per pair."""
-    if not torch.is_grad_enabled():
-        return _pair(x, *layers)
-    for i in range(0, len(layers), 2):
-        x = checkpoint(_pair, x, *layers[i:i + 2], use_reentrant=False)
-    return x
+class CheckpointedPairs(GeluLayers):
+    """The deep MLP's body swap point (models/mlp.py), x -> gelu(layer(x)) for each layer,
+    checkpointed two layers at a time (the last one alone when their number is odd): forward keeps
+    one activation per pair. The same arithmetic as the plain body, on whatever layers the model
+    holds: plain, tensor-parallel (their collectives rerun in backward, in the same order on every
+    rank of the group) or a pipeline chunk's."""
+
+    def forward(self, x: torch.Tensor, layers: list[nn.Module]) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return _pair(x, *layers)
+        for i in range(0, len(layers), 2):
+            x = checkpoint(_pair, x, *layers[i:i + 2], use_reentrant=False)
+        return x
 
 
-class RecomputedDeepMLP(DeepMLP):
-    """The plain deep MLP (models/mlp.py) with its layers run in checkpointed pairs; the same
-    arithmetic as DeepMLP.forward, whose loop is the one thing replaced."""
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = _recomputed_layers(x.to(self.layers[0].weight.dtype), list(self.layers))
-        if targets is None:
-            return x
-        return F.mse_loss(x.float(), targets.float())
-
-
-class RecomputedMLPChunk(MLPChunk):
-    """A pipeline stage's chunk of the deep MLP (pipeline/stages.py), its layers in checkpointed pairs."""
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        layers = list(self.layers.values())
-        x = _recomputed_layers(x.to(layers[0].weight.dtype), layers)
-        if not self.last or targets is None:
-            return x
-        return F.mse_loss(x.float(), targets.float())
-
-
-_MLP_FORMS = {DeepMLP: RecomputedDeepMLP, MLPChunk: RecomputedMLPChunk}
+class Recomputed:
+    """Mixed in before a deep MLP's class (RecomputedDeepMLP, RecomputedMLPChunk, ...), so that its
+    type says it recomputes; the work is its body swap point's (CheckpointedPairs)."""
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
@@ -149,7 +133,7 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"recompute mode {mode!r}: expected one of {', '.join(MODES)}")
     if mode == "none":
         return model
-    mlps = [m for m in model.modules() if isinstance(m, (DeepMLP, MLPChunk))]
+    mlps = [m for m in model.modules() if isinstance(m, DeepMLP)]
     if mode == "full" and mlps:
         _recompute_mlp(mlps)
         return model
@@ -165,11 +149,7 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
 
 
 def _recompute_mlp(mlps: list[nn.Module]) -> None:
-    """Swap each deep MLP (or pipeline chunk of one) for its recomputing form; refuse other forms
-    (before changing any), whose forwards differ (the tensor-parallel one gathers rows at the end)."""
+    """Give each deep MLP (plain, tensor-parallel, or a pipeline chunk of either) the checkpointed body."""
     for m in mlps:
-        if type(m) not in _MLP_FORMS and type(m) not in _MLP_FORMS.values():
-            raise ValueError(f"recompute 'full' on {type(m).__name__}: only the plain deep MLP and its pipeline "
-                             f"chunks are supported (not its tensor-parallel form yet: use layout.tp = 1, or the GPT)")
-    for m in mlps:
-        m.__class__ = _MLP_FORMS.get(type(m), type(m))
+        m.body = CheckpointedPairs()
+        _swap(m, Recomputed)

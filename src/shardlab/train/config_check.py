@@ -171,12 +171,9 @@ def context_parallel_problems(cfg: Config) -> list[str]:
     if m.dropout > 0:
         out.append(f"{where} with model.dropout = {m.dropout}: the ring attention has no attention dropout (and no "
                    f"split of the sequence draws the single process's masks); set model.dropout = 0")
-    if lay.pp > 1:
-        out.append(f"{where} with layout.pp = {lay.pp}: pipeline stages would pass sequence shards between ranks "
-                   f"that also run a ring; not supported yet")
-    if lay.tp > 1 or lay.sp:
-        out.append(f"{where} with layout.tp = {lay.tp}, layout.sp = {lay.sp}: the tensor-parallel GPT's forward "
-                   f"does not take the zigzag chunks' positions yet; use layout.tp = 1 without layout.sp")
+    if lay.sp and lay.tp > 0 and m.seq_len % (lay.cp * lay.tp):
+        out.append(f"{where} with layout.sp at layout.tp = {lay.tp}: each rank's zigzag tokens, model.seq_len = "
+                   f"{m.seq_len} / cp, must divide over tp (sequence parallelism splits them further)")
     if lay.ep > 1 or m.experts > 0:
         out.append(f"{where} with layout.ep = {lay.ep}, model.experts = {m.experts}: the experts' capacity and "
                    f"load-balancing loss are per whole sequence, which a rank holding part of each sequence "
@@ -197,9 +194,6 @@ def recompute_problems(cfg: Config) -> list[str]:
     if cfg.model.name == "mlp" and lay.recompute == "selective":
         out.append(f"{what} with model.name = 'mlp': selective recomputation redoes the attention core, and the "
                    f"deep MLP has none (use 'full': its layers in checkpointed pairs)")
-    if cfg.model.name == "mlp" and lay.recompute == "full" and lay.pp == 1 and (lay.tp > 1 or lay.sp):
-        out.append(f"{what} with model.name = 'mlp' and layout.tp = {lay.tp}, layout.sp = {lay.sp}: the tensor-"
-                   f"parallel deep MLP is not supported yet (its forward differs from the plain one's)")
     if lay.zero == 3:
         out.append(f"{what} with layout.zero = 3: FSDP points a unit's parameters at placeholders after its "
                    f"forward and gathers them again only through its saved-tensor hooks, which a recomputation "
@@ -266,14 +260,17 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
         if p * v > len(pieces):
             out.append(f"{where} x layout.virtual_stages = {v} = {p * v} chunks, but the {m.name} has only "
                        f"{len(pieces)} pieces to split ({what}): every chunk needs at least one")
-    if lay.sp:
-        out.append(f"{where} with layout.sp: the hidden states between stages would be sequence shards, and the "
-                   f"stage's sequence-parallel norms sum their partial gradients per block in a forward the "
-                   f"schedule splits by microbatch; not supported yet: use layout.sp = false (tp x pp sends whole "
-                   f"activations)")
-    if (lay.tp > 1 or lay.sp) and m.name != "gpt":
-        out.append(f"{where} with layout.tp = {lay.tp}: tensor-parallel pipeline stages are built for the gpt, "
-                   f"not the {m.name}; use layout.tp = 1 or model.name = 'gpt'")
+    if model_ok and (lay.tp > 1 or lay.sp) and m.name == "mlp" and lay.tp_plan == "megatron" and m.n_layer > 1:
+        from shardlab.parallel.pipeline.stages import plan_split
+
+        with torch.device("meta"):
+            sizes = plan_split(build_model(m), p, v).sizes if p * v <= len(pieces) else []
+        if len({sum(sizes[:i + 1]) % 2 for i in range(len(sizes) - 1)}) > 1:
+            out.append(f"{where} x layout.tp = {lay.tp} with model.name = 'mlp', layout.tp_plan = 'megatron': the split "
+                       f"{sizes} (layers per chunk) ends some chunks after a column-parallel layer, whose output is split "
+                       f"by features, and others after a row-parallel one, whose output is whole rows; the executor's "
+                       f"buffers take one shape: choose model.n_layer so that every chunk boundary falls alike, or use "
+                       f"layout.tp_plan = 'lecture'")
     if lay.tp > 1 and kind == "zb1":
         out.append(f"{where} with layout.tp = {lay.tp} and layout.schedule = 'zb1': its split backward runs a "
                    f"layer's weight gradients apart from its input gradients, which the tensor-parallel layers' "

@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from shardlab.models import GPT, DeepMLP
 from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
@@ -51,12 +51,18 @@ def model_pieces(model: nn.Module) -> list[tuple[str, list[str]]]:
     raise TypeError(f"cannot split {type(model).__name__} into pipeline stages: GPT and DeepMLP are supported")
 
 
-class GPTChunk(nn.Module):
-    """Consecutive pieces of a GPT. Forward: token ids (first chunk) or hidden states in; hidden
-    states out, or on the last chunk logits, or with targets the mean cross-entropy, as GPT.forward."""
+# Parameter-free swap points every chunk carries a copy of (models/gpt.py, models/mlp.py): a chunk
+# runs the model's own forward, so whatever a layout put there (cp's tokens, sp's embedding, the
+# vocabulary-parallel loss) works on the chunk as on the whole model.
+_GPT_SWAPS = ("tokens", "embedding", "loss")
+
+
+class GPTChunk(GPT):
+    """Consecutive pieces of a GPT, run by GPT.forward itself: token ids (first chunk) or hidden
+    states in; hidden states out, or on the last chunk logits, or with targets the mean loss."""
 
     def __init__(self, model: GPT, modules: dict[str, nn.Module]) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.cfg = model.cfg
         # Registered in GPT's own order, so named_parameters() lists (and dedups ties) like the model.
         self.tok_emb = modules.get("tok_emb")
@@ -64,50 +70,60 @@ class GPTChunk(nn.Module):
         self.blocks = nn.ModuleDict({k.split(".")[1]: m for k, m in modules.items() if k.startswith("blocks.")})
         self.ln_f = modules.get("ln_f")
         self.head = modules.get("head")
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if self.tok_emb is not None:
-            t = x.shape[1]
-            if t > self.cfg.seq_len:
-                raise ValueError(f"sequence of {t} tokens is longer than seq_len {self.cfg.seq_len}")
-            idx, x = x, self.tok_emb(x)
-            if self.pos_emb is not None:
-                x = x + self.pos_emb(torch.arange(t, device=idx.device))
-        # GPT._rope reads only self.cfg: the same tables, bit for bit, on every chunk.
-        rope = GPT._rope(self, x.shape[1], x.device, x.dtype) if self.cfg.rotary and len(self.blocks) else None
-        for block in self.blocks.values():
-            x = block(x, rope)
-        if self.head is None:
-            return x
-        logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        for name in _GPT_SWAPS:
+            setattr(self, name, modules[name])
 
     def activation_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """Shape of the hidden states between chunks for the (ids) microbatch `x`."""
-        return (x.shape[0], x.shape[1], self.cfg.d_model)
+        return self.embedding.hidden_shape(x.shape[0], self.tokens.local_length(x.shape[1]), self.cfg.d_model)
 
 
-class MLPChunk(nn.Module):
-    """Consecutive layers of a DeepMLP; the last chunk returns the MSE to `targets` when given."""
+class MLPChunk(DeepMLP):
+    """Consecutive layers of a DeepMLP, run by DeepMLP.forward; only the last chunk has the loss."""
 
     def __init__(self, model: DeepMLP, modules: dict[str, nn.Module], last: bool) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.cfg, self.last = model.cfg, last
-        self.layers = nn.ModuleDict({k.split(".")[1]: m for k, m in modules.items()})
+        self.layers = nn.ModuleDict({k.split(".")[1]: m for k, m in modules.items() if k.startswith("layers.")})
+        self.body = modules["body"]
+        self.loss = modules["loss"] if last else None
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        # As DeepMLP does: inputs computed in the parameters' dtype (bf16 when the model is cast).
-        x = x.to(next(iter(self.layers.values())).weight.dtype)
-        for layer in self.layers.values():
-            x = F.gelu(layer(x))
-        if not self.last or targets is None:
-            return x
-        return F.mse_loss(x.float(), targets.float())
+    def boundary_shapes(self, x: torch.Tensor) -> set[tuple[int, ...]]:
+        """Shapes of the activations crossing this chunk's boundaries for the input batch `x`: whole
+        (rows, d), or as tensor-parallel layers leave or take them: rows split under sequence
+        parallelism (a row layer's reduce-scatter, a column layer's gather), input features split
+        between a column layer and its row layer."""
+        layers, b, d = self.layer_list(), x.shape[0], self.cfg.d_model
+        shapes = set()
+        first, last = layers[0], layers[-1]
+        if "0" in self.layers:  # the first chunk takes the model's input, not a boundary
+            pass
+        elif getattr(first, "input_op", None) == "gather_seq":
+            shapes.add((b // dist.get_world_size(first.group), d))
+        elif getattr(first, "input_op", None) == "none" and first.weight.shape[1] != d:
+            shapes.add((b, first.weight.shape[1]))
+        else:
+            shapes.add((b, d))
+        if self.loss is None:  # a chunk before the last: its output crosses a boundary too
+            out = getattr(last, "output_op", None)
+            if out == "reduce_scatter_seq":
+                shapes.add((b // dist.get_world_size(last.group), d))
+            elif out == "none" and last.weight.shape[0] != d:
+                shapes.add((b, last.weight.shape[0]))
+            else:
+                shapes.add((b, d))
+        return shapes
 
     def activation_shape(self, x: torch.Tensor) -> tuple[int, ...]:
-        return (x.shape[0], self.cfg.d_model)
+        """Shape of the activations between chunks for the input batch `x` (one for every boundary:
+        the executor's receive buffers are sized by it)."""
+        shapes = self.boundary_shapes(x)
+        if len(shapes) > 1:
+            raise ValueError(f"the deep MLP's pipeline chunks pass activations of shapes {sorted(shapes)}: a split "
+                             f"between a column-parallel layer and its row-parallel layer sends features, elsewhere "
+                             f"whole rows; split it where every boundary passes the same (an even number of "
+                             f"layers per chunk under the megatron plan)")
+        return shapes.pop() if shapes else (x.shape[0], self.cfg.d_model)
 
 
 @dataclass
@@ -202,10 +218,9 @@ def _make_chunk(model: nn.Module, plan: SplitPlan, c: int, memo: dict) -> nn.Mod
     modules = {path: copy.deepcopy(all_modules[path], memo) for i in plan.chunk_range(c) for path in plan.paths[i]}
     for m in modules.values():  # the copies' parameters lost the fp32 sources and refusals their modules keep
         restore_fp32_sources(m)
-    if isinstance(model, GPT) and hasattr(model, "tp_group"):  # converted by tensor parallelism first
-        from shardlab.parallel.pipeline.tensor_stage import TensorParallelGPTChunk
-
-        return TensorParallelGPTChunk(model, modules, model.tp_group)
+    # The parameter-free swap points, as the layouts applied before the split left them.
+    for name in _GPT_SWAPS if isinstance(model, GPT) else ("body", "loss"):
+        modules[name] = copy.deepcopy(getattr(model, name), memo)
     if isinstance(model, GPT):
         return GPTChunk(model, modules)
     return MLPChunk(model, modules, last=c == plan.chunks - 1)
@@ -266,7 +281,12 @@ class PipelineStage(nn.Module):
         return name in self.held and (name not in self.tied or self.tied[name][0] == self.rank)
 
     def activation_shape(self, x: torch.Tensor) -> tuple[int, ...]:
-        return next(iter(self.chunks.values())).activation_shape(x)
+        """The hidden states' shape between chunks for the input microbatch `x` (every chunk agrees)."""
+        shapes = {chunk.activation_shape(x) for chunk in self.chunks.values()}
+        if len(shapes) > 1:
+            raise ValueError(f"pipeline rank {self.rank}: its chunks pass activations of shapes {sorted(shapes)}; "
+                             f"the executor's buffers need one")
+        return shapes.pop()
 
     def first_layer(self) -> nn.Module | None:
         """The model's layer 0 (the GPT's first block, the MLP's first layer) if this rank holds it."""

@@ -88,28 +88,27 @@ class HeadParallelAttention(SharesGroups, CausalSelfAttention):
 
     tp_group: Group
     sequence_parallel: bool
-    tokens: tuple[int, int] | None
-    """Under SP: the (batch, sequence) shape of the tokens whose flattened chunk x holds (set by the
-    model's forward: x itself, (b t / n, h), cannot tell)."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         params = [self.q.local_params(), self.kv.local_params()]
-        if self.sequence_parallel:  # x: this rank's chunk of the tokens; gathered once for both
-            if self.tokens is None:
-                raise RuntimeError("sequence-parallel attention needs the batch's shape (tokens), set by "
-                                   "TensorParallelGPT.forward")
-            b, t = self.tokens
+        if self.sequence_parallel:
+            # x: this rank's chunk of the flattened tokens, (b, t / n, h) (the GPT's sequence-parallel
+            # embedding); gathered once for both along dim 0, (n b, t / n, ·), every token in order.
+            n = dist.get_world_size(self.tp_group)
+            b, t = x.shape[0], x.shape[1] * n
             q, kv = sequence_parallel_linears(x, self.tp_group, 0, params)
         else:  # x: whole on every rank; f sums the two projections' input gradients in one all-reduce
             q, kv = copied_linears(x, self.tp_group, params)
             b, t = x.shape[:2]
-        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
-        k, v = kv.view(b, t, 2, -1, self.head_dim).unbind(2)
+        q = q.reshape(b, t, -1, self.head_dim).transpose(1, 2)
+        k, v = kv.reshape(b, t, 2, -1, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         y = self.attend(q, k, v).transpose(1, 2)
-        return self.proj(y.reshape(b * t, -1) if self.sequence_parallel else y.reshape(b, t, -1))
+        if self.sequence_parallel:  # reduce-scattered back along dim 0: this rank's (b, t / n, h)
+            return self.proj(y.reshape(x.shape[0] * n, x.shape[1], -1))
+        return self.proj(y.reshape(b, t, -1))
 
 
 def shard_attention(attn: CausalSelfAttention, group: Group, sequence_parallel: bool = False) -> HeadParallelAttention:
@@ -127,5 +126,5 @@ def shard_attention(attn: CausalSelfAttention, group: Group, sequence_parallel: 
         attn.proj, group, output_op="reduce_scatter_seq" if sequence_parallel else "all_reduce", seq_dim=0)
     attn.n_head, attn.n_kv_head = attn.n_head // n, max(attn.n_kv_head // n, 1)
     attn.__class__ = HeadParallelAttention
-    attn.tp_group, attn.sequence_parallel, attn.tokens = group, sequence_parallel, None
+    attn.tp_group, attn.sequence_parallel = group, sequence_parallel
     return attn

@@ -8,15 +8,17 @@
     for the MLP (Shoeybi et al. 2019, fig. 3). The loss is the vocabulary-parallel cross-entropy.
 
 With sequence_parallel=True the replicated regions (norms, residual stream, dropout, positions) hold
-only this rank's tokens, a contiguous 1/n of the batch's tokens flattened (TensorParallelGPT.
-_sequence_shard says why not a slice of each sequence); each all-reduce becomes a reduce-scatter plus
-an all-gather (sequence.py), neither of which copies. The sequence length must divide by the degree
-(as the plan's rule says; the flattened split itself needs only the batch's tokens to).
+only this rank's tokens, a contiguous 1/n of the batch's tokens flattened (SequenceParallelEmbedding
+says why not a slice of each sequence); each all-reduce becomes a reduce-scatter plus an all-gather
+(sequence.py), neither of which copies. The sequence length must divide by the degree (as the plan's
+rule says; the flattened split itself needs only the batch's tokens to).
 
-The conversion happens in place: modules are replaced under their own names (so parameter names
-are the plain model's) and the model's class becomes TensorParallelGPT, a subclass whose forward
-adds the two things the plain forward cannot know: which positions this rank's tokens have under
-sequence parallelism, and the loss over vocabulary shards. models/gpt.py stays plain.
+The conversion happens in place, at the GPT's swap points (models/gpt.py): modules are replaced
+under their own names (so parameter names are the plain model's), the `embedding` becomes the
+sequence-parallel one under sp (which positions this rank's tokens have) and the `loss` the
+vocabulary-parallel cross-entropy. The forward stays GPT.forward: TensorParallelGPT only adds the
+whole-model views. Applied before context parallelism (which swaps `tokens` and the attention core)
+and before the pipeline split (whose chunks copy the swap points), it composes with both.
 
 Dropout: masks are drawn from each rank's own generator. Ranks built from the same seed draw the
 same masks where activations are replicated (correct: replicas must agree), but the same pattern on
@@ -32,15 +34,14 @@ import torch.nn as nn
 
 from shardlab.comm.autograd import gather_from_group
 from shardlab.comm.dispatch import Group
-from shardlab.models.gpt import GPT
+from shardlab.models.gpt import GPT, Embedding
 from shardlab.models.layers import SwiGLU
 from shardlab.parallel.tensor.attention import shard_attention
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from shardlab.parallel.tensor.sequence import (
     SequenceParallelLayerNorm, SequenceParallelRMSNorm, SumScope, convert_layer_norm, norm_params, replicated,
-    summing,
 )
-from shardlab.parallel.tensor.shards import TensorParallelModel
+from shardlab.parallel.tensor.shards import SharesGroups, TensorParallelModel
 from shardlab.parallel.tensor.swiglu import shard_swiglu
 from shardlab.parallel.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
@@ -130,57 +131,59 @@ def gpt_problems(model: GPT, styles: dict[str, str], n: int, sequence_parallel: 
 
 
 class TensorParallelGPT(TensorParallelModel, GPT):
-    """A GPT converted by apply_tensor_parallel; `model(idx, targets) -> loss`, `model(idx) -> logits`."""
+    """A GPT converted by apply_tensor_parallel: GPT.forward itself over the swapped modules, plus
+    the whole-model views (TensorParallelModel); `model(idx, targets) -> loss`, `model(idx) -> logits`."""
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        b, t = idx.shape
-        if t > self.cfg.seq_len:
-            raise ValueError(f"sequence of {t} tokens is longer than seq_len {self.cfg.seq_len}")
-        group, sp = self.tp_group, self.sequence_parallel
-        n = dist.get_world_size(group)
-        if sp and t % n:  # (the flattened split needs only b t to divide; kept as the plan's rule)
-            raise ValueError(f"sequence parallelism splits each sequence's {t} tokens over tp {n}, "
-                             f"which does not divide them")
-        rope = None if self.pos_emb is not None else self._rope(t, idx.device, self.tok_emb.weight.dtype)
-        # Under SP, the replicated parameters used on sequence shards get one all-reduce of their
-        # partial gradients per block and backward, not one each (sequence.py's SumScope).
-        with summing(self.sum_scopes):
-            if sp:
-                x = self._sequence_shard(idx, b, t, n)
-            else:
-                x = self.tok_emb(idx)
-                if self.pos_emb is not None:
-                    x = x + self.pos_emb(torch.arange(t, device=idx.device))
-            for block in self.blocks:
-                x = block(x, rope)  # rotary: attention sees every token, so the whole table
-            logits = self.head(self.ln_f(x))  # (b, t, V/n), or (b t, V/n) under SP
-        if not isinstance(self.head, ColumnParallelLinear):  # a replicated head: the plain loss
-            return logits if targets is None else self._loss(logits, targets)
+
+class VocabParallelLoss(SharesGroups, nn.Module):
+    """The GPT's loss swap point for a head split by vocabulary: the vocabulary-parallel
+    cross-entropy of this rank's logit columns (vocab.py); without targets, the logits gathered whole."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
-            return gather_from_group(logits, group, -1).view(b, t, -1)
-        losses = vocab_parallel_cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), group)
+            return gather_from_group(logits, self.group, -1)
+        losses = vocab_parallel_cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                              self.group)
         return losses.mean()
 
-    def _sequence_shard(self, idx: torch.Tensor, b: int, t: int, n: int) -> torch.Tensor:
-        """This rank's tokens of the batch, embedded: the b x t tokens flattened in order, rank r's
-        the r-th of n contiguous chunks (whole sequences when n divides b). Megatron keeps its
-        activations sequence-first, [s, b, h], so that its sequence chunks are contiguous and its
-        collectives copy nothing; ours are batch-first, and the flattened tokens are what is
-        contiguous. Norms, residuals and dropout work token by token, so which tokens a rank holds
-        does not matter; attention gathers them all (`tokens` tells it the batch's shape)."""
-        for block in self.blocks:
-            block.attn.tokens = (b, t)
-        x = self.tok_emb(idx.reshape(-1))  # reduce-scattered: (b t / n, h)
-        if self.pos_emb is not None:
-            # Each rank's table gradient covers only its tokens' positions: summed over the group.
-            lo = dist.get_rank(self.tp_group) * (b * t // n)
-            positions = torch.arange(lo, lo + b * t // n, device=idx.device) % t
-            x = x + replicated(self.pos_emb, "weight", self.tp_group)[positions]
-        return x
 
-    @staticmethod
-    def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+class SequenceParallelEmbedding(SharesGroups, Embedding):
+    """The GPT's embedding swap point under sequence parallelism: this rank's share of the tokens,
+    embedded. The b x t tokens are flattened in order and rank r keeps the r-th of n contiguous
+    chunks (whole sequences when n divides b), held as (b, t / n, h): what every block keeps between
+    its parallel regions. Megatron keeps its activations sequence-first, [s, b, h], so that its
+    sequence chunks are contiguous and its collectives copy nothing; ours are batch-first, and the
+    flattened tokens are what is contiguous. Norms, residuals and dropout work token by token, so
+    which tokens a rank holds does not matter; attention and the column layers gather them all
+    along dimension 0, (n b, t / n, ·), which is every token in the flattened order."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, tok_emb: nn.Module,
+                pos_emb: nn.Module | None) -> torch.Tensor:
+        b, t = ids.shape
+        n, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if t % n:  # (the flattened split needs only b t to divide; kept as the plan's rule)
+            raise ValueError(f"sequence parallelism splits each sequence's {t} tokens over tp {n}, "
+                             f"which does not divide them")
+        x = tok_emb(ids.reshape(-1))  # reduce-scattered: (b t / n, h)
+        if pos_emb is not None:
+            # Each rank's table gradient covers only its tokens' positions: summed over the group.
+            mine = positions.expand(b, t).reshape(-1).chunk(n)[r]
+            x = x + replicated(pos_emb, "weight", self.group)[mine]
+        return x.view(b, t // n, -1)
+
+    def hidden_shape(self, b: int, t: int, d: int) -> tuple[int, ...]:
+        return (b, t // dist.get_world_size(self.group), d)
+
+    def attended_length(self, x: torch.Tensor) -> int:
+        return x.shape[1] * dist.get_world_size(self.group)
 
 
 def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_parallel: bool) -> TensorParallelGPT:
@@ -206,19 +209,22 @@ def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_paral
                 block.mlp.proj, group, output_op="reduce_scatter_seq" if sp else "all_reduce", **edge)
     if sp:
         convert_layer_norm(model.ln_f, group)
-        # One sum of partial gradients per block, and one for the rest (positions, final norm).
-        model.sum_scopes = [SumScope(_partial_in(block)) for block in model.blocks]
-        model.sum_scopes.append(SumScope(([(model.pos_emb, "weight")] if model.pos_emb is not None else [])
-                                         + norm_params(model.ln_f)))
+        model.embedding = SequenceParallelEmbedding(group)
+        # One sum of partial gradients per block, opened and closed by the block's own forward (so a
+        # pipeline stage's copy of a block does its own sums), and one for the rest (positions, final
+        # norm) by the model's: a pipeline chunk, which holds one of them at most, sums each alone.
+        for block in model.blocks:
+            SumScope(_partial_in(block)).attach(block)
+        SumScope(([(model.pos_emb, "weight")] if model.pos_emb is not None else [])
+                 + norm_params(model.ln_f)).attach(model)
     if _effective(styles, "head") == "vocab":
         model.head = ColumnParallelLinear.from_linear(model.head, group, input_op="gather_seq" if sp else "copy",
                                                       **edge)
         if tied:  # the same rows of the same table: one Parameter, as in the plain model
             model.head.weight = model.tok_emb.weight
+        model.loss = VocabParallelLoss(group)
     model.__class__ = TensorParallelGPT
     model.tp_group, model.sequence_parallel = group, sp
-    if not sp:
-        model.sum_scopes = []
     return model
 
 

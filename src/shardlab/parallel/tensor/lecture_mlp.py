@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from shardlab.comm.autograd import CommCounter, count_comm, gather_from_group
 from shardlab.comm.dispatch import Group
-from shardlab.models.mlp import DeepMLP
+from shardlab.models.mlp import DeepMLP, SquaredError
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
-from shardlab.parallel.tensor.shards import TensorParallelModel
+from shardlab.parallel.tensor.shards import SharesGroups, TensorParallelModel
 
 MEGATRON_MLP_PLAN: dict[str, str] = {"layers.*[02468]": "column", "layers.*[13579]": "row"}
 LECTURE_MLP_PLAN: dict[str, str] = {"layers.*": "lecture"}
@@ -99,20 +98,20 @@ def mlp_problems(model: DeepMLP, styles: dict[str, str], n: int, sequence_parall
 
 
 class TensorParallelDeepMLP(TensorParallelModel, DeepMLP):
-    """A DeepMLP converted by apply_tensor_parallel: the plain forward, plus the final row gather
-    under sequence parallelism (the loss, like the plain one, is taken on the whole output)."""
+    """A DeepMLP converted by apply_tensor_parallel: DeepMLP.forward itself over the swapped layers,
+    plus the whole-model views (TensorParallelModel)."""
 
-    tp_gather_rows: bool
+
+class GatheredRowsLoss(SharesGroups, SquaredError):
+    """The deep MLP's loss swap point when its last layer leaves each rank some rows (sequence
+    parallelism): the rows gathered, then the plain loss on the whole output, as one process takes it."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = x.to(self.layers[0].weight.dtype)  # as the plain forward: computed in the parameters' dtype
-        for layer in self.layers:
-            x = F.gelu(layer(x))  # on a column layer's own features, or on whole activations
-        if self.tp_gather_rows:
-            x = gather_from_group(x, self.tp_group, 0)
-        if targets is None:
-            return x
-        return F.mse_loss(x.float(), targets.float())
+        return super().forward(gather_from_group(x, self.group, 0), targets)
 
 
 def convert_mlp(model: DeepMLP, styles: dict[str, str], group: Group, sequence_parallel: bool) -> TensorParallelDeepMLP:
@@ -125,8 +124,10 @@ def convert_mlp(model: DeepMLP, styles: dict[str, str], group: Group, sequence_p
             model.layers[i] = ColumnParallelLinear.from_linear(layer, group, input_op=entry, output_op=out, **edge)
         elif style == "row":
             model.layers[i] = RowParallelLinear.from_linear(layer, group, input_op=entry, output_op=out, **edge)
+    if gather_rows:
+        model.loss = GatheredRowsLoss(group)
     model.__class__ = TensorParallelDeepMLP
-    model.tp_group, model.sequence_parallel, model.tp_gather_rows = group, sequence_parallel, gather_rows
+    model.tp_group, model.sequence_parallel = group, sequence_parallel
     return model
 
 
