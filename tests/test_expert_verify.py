@@ -22,12 +22,12 @@ def _cfg(dp: int, ep: int, *extra: str) -> dict:
     return cfg.to_dict()
 
 
-def _verify(pools, dp: int, ep: int, *extra: str) -> dict:
+def _verify(pools, dp: int, ep: int, *extra: str, pp: int = 1) -> dict:
     from shardlab.train.verify import verify_rank
 
-    report = pools(dp * ep).run(verify_rank, _cfg(dp, ep, *extra), 1e-6, 1e-5)[0]
+    report = pools(dp * ep * pp).run(verify_rank, _cfg(dp, ep, f"layout.pp={pp}", *extra), 1e-6, 1e-5)[0]
     assert report["passed"], json.dumps(report["per_step"], indent=1)
-    assert report["world_size"] == dp * ep and report["layout"]["ep"] == ep
+    assert report["world_size"] == dp * ep * pp and report["layout"]["ep"] == ep
     # The bar of the issue: 1e-5 relative after 5 steps (verify itself holds parameters to 1e-6).
     assert report["max_rel_loss_diff"] < 1e-5 and report["max_rel_param_diff"] < 1e-5
     return report
@@ -54,15 +54,34 @@ def test_moe_on_plain_data_parallel(pools):
     _verify(pools, 2, 1, "model.experts=4", "model.top_k=2")
 
 
+def test_moe_in_pipeline_stages(pools):
+    # Two stages, interleaved (rank 1 holds a chunk without the head too): every chunk's MoE layers
+    # carry their load-balancing terms into the backward on their own stage (a large coefficient,
+    # so that a stage whose terms missed the backward fails on its routers' gradients).
+    report = _verify(pools, 1, 1, "model.experts=4", "model.top_k=2", "model.aux_loss_coef=0.1",
+                     "model.n_layer=2", 'layout.schedule="interleaved"', "layout.virtual_stages=2",
+                     "train.micro_batches=2", pp=2)
+    assert report["layout"]["pp"] == 2
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["layout.ep=2"], "model.experts = 0"),
     (["layout.ep=2", "model.experts=3"], "does not divide over layout.ep = 2"),
     (["model.experts=4", "model.top_k=5"], "model.top_k = 5"),
     (["layout.ep=2", "model.experts=4", "layout.zero=1"], "layout.zero = 1 is not supported"),
     (["model.experts=4", "layout.tp=2"], "layout.tp = 2"),
-    (["model.experts=4", "layout.pp=2"], "layout.pp = 2"),
+    (["model.experts=4", "layout.ep=2", "layout.pp=2"], "layout.pp = 2 and layout.ep = 2"),
     (["layout.ep=2", "model.experts=4", "checkpoint.every=1"], "checkpoint.every = 1"),
 ])
 def test_refusals(extra, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_config(None, extra).validate()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--pp", "2", "--microbatches", "2", "--experts", "4"],
+])
+def test_lifted_dry_run_accepted(argv, capfd):
+    from shardlab.cli.main import main
+
+    assert main(["train", "--model", "gpt", *argv, "--dry-run"]) == 0, capfd.readouterr().err

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from shardlab.models.layers import MLPS, NORMS, GeluMLP, make_mlp, make_norm
 from shardlab.models.flops import model_flops_per_token, recompute_flops_per_token
-from shardlab.models.moe import MoE
+from shardlab.models.moe import MoE, with_aux_losses
 
 
 @dataclass
@@ -176,13 +176,8 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        # Mixture-of-experts blocks (or their expert-parallel replacements) leave their
-        # load-balancing term on the module; summed over layers, as in Switch Transformer.
-        for block in self.blocks:
-            aux = getattr(block.mlp, "aux_loss", None)
-            if aux is not None:
-                loss = loss + aux
-        return loss
+        # Mixture-of-experts blocks leave their load-balancing terms on the module (models/moe.py).
+        return with_aux_losses(loss, self.blocks, is_loss=True)
 
     def num_params(self, exclude_embeddings: bool = True) -> int:
         """Parameters, counted once when tied; position tables excluded by default (as in 6N counts)."""

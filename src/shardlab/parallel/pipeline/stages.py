@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardlab.models import GPT, DeepMLP
+from shardlab.models.moe import with_aux_losses
 from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
 from shardlab.parallel.pipeline.partition import balance as balance_costs
 from shardlab.parallel.pipeline.partition import check_sizes
@@ -77,12 +78,13 @@ class GPTChunk(nn.Module):
         rope = GPT._rope(self, x.shape[1], x.device, x.dtype) if self.cfg.rotary and len(self.blocks) else None
         for block in self.blocks.values():
             x = block(x, rope)
-        if self.head is None:
-            return x
+        if self.head is None:  # the blocks' load-balancing terms ride on x to the backward (models/moe.py)
+            return with_aux_losses(x, self.blocks.values(), is_loss=False)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return with_aux_losses(loss, self.blocks.values(), is_loss=True)
 
     def activation_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """Shape of the hidden states between chunks for the (ids) microbatch `x`."""
