@@ -54,6 +54,14 @@ def test_moe_on_plain_data_parallel(pools):
     _verify(pools, 2, 1, "model.experts=4", "model.top_k=2")
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_moe_under_zero(pools, zero):
+    # 16 experts, top-1, 4 rows of 16 tokens: some experts no token reaches (no gradient, skipped by
+    # AdamW, as in one process) and some only one dp rank reaches; ZeRO's "has a gradient" flags
+    # keep the first None on every rank and the second's shard the sum.
+    _verify(pools, 2, 1, "model.experts=16", "model.top_k=1", "train.global_batch=4", f"layout.zero={zero}")
+
+
 def test_moe_in_pipeline_stages(pools):
     # Two stages, interleaved (rank 1 holds a chunk without the head too): every chunk's MoE layers
     # carry their load-balancing terms into the backward on their own stage (a large coefficient,
@@ -68,7 +76,7 @@ def test_moe_in_pipeline_stages(pools):
     (["layout.ep=2"], "model.experts = 0"),
     (["layout.ep=2", "model.experts=3"], "does not divide over layout.ep = 2"),
     (["model.experts=4", "model.top_k=5"], "model.top_k = 5"),
-    (["layout.ep=2", "model.experts=4", "layout.zero=1"], "layout.zero = 1 is not supported"),
+    (["layout.ep=2", "model.experts=4", "layout.zero=1"], "layout.zero = 1 and layout.ep = 2 is not supported"),
     (["model.experts=4", "layout.tp=2"], "layout.tp = 2"),
     (["model.experts=4", "layout.ep=2", "layout.pp=2"], "layout.pp = 2 and layout.ep = 2"),
     (["layout.ep=2", "model.experts=4", "checkpoint.every=1"], "checkpoint.every = 1"),
@@ -80,6 +88,8 @@ def test_refusals(extra, needle):
 
 @pytest.mark.parametrize("argv", [
     ["--pp", "2", "--microbatches", "2", "--experts", "4"],
+    ["--dp", "2", "--zero", "1", "--experts", "4"],
+    ["--dp", "2", "--zero", "3", "--experts", "4"],
 ])
 def test_lifted_dry_run_accepted(argv, capfd):
     from shardlab.cli.main import main

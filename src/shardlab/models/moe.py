@@ -134,6 +134,7 @@ class MoE(nn.Module):
         # Each expert is the GPT's MLP (GELU; or SwiGLU, as Mixtral's experts), its last matrix named
         # `proj`, so the GPT's scaled init of residual projections applies to it as to the dense MLP.
         self.experts = nn.ModuleList(make_mlp(mlp, d_model, d_ff, bias) for _ in range(n_experts))
+        self.experts.conditional = True  # called only when tokens reach them (ZeRO-3 keeps them in the block's unit)
         self.aux_loss: torch.Tensor | None = None
         self.dropped = 0
 

@@ -387,11 +387,12 @@ def expert_problems(cfg: Config) -> list[str]:
         out.append(f"model.experts = {m.experts} with layout.pp = {lay.pp} and layout.ep = {lay.ep} is not supported "
                    f"yet: the stages' data parallelism does not split experts from dense parameters")
     # cp > 1 with experts: refused by context_parallel_problems (capacity and the loss are per sequence).
-    if lay.zero:
-        out.append(f"model.experts = {m.experts} with layout.zero = {lay.zero} is not supported: ZeRO's shards of "
-                   f"flat buckets assume every parameter is replicated over the whole data-parallel group, which "
-                   f"experts are not under layout.ep > 1 (and an expert no token reached must keep no gradient, "
-                   f"not a zero one, to take the single-process step); use layout.zero = 0")
+    if lay.zero and lay.ep > 1:
+        out.append(f"model.experts = {m.experts} with layout.zero = {lay.zero} and layout.ep = {lay.ep} is not supported "
+                   f"yet: ZeRO's shards of flat buckets assume every parameter is replicated over the whole "
+                   f"data-parallel group, which experts are not under layout.ep > 1 (they would need their own "
+                   f"shards over dp x cp, Megatron's expert data-parallel group); use layout.zero = 0, or "
+                   f"layout.ep = 1 (experts replicated, sharded by ZeRO like any parameter)")
     if lay.ep > 1 and (ck.every or ck.resume):
         out.append(f"layout.ep = {lay.ep} with checkpoint.every = {ck.every}, checkpoint.resume = {ck.resume!r} is not "
                    f"supported: checkpoints record parameters by the plain model's names and do not know which ep "
