@@ -361,7 +361,7 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
 def expert_problems(cfg: Config) -> list[str]:
     """Mixture of experts (model.experts) and expert parallelism (layout.ep): what the MoE and its
     expert-parallel form support today (docs/expert-parallel.md)."""
-    m, lay, ck = cfg.model, cfg.layout, cfg.checkpoint
+    m, lay = cfg.model, cfg.layout
     out: list[str] = []
     if m.experts < 0:
         out.append(f"model.experts = {m.experts} must be >= 0")
@@ -393,8 +393,4 @@ def expert_problems(cfg: Config) -> list[str]:
                    f"data-parallel group, which experts are not under layout.ep > 1 (they would need their own "
                    f"shards over dp x cp, Megatron's expert data-parallel group); use layout.zero = 0, or "
                    f"layout.ep = 1 (experts replicated, sharded by ZeRO like any parameter)")
-    if lay.ep > 1 and (ck.every or ck.resume):
-        out.append(f"layout.ep = {lay.ep} with checkpoint.every = {ck.every}, checkpoint.resume = {ck.resume!r} is not "
-                   f"supported: checkpoints record parameters by the plain model's names and do not know which ep "
-                   f"rank holds which experts yet")
     return out
