@@ -54,6 +54,13 @@ def test_moe_on_plain_data_parallel(pools):
     _verify(pools, 2, 1, "model.experts=4", "model.top_k=2")
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_ep2_recomputed(pools, mode):
+    # Full: the block's forward, all-to-alls included, runs again in backward on every ep rank in
+    # the same order; selective: the attention core only, beside the experts' exchange.
+    _verify(pools, 1, 2, "model.experts=4", "model.top_k=2", "model.capacity_factor=1.0", f"layout.recompute={mode!r}")
+
+
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_moe_under_zero(pools, zero):
     # 16 experts, top-1, 4 rows of 16 tokens: some experts no token reaches (no gradient, skipped by
@@ -90,6 +97,8 @@ def test_refusals(extra, needle):
     ["--dp", "2", "--zero", "1", "--experts", "4"],
     ["--dp", "2", "--zero", "3", "--experts", "4"],
     ["--ep", "2", "--experts", "4", "--set", "checkpoint.every=1"],
+    ["--ep", "2", "--experts", "4", "--recompute", "full"],
+    ["--cp", "2", "--recompute", "selective"],
 ])
 def test_lifted_dry_run_accepted(argv, capfd):
     from shardlab.cli.main import main

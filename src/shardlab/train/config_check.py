@@ -208,9 +208,6 @@ def recompute_problems(cfg: Config) -> list[str]:
         out.append(f"{what} with layout.schedule = 'zb1': the zero-bubble weight-gradient split is a function "
                    f"mode active only during the forward, so a recomputation in backward would save different "
                    f"tensors; use another schedule")
-    if lay.ep > 1 or lay.cp > 1:
-        out.append(f"{what} with layout.ep = {lay.ep}, layout.cp = {lay.cp}: recomputing the experts' all-to-all "
-                   f"or the ring attention is not verified yet")
     return out
 
 
