@@ -44,6 +44,12 @@ def test_cp2_learned_rotary_gqa(pools):
     _verify(pools, 1, 2, "model.n_kv_head=1", "model.tie_embeddings=false")  # multi-query
 
 
+def test_cp2_recomputed(pools):
+    # The ring attention run again in backward: the whole block (full) or only the core (selective).
+    _verify(pools, 1, 2, 'layout.recompute="full"', "model.rotary=true")
+    _verify(pools, 1, 2, 'layout.recompute="selective"')
+
+
 def test_cp4(pools):
     _verify(pools, 1, 4, "model.rotary=true")
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from shardlab.models.layers import MLPS, NORMS, GeluMLP, make_mlp, make_norm
 from shardlab.models.flops import model_flops_per_token, recompute_flops_per_token
-from shardlab.models.moe import MoE
+from shardlab.models.moe import MoE, with_aux_losses
 
 
 @dataclass
@@ -257,19 +257,14 @@ class GPT(nn.Module):
         rope = self.rope_tables(positions, x.dtype) if self.cfg.rotary and blocks else None
         for block in blocks:
             x = block(x, rope)
-        if self.head is None:
-            return x
+        if self.head is None:  # the blocks' load-balancing terms ride on x to the backward (models/moe.py)
+            return with_aux_losses(x, blocks, is_loss=False)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return self.tokens.whole_logits(self.loss(logits).reshape(b, t_local, -1), t)
         loss = self.loss(logits, self.tokens.local(targets))
-        # Mixture-of-experts blocks (or their expert-parallel replacements) leave their
-        # load-balancing term on the module; summed over layers, as in Switch Transformer.
-        for block in blocks:
-            aux = getattr(block.mlp, "aux_loss", None)
-            if aux is not None:
-                loss = loss + aux
-        return self.tokens.whole_loss(loss)
+        # Mixture-of-experts blocks leave their load-balancing terms on the module (models/moe.py).
+        return self.tokens.whole_loss(with_aux_losses(loss, blocks, is_loss=True))
 
     def num_params(self, exclude_embeddings: bool = True) -> int:
         """Parameters, counted once when tied; position tables excluded by default (as in 6N counts)."""

@@ -22,11 +22,23 @@ its own rows, like the cross-entropy, and the ranks' mean is the whole batch's.
 
 `route` and `combine` are module functions so that the expert-parallel MoE (parallel/expert/)
 runs exactly this routing and this weighted sum, with only the experts' part in between moved.
+
+Every forward that runs MoE blocks brings their load-balancing terms into the objective with one
+call, `with_aux_losses(out, blocks, is_loss)`: a forward that ends in the loss (GPT.forward, a
+pipeline's last chunk) adds them to it; one that ends in hidden states (a pipeline stage without the
+head) attaches them to its output, so that the backward through that output also gives each term
+its gradient, on the stage that computed it (Megatron-LM's MoEAuxLossAutoScaler does the same). That
+gradient is what the loss would have received: the caller says how much in `aux_loss_scope` (a
+pipeline's microbatch share of the rows times the loss scale), and the scope also collects the
+terms' values so that the reported loss can include them (the executor sums them over its stages).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +134,7 @@ class MoE(nn.Module):
         # Each expert is the GPT's MLP (GELU; or SwiGLU, as Mixtral's experts), its last matrix named
         # `proj`, so the GPT's scaled init of residual projections applies to it as to the dense MLP.
         self.experts = nn.ModuleList(make_mlp(mlp, d_model, d_ff, bias) for _ in range(n_experts))
+        self.experts.conditional = True  # called only when tokens reach them (ZeRO-3 keeps them in the block's unit)
         self.aux_loss: torch.Tensor | None = None
         self.dropped = 0
 
@@ -131,3 +144,81 @@ class MoE(nn.Module):
         self.aux_loss, self.dropped = r.aux_loss, r.dropped
         y = run_experts(list(self.experts), x.reshape(b * t, d)[r.token], r.counts.tolist())
         return combine(y, r, b * t).view(b, t, d)
+
+
+# ------------------------------------------------------------------- the terms in the objective
+@dataclass
+class AuxLossScope:
+    """How the load-balancing terms carried by a forward's hidden states enter the objective.
+
+    weight: what the objective multiplies this forward's loss by (a pipeline microbatch's share of
+    the batch's rows); grad_scale: the backward's extra factor (fp16's loss scale). `total` sums the
+    carried terms' values times `weight`, for the reported loss."""
+
+    weight: float = 1.0
+    grad_scale: float = 1.0
+    total: torch.Tensor | float = 0.0
+
+
+_SCOPE: contextvars.ContextVar[AuxLossScope | None] = contextvars.ContextVar("aux_loss_scope", default=None)
+
+
+@contextlib.contextmanager
+def aux_loss_scope(weight: float = 1.0, grad_scale: float = 1.0) -> Iterator[AuxLossScope]:
+    """Within it, forwards that carry their load-balancing terms on their output (see
+    `with_aux_losses`) give them the gradient weight x grad_scale and add weight x value to `total`."""
+    scope = AuxLossScope(weight, grad_scale)
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+
+
+class _CarryAux(torch.autograd.Function):
+    """Forward: `hidden` unchanged. Backward: `hidden`'s gradient passed on, and the (scalar) `aux`
+    given the constant gradient `scale`, as if `scale x aux` had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_full((), ctx.scale, dtype=torch.float32), None
+
+
+def aux_losses(blocks: Iterable[nn.Module]) -> list[torch.Tensor]:
+    """The load-balancing terms the MoE layers among `blocks` (or their MLPs: any module with an
+    `aux_loss` tensor, plain or expert-parallel) left in the forward that just ran them."""
+    out = []
+    for block in blocks:
+        for m in block.modules():
+            aux = getattr(m, "aux_loss", None)
+            if isinstance(aux, torch.Tensor):
+                out.append(aux)
+    return out
+
+
+def with_aux_losses(out: torch.Tensor, blocks: Iterable[nn.Module], is_loss: bool) -> torch.Tensor:
+    """`out` of a forward that ran `blocks`, with their load-balancing terms in the objective:
+    added to it when it is the loss (summed over layers, as in Switch Transformer); otherwise
+    (hidden states going on to a later stage) carried by it, each term's gradient given in the
+    backward through `out` (weighted by the current `aux_loss_scope`, 1 without one) and its value
+    added to the scope's total. Blocks without experts contribute nothing (`out` returned as is)."""
+    terms = aux_losses(blocks)
+    if is_loss:
+        for aux in terms:
+            out = out + aux
+        return out
+    if not terms:
+        return out
+    total = terms[0]
+    for aux in terms[1:]:
+        total = total + aux
+    scope = _SCOPE.get() or AuxLossScope()
+    scope.total = scope.total + scope.weight * total.detach().double()  # a tensor: no device sync
+    if not (torch.is_grad_enabled() and total.requires_grad):
+        return out
+    return _CarryAux.apply(out, total, scope.weight * scope.grad_scale)

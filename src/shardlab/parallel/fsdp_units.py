@@ -44,7 +44,10 @@ def unit_modules(root: nn.Module, policy: Policy) -> list[nn.Module]:
     ModuleDict) never are: they are not called, so their hooks would never gather them."""
     containers = (nn.ModuleList, nn.ModuleDict)
     if policy is None:
-        chosen = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m}
+        # Not a list whose members a forward calls only sometimes (a mixture's experts, by where the
+        # router sends tokens): ranks would gather different units. Those stay in their parent's unit.
+        chosen = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) and not getattr(m, "conditional", False)
+                  for c in m}
         pick: Callable[[nn.Module], bool] = lambda m: id(m) in chosen  # noqa: E731
     elif isinstance(policy, int):
         chosen = set()

@@ -202,9 +202,6 @@ def recompute_problems(cfg: Config) -> list[str]:
         out.append(f"{what} with layout.schedule = 'zb1': the zero-bubble weight-gradient split is a function "
                    f"mode active only during the forward, so a recomputation in backward would save different "
                    f"tensors; use another schedule")
-    if lay.ep > 1 or lay.cp > 1:
-        out.append(f"{what} with layout.ep = {lay.ep}, layout.cp = {lay.cp}: recomputing the experts' all-to-all "
-                   f"or the ring attention is not verified yet")
     return out
 
 
@@ -358,7 +355,7 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
 def expert_problems(cfg: Config) -> list[str]:
     """Mixture of experts (model.experts) and expert parallelism (layout.ep): what the MoE and its
     expert-parallel form support today (docs/expert-parallel.md)."""
-    m, lay, ck = cfg.model, cfg.layout, cfg.checkpoint
+    m, lay = cfg.model, cfg.layout
     out: list[str] = []
     if m.experts < 0:
         out.append(f"model.experts = {m.experts} must be >= 0")
@@ -380,17 +377,14 @@ def expert_problems(cfg: Config) -> list[str]:
     if lay.tp > 1 or lay.sp:
         out.append(f"model.experts = {m.experts} with layout.tp = {lay.tp}, layout.sp = {lay.sp} is not supported: the "
                    f"tensor-parallel plan has no rule for the experts and the router (the MoE MLP is not cut)")
-    if lay.pp > 1:
-        out.append(f"model.experts = {m.experts} with layout.pp = {lay.pp} is not supported: a pipeline stage's forward "
-                   f"does not add the load-balancing loss of its MoE layers to the last stage's loss")
+    if lay.pp > 1 and lay.ep > 1:
+        out.append(f"model.experts = {m.experts} with layout.pp = {lay.pp} and layout.ep = {lay.ep} is not supported "
+                   f"yet: the stages' data parallelism does not split experts from dense parameters")
     # cp > 1 with experts: refused by context_parallel_problems (capacity and the loss are per sequence).
-    if lay.zero:
-        out.append(f"model.experts = {m.experts} with layout.zero = {lay.zero} is not supported: ZeRO's shards of "
-                   f"flat buckets assume every parameter is replicated over the whole data-parallel group, which "
-                   f"experts are not under layout.ep > 1 (and an expert no token reached must keep no gradient, "
-                   f"not a zero one, to take the single-process step); use layout.zero = 0")
-    if lay.ep > 1 and (ck.every or ck.resume):
-        out.append(f"layout.ep = {lay.ep} with checkpoint.every = {ck.every}, checkpoint.resume = {ck.resume!r} is not "
-                   f"supported: checkpoints record parameters by the plain model's names and do not know which ep "
-                   f"rank holds which experts yet")
+    if lay.zero and lay.ep > 1:
+        out.append(f"model.experts = {m.experts} with layout.zero = {lay.zero} and layout.ep = {lay.ep} is not supported "
+                   f"yet: ZeRO's shards of flat buckets assume every parameter is replicated over the whole "
+                   f"data-parallel group, which experts are not under layout.ep > 1 (they would need their own "
+                   f"shards over dp x cp, Megatron's expert data-parallel group); use layout.zero = 0, or "
+                   f"layout.ep = 1 (experts replicated, sharded by ZeRO like any parameter)")
     return out

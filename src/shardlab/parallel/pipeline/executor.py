@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from shardlab import comm
 from shardlab.dist import flight
+from shardlab.models.moe import aux_loss_scope
 from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule
 from shardlab.parallel.pipeline.check import check
 from shardlab.parallel.pipeline.params import TIED_TAG, clip_grad_norm_, sum_tied_grads
@@ -140,7 +141,8 @@ class PipelineExecutor:
             self._wait_send(j)
         if not stepped:
             self._finish(on_step)
-        comm.broadcast(self.loss, self.last_rank, self.group, timeout_s=self.timeout_s)
+        # The last chunk's loss plus every stage's load-balancing terms (zero where it has none).
+        comm.all_reduce(self.loss, "sum", self.group, timeout_s=self.timeout_s)
         leftovers = [k for d in (self.saved, self.outgoing, self.stores, self.recvs, self.lent) for k in d]
         if leftovers:  # check() makes this impossible; a guard against state leaking into the next step
             raise RuntimeError(f"rank {self.rank}: pipeline state left over after the step: {leftovers[:4]}")
@@ -219,12 +221,16 @@ class PipelineExecutor:
         if (mb, c) in self.split:
             store = self.stores[(mb, c)] = WeightGradStore()
             defer = defer_weight_grads(store)
-        with defer:
+        share = self.xs[mb].shape[0] / self.rows
+        # A chunk without the head carries its MoE layers' load-balancing terms on its output, with
+        # the gradient the loss gives them (models/moe.py); their values join the reported loss.
+        with defer, aux_loss_scope(share, self.loss_scale) as aux:
             out = self.stage.chunk(c)(inp, self.ys[mb] if last else None)
+        self.loss += aux.total
         if last:
             # Each microbatch's loss is a mean over its rows: weighting by its share of the rows
             # makes the sum over microbatches (and its gradient) the whole batch's mean.
-            out = out * (self.xs[mb].shape[0] / self.rows)
+            out = out * share
             self.loss += out.detach().double()
         else:
             local = chunk_owner(c + 1, self.stage.plan.stages) == self.rank

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
+from shardlab.models.moe import aux_loss_scope
 from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import PieceOptimizer, WholeLayout, param_groups, unique_trainable
 from shardlab.parallel.pipeline.executor import PipelineExecutor
@@ -57,20 +58,27 @@ def forward_only(stage: PipelineStage, inputs: torch.Tensor, targets: torch.Tens
     time is the price of the simplest correct order, acceptable for evaluation and sampling."""
     p, chunks, rank = stage.plan.stages, stage.plan.chunks, stage.rank
     out = None
-    for c in range(chunks):
-        if chunk_owner(c, p) != rank:
-            continue
-        if c == 0:
-            inp = inputs
-        elif chunk_owner(c - 1, p) == rank:  # one stage: the chunks follow each other locally
-            inp = out
-        else:
-            buf = torch.empty(stage.activation_shape(inputs), dtype=_dtype(stage), device=inputs.device)
-            inp = comm.recv(buf, chunk_owner(c - 1, p), group, tag=FORWARD_TAG + c)
-        out = stage.chunk(c)(inp, targets if c == chunks - 1 else None)
-        if c < chunks - 1 and chunk_owner(c + 1, p) != rank:
-            comm.send(out.contiguous(), chunk_owner(c + 1, p), group, tag=FORWARD_TAG + c + 1)
+    with aux_loss_scope() as aux:  # chunks without the head leave their MoE layers' terms here (models/moe.py)
+        for c in range(chunks):
+            if chunk_owner(c, p) != rank:
+                continue
+            if c == 0:
+                inp = inputs
+            elif chunk_owner(c - 1, p) == rank:  # one stage: the chunks follow each other locally
+                inp = out
+            else:
+                buf = torch.empty(stage.activation_shape(inputs), dtype=_dtype(stage), device=inputs.device)
+                inp = comm.recv(buf, chunk_owner(c - 1, p), group, tag=FORWARD_TAG + c)
+            out = stage.chunk(c)(inp, targets if c == chunks - 1 else None)
+            if c < chunks - 1 and chunk_owner(c + 1, p) != rank:
+                comm.send(out.contiguous(), chunk_owner(c + 1, p), group, tag=FORWARD_TAG + c + 1)
     last = chunk_owner(chunks - 1, p)
+    if targets is not None:  # the loss: every stage's load-balancing terms join the last one's
+        terms = torch.as_tensor(aux.total, dtype=torch.float64, device=inputs.device).clone()
+        if dist.get_world_size(group) > 1:
+            comm.all_reduce(terms, "sum", group)
+        if rank == last:
+            out = out + terms.to(out.dtype)
     if dist.get_world_size(group) == 1:
         return out
     # The shape and dtype of the result first (a loss, logits or the MLP's output: only the last
