@@ -48,7 +48,7 @@ def test_micro_batches_in_flight_by_schedule():
     assert in_flight(PlanLayout(pp=8, schedule="gpipe"), 64, 3) == 64
     assert in_flight(PlanLayout(pp=8, schedule="zb-h1"), 64, 0) == 8
     # Interleaved: pp (1 + (pp - 1) / (pp v)) micro-batches' worth of the rank's layers.
-    assert in_flight(PlanLayout(pp=8, schedule="interleaved", virtual=2), 64, 0) == pytest.approx(8 * (1 + 7 / 16))
+    assert in_flight(PlanLayout(pp=8, schedule="interleaved", virtual_stages=2), 64, 0) == pytest.approx(8 * (1 + 7 / 16))
     assert in_flight(PlanLayout(), 64, 0) == 1
 
 
@@ -98,9 +98,9 @@ def test_layout_check_names_the_failing_factor():
     spec = get_model("megatron-175b")
     # Uneven stages are allowed (the trainer splits them too), as long as every chunk has a layer.
     PlanLayout(pp=7).check(spec)
-    PlanLayout(pp=7, virtual=2, schedule="interleaved").check(spec)
+    PlanLayout(pp=7, virtual_stages=2, schedule="interleaved").check(spec)
     with pytest.raises(LayoutError, match="pp 32 x virtual 4 exceeds the 96 layers"):
-        PlanLayout(pp=32, virtual=4, schedule="interleaved").check(spec)
+        PlanLayout(pp=32, virtual_stages=4, schedule="interleaved").check(spec)
     with pytest.raises(LayoutError, match=r"stage layers \[10, 10\] must be 2 positive counts summing to the 96"):
         PlanLayout(pp=2, stage_layers=(10, 10)).check(spec)
     with pytest.raises(LayoutError, match="tp 5 does not divide the 96 attention heads"):

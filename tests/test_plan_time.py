@@ -74,7 +74,7 @@ def test_schedules_order_by_bubble():
     spec = get_model("megatron-175b")
     base = PlanLayout(tp=8, pp=8, sp=True, recompute="selective")
     t = {name: step_time(spec, replace(base, **kw), A100, 64) for name, kw in [
-        ("1f1b", {}), ("interleaved", dict(schedule="interleaved", virtual=2)), ("zb-h1", dict(schedule="zb-h1"))]}
+        ("1f1b", {}), ("interleaved", dict(schedule="interleaved", virtual_stages=2)), ("zb-h1", dict(schedule="zb-h1"))]}
     assert t["interleaved"].bubble_s < t["1f1b"].bubble_s and t["zb-h1"].bubble_s < t["1f1b"].bubble_s
     # 1F1B with equal stages: (p - 1) micro-batch times of idle, up to the head's extra work on the last stage.
     one = t["1f1b"]

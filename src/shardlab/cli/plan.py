@@ -16,8 +16,12 @@ its group crosses, the pipeline bubble, overlap, the optimizer), with tokens/s a
 
 With --dp, --tp or --pp: that one layout, in full (unset degrees are 1; dp fills the rest); a layout
 that does not fit still prints its breakdown, with the verdict (exit 0; non-zero only on errors).
-Otherwise: every layout that divides and fits, ranked by predicted throughput; other layout flags
+Otherwise: every layout that divides, fits and that shardlab's trainer can run (its own rules,
+train/config_check.py; --any-layout to drop that), ranked by predicted throughput; other layout flags
 given (--zero, --schedule, --recompute, --micro-batch, --sp ...) are kept fixed in the search.
+The layout is the trainer's own [layout] (dp does not count ep: world = dp x ep x cp x tp x pp;
+schedules by the trainer's names: zb1 is ZB-H1); --emit-config FILE writes the one layout, or the
+search's fastest, as a configuration `shardlab train --config FILE` runs.
 Model: a preset (--model), a shardlab configuration (--config), or any GPT shape: shape flags alone
 (--layers, --hidden, --heads, ...) build exactly that shape; with --model or --config they override
 its fields. Cluster: a preset (--hardware, default a100-80gb), with --peak-tflops, --memory-gb and
@@ -42,13 +46,15 @@ examples:
   shardlab plan --validate-local                  # this machine: predicted vs measured memory and step time
   shardlab plan --calibrate cal.json              # measure this machine (matmuls, copies, collectives)
   shardlab plan --config configs/gpt-small.toml --hardware this-cpu --calibration cal.json --gpus 2 --dp 2
+  shardlab plan --layers 4 --hidden 64 --heads 4 --seq 32 --vocab 256 --gpus 4 --global-batch 8 \
+      --emit-config plan.toml && shardlab train --config plan.toml --dry-run   # the fastest layout, runnable
 """
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from shardlab.plan.hardware import ALIASES
     from shardlab.plan.hardware import PRESETS as HW
-    from shardlab.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES
+    from shardlab.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULE_ALIASES, SCHEDULES
     from shardlab.plan.models import PRESETS as MODELS
 
     p = sub.add_parser("plan", help="predict memory and step time of parallel layouts; rank those that fit",
@@ -100,8 +106,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         lay.add_argument(f"--{d}", type=int, default=None, help=f"{text} degree")
     lay.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
                      help="ZeRO stage over data parallelism (default: 0 for one layout; searched)")
-    lay.add_argument("--schedule", choices=SCHEDULES, default=None,
-                     help="pipeline schedule (default: 1f1b for one layout; searched)")
+    lay.add_argument("--schedule", choices=[*SCHEDULES, *SCHEDULE_ALIASES], default=None,
+                     help="pipeline schedule, the trainer's names (zb1: ZB-H1, also accepted as zb-h1; default: 1f1b "
+                          "for one layout; searched)")
     lay.add_argument("--virtual", type=int, default=None,
                      help="interleaved schedule: model chunks per pipeline rank (default 1; the search tries 2 and 4)")
     lay.add_argument("--micro-batch", type=int, default=None,
@@ -119,11 +126,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lay.add_argument("--param-gather-overlap", action="store_true",
                      help="ZeRO 1-2: hide the parameter all-gather behind the next forward (--overlap-param-gather)")
     lay.add_argument("--stage-layers", default=None, metavar="N,N,...",
-                     help="layers per pipeline stage (default: as even as possible, the edges lighter)")
+                     help="layers per pipeline chunk (pp x virtual counts; the trainer's layout.stage_layers; default: "
+                          "as even as possible, the edges lighter)")
     lay.add_argument("--global-batch", type=int, default=None,
                      help="sequences per optimizer step (default: 8 x dp for one layout, 8 x gpus in a search, "
                           "or the configuration's)")
     o = p.add_argument_group("output and other modes")
+    o.add_argument("--emit-config", default=None, metavar="FILE",
+                   help="write the layout (one layout, or the search's fastest) as a shardlab TOML configuration: "
+                        "the model, [layout] and the batch (train.global_batch, train.micro_batches), for "
+                        "`shardlab train --config FILE` (a --config given is the base: its other sections kept)")
+    o.add_argument("--any-layout", action="store_true",
+                   help="rank every layout the cost model can time, also those shardlab's trainer refuses "
+                        "(default: only those train/config_check.py accepts)")
     o.add_argument("--top", type=int, default=10, help="rows of the ranked table and of --plot (default 10)")
     o.add_argument("--json", default=None, metavar="PATH",
                    help="write the result as JSON: the layout's evaluation, the ranked rows (up to 50), or with "
@@ -252,25 +267,28 @@ def run(args: argparse.Namespace) -> int:
         return print_validation(args.json, args.plot)
     names = ("dp", "tp", "pp", "cp", "ep", "zero", "schedule", "virtual", "micro_batch", "sp", "recompute", "precision")
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    base, config_batch = PlanLayout(precision="bf16"), None
+    if "virtual" in given:
+        given["virtual_stages"] = given.pop("virtual")
+    base, config_batch, config = PlanLayout(precision="bf16"), None, None
     if args.config:
         # A shardlab configuration brings its layout and batch; flags override them.
-        from shardlab.plan.validate_local import plan_from_config
+        from shardlab.plan.validate_local import trainer_layout
         from shardlab.train.config import load_config
 
-        _, base, config_batch = plan_from_config(load_config(args.config, []))
+        config = load_config(args.config, [])
+        base, config_batch = trainer_layout(config), config.train.global_batch
         given.setdefault("dp", base.dp)
     base = replace(base, **given, grad_fp32=args.grad_fp32 or base.grad_fp32, stage_layers=stage_layers,
                    tp_comm_overlap=args.tp_comm_overlap, param_gather_overlap=args.param_gather_overlap)
     single = any(k in given for k in ("dp", "tp", "pp"))
     gpus = args.gpus
     if single:
-        rest = base.tp * base.pp * base.cp
+        rest = base.tp * base.pp * base.cp * base.ep
         gpus = gpus or (base.dp * rest if "dp" in given else rest)
         if "dp" not in given:
             base = replace(base, dp=max(1, gpus // rest))
     gpus = gpus or 8
-    gb = args.global_batch or config_batch or 8 * (base.dp if single else gpus)
+    gb = args.global_batch or config_batch or 8 * (base.batch_ranks if single else gpus)
     try:
         hw = hw.sized(gpus)
     except ValueError as exc:
@@ -291,14 +309,14 @@ def run(args: argparse.Namespace) -> int:
               "(the fused kernel already recomputes them in its backward); memory and time are as without it")
     try:
         if single:
-            return _one(spec, base, hw, gpus, gb, args)
-        return _search(spec, base, set(given), hw, gpus, gb, args)
+            return _one(spec, base, hw, gpus, gb, args, config)
+        return _search(spec, base, set(given), hw, gpus, gb, args, config)
     except LayoutError as exc:
         print(f"shardlab plan: {exc}", file=sys.stderr)
         return 2
 
 
-def _one(spec, lay, hw, gpus, gb, args) -> int:
+def _one(spec, lay, hw, gpus, gb, args, config=None) -> int:
     from dataclasses import asdict
 
     from shardlab.plan.report import format_one
@@ -313,16 +331,27 @@ def _one(spec, lay, hw, gpus, gb, args) -> int:
     if args.json:
         _write(args.json, {"tool": "shardlab plan", "model": asdict(spec), "hardware": hw.to_dict(),
                            "gpus": gpus, "global_batch": gb, "evaluation": e.to_dict()})
+    if args.emit_config:
+        return _emit(spec, lay, gb, args.emit_config, config)
     return 0
 
 
-def _search(spec, base, pinned, hw, gpus, gb, args) -> int:
+def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
     from shardlab.plan.report import explain, format_ranked, result_json
     from shardlab.plan.search import search
 
-    result = search(spec, hw, gpus, gb, base, pinned, args.mem_fraction)
+    admit = None
+    if not args.any_layout:
+        from shardlab.train.plan_config import trainer_rules
+
+        admit = trainer_rules(spec, gb, config)
+    result = search(spec, hw, gpus, gb, base, pinned, args.mem_fraction, admit=admit, keep=max(args.top, 50))
     shown = min(args.top, len(result.ranked))
-    print(f"{result.considered:,} layouts considered, {len(result.ranked):,} fit; the fastest {shown}:")
+    if admit is None:
+        print(f"{result.considered:,} layouts considered, {len(result.ranked):,} fit; the fastest {shown}:")
+    else:
+        print(f"{result.considered:,} layouts considered, {result.fitting:,} fit; of the {result.checked:,} fastest "
+              f"checked against the trainer's rules, {len(result.ranked):,} run; the fastest {shown}:")
     print(format_ranked(result, args.top))
     print()
     print("\n".join(explain(result, spec, gpus)))
@@ -334,6 +363,26 @@ def _search(spec, base, pinned, hw, gpus, gb, args) -> int:
         title = f"{spec.name} on {gpus} x {hw.name}, global batch {gb}: the fastest layouts"
         print(f"wrote {plot_breakdown(result.ranked[:args.top], args.plot, title)}")
     print(f"verdict: {len(result.ranked):,} layout(s) fit" if result.ranked else "verdict: no layout fits")
+    if args.emit_config:
+        if not result.ranked:
+            print(f"shardlab plan: --emit-config {args.emit_config}: no layout to write", file=sys.stderr)
+            return 1
+        return _emit(spec, result.ranked[0].layout, gb, args.emit_config, config)
+    return 0
+
+
+def _emit(spec, lay, gb, path: str, config=None) -> int:
+    """Write `lay` as a configuration the trainer runs; say so if the trainer's rules refuse it."""
+    from shardlab.train.plan_config import write_config
+
+    try:
+        refused = write_config(spec, lay, gb, path, config)
+    except OSError as exc:
+        print(f"shardlab plan: --emit-config {path}: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} (shardlab train --config {path})")
+    if refused:
+        print("note: the trainer refuses this layout as it stands:\n  - " + "\n  - ".join(refused))
     return 0
 
 

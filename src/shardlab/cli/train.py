@@ -343,7 +343,9 @@ def dry_run(cfg) -> int:
     print("# " + run_flops(model, cfg, device).describe())
     if lay.pp > 1:
         from shardlab.parallel.pipeline import plan_split
+        from shardlab.parallel.pipeline.partition import layout_balance
 
-        # The split is pure (parameter counts of the meta model): what each rank will hold.
-        print("# " + plan_split(model, lay.pp, lay.virtual_stages).describe().replace("\n", "\n# "))
+        # The split is pure (layer counts, or parameter counts of the meta model): what each rank will hold.
+        split = layout_balance(model, lay.pp, lay.virtual_stages, lay.stage_layers)
+        print("# " + plan_split(model, lay.pp, lay.virtual_stages, split).describe().replace("\n", "\n# "))
     return 0

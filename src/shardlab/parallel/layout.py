@@ -252,7 +252,10 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
                          f"Config.validate for why)")
     # nccl is fine: the executor posts each step's sends and receives as groups (batch_isend_irecv)
     # that check.py proves deadlock-free on NCCL's in-order stream (docs/pipeline.md).
-    plan = plan_split(model, layout.pp, layout.virtual_stages)
+    from shardlab.parallel.pipeline.partition import layout_balance  # layers as even as possible, or stage_layers
+
+    plan = plan_split(model, layout.pp, layout.virtual_stages,
+                      layout_balance(model, layout.pp, layout.virtual_stages, layout.stage_layers))
     tp = None
     if uses_tensor_parallel(layout):
         from shardlab.parallel.pipeline.tensor_stage import tensor_parallel_for_stages

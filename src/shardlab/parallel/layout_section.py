@@ -40,6 +40,12 @@ class LayoutSection:
     virtual_stages: int = 1
     """Chunks of layers per pipeline rank (v): 1, or >= 2 with schedule 'interleaved' (chunk c on
     rank c mod pp). pp x v must not exceed the model's pieces (GPT: n_layer + 2, MLP: n_layer)."""
+    stage_layers: tuple[int, ...] = ()
+    """Layers (GPT: blocks; MLP: layers) per pipeline chunk, first to last: pp x virtual_stages
+    positive counts summing to model.n_layer, e.g. [3, 2] (TOML list, or --set layout.stage_layers=3,2).
+    The GPT's embedding rides with the first chunk and its head with the last. Empty (default): as
+    even as possible, a count the chunks do not divide (126 layers over 16) giving the edge chunks,
+    which also hold the embedding and the head, one layer fewer (7, 8 x 14, 7): the planner's split."""
     dp_mode: str = "overlap"
     """'naive' (one all-reduce per gradient after backward), 'bucketed' (flat buckets after
     backward) or 'overlap' (buckets reduced during backward). A pipeline stage (layout.pp > 1 with

@@ -49,9 +49,9 @@ def groups(lay: PlanLayout) -> dict[str, Group]:
     return {
         "tp": Group("tp", lay.tp, 1),
         "cp": Group("cp", lay.cp, lay.tp),
-        "dp": Group("dp", lay.dp * lay.cp, lay.tp),   # gradients are reduced over dp and cp together
+        "dp": Group("dp", lay.replicas, lay.tp),   # dense gradients are reduced over dp, ep and cp together
         "ep": Group("ep", lay.ep, lay.tp * lay.cp),
-        "pp": Group("pp", lay.pp, lay.tp * lay.cp * lay.dp),
+        "pp": Group("pp", lay.pp, lay.tp * lay.cp * lay.ep * lay.dp),
     }
 
 

@@ -1,54 +1,52 @@
-"""A candidate layout for the planner: parallel degrees, ZeRO stage, pipeline schedule, precision.
+"""The planner's layout: the trainer's own `[layout]` (parallel/layout_section.py's LayoutSection),
+with the few facts the cost model also needs (micro-batch size, overlap of the modelled
+implementation, gradient precision).
 
     lay = PlanLayout(tp=8, pp=8, sp=True, recompute="selective", micro_batch=1)
     lay.check(spec, world=64, global_batch=64)   # raises LayoutError naming every degree that does not fit
 
-Ranks are numbered tp fastest, then cp, then dp, then pp (Megatron-LM's order, and the one in which
-shardlab's mesh puts tp innermost): a tensor-parallel group is the closest ranks, a pipeline
-neighbour the farthest. Expert parallelism subdivides the data-parallel ranks: ep ranks hold
-different experts, dp/ep copies of each.
+One type for both: a PlanLayout *is* a LayoutSection (dp, tp, pp, cp, ep, zero, schedule,
+virtual_stages, stage_layers, sp, recompute, precision, dp_mode ... mean what the trainer means),
+so the layout the planner picks is written as a configuration the trainer runs
+(train/plan_config.py, `shardlab plan --emit-config`), and the trainer's own rules
+(train/config_check.py) decide which layouts a search may rank. World size = dp x ep x cp x tp x pp,
+as the trainer's mesh: dp does not count ep.
+
+Ranks are numbered as the trainer's default mesh (layout.mesh_order "pp,dp,ep,cp,tp"), which is
+Megatron-LM's order: tp fastest, then cp, then ep, then dp, then pp: a tensor-parallel group is the
+closest ranks, a pipeline neighbour the farthest. Dense parameters are replicated over dp x ep x cp
+(their gradients reduced there); an expert over dp x cp.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.pipeline.partition import even_layers
+
+# The trainer's names (parallel/pipeline/schedules.py KINDS) for the schedules the cost model times;
+# "zb-h1", the paper's name, is read as "zb1". The trainer's "naive" is not modelled.
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb1")
+SCHEDULE_ALIASES = {"zb-h1": "zb1"}
 RECOMPUTE = ("none", "selective", "full")
 # fp8: the linear layers' matmuls at the fp8 rate (Transformer Engine's recipe); weights, activations
-# and gradients stay 16-bit in memory, attention and the optimizer as under bf16.
+# and gradients stay 16-bit in memory, attention and the optimizer as under bf16. The trainer has no
+# fp8 (its rules refuse it), so a search asked for trainable layouts never ranks one.
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
-
-
-def _even_split(layers: int, parts: int) -> list[int]:
-    """`layers` over `parts` as evenly as possible, the parts with one layer fewer placed at the two
-    ends first (they sit beside the embedding and the head)."""
-    base, extra = divmod(layers, parts)
-    if not extra:
-        return [base] * parts
-    ends = list(dict.fromkeys(i for pair in zip(range(parts), range(parts - 1, -1, -1)) for i in pair))
-    light = set(ends[:parts - extra])
-    return [base + (0 if i in light else 1) for i in range(parts)]
 
 
 class LayoutError(ValueError):
     """A layout that cannot run this model on this many ranks; the message says which factor fails."""
 
 
-@dataclass(frozen=True)
-class PlanLayout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1                  # context parallelism: the sequence split over cp ranks (ring attention)
-    ep: int = 1                  # expert parallelism: experts split over ep of the dp ranks
-    zero: int = 0                # ZeRO stage over the data-parallel group (0-3)
-    schedule: str = "1f1b"       # pipeline schedule
-    micro_batch: int = 1         # sequences per micro-batch on one data-parallel rank
-    virtual: int = 1             # interleaved schedule: model chunks per pipeline rank
-    sp: bool = False             # sequence parallelism (needs tp > 1 to save anything)
-    recompute: str = "none"      # activation recomputation
+@dataclass
+class PlanLayout(LayoutSection):
+    """The trainer's LayoutSection plus what only the cost model reads."""
+
     precision: str = "bf16"      # parameters and activations; bf16/fp16 keep fp32 master weights
+    micro_batch: int = 1         # sequences per micro-batch on one batch rank (the trainer's
+                                 # train.global_batch / (dp x ep x train.micro_batches))
     grad_fp32: bool = False      # accumulate and reduce gradients in fp32 (Megatron-LM's main_grad)
     dp_overlap: bool = True      # gradient reduction overlapped with the last micro-batch's backward
     tp_overlap: bool = True      # tp's backward collectives behind the weight-gradient matmuls (Megatron-LM)
@@ -58,11 +56,41 @@ class PlanLayout:
                                     # --tp-comm-overlap, userbuffers), forward and backward
     param_gather_overlap: bool = False  # ZeRO >= 1: the next step's parameter all-gather hidden behind the
                                         # forward (Megatron-LM's --overlap-param-gather)
-    stage_layers: tuple[int, ...] = ()  # layers per pipeline stage; () = as even as possible (see layers_on)
+
+    @classmethod
+    def from_section(cls, section: LayoutSection, micro_batch: int = 1, **knobs) -> PlanLayout:
+        """The trainer's `[layout]` as the planner's layout: every field as it is, plus the cost
+        model's knobs (`micro_batch`: the rows of one micro-batch on one batch rank)."""
+        return cls(**{f.name: getattr(section, f.name) for f in fields(LayoutSection)},
+                   micro_batch=micro_batch, **knobs)
+
+    def section(self) -> LayoutSection:
+        """The trainer's `[layout]` of this layout (the cost model's knobs dropped)."""
+        return LayoutSection(**{f.name: getattr(self, f.name) for f in fields(LayoutSection)})
+
+    def __post_init__(self) -> None:
+        self.schedule = SCHEDULE_ALIASES.get(self.schedule, self.schedule)
+        self.stage_layers = tuple(self.stage_layers)
+
+    @property
+    def virtual(self) -> int:
+        """Model chunks per pipeline rank (the trainer's virtual_stages)."""
+        return self.virtual_stages
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks that take different rows of the batch: dp x ep (the trainer's batch ranks)."""
+        return self.dp * self.ep
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same dense parameters, over which their gradients are reduced and ZeRO
+        shards: dp x ep x cp."""
+        return self.dp * self.ep * self.cp
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.dp * self.ep * self.tp * self.pp * self.cp
 
     @property
     def act_bytes(self) -> int:
@@ -83,19 +111,18 @@ class PlanLayout:
         return 8 if self.precision == "fp32" else 12
 
     def layers_on(self, layers: int, stage: int) -> int:
-        """Transformer layers on pipeline stage `stage`: the explicit `stage_layers`, or `layers`
-        split as evenly as possible, the stages with one layer fewer placed first and last (they
-        also hold the embedding and the head; Llama 3 405B's 126 layers over 16 stages: 7, 8 x 14, 7)."""
-        if self.stage_layers:
-            return self.stage_layers[stage]
-        chunks = _even_split(layers, self.pp * self.virtual)   # interleaved: stage s holds chunks s, s + pp, ...
-        return sum(chunks[stage::self.pp])
+        """Transformer layers on pipeline stage `stage`: the explicit `stage_layers` (per chunk), or
+        `layers` split as evenly as possible, the chunks with one layer fewer placed first and last
+        (they also hold the embedding and the head; Llama 3 405B's 126 layers over 16 stages: 7,
+        8 x 14, 7). The trainer splits by the same rule (parallel/pipeline/partition.py)."""
+        chunks = self.stage_layers or even_layers(layers, self.pp * self.virtual)
+        return sum(chunks[stage::self.pp])   # interleaved: stage s holds chunks s, s + pp, ...
 
     def stage_layer_counts(self, layers: int) -> list[int]:
         return [self.layers_on(layers, i) for i in range(self.pp)]
 
     def micro_batches(self, global_batch: int) -> int:
-        return global_batch // (self.dp * self.micro_batch)
+        return global_batch // (self.batch_ranks * self.micro_batch)
 
     def name(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
@@ -105,6 +132,8 @@ class PlanLayout:
             text += " sp"
         if self.zero:
             text += f" z{self.zero}"
+        if self.dp_mode != "overlap" and self.replicas > 1:
+            text += f" {self.dp_mode}"
         if self.pp > 1:
             text += f" {self.schedule}" + (f"/v{self.virtual}" if self.schedule == "interleaved" else "")
         if self.recompute != "none":
@@ -114,7 +143,7 @@ class PlanLayout:
         return text + f" mb{self.micro_batch}"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "virtual": self.virtual}
 
     def check(self, spec, world: int | None = None, global_batch: int | None = None) -> None:
         """Raise LayoutError listing every reason this layout cannot run `spec`."""
@@ -125,8 +154,8 @@ class PlanLayout:
         if bad:
             raise LayoutError("; ".join(bad))
         if world is not None and self.world != world:
-            bad.append(f"dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp} = {self.world}, "
-                       f"not the {world} ranks")
+            bad.append(f"dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}"
+                       + (f" x ep {self.ep}" if self.ep > 1 else "") + f" = {self.world}, not the {world} ranks")
         if self.zero not in (0, 1, 2, 3):
             bad.append(f"ZeRO stage {self.zero} is not 0-3")
         if self.schedule not in SCHEDULES:
@@ -144,12 +173,11 @@ class PlanLayout:
         if spec.vocab % self.tp:
             bad.append(f"tp {self.tp} does not divide the vocabulary {spec.vocab}")
         if self.stage_layers:
-            if len(self.stage_layers) != self.pp or sum(self.stage_layers) != spec.layers \
+            chunks = self.pp * self.virtual
+            if len(self.stage_layers) != chunks or sum(self.stage_layers) != spec.layers \
                     or min(self.stage_layers) < 1:
-                bad.append(f"stage layers {list(self.stage_layers)} must be {self.pp} positive counts summing to "
-                           f"the {spec.layers} layers")
-            if self.virtual > 1:
-                bad.append("explicit stage layers do not combine with the interleaved schedule's chunks")
+                bad.append(f"stage layers {list(self.stage_layers)} must be {chunks} positive counts summing to "
+                           f"the {spec.layers} layers" + (" (one per chunk: pp x virtual)" if self.virtual > 1 else ""))
         elif spec.layers < self.pp * self.virtual:
             bad.append(f"pp {self.pp} x virtual {self.virtual} exceeds the {spec.layers} layers")
         if self.virtual > 1 and self.schedule != "interleaved":
@@ -159,14 +187,14 @@ class PlanLayout:
         if spec.seq % (self.cp * (self.tp if self.sp else 1)):
             bad.append(f"sequence {spec.seq} does not divide into cp {self.cp}"
                        + (f" x tp {self.tp} (sp)" if self.sp else ""))
-        if self.ep > 1 and (spec.experts % self.ep or (self.dp * self.cp) % self.ep):
-            bad.append(f"ep {self.ep} must divide the {spec.experts} experts and dp x cp = {self.dp * self.cp}")
+        if self.ep > 1 and spec.experts % self.ep:
+            bad.append(f"ep {self.ep} must divide the {spec.experts} experts")
         if self.sp and self.tp == 1:
             bad.append("sequence parallelism needs tp > 1")
         if global_batch is not None:
-            if global_batch % (self.dp * self.micro_batch):
+            if global_batch % (self.batch_ranks * self.micro_batch):
                 bad.append(f"global batch {global_batch} does not divide into dp {self.dp} "
-                           f"x micro-batch {self.micro_batch}")
+                           + (f"x ep {self.ep} " if self.ep > 1 else "") + f"x micro-batch {self.micro_batch}")
             elif self.schedule == "interleaved" and self.micro_batches(global_batch) % self.pp:
                 bad.append(f"interleaved: {self.micro_batches(global_batch)} micro-batches must be a multiple "
                            f"of pp {self.pp}")

@@ -162,10 +162,10 @@ def stage_memory(spec: ModelSpec, lay: PlanLayout, global_batch: int, stage: int
     b, m = lay.micro_batch, lay.micro_batches(global_batch)
     dense, experts = stage_params(spec, lay, stage)
     p, g, k = lay.param_bytes, lay.grad_bytes, lay.optim_bytes
-    # ZeRO shards over the ranks that hold the same parameters: dp x cp for dense ones (context
-    # parallel ranks hold whole copies too), dp x cp / ep for an expert.
-    zd = shard_state(dense, lay.dp * lay.cp, lay.zero, p, g, k)
-    ze = shard_state(experts, lay.dp * lay.cp // lay.ep, lay.zero, p, g, k)
+    # ZeRO shards over the ranks that hold the same parameters: dp x ep x cp for dense ones (context
+    # and expert parallel ranks hold whole copies too), dp x cp for an expert.
+    zd = shard_state(dense, lay.replicas, lay.zero, p, g, k)
+    ze = shard_state(experts, lay.dp * lay.cp, lay.zero, p, g, k)
     flight = in_flight(lay, m, stage)
     layers = lay.layers_on(spec.layers, stage)
     activations = layers * flight * act.layer_activation_bytes(spec, lay, b)

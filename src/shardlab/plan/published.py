@@ -69,7 +69,7 @@ class PublishedRun:
         full = self.variant == "full recompute"
         return PlanLayout(dp=self.gpus // (self.tp * self.pp), tp=self.tp, pp=self.pp, sp=not full,
                           recompute="full" if full else "selective", micro_batch=self.micro_batch,
-                          precision="bf16", grad_fp32=True, virtual=self.virtual,
+                          precision="bf16", grad_fp32=True, virtual_stages=self.virtual,
                           schedule="interleaved" if self.virtual > 1 else "1f1b")
 
 

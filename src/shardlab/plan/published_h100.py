@@ -66,7 +66,7 @@ class H100Run:
     def layout(self) -> PlanLayout:
         dp = self.gpus // (self.tp * self.pp * self.cp)
         return PlanLayout(dp=dp, tp=self.tp, pp=self.pp, cp=self.cp, micro_batch=self.micro_batch,
-                          virtual=self.vp, schedule="interleaved" if self.vp > 1 else "1f1b",
+                          virtual_stages=self.vp, schedule="interleaved" if self.vp > 1 else "1f1b",
                           sp=self.tp > 1, zero=1 if dp * self.cp > 1 else 0, precision=self.precision,
                           grad_fp32=False, tp_comm_overlap=self.tp > 1, param_gather_overlap=True)
 

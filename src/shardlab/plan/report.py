@@ -106,6 +106,10 @@ def explain(result: SearchResult, spec: ModelSpec, gpus: int, alternatives: int 
     if result.rejected:
         common = "; ".join(f"{reason} ({n})" for reason, n in result.rejected.most_common(4))
         out.append(f"Not built ({sum(result.rejected.values())} combinations): {common}.")
+    if result.refused:
+        common = "; ".join(f"{reason} ({n})" for reason, n in result.refused.most_common(4))
+        out.append(f"Refused by the trainer's rules (train/config_check.py; {sum(result.refused.values())} of the "
+                   f"{result.checked} checked; --any-layout ranks them too): {common}.")
     return out
 
 
@@ -139,5 +143,7 @@ def result_json(result: SearchResult, spec: ModelSpec, hw: Hardware, gpus: int, 
         "gpus": gpus, "global_batch": global_batch, "considered": result.considered, "fitting": len(result.ranked),
         "ranked": [e.to_dict() for e in result.ranked[:top]],
         "misses": [e.to_dict() for e in sorted(result.misses.values(), key=lambda e: e.memory.total)[:top]],
-        "rejected": dict(result.rejected), "explanation": explain(result, spec, gpus),
+        "rejected": dict(result.rejected), "refused_by_trainer": dict(result.refused),
+        "checked_by_trainer": result.checked, "fitting_before_trainer": result.fitting,
+        "explanation": explain(result, spec, gpus),
     }

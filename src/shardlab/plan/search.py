@@ -4,18 +4,28 @@
     result = search(spec, hw, gpus=1024, global_batch=1536)  # result.ranked, result.rejected
 
 The search enumerates tp (powers of two up to a node), pp (dividing the layers), cp, ep, dp (what
-is left), ZeRO stage, schedule (1F1B, interleaved with 2 or 4 chunks, ZB-H1), micro-batch size,
+is left), ZeRO stage, schedule (1F1B, interleaved with 2 or 4 chunks, ZB-H1 as the trainer's zb1), micro-batch size,
 recomputation, and sequence parallelism (always on with tp > 1 unless the caller pins it: it
 never costs memory, and in our model never costs time, since it moves the same bytes as tp's
 all-reduces and runs the norms and dropout on 1/tp of the tokens). Memory is checked first; only
 layouts that fit are timed. Layouts that do not divide are counted by reason; layouts that do not
 fit keep their smallest-memory member per (degrees, ZeRO stage, recomputation), for the explanation.
+
+`admit` (the trainer's own rules, handed down by the caller: the planner does not import the
+trainer; `shardlab plan` passes train/plan_config.py's `trainer_rules`) keeps the ranking to layouts
+the trainer can run. It is asked lazily, fastest first, until `keep` layouts are admitted and the
+next one is more than 3% slower than the best; a refused layout is retried without what the trainer
+most often lacks and the cost model can drop (sequence parallelism; the gradient reduction
+overlapped with backward, for dp_mode 'bucketed'), each variant timed again and ranked where it falls.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from shardlab.plan.hardware import Hardware
@@ -60,6 +70,9 @@ class SearchResult:
     misses: dict[tuple, Evaluation]               # per (degrees, ZeRO, recompute): the smallest that did not fit
     rejected: Counter = field(default_factory=Counter)   # reasons layouts were not built, with counts
     considered: int = 0
+    refused: Counter = field(default_factory=Counter)    # admit's first reason per refused layout, with counts
+    checked: int = 0                                     # layouts admit was asked about (0: no admit)
+    fitting: int = 0                                     # layouts that fit, before admit
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -87,12 +100,12 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, base
                 if gpus % (tp * cp * pp):
                     rejected["tp x cp x pp does not divide the GPUs"] += 1
                     continue
-                dp = gpus // (tp * cp * pp)
-                if "dp" in pinned and dp != base.dp:
-                    continue
-                eps = _divisors(dp * cp) if spec.experts > 1 else [1]
+                rest = gpus // (tp * cp * pp)   # dp x ep: ep is its own axis, as in the trainer's mesh
+                eps = _divisors(rest) if spec.experts > 1 else [1]
                 for ep in choices("ep", [e for e in eps if spec.experts % e == 0]):
-                    shape = replace(base, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+                    if rest % ep or ("dp" in pinned and rest // ep != base.dp):
+                        continue
+                    shape = replace(base, dp=rest // ep, tp=tp, pp=pp, cp=cp, ep=ep)
                     out += _variants(spec, shape, global_batch, pinned, rejected)
     return out
 
@@ -102,20 +115,20 @@ def _variants(spec: ModelSpec, shape: PlanLayout, global_batch: int, pinned: set
     def choices(name: str, options: list) -> list:
         return [getattr(shape, name)] if name in pinned else options
 
-    per_rank = global_batch // shape.dp if global_batch % shape.dp == 0 else 0
+    per_rank = global_batch // shape.batch_ranks if global_batch % shape.batch_ranks == 0 else 0
     mbs = [b for b in (1, 2, 4, 8) if per_rank and per_rank % b == 0]
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if shape.pp > 1:
-        scheds += [("interleaved", v) for v in (2, 4)] + [("zb-h1", 1)]
-    if "schedule" in pinned or "virtual" in pinned:
+        scheds += [("interleaved", v) for v in (2, 4)] + [("zb1", 1)]
+    if "schedule" in pinned or "virtual" in pinned or "virtual_stages" in pinned:
         scheds = [(shape.schedule, shape.virtual)]
     # A fused attention kernel keeps no s x s tensors: selective recomputation would change nothing.
     recomputes = ["none", "selective", "full"] if spec.attention == "eager" else ["none", "full"]
     out = []
     for zero, (sched, v), b, rc, sp in itertools.product(
-            choices("zero", [0, 1, 2, 3] if shape.dp * shape.cp > 1 else [0]), scheds, choices("micro_batch", mbs),
+            choices("zero", [0, 1, 2, 3] if shape.replicas > 1 else [0]), scheds, choices("micro_batch", mbs),
             choices("recompute", recomputes), choices("sp", [shape.tp > 1])):
-        lay = replace(shape, zero=zero, schedule=sched, virtual=v, micro_batch=b, recompute=rc, sp=sp)
+        lay = replace(shape, zero=zero, schedule=sched, virtual_stages=v, micro_batch=b, recompute=rc, sp=sp)
         try:
             lay.check(spec, global_batch=global_batch)
         except LayoutError as exc:
@@ -123,12 +136,18 @@ def _variants(spec: ModelSpec, shape: PlanLayout, global_batch: int, pinned: set
             continue
         out.append(lay)
     if not mbs:
-        rejected[f"global batch does not divide into dp {shape.dp}"] += 1
+        rejected[f"global batch does not divide into dp {shape.dp}" + (f" x ep {shape.ep}" if shape.ep > 1 else "")] += 1
     return out
 
 
+Admit = Callable[[PlanLayout], list[str]]   # the reasons a layout cannot run (empty: it can)
+
+
 def search(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, base: PlanLayout | None = None,
-           pinned: set[str] | None = None, mem_fraction: float = DEFAULT_MEM_FRACTION) -> SearchResult:
+           pinned: set[str] | None = None, mem_fraction: float = DEFAULT_MEM_FRACTION,
+           admit: Admit | None = None, keep: int = 50) -> SearchResult:
+    """Every layout over `gpus` ranks that fits, fastest first; with `admit`, only those it admits
+    (at least `keep` of them when there are, and every one within 3% of the fastest)."""
     base = base or PlanLayout()
     rejected: Counter = Counter()
     layouts = candidates(spec, gpus, global_batch, hw, base, pinned or set(), rejected)
@@ -142,8 +161,68 @@ def search(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, base: Pl
             key = miss_key(lay)
             if key not in misses or mem.total < misses[key].memory.total:
                 misses[key] = Evaluation(lay, mem, None, cap)
-    fits.sort(key=lambda e: (-e.time.tokens_per_s, e.memory.total))
-    return SearchResult(fits, misses, rejected, len(layouts))
+    fits.sort(key=_rank_key)
+    result = SearchResult(fits, misses, rejected, len(layouts), fitting=len(fits))
+    if admit is not None:
+        _admit(result, admit, keep, pinned or set(), lambda lay: evaluate(spec, lay, hw, global_batch, mem_fraction))
+    return result
+
+
+def _rank_key(e: Evaluation) -> tuple[float, float]:
+    return (-e.time.tokens_per_s, e.memory.total)
+
+
+def fallbacks(lay: PlanLayout, pinned: set[str]) -> list[PlanLayout]:
+    """What to try when the trainer refuses `lay`: the same layout without sequence parallelism,
+    with its data-parallel gradients reduced after backward ('bucketed', not overlapped: the cost
+    model times it so), or both, unless the caller pinned that choice."""
+    changes = []
+    if lay.sp and "sp" not in pinned:
+        changes.append({"sp": False})
+    if lay.dp_mode == "overlap" and lay.replicas > 1 and "dp_mode" not in pinned:
+        # ZeRO-2 and -3 reduce-scatter during backward whatever dp_mode says.
+        changes.append({"dp_mode": "bucketed", "dp_overlap": lay.zero >= 2})
+    subsets = [c for n in range(1, len(changes) + 1) for c in itertools.combinations(changes, n)]
+    return [replace(lay, **{k: v for change in subset for k, v in change.items()}) for subset in subsets]
+
+
+def _reason(problem: str) -> str:
+    """A refusal's kind: its text up to the first colon, numbers and quoted values generalised."""
+    head = problem.split(":", 1)[0]
+    return re.sub(r"'[^']*'|\b\d+(\.\d+)?\b", "N", head)[:120]
+
+
+def _admit(result: SearchResult, admit: Admit, keep: int, pinned: set[str],
+           evaluate_one: Callable[[PlanLayout], Evaluation]) -> None:
+    """Replace result.ranked by the admitted layouts, walking the ranking fastest first (a heap:
+    a refused layout's fallbacks are timed and join the walk where they rank)."""
+    heap = [(_rank_key(e), i, e) for i, e in enumerate(result.ranked)]
+    heapq.heapify(heap)
+    order, seen, ranked = len(heap), {repr(e.layout) for e in result.ranked}, []
+    while heap:
+        _, _, e = heapq.heappop(heap)
+        if len(ranked) >= keep and e.time.total_s > 1.03 * ranked[0].time.total_s:
+            break
+        result.checked += 1
+        problems = admit(e.layout)
+        if not problems:
+            ranked.append(e)
+            continue
+        result.refused[_reason(problems[0])] += 1
+        for alt in fallbacks(e.layout, pinned):
+            if repr(alt) in seen:
+                continue
+            seen.add(repr(alt))
+            if admit(alt):   # asked first (cheap): only a variant the trainer runs is timed and ranked
+                continue
+            try:
+                again = evaluate_one(alt)
+            except LayoutError:
+                continue
+            if again.fits:
+                heapq.heappush(heap, (_rank_key(again), order, again))
+                order += 1
+    result.ranked = ranked
 
 
 def miss_key(lay: PlanLayout) -> tuple:

@@ -193,7 +193,7 @@ def _optimizer_time(hw: Hardware, lay: PlanLayout, n_params: float, n_tensors: i
     the gradients zeroed. ZeRO >= 1 updates this rank's 1/dp shard."""
     g, p = lay.grad_bytes, lay.param_bytes
     per = 3 * g + 24 + ((4 + p) if lay.precision != "fp32" else 0)
-    shard = n_params / (lay.dp * lay.cp) if lay.zero >= 1 else n_params
+    shard = n_params / lay.replicas if lay.zero >= 1 else n_params
     # Eager per-tensor AdamW launches about ten ops per parameter tensor (CPU torch does not default to foreach).
     return shard * per / (hw.mem_eff * hw.memory_bw) + 10 * n_tensors * hw.kernel_overhead_s
 
@@ -234,7 +234,7 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
         pipeline = m * t_max
     elif lay.schedule == "interleaved":
         pipeline = m * t_max + (sum(stages) - t_max) / lay.virtual
-    elif lay.schedule == "zb-h1":
+    elif lay.schedule == "zb1":
         t_w = layers * bwd.wgrad
         pipeline = m * t_max + (p - 1) * max(0.0, layers * (fwd.total + bwd.total) - 2 * t_w)
     else:
@@ -244,7 +244,7 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
     # Data parallelism: the slowest stage's gradients (and ZeRO's parameter gathers).
     dense, experts = stage_params(spec, lay, slow)
     dp = comm.groups(lay)["dp"]
-    # An expert's copies are the dp x cp / ep ranks that hold it, ep x tp apart.
+    # An expert's copies are the dp x cp ranks that hold it, ep x tp apart.
     expert_dp = comm.Group("dp", dp.size // lay.ep, lay.tp * lay.cp * lay.ep)
     # ZeRO-3 gathers each layer (a unit; the embedding and head make one more) for every forward and
     # backward, and reduce-scatters each unit's gradients: one collective per unit, each paying its latency.
@@ -285,7 +285,7 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
         dp_exposed += separate
         dp_total += gather_total
     if p > 1 and spec.tied_embeddings:
-        pair = comm.Group("pp", 2, lay.tp * lay.cp * lay.dp * (p - 1))
+        pair = comm.Group("pp", 2, lay.tp * lay.cp * lay.ep * lay.dp * (p - 1))
         tied = comm.collective_time(hw, "all_reduce", spec.vocab * spec.hidden / lay.tp * lay.grad_bytes, pair)
         dp_exposed += tied
         dp_total += tied

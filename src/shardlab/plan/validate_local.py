@@ -24,14 +24,18 @@ def plan_from_config(cfg) -> tuple[ModelSpec, PlanLayout, int]:
     if getattr(lay, "pp", 1) > 1:
         raise ValueError("pipeline layouts are not in the local validation yet")
     spec = spec_from_config(cfg.model)
-    plan = PlanLayout(
-        dp=lay.dp, tp=lay.tp, sp=lay.sp, zero=lay.zero, precision=lay.precision,
-        micro_batch=t.global_batch // (lay.dp * t.micro_batches),
+    return spec, trainer_layout(cfg), t.global_batch
+
+
+def trainer_layout(cfg) -> PlanLayout:
+    """A run configuration's `[layout]` as the planner sees shardlab's trainer run it (any layout)."""
+    lay, t = cfg.layout, cfg.train
+    return PlanLayout.from_section(
+        lay, micro_batch=max(1, t.global_batch // (lay.dp * lay.ep * t.micro_batches)),
         # shardlab overlaps gradient reduction with backward in dp_mode "overlap" and in ZeRO-2/3.
         dp_overlap=(lay.zero == 0 and lay.dp_mode == "overlap") or lay.zero in (2, 3),
         tp_overlap=False, grads_persist=lay.zero == 0,
     )
-    return spec, plan, t.global_batch
 
 
 def predict(cfg, hw: Hardware) -> tuple[RankMemory, StepTime]:

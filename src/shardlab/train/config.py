@@ -345,6 +345,16 @@ def _coerce(name: str, value: Any, annotation: Any, origin: str) -> Any:
     elif kind == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+    elif kind == "tuple[int, ...]":
+        # A TOML list, or "3,2" (what --set layout.stage_layers=3,2 leaves as a bare word).
+        items = [x for x in value.replace(" ", "").split(",") if x] if isinstance(value, str) else value
+        items = [items] if isinstance(items, int) and not isinstance(items, bool) else items
+        if isinstance(items, (list, tuple)):
+            try:
+                if all(not isinstance(x, (bool, float)) for x in items):
+                    return tuple(int(x) for x in items)
+            except ValueError:
+                pass
     elif kind == "str":
         if isinstance(value, str):
             return value
@@ -356,6 +366,8 @@ def _coerce(name: str, value: Any, annotation: Any, origin: str) -> Any:
 def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, str):
         # Control characters must be escaped or tomllib refuses the file we wrote.
         return '"' + "".join(c if c.isprintable() and c not in '"\\' else f"\\u{ord(c):04x}" for c in value) + '"'

@@ -117,6 +117,9 @@ def problems(cfg: Config) -> list[str]:
     elif lay.pp == 1 and lay.virtual_stages > 1:
         out.append(f"layout.virtual_stages = {lay.virtual_stages} splits each pipeline rank's layers into chunks, "
                    f"but layout.pp = 1: there is no pipeline (set layout.pp > 1 or layout.virtual_stages = 1)")
+    if lay.pp == 1 and lay.stage_layers:
+        out.append(f"layout.stage_layers = {list(lay.stage_layers)} splits the layers over pipeline stages, but "
+                   f"layout.pp = 1: there is no pipeline (set layout.pp > 1 or layout.stage_layers = [])")
     out += mesh_problems(cfg)
     out += context_parallel_problems(cfg)
     out += expert_problems(cfg)
@@ -224,11 +227,9 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     """What keeps the pipeline layout from running: the schedule's own rules (interleaving), the
     split (every chunk needs one of the model's pieces), and what a stage cannot be combined with
     yet, each with the reason."""
-    import torch
-
     from shardlab.parallel.pipeline.schedules import compute_order
     from shardlab.parallel.pipeline.stages import model_pieces
-    from shardlab.train.task import build_model
+    from shardlab.train.task import meta_model
 
     m, lay, t = cfg.model, cfg.layout, cfg.train
     p, v, kind, mb = lay.pp, lay.virtual_stages, lay.schedule, t.micro_batches
@@ -249,9 +250,13 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
         except ValueError as exc:
             out.append(f"layout.schedule = {kind!r} at {where}, train.micro_batches = {mb}, layout.virtual_stages = "
                        f"{v}: {exc}")
+    if lay.stage_layers and model_ok:
+        from shardlab.parallel.pipeline.partition import stage_layer_problems
+
+        out += [f"layout.stage_layers = {list(lay.stage_layers)} (model.n_layer = {m.n_layer}, {where} x "
+                f"layout.virtual_stages = {v}): {why}" for why in stage_layer_problems(lay.stage_layers, m.n_layer, p * v)]
     if model_ok:
-        with torch.device("meta"):
-            pieces = model_pieces(build_model(m))
+        pieces = model_pieces(meta_model(m))
         what = (f"model.n_layer = {m.n_layer} blocks, the embedding and the head" if m.name == "gpt"
                 else f"model.n_layer = {m.n_layer} layers")
         if p * v > len(pieces):
@@ -289,17 +294,18 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
 
 
 
+_PLAN_PROBLEMS: dict[tuple, list[str]] = {}   # check_plan's answers per (model, vocab, plan, tp, sp)
+
+
 def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     """What keeps the tensor-parallel plan from fitting: the plan checked on the model built on the
     meta device (no memory; `check_plan` needs no process group), with each module's message tied
     to the fields that size it; and what the trainer cannot yet do under tensor parallelism."""
     import re
 
-    import torch
-
     from shardlab.parallel.tensor import check_plan, named_plan
     from shardlab.train.corpus import model_vocab
-    from shardlab.train.task import build_model
+    from shardlab.train.task import meta_model
 
     m, lay, t = cfg.model, cfg.layout, cfg.train
     where = f"layout.tp = {lay.tp}{' with layout.sp' if lay.sp else ''}"
@@ -331,8 +337,7 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
         vocab = model_vocab(cfg) if m.name == "gpt" else 0
     except (OSError, ValueError, ImportError):
         return out  # data_problems names the source
-    with torch.device("meta"):
-        model = build_model(m, vocab)
+    model = meta_model(m, vocab)
     rows = f"model.vocab_size = {vocab}" + (" (from the data)" if not m.vocab_size else "")
     hints = {
         "tok_emb": rows, "head": rows,
@@ -341,7 +346,10 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
         "layers": f"model.d_model = {m.d_model}", "sequence parallelism": f"model.seq_len = {m.seq_len}",
     }
     seen: set[str] = set()
-    for problem in check_plan(model, named_plan(model, lay.tp_plan), lay.tp, lay.sp):
+    key = (repr(m), vocab, lay.tp_plan, lay.tp, lay.sp)
+    if key not in _PLAN_PROBLEMS:  # a planner's search asks about many layouts of one model
+        _PLAN_PROBLEMS[key] = check_plan(model, named_plan(model, lay.tp_plan), lay.tp, lay.sp)
+    for problem in _PLAN_PROBLEMS[key]:
         problem = re.sub(r"\b(blocks|layers)\.\d+\b", r"\1.*", problem)  # one line per kind, not per layer
         if problem in seen:
             continue

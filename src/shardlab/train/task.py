@@ -41,6 +41,22 @@ def build_model(m: ModelSection, vocab_size: int = 0) -> nn.Module:
     return GPT(gpt_config(m, vocab_size))
 
 
+_META_MODELS: dict[tuple[str, int], nn.Module] = {}
+
+
+def meta_model(m: ModelSection, vocab_size: int = 0) -> nn.Module:
+    """build_model on the meta device (no memory), remembered per model section: building a large
+    GPT takes seconds even there, and a planner's search has config_check look at many layouts of
+    one model (train/plan_config.py). Shared and read-only: callers must not change it."""
+    key = (repr(m), vocab_size)
+    if key not in _META_MODELS:
+        if len(_META_MODELS) >= 8:
+            _META_MODELS.clear()
+        with torch.device("meta"):
+            _META_MODELS[key] = build_model(m, vocab_size)
+    return _META_MODELS[key]
+
+
 def gpt_config(m: ModelSection, vocab_size: int = 0) -> GPTConfig:
     """The GPT's configuration for a model section (one mapping, used by the trainer, the Hugging
     Face export and import, and the planner's presets)."""

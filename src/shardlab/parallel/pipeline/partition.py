@@ -5,11 +5,71 @@ chunk's cost (GPipe, Huang et al. 2019, sec. 2.2 partitions by estimated cost th
 pieces are a model's units in order (embedding, blocks, head); a piece is never cut, every chunk
 gets at least one, and a count that does not divide (7 blocks on 2 stages) gives unequal chunks
 rather than dropping or duplicating a layer.
+
+The trainer's default and the planner's (plan/layout.py) are one rule, `even_layers`: the layers
+(GPT blocks, MLP layers) spread over the chunks as evenly as possible, the chunks with one layer
+fewer at the two ends (the GPT's first chunk also holds the embedding and its last the head), or an
+explicit count per chunk (layout.stage_layers). `split_sizes` turns either into pieces per chunk.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+
+EDGE_PIECES = ("embed", "head")   # the GPT's pieces that are not layers: they ride on the end chunks
+
+
+def even_layers(layers: int, parts: int) -> list[int]:
+    """`layers` over `parts` as evenly as possible, the parts with one layer fewer placed at the two
+    ends first (they sit beside the embedding and the head): 126 over 16 gives 7, 8 x 14, 7; 70
+    over 12 gives 5, 6 x 10, 5; 5 over 2 gives 2, 3."""
+    return list(_even_layers(layers, parts))
+
+
+@functools.lru_cache(maxsize=1024)   # the planner asks for every stage of every layout it times
+def _even_layers(layers: int, parts: int) -> tuple[int, ...]:
+    if parts < 1:
+        raise ValueError(f"cannot split {layers} layers into {parts} chunks")
+    base, extra = divmod(layers, parts)
+    if not extra:
+        return (base,) * parts
+    ends = list(dict.fromkeys(i for pair in zip(range(parts), range(parts - 1, -1, -1)) for i in pair))
+    light = set(ends[:parts - extra])
+    return tuple(base + (0 if i in light else 1) for i in range(parts))
+
+
+def stage_layer_problems(stage_layers: Sequence[int], layers: int, chunks: int) -> list[str]:
+    """Why an explicit layers-per-chunk list does not fit `layers` layers over `chunks` chunks."""
+    counts = list(stage_layers)
+    out = []
+    if len(counts) != chunks:
+        out.append(f"{counts} has {len(counts)} entries; the pipeline has {chunks} chunks (pp x virtual_stages)")
+    if any(c < 1 for c in counts):
+        out.append(f"{counts} leaves a chunk without a layer (every count must be >= 1)")
+    if sum(counts) != layers:
+        out.append(f"{counts} sums to {sum(counts)}, but the model has {layers} layers")
+    return out
+
+
+def split_sizes(pieces: Sequence[str], chunks: int, stage_layers: Sequence[int] = ()) -> list[int] | None:
+    """Pieces per chunk for a model whose pieces are `pieces` (names in order; "embed" and "head"
+    are the GPT's edges, everything else a layer): `stage_layers` or `even_layers`, the embedding
+    added to the first chunk and the head to the last. None when the model has fewer layers than
+    chunks and no explicit split: then an edge needs a chunk of its own (balance by cost instead)."""
+    layers = [p for p in pieces if p not in EDGE_PIECES]
+    if stage_layers:
+        problems = stage_layer_problems(stage_layers, len(layers), chunks)
+        if problems:
+            raise ValueError("layout.stage_layers = " + "; ".join(problems))
+        counts = [int(c) for c in stage_layers]
+    elif len(layers) >= chunks:
+        counts = even_layers(len(layers), chunks)
+    else:
+        return None
+    counts[0] += int(bool(pieces) and pieces[0] in EDGE_PIECES)
+    counts[-1] += int(bool(pieces) and pieces[-1] in EDGE_PIECES and len(pieces) > 1)
+    return counts
 
 
 def balance(costs: Sequence[float], parts: int) -> list[int]:
@@ -54,3 +114,13 @@ def check_sizes(sizes: Sequence[int], pieces: int, parts: int) -> list[int]:
     if sum(sizes) != pieces:
         raise ValueError(f"the split {sizes} covers {sum(sizes)} pieces; the model has {pieces}")
     return sizes
+
+
+def layout_balance(model, stages: int, virtual: int = 1, stage_layers: Sequence[int] = ()) -> list[int] | str:
+    """The trainer's split of `model` (a GPT or DeepMLP) for stages x virtual chunks, as plan_split's
+    `balance`: the pieces per chunk of `split_sizes`, or "params" when the model has fewer layers
+    than chunks (a tiny GPT whose embedding or head takes a chunk of its own)."""
+    from shardlab.parallel.pipeline.stages import model_pieces  # stages.py imports this module
+
+    sizes = split_sizes([name for name, _ in model_pieces(model)], stages * virtual, stage_layers)
+    return "params" if sizes is None else sizes

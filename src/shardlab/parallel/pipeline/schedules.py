@@ -24,6 +24,8 @@ a schedule's essence fits in a few lines and its communication is always complet
 
 from __future__ import annotations
 
+import functools
+
 from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule
 from shardlab.parallel.pipeline.zero_bubble import zb_h1_order
 
@@ -48,7 +50,13 @@ def schedule(kind: str, stages: int, microbatches: int, virtual: int = 1, *, pre
 
 
 def compute_order(kind: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Compute]]:
-    """The order of forward and backward computations on every rank, before communication is added."""
+    """The order of forward and backward computations on every rank, before communication is added
+    (fresh lists: the orders are remembered, for the configuration checks a planner's search repeats)."""
+    return [list(order) for order in _compute_order(kind, stages, microbatches, virtual)]
+
+
+@functools.lru_cache(maxsize=128)
+def _compute_order(kind: str, stages: int, microbatches: int, virtual: int) -> tuple[tuple[Compute, ...], ...]:
     p, m, v = stages, microbatches, virtual
     if kind not in KINDS:
         raise ValueError(f"unknown schedule {kind!r}; expected one of {KINDS}")
@@ -57,11 +65,11 @@ def compute_order(kind: str, stages: int, microbatches: int, virtual: int = 1) -
     if kind != "interleaved" and v != 1:
         raise ValueError(f"schedule {kind!r} runs one chunk per rank; virtual = {v} needs 'interleaved'")
     if kind == "interleaved":
-        return [_interleaved(r, p, m, v) for r in range(p)]
+        return tuple(tuple(_interleaved(r, p, m, v)) for r in range(p))
     if kind == "zb1":
-        return zb_h1_order(p, m)
+        return tuple(tuple(order) for order in zb_h1_order(p, m))
     make = {"naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b}[kind]
-    return [make(r, p, m) for r in range(p)]
+    return tuple(tuple(make(r, p, m)) for r in range(p))
 
 
 def _naive(r: int, p: int, m: int) -> list[Compute]:

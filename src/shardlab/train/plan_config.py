@@ -1,0 +1,85 @@
+"""The planner's layout as a run configuration, and the trainer's rules as the planner's filter.
+
+    cfg = config_from_plan(spec, layout, global_batch)     # a Config `shardlab train --config` runs
+    Path("plan.toml").write_text(cfg.to_toml())
+    admit = trainer_rules(spec, global_batch)              # layout -> the trainer's reasons (empty: runs)
+    result = search(spec, hw, gpus, global_batch, admit=admit)
+
+The planner's layout is the trainer's own `[layout]` section (plan/layout.py's PlanLayout is a
+LayoutSection), so the configuration carries it field for field; the model and the batch are the
+planner's: the GPT of the spec, `train.global_batch` and `train.micro_batches` (the global batch over
+dp x ep batch ranks of `micro_batch` rows each). This module sits in train/, above plan/: the planner
+asks the trainer's rules (train/config_check.py) through the `admit` function it is handed, never by
+importing them, and keeps no list of its own of what the trainer supports.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import fields
+
+from shardlab.parallel.layout_section import LayoutSection
+from shardlab.plan.layout import PlanLayout
+from shardlab.plan.models import ModelSpec
+from shardlab.train.config import Config
+
+# A preset with dropout layers (GPT-3, Megatron's) says they exist, not their probability: 0.1 is
+# GPT-3's and Megatron-LM's default.
+DROPOUT = 0.1
+
+
+def model_fields(spec: ModelSpec) -> dict[str, object]:
+    """`model.*` of shardlab's GPT with the spec's shape (spec_from_config's inverse)."""
+    return {
+        "name": "gpt", "n_layer": spec.layers, "d_model": spec.hidden, "n_head": spec.heads,
+        "n_kv_head": spec.kv_heads, "d_ff": spec.ffn, "vocab_size": spec.vocab, "seq_len": spec.seq,
+        "bias": spec.bias, "mlp": "swiglu" if spec.gated_mlp else "gelu", "norm": spec.norm,
+        "tie_embeddings": spec.tied_embeddings, "rotary": not spec.learned_positions,
+        "dropout": DROPOUT if spec.dropout else 0.0,
+        "experts": spec.experts if spec.experts > 1 else 0, "top_k": spec.top_k if spec.experts > 1 else 2,
+    }
+
+
+def config_from_plan(spec: ModelSpec, lay: PlanLayout, global_batch: int, base: Config | None = None) -> Config:
+    """A run configuration for `lay`: `base` (default: the defaults) with the spec's model, the
+    layout's [layout] fields and the batch split the planner assumed. A `base` that came from a
+    configuration file keeps its model (the spec was read from it) and its other sections."""
+    cfg = copy.deepcopy(base) if base is not None else Config()
+    if base is None:
+        for key, value in model_fields(spec).items():
+            setattr(cfg.model, key, value)
+    for f in fields(LayoutSection):
+        setattr(cfg.layout, f.name, getattr(lay, f.name))
+    cfg.train.global_batch = global_batch
+    cfg.train.micro_batches = max(1, lay.micro_batches(global_batch))
+    return cfg
+
+
+def write_config(spec: ModelSpec, lay: PlanLayout, global_batch: int, path: str, base: Config | None = None) -> list[str]:
+    """Write `lay`'s configuration to `path` (TOML, headed by the layout's name); return the
+    trainer's reasons to refuse it (empty: `shardlab train --config path` runs it)."""
+    from shardlab.train.config_check import problems
+
+    cfg = config_from_plan(spec, lay, global_batch, base)
+    with open(path, "w") as f:
+        f.write(f"# shardlab plan: {lay.name()}, global batch {global_batch}, {cfg.world_size} ranks\n")
+        f.write(cfg.to_toml())
+    return problems(cfg)
+
+
+def trainer_rules(spec: ModelSpec, global_batch: int, base: Config | None = None) -> Callable[[PlanLayout], list[str]]:
+    """`admit` for plan/search.py: the trainer's reasons (Config.validate's problems) for the
+    configuration of a layout, remembered per configuration (a search asks about many)."""
+    from shardlab.train.config_check import problems
+
+    seen: dict[str, list[str]] = {}
+
+    def admit(lay: PlanLayout) -> list[str]:
+        cfg = config_from_plan(spec, lay, global_batch, base)
+        key = repr(cfg)
+        if key not in seen:
+            seen[key] = problems(cfg)
+        return seen[key]
+
+    return admit
