@@ -194,3 +194,25 @@ def test_randomized_rules_and_meshes_against_one_process(pools):
             _verify(pools, cfg.to_dict(), world)
             ran += 1
     assert ran == 4 and refused >= 5 and any(w == 4 for _, w, _, _ in seen)
+
+
+# ---------------------------------------------------------------------------------- explain CLI
+def test_explain_prints_the_plan_and_refuses_bad_rules(capsys):
+    from shardlab.cli.main import main
+
+    args = ["explain", "--model", "gpt", "--tp", "2", "--dp", "2", "--set", "model.n_layer=2",
+            "--set", f"sharding.compute={MEGATRON}, seq=tp", "--set", "sharding.params=embed=dp"]
+    assert main(args + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    attn = next(m for m in d["modules"] if m["name"] == "blocks.0.attn")
+    assert attn["in"] == "(batch/dp, seq/tp, embed)"
+    (entry,) = attn["collectives"]
+    assert (entry["function"], entry["fwd"], entry["bwd"], entry["group"]) == \
+        ("gather_from_sequence", "all_gather", "reduce_scatter", "tp[2] [0, 1]")
+    assert entry["fwd_bytes"] == entry["bwd_bytes"] > 0 and entry["predicted_s"] > 0
+    assert d["fsdp"] and {c["group"] for c in d["data_parallel"]} == {"dp[2] [0, 2]"}
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "blocks.1.mlp.proj" in text and "per step:" in text and "reduce_scatter_to_sequence" in text
+    assert main(["explain", "--model", "mlp", "--tp", "2", "--set", "sharding.compute=embed=tp, mlp=tp"]) == 2
+    assert "used twice in one tensor" in capsys.readouterr().err

@@ -74,7 +74,8 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
               for n, ta in axes.items() for logical in ta.names if compute.get(logical) == MODEL_AXIS}
     fsdp = any(v == DATA_AXIS for k, v in rules.params.items())
     data = _data_collectives(model, axes, shards, sizes, itemsize, fsdp)
-    return Plan(rules.describe(), dict(sizes), modules, shards, data, fsdp, rows, seq or 0, itemsize, micro_batches)
+    t = (seq or model.cfg.seq_len) if isinstance(model, GPT) else 0
+    return Plan(rules.describe(), dict(sizes), modules, shards, data, fsdp, rows, t, itemsize, micro_batches)
 
 
 # ---------------------------------------------------------------------------------------- checks
