@@ -48,4 +48,7 @@ def traces(kind: str, plan: dict | None, sp: bool, compute: str, rows: int = 2) 
     derived_plan = derive(plain, Rules.parse(compute), {"tp": dist.get_world_size()}, rows=rows)
     derived = compile_plan(plain, derived_plan, None)
     return {"hand": _counts(hand, kind, rows), "derived": _counts(derived, kind, rows),
-            "predicted": derived_plan.counts()}
+            "predicted": derived_plan.counts(),
+            # The placement record written from the plan is the hand-written layout's, entry for entry.
+            "same_record": dict(hand.placement.params) == dict(derived.placement.params)
+            and dict(hand.placement.tied) == dict(derived.placement.tied)}

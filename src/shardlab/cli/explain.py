@@ -112,7 +112,8 @@ def explain(cfg: Any, hardware: str) -> dict[str, Any]:
 
 def render(d: dict[str, Any]) -> str:
     lines = [f"rules: {d['rules']}", f"mesh: {d['mesh']}",
-             f"per micro-batch: {d['rows_per_micro_batch']} rows x {d['seq'] or '-'} tokens, {d['itemsize']}-byte "
+             f"per micro-batch: {d['rows_per_micro_batch']} rows" + (f" x {d['seq']} tokens" if d["seq"] else "")
+             + f", {d['itemsize']}-byte "
              f"elements; {d['micro_batches']} micro-batch(es) per step; times: {d['hardware']}", ""]
     for m in d["modules"]:
         lines.append(f"{m['name']:<22} {m['kind']:<9} in {m['in']}  out {m['out']}")

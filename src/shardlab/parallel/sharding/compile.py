@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from shardlab.comm import autograd as ops
 from shardlab.comm.dispatch import Group
 from shardlab.parallel.placement import MeshAxis, Placement, tied_aliases
+from shardlab.parallel.precision import carry_fp32_source
 from shardlab.parallel.sharding.plan import Collective, ModulePlan, Plan
 from shardlab.parallel.tensor.shards import SharesGroups, TensorParallelModel
 
@@ -120,11 +121,14 @@ def compile_plan(model: nn.Module, plan: Plan, group: Group, base: Placement | N
     base = Placement.whole(model.named_parameters(), tied_aliases(model)) if base is None else base
     named = list(model.named_parameters())
     record = base.with_axis(MeshAxis.of("tp", group), dict(plan.shards), local=named)
+    modules = dict(model.named_modules())
     with torch.no_grad():
         for name, p in named:
             if name in plan.shards:
                 p.data = record.local_slice(p.detach(), name)
-    modules = dict(model.named_modules())
+                # Mixed precision: the fp32 source the masters start from is cut alike (precision.py).
+                owner, _, attr = name.rpartition(".")
+                carry_fp32_source(p, p, lambda t, n=name: record.local_slice(t, n), modules[owner], attr)
     for mp in plan.modules:
         module = modules[mp.name]
         if mp.kind in ("attention", "mlp"):

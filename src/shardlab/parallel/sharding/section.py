@@ -18,9 +18,10 @@ class ShardingSection:
     head_dim, mlp, vocab, pos (models/axes.py). The axis's degree is layout.tp; it replaces layout.tp_plan
     and layout.sp. '': no derived sharding."""
     params: str = ""
-    """How weights are stored between uses, where it differs from compute: 'embed=dp' stores every
-    weight with an embed dimension over the data-parallel ranks and gathers it for compute (FSDP, run by
-    the ZeRO-3 engine). '': as computed."""
+    """How weights are stored between uses, where it differs from compute: 'embed=dp' stores the weights
+    over the data-parallel ranks and gathers them for compute (FSDP). It is run by the ZeRO-3 engine, whose
+    flat units cut every weight over dp, not only those with an embed dimension (the same bytes moved).
+    '': as computed."""
 
     def active(self) -> bool:
         return bool(self.compute.strip() or self.params.strip())
