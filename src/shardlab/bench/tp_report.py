@@ -32,7 +32,7 @@ def summarize(runs: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
     for variant, c in first["comm"].items():
         (depth, other), (at_depth, at_other) = c["layers"], c["at"]
         split = per_layer_and_edges(at_depth["fwd_bwd"], at_other["fwd_bwd"], depth, other)
-        implementation = "torch" if variant.startswith("torch_") else "ours"
+        implementation = "torch" if variant.startswith("torch_") else "megatron" if variant.startswith("decl") else "ours"
         pred = _times(predicted_comm(shapes, lay.tp, variant.endswith("_sp"), implementation, lay.precision),
                       t.micro_batches)
         entry = {

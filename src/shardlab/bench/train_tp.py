@@ -10,6 +10,9 @@ Variants, all on the same plain GPT from the same seed, trained on the same batc
   tp_sp        the same with sequence parallelism
   torch_tp     torch's ColwiseParallel/RowwiseParallel plan (bench/torch_tp.py), loss_parallel
   torch_tp_sp  the same with SequenceParallel norms
+  decl         declarative sharding (parallel/sharding): the rules heads/mlp/vocab over tp, the plan derived
+               and compiled onto the plain model, then the same data-parallel wrapper (not run unless asked for)
+  decl_sp      the same rules with seq over tp
   torch_tp_naive_kv  torch_tp with the fused key/value weight split naively: a *wrong* model, which
                the loss check below must refuse (not run unless asked for)
 
@@ -58,9 +61,12 @@ from shardlab.train.task import Task, build_task, prepare_model
 
 TORCH_TP, TP, TORCH_TP_SP, TP_SP = "torch_tp", "tp", "torch_tp_sp", "tp_sp"
 WRONG_KV = "torch_tp_naive_kv"
+DECL, DECL_SP = "decl", "decl_sp"
+DECL_RULES = {DECL: "heads=tp, mlp=tp, vocab=tp", DECL_SP: "heads=tp, mlp=tp, vocab=tp, seq=tp"}
 TP_VARIANTS: tuple[str, ...] = (TORCH_TP, TP, TORCH_TP_SP, TP_SP)
-TP_KNOWN: tuple[str, ...] = (*TP_VARIANTS, WRONG_KV)
-YARDSTICK = {TP: TORCH_TP, TORCH_TP: TORCH_TP, TP_SP: TORCH_TP_SP, TORCH_TP_SP: TORCH_TP_SP, WRONG_KV: TORCH_TP}
+TP_KNOWN: tuple[str, ...] = (*TP_VARIANTS, DECL, DECL_SP, WRONG_KV)
+YARDSTICK = {TP: TORCH_TP, TORCH_TP: TORCH_TP, TP_SP: TORCH_TP_SP, TORCH_TP_SP: TORCH_TP_SP, WRONG_KV: TORCH_TP,
+             DECL: TORCH_TP, DECL_SP: TORCH_TP_SP}
 """Each variant's ratio is to torch's version of the same layout (with or without SP)."""
 RTOL = 1e-5
 """Loss agreement asked of every variant, relative. Measured: ~1e-7 (a few fp32 roundings of ~5.5),
@@ -115,7 +121,12 @@ def build(variant: str, s: Setup, n_layer: int | None = None) -> tuple[nn.Module
     if is_torch(variant):
         model = ttp.torch_tensor_parallel(model, s.torch_mesh, uses_sp(variant), permute_kv=variant != WRONG_KV)
         return model, ttp.torch_optimizer(model, cfg.optim)
-    model = apply_layout(model, _with(cfg, sp=uses_sp(variant)).layout, s.mesh)
+    if variant in DECL_RULES:
+        from shardlab.parallel.sharding import ShardingSection
+
+        model = apply_layout(model, cfg.layout, s.mesh, ShardingSection(compute=DECL_RULES[variant]))
+    else:
+        model = apply_layout(model, _with(cfg, sp=uses_sp(variant)).layout, s.mesh)
     return model, make_optimizer(model, cfg.optim, cfg.layout.precision)
 
 

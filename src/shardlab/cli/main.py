@@ -14,7 +14,7 @@ import importlib
 import sys
 
 # Sub-commands, each a module in shardlab.cli with add_parser(subparsers) and run(args) -> int.
-COMMANDS = ["train", "verify", "memory", "collectives", "bench", "topo", "viz", "checkpoint", "plan", "data", "doctor"]
+COMMANDS = ["train", "verify", "explain", "memory", "collectives", "bench", "topo", "viz", "checkpoint", "plan", "data", "doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:

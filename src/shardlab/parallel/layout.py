@@ -48,6 +48,7 @@ from shardlab.parallel.zero import ZeroDataParallel
 
 if TYPE_CHECKING:
     from shardlab.parallel.layout_section import LayoutSection
+    from shardlab.parallel.sharding.section import ShardingSection
 
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
 """The mesh's axes in their default order, outermost first (layout.mesh_order permutes them)."""
@@ -126,13 +127,16 @@ def _use_nodes(layout: "LayoutSection", mesh: DeviceMesh) -> None:
         os.environ[RANKS_PER_NODE_ENV] = str(mesh.ranks_per_node(axes))
 
 
-def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | None = None) -> nn.Module:
+def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | None = None,
+                 sharding: "ShardingSection | None" = None) -> nn.Module:
     """Apply `layout` to `model` over `mesh` in the documented order (None: data parallelism alone
     over every rank; any other layout needs the mesh). Tensor parallelism converts `model` in place.
 
     The returned module trains like the plain one: forward, backward, then
     `finish_gradient_sync()` (a no-op where backward already synchronised), optimizer step. Its
-    `placement` is the record every step below wrote.
+    `placement` is the record every step below wrote. `sharding` (a [sharding] section with rules):
+    step 2 is derived from its rules (parallel/sharding) instead of layout.tp_plan and layout.sp, and
+    storage over dp (sharding.params) makes step 5 ZeRO-3.
     """
     record = Placement.whole(model.named_parameters(), tied_aliases(model))  # the plain model's names and shapes
     group = None
@@ -146,8 +150,13 @@ def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | N
     # 1. The pipeline split (tensor parallelism inside each stage): its own data-parallel wrapper.
     if uses_pipeline(layout):
         return apply_pipeline(model, layout, mesh, record)
-    # 2. Tensor and sequence parallelism.
-    if uses_tensor_parallel(layout):
+    # 2. Tensor and sequence parallelism: derived from rules, or the hand-written plan.
+    if sharding is not None and sharding.active():
+        from shardlab.parallel.sharding.apply import apply_sharding
+
+        model, layout = apply_sharding(model, layout, sharding, mesh, record)
+        record = model.placement
+    elif uses_tensor_parallel(layout):
         from shardlab.parallel.tensor import apply_tensor_parallel, named_plan
 
         model = apply_tensor_parallel(model, mesh, named_plan(model, layout.tp_plan), sequence_parallel=layout.sp,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.sharding.section import ShardingSection
 
 
 class ConfigError(ValueError):
@@ -239,6 +240,7 @@ SECTIONS: dict[str, type] = {
     "layout": LayoutSection,
     "log": LogSection,
     "checkpoint": CheckpointSection,
+    "sharding": ShardingSection,
 }
 
 
@@ -251,6 +253,7 @@ class Config:
     layout: LayoutSection = field(default_factory=LayoutSection)
     log: LogSection = field(default_factory=LogSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    sharding: ShardingSection = field(default_factory=ShardingSection)
 
     # ------------------------------------------------------------------------------ building
     @classmethod
@@ -360,6 +363,8 @@ def _coerce(name: str, value: Any, annotation: Any, origin: str) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+            return ", ".join(f"{k}={v}" for k, v in value.items())  # [sharding]'s {heads = "tp"} tables
     raise ConfigError(f"{origin}: {name} must be {kind}, got {value!r}")
 
 

@@ -107,7 +107,11 @@ def problems(cfg: Config) -> list[str]:
     positive("layout.tp", lay.tp)
     one_of("layout.tp_plan", lay.tp_plan, PLAN_NAMES)
     model_ok = not any(p.startswith("model.") for p in out)
-    if lay.tp > 0 and uses_tensor_parallel(lay):
+    if cfg.sharding.active():  # derived sharding replaces tp_plan and sp (train/sharding_check.py)
+        from shardlab.train.sharding_check import sharding_problems
+
+        out += sharding_problems(cfg, model_ok)
+    elif lay.tp > 0 and uses_tensor_parallel(lay):
         out += tensor_parallel_problems(cfg, model_ok)
     positive("layout.pp", lay.pp)
     one_of("layout.schedule", lay.schedule, KINDS)

@@ -106,7 +106,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     # Each replica's loss, counted once: the ranks of a tp group and the stages of a pipeline all hold it.
     dp_leaders = [r for r in range(world) if mesh.coords(r)["pp"] == 0 and mesh.coords(r)["tp"] == 0]
     flops = run_flops(plain, cfg, device)  # MFU's FLOPs and peak, of the whole model (train/flops.py)
-    model = apply_layout(plain, lay, mesh)
+    model = apply_layout(plain, lay, mesh, cfg.sharding)
     if t.compile:
         compile_blocks(model)
     split = model.stage.plan.describe() if uses_pipeline(lay) else None

@@ -150,7 +150,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     task = build_task(cfg, plain)
     mesh = build_mesh(cfg.layout)
     (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
-    model = apply_layout(plain, cfg.layout, mesh)
+    model = apply_layout(plain, cfg.layout, mesh, cfg.sharding)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     ref_opt = make_optimizer(reference, cfg.optim, cfg.layout.precision)
     # on_nonfinite "apply": a layout that produces nan is compared as it is (nan fails every bound,

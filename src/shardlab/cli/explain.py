@@ -1,0 +1,162 @@
+"""`shardlab explain`: the plan that [sharding] rules derive, module by module, before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from shardlab.cli.train import add_config_options, resolve_config
+
+EXPLAIN_DOC = """\
+Derives the plan of a configuration's [sharding] rules (docs/sharding.md) on the model it describes
+(built on the meta device: no memory, no ranks) and prints, per module in forward order, where its input
+and output live, how its weights are cut, and each collective that reconciles producer and consumer:
+the comm.autograd function, its group (the mesh axis, its size and rank 0's members), what it moves
+forward and backward (the nccl-tests size of the buffer, per micro-batch) and the planner's predicted
+time for it on --hardware (plan/comm.py's alpha-beta model of the group's links). Totals per step at
+the end (model-axis collectives x micro-batches, plus the data-parallel engine's, once per step).
+
+The rules are sharding.compute (how activations and weights in compute are laid out) and
+sharding.params (storage where it differs: embed=dp is FSDP), as 'logical=axis' text or TOML tables.
+
+examples:
+  shardlab explain --config configs/gpt-small.toml --tp 2 \\
+      --set 'sharding.compute={heads="tp", mlp="tp", vocab="tp"}'
+  shardlab explain --model mlp --tp 2 --set sharding.compute=mlp=tp --json plan.json
+  shardlab explain --config configs/gpt-small.toml --dp 2 --tp 2 \\
+      --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=tp' --set sharding.params=embed=dp
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="the collectives [sharding] rules derive, per module, before launch",
+                       description=EXPLAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_options(p)
+    p.add_argument("--hardware", default="h100-sxm", metavar="NAME",
+                   help="the planner's hardware preset for predicted times (plan/hardware.py; default h100-sxm)")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the plan as JSON to PATH ('-' or no value: to stdout instead of the table)")
+    p.set_defaults(func=run)
+
+
+def _group(mesh: Any, axis: str) -> str:
+    return f"{axis}[{mesh.size(axis)}] {mesh.ranks_along(axis, 0)}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def explain(cfg: Any, hardware: str) -> dict[str, Any]:
+    """The plan of `cfg`'s rules as a dict (modules, collectives with group, bytes and predicted
+    seconds, totals per step)."""
+    import torch
+
+    from shardlab.parallel.layout import build_mesh, mesh_order
+    from shardlab.parallel.sharding.apply import mesh_sizes, rules_of
+    from shardlab.parallel.sharding.derive import derive
+    from shardlab.plan.comm import Group, collective_time
+    from shardlab.plan.hardware import get_hardware
+    from shardlab.train.corpus import model_vocab
+    from shardlab.train.task import build_model
+
+    lay, t = cfg.layout, cfg.train
+    with torch.device("meta"):
+        model = build_model(cfg.model, model_vocab(cfg) if cfg.model.name == "gpt" else 0)
+    rows = max(1, t.global_batch // max(1, lay.dp * t.micro_batches))
+    itemsize = 2 if lay.precision in ("bf16", "fp16") else 4
+    plan = derive(model, rules_of(cfg.sharding), mesh_sizes(lay), rows=rows, itemsize=itemsize,
+                  micro_batches=t.micro_batches)
+    mesh = build_mesh(lay, world_size=cfg.world_size, rank=0, create_groups=False)
+    order = mesh_order(lay)
+    hw = get_hardware(hardware)
+
+    def stride(axis: str) -> int:
+        inner = order[order.index(axis) + 1:]
+        out = 1
+        for a in inner:
+            out *= getattr(lay, a)
+        return out
+
+    def seconds(op: str, nbytes: int, axis: str) -> float:
+        if op not in ("all_reduce", "all_gather", "reduce_scatter"):
+            return 0.0
+        return collective_time(hw, op, nbytes, Group(axis, mesh.size(axis), stride(axis)))
+
+    def row(c: Any) -> dict[str, Any]:
+        return {"at": c.at, "function": c.fn, "group": _group(mesh, c.axis), "axis": c.axis, "dim": c.dim,
+                "fwd": c.fwd, "fwd_bytes": c.bytes_fwd(), "bwd": c.bwd, "bwd_bytes": c.bytes_bwd(),
+                "predicted_s": seconds(c.fwd, c.nbytes, c.axis) + seconds(c.bwd, c.nbytes, c.axis), "why": c.why}
+
+    modules = [{"name": m.name, "kind": m.kind, "in": m.inp, "out": m.out, "weights": m.weights,
+                "collectives": [row(c) for c in m.collectives()]} for m in plan.modules]
+    data = [row(c) for c in plan.data]
+    per_mb = [c for m in modules for c in m["collectives"]]
+    mb = t.micro_batches
+    total = {"calls": mb * sum((c["fwd_bytes"] > 0) + (c["bwd_bytes"] > 0) for c in per_mb)
+             + sum((c["fwd_bytes"] > 0) + (c["bwd_bytes"] > 0) for c in data),
+             "bytes": mb * sum(c["fwd_bytes"] + c["bwd_bytes"] for c in per_mb)
+             + sum(c["fwd_bytes"] + c["bwd_bytes"] for c in data),
+             "predicted_s": mb * sum(c["predicted_s"] for c in per_mb) + sum(c["predicted_s"] for c in data)}
+    sizes = " x ".join(f"{a} {getattr(lay, a)}" for a in order if getattr(lay, a) > 1) or "one rank"
+    return {"rules": plan.rules_text, "mesh": f"{sizes} ({cfg.world_size} ranks; order {','.join(order)})", "hardware": hw.name, "rows_per_micro_batch": rows,
+            "micro_batches": mb, "seq": plan.seq, "itemsize": itemsize,
+            "shards": {n: {"dim": s.dim, "blocks": s.blocks} for n, s in plan.shards.items()},
+            "fsdp": plan.fsdp, "modules": modules, "data_parallel": data, "per_step": total}
+
+
+def render(d: dict[str, Any]) -> str:
+    lines = [f"rules: {d['rules']}", f"mesh: {d['mesh']}",
+             f"per micro-batch: {d['rows_per_micro_batch']} rows" + (f" x {d['seq']} tokens" if d["seq"] else "")
+             + f", {d['itemsize']}-byte "
+             f"elements; {d['micro_batches']} micro-batch(es) per step; times: {d['hardware']}", ""]
+    for m in d["modules"]:
+        lines.append(f"{m['name']:<22} {m['kind']:<9} in {m['in']}  out {m['out']}")
+        if m["weights"]:
+            short = ", ".join(f"{w.removeprefix(m['name'] + '.')} {p}" for w, p in m["weights"].items())
+            lines.append(f"{'':<24}weights {short}")
+        for c in m["collectives"]:
+            lines.append(f"{'':<24}{c['at']:<8} {c['function']:<27} {c['group']:<14} fwd {c['fwd']:<14} "
+                         f"{_fmt_bytes(c['fwd_bytes']):>10}  bwd {c['bwd']:<14} {_fmt_bytes(c['bwd_bytes']):>10}  "
+                         f"{c['predicted_s'] * 1e6:8.1f} us  ({c['why']})")
+    if d["data_parallel"]:
+        lines.append("data parallel engine (once per step)" + (": FSDP (ZeRO-3 units)" if d["fsdp"] else ""))
+        for c in d["data_parallel"]:
+            lines.append(f"{'':<24}{c['at']:<9} {c['group']:<14} fwd {c['fwd']:<14} {_fmt_bytes(c['fwd_bytes']):>10}  "
+                         f"bwd {c['bwd']:<14} {_fmt_bytes(c['bwd_bytes']):>10}  {c['predicted_s'] * 1e6:8.1f} us")
+    tot = d["per_step"]
+    lines += ["", f"per step: {tot['calls']} collective calls, {_fmt_bytes(tot['bytes'])} "
+                  f"(nccl-tests sizes), predicted {tot['predicted_s'] * 1e3:.3f} ms of communication"
+                  f" on {d['hardware']} (before any overlap)"]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardlab.parallel.sharding.rules import ShardingError
+    from shardlab.train.config import ConfigError
+
+    try:
+        cfg = resolve_config(args)
+        if not cfg.sharding.active():
+            raise ConfigError("no [sharding] rules: set sharding.compute (e.g. --set 'sharding.compute=heads=tp, "
+                              "mlp=tp, vocab=tp') or sharding.params")
+        cfg.validate(None)
+        d = explain(cfg, args.hardware)
+    except (ConfigError, ShardingError, ValueError) as exc:
+        print(f"shardlab explain: {exc}", file=sys.stderr)
+        return 2
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump(d, f, indent=1)
+        print(render(d))
+        print(f"\nwrote {args.json}")
+    elif args.json == "-":
+        print(json.dumps(d, indent=1))
+    else:
+        print(render(d))
+    return 0

@@ -1,0 +1,117 @@
+"""The derived plan's data: collectives, per-module placements, per-parameter shards.
+
+A `Collective` is one differentiable collective of shardlab.comm.autograd, placed at a module's input,
+output or weight, with what it moves forward and backward. `FUNCTIONS` pairs each function with its
+forward and backward operations (the duality the derivation relies on: a gather's gradient is a split
+or a reduce-scatter, a reduction's gradient an identity, a replicated use's gradient an all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardlab.parallel.placement import Shard
+
+FUNCTIONS: dict[str, tuple[str, str]] = {
+    # name in comm.autograd           forward            backward
+    "copy_to_group": ("-", "all_reduce"),
+    "reduce_from_group": ("all_reduce", "-"),
+    "gather_from_group": ("all_gather", "split"),
+    "gather_from_sequence": ("all_gather", "reduce_scatter"),
+    "reduce_scatter_to_sequence": ("reduce_scatter", "all_gather"),
+    "split_to_group": ("split", "all_gather"),
+}
+COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective the plan issues, per micro-batch. `nbytes`: the nccl-tests size of the buffer
+    (an all-reduce's buffer, an all-gather's gathered output, a reduce-scatter's input)."""
+
+    module: str
+    at: str          # "input", "output" or "weight <param>"
+    fn: str          # a key of FUNCTIONS, or "grad_all_reduce" / "fsdp" for the data-parallel engine
+    axis: str
+    dim: int | None
+    nbytes: int
+    why: str
+    fwd: str = ""
+    bwd: str = ""
+
+    def __post_init__(self) -> None:
+        if self.fn in FUNCTIONS:
+            fwd, bwd = FUNCTIONS[self.fn]
+            object.__setattr__(self, "fwd", self.fwd or fwd)
+            object.__setattr__(self, "bwd", self.bwd or bwd)
+
+    def bytes_fwd(self) -> int:
+        return self.nbytes if self.fwd in COMMUNICATING else 0
+
+    def bytes_bwd(self) -> int:
+        return self.nbytes if self.bwd in COMMUNICATING else 0
+
+    def ops(self) -> list[tuple[str, str, int]]:
+        """[(phase, operation, bytes)] of the communicating halves."""
+        return [(ph, op, self.nbytes) for ph, op in (("fwd", self.fwd), ("bwd", self.bwd)) if op in COMMUNICATING]
+
+
+@dataclass
+class ModulePlan:
+    """One module: its kind, input and output placements, its weights' placements, its collectives;
+    and, for the executor, which weights need their gradient summed over an axis (a replicated
+    weight used on a sharded input) and whether its output is a partial sum before `exit`."""
+
+    name: str
+    kind: str
+    inp: str
+    out: str
+    weights: dict[str, str] = field(default_factory=dict)
+    entry: list[Collective] = field(default_factory=list)
+    exit: list[Collective] = field(default_factory=list)
+    weight_sync: list[Collective] = field(default_factory=list)
+    partial_out: bool = False
+    vocab_axis: str | None = None   # an embedding cut by rows: masked lookup over this axis
+
+    def collectives(self) -> list[Collective]:
+        return self.entry + self.weight_sync + self.exit
+
+
+@dataclass
+class Plan:
+    """What the rules derive for one model on one mesh: every module's plan in forward order, every
+    parameter's shards over the model axis, the data-parallel engine's collectives, and the figures
+    the bytes were computed for."""
+
+    rules_text: str
+    sizes: dict[str, int]
+    modules: list[ModulePlan]
+    shards: dict[str, Shard]
+    data: list[Collective]
+    fsdp: bool
+    rows: int
+    seq: int
+    itemsize: int
+    micro_batches: int = 1
+
+    def module(self, name: str) -> ModulePlan:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def collectives(self) -> list[Collective]:
+        return [c for m in self.modules for c in m.collectives()] + self.data
+
+    def counts(self, model_axis_only: bool = True) -> dict[str, dict[str, int]]:
+        """{operation: {"calls", "bytes"}} per micro-batch, forward and backward together: the figures
+        comm.autograd.count_comm() measures for the model axis."""
+        out: dict[str, dict[str, int]] = {}
+        for c in self.collectives():
+            if model_axis_only and c.fn not in FUNCTIONS:
+                continue
+            for _, op, nbytes in c.ops():
+                row = out.setdefault(op, {"calls": 0, "bytes": 0})
+                row["calls"] += 1
+                row["bytes"] += nbytes
+        return out

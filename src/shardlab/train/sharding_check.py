@@ -1,0 +1,55 @@
+"""The rules `validate()` applies to a `[sharding]` section: the plan derived before any rank starts, on
+the model built on the meta device (no memory), and the layouts it cannot be combined with yet."""
+
+from __future__ import annotations
+
+from shardlab.train.config import Config
+
+
+def sharding_problems(cfg: Config, model_ok: bool = True) -> list[str]:
+    import torch
+
+    from shardlab.parallel.sharding.apply import mesh_sizes, rules_of
+    from shardlab.parallel.sharding.derive import derive
+    from shardlab.parallel.sharding.rules import ShardingError
+    from shardlab.train.corpus import model_vocab
+    from shardlab.train.task import build_model
+
+    lay, m, t = cfg.layout, cfg.model, cfg.train
+    out: list[str] = []
+    if lay.sp or lay.tp_plan != "megatron":
+        out.append(f"[sharding] rules with layout.sp = {lay.sp}, layout.tp_plan = {lay.tp_plan!r}: the rules replace "
+                   f"both (sequence parallel is seq=tp in sharding.compute); leave them at false and 'megatron'")
+    if lay.pp > 1 or lay.cp > 1 or lay.ep > 1:
+        out.append(f"[sharding] rules with layout.pp = {lay.pp}, cp = {lay.cp}, ep = {lay.ep}: derived sharding "
+                   f"covers tp and dp here; pipelines, context and expert parallelism stay the hand-written "
+                   f"layouts (use them without [sharding])")
+    if lay.recompute != "none":
+        out.append(f"[sharding] rules with layout.recompute = {lay.recompute!r}: recomputation re-runs the derived "
+                   f"collectives of a block; not verified yet, so refused (use layout.recompute = 'none')")
+    if m.experts:
+        out.append(f"[sharding] rules with model.experts = {m.experts}: logical axes are declared for dense models")
+    if lay.tp > 1 and m.dropout > 0:
+        out.append(f"model.dropout = {m.dropout} with [sharding] over layout.tp = {lay.tp}: the ranks would draw "
+                   f"the same masks for different heads (no tensor-parallel generator); set model.dropout = 0")
+    try:
+        rules = rules_of(cfg.sharding)
+    except ShardingError as exc:
+        return out + [str(exc)]
+    if any(v == "dp" for v in rules.params.values()) and lay.zero in (1, 2):
+        out.append(f"sharding.params stores weights over dp (FSDP, ZeRO-3) but layout.zero = {lay.zero}; "
+                   f"leave layout.zero at 0 or 3")
+    if out or not model_ok:
+        return out
+    try:
+        vocab = model_vocab(cfg) if m.name == "gpt" else 0
+    except (OSError, ValueError, ImportError):
+        return out
+    with torch.device("meta"):
+        model = build_model(m, vocab)
+    rows = max(1, t.global_batch // max(1, lay.dp * t.micro_batches))
+    try:
+        derive(model, rules, mesh_sizes(lay), rows=rows)
+    except ShardingError as exc:
+        out.append(str(exc))
+    return out
