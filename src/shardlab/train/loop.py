@@ -233,11 +233,13 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
 
         # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward,
         # and a pipeline's forward passes through every stage and hands the logits to all of them.
-        # Sequence parallelism splits every sequence over tp: the window is padded to a multiple of it.
+        # Sequence parallelism splits every sequence over tp, context parallelism into 2 cp chunks (and
+        # sp a cp rank's tokens further): the window is padded to a multiple of what they split it by.
         with autocast_context(lay.precision, device):
             sample = sample_text(model, cfg.model.seq_len, cfg.log.sample_prompt, cfg.log.sample_tokens,
                                  cfg.log.sample_temperature, seed=cfg.train.seed, device=device,
-                                 multiple=lay.tp if lay.sp else 1, tokenizer=task.tokenizer)
+                                 multiple=(lay.tp if lay.sp else 1) * (2 * lay.cp if lay.cp > 1 else 1),
+                                 tokenizer=task.tokenizer)
     if rank != 0:
         return None
     assert writer is not None
