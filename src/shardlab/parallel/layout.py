@@ -224,7 +224,8 @@ def apply_data_parallel(model: nn.Module, layout: "LayoutSection", group: dist.P
     if layout.zero == 3:
         from shardlab.parallel.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(model, group, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
+        return FullyShardedDataParallel(model, group, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
+                                        regather_for_recompute=layout.recompute != "none")
     if layout.zero:
         return ZeroDataParallel(model, group, stage=layout.zero, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
     return DataParallel(model, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
@@ -242,10 +243,6 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     refused = []
     if layout.sp:
         refused.append(f"layout.sp = {layout.sp}")
-    if layout.zero:
-        refused.append(f"layout.zero = {layout.zero}")
-    if layout.dp_mode == "overlap" and layout.dp > 1:
-        refused.append("layout.dp_mode = 'overlap'")
     if layout.ep > 1 or layout.cp > 1:
         refused.append(f"layout.ep = {layout.ep}, layout.cp = {layout.cp}")
     if refused:
@@ -262,13 +259,33 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
         record = model.placement
     stage = build_stage(model, plan, mesh.local_rank("pp"), base=record)
     stage = apply_recompute(stage, layout)  # step 4, on this rank's copies of its blocks
-    dp = None
-    if layout.dp > 1:
-        dp = DataParallel(stage, replica_group(mesh), mode=layout.dp_mode, bucket_mb=layout.bucket_mb,
-                          impl=layout.comm_impl)
+    dp = stage_data_parallel(stage, layout, replica_group(mesh))
     pipe = PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)
-    pipe.placement = pipe.placement.with_axis(MeshAxis.of("dp", replica_group(mesh)), {})
+    pipe.placement = data_placement(dp, pipe.placement, replica_group(mesh)) if dp is not None else \
+        pipe.placement.with_axis(MeshAxis.of("dp", replica_group(mesh)), {})
     return pipe
+
+
+def stage_data_parallel(stage: nn.Module, layout: "LayoutSection", group: dist.ProcessGroup | None) -> nn.Module | None:
+    """Step 5 for a pipeline stage: plain data parallelism or ZeRO 1/2/3 over the stage's replicas
+    (None: a single replica without ZeRO). The tied embedding's copies (first and last stage) are
+    summed over pp at the schedule's STEP from whole gradients, so ZeRO-2 reduces them there rather
+    than during backward, and ZeRO-3 keeps them whole (replicated over dp); ZeRO-3's units are the
+    stage's chunks (each gathered by its own forward, which the schedule calls) and their blocks."""
+    tied = [p for n, p in stage.stage_named_parameters() if n in stage.tied]
+    if layout.zero == 3:
+        from shardlab.parallel.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(stage, group, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
+                                        entries=list(stage.chunks.values()), replicate=tied,
+                                        regather_for_recompute=layout.recompute != "none")
+    if layout.zero:
+        return ZeroDataParallel(stage, group, stage=layout.zero, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
+                                deferred=tied)
+    if layout.dp * layout.ep * layout.cp > 1:
+        return DataParallel(stage, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
+                            pipelined=True)
+    return None
 
 
 # ---------------------------------------------------------------------------- whole-model views
