@@ -27,7 +27,8 @@ axis is the replica group data parallelism wraps, ("dp", "ep", "cp").
 
 A wrapper may provide, besides forward: `no_sync()`, `finish_gradient_sync()`, `build_optimizer()`
 (when the optimizer must know the sharding), `clip_grad_norm_()` (when gradients are sharded) and
-`full_parameters()` / `full_gradients()` (whole over dp). train/step.py uses whichever exist;
+`full_parameters()` / `full_gradients()` (whole over dp). Which of these a wrapper has is decided by
+its type in parallel/contract.py (step_contract), which train/step.py calls;
 `full_parameters(model)` and `full_gradients(model)` below compose them with the tp gather.
 """
 
@@ -235,9 +236,9 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     """This rank's stage of `model` (copied: the model is left as it was, unless tensor parallelism
     converts it first: the split is planned on the plain model, then the converted one is cut the
     same way, so every stage holds its tp shards), run by layout.schedule over the mesh's pp group,
-    with data parallelism over its replica group: the gradients of a stage are averaged once per
-    step, at the schedule's STEP (train/config_check.py refuses what a stage cannot be combined
-    with yet, and says why)."""
+    with data parallelism (plain, overlapped, or ZeRO 1-3: stage_data_parallel) over its replica
+    group: the gradients of a stage are final at the schedule's STEP (train/config_check.py refuses
+    what a stage cannot be combined with yet, and says why)."""
     from shardlab.parallel.pipeline import PipelineParallel, build_stage, plan_split
 
     refused = []
