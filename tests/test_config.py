@@ -217,14 +217,21 @@ def test_what_a_pipeline_cannot_be_combined_with_yet_is_refused_with_the_reason(
     with pytest.raises(ConfigError) as info:
         cfg.validate()
     text = str(info.value)
-    # tp x pp runs (tests/test_compose.py), with sequence parallelism too (sequence shards between stages).
+    # tp x pp runs (tests/test_compose.py), with sequence parallelism too (sequence shards between stages);
+    # pp x ZeRO and pp x overlap run (test_pp_verify.py).
     assert "layout.sp" not in text
-    assert "layout.zero = 1 with layout.pp = 2: not supported yet: its sharded optimizer's gradient norm" in text
-    assert ("layout.dp_mode = 'overlap' with layout.pp = 2 x layout.dp = 2: a stage's gradients are complete only "
-            "after the schedule's last backward") in text
+    assert "layout.zero" not in text and "dp_mode" not in text
     assert "blocks.*" not in text  # the tensor-parallel plan is not checked for a layout refused anyway
     cfg.override(["layout.tp=1", "layout.sp=false", "layout.zero=0", 'layout.dp_mode="naive"', "model.skip_layer_every=2",
                   'layout.precision="fp16"', 'layout.schedule="naive"', "train.micro_batches=8"])
     cfg.validate()  # naive with m > 1 is accumulation through the pipeline; fp16 and skipped layers run
     cfg.override(["layout.dp=1", 'layout.dp_mode="overlap"'])
     cfg.validate()  # no data parallelism: nothing to overlap
+    for zero in (1, 2, 3):  # ZeRO over each stage's replicas, with the overlapped default dp_mode
+        cfg.override(["layout.dp=2", f"layout.zero={zero}", 'layout.dp_mode="overlap"', 'layout.schedule="1f1b"'])
+        cfg.validate()
+    cfg.override(['layout.schedule="zb1"', "layout.zero=1"])
+    cfg.validate()
+    cfg.override(["layout.zero=2"])
+    with pytest.raises(ConfigError, match="layout.zero = 2 with layout.pp = 2 and layout.schedule = 'zb1'"):
+        cfg.validate()

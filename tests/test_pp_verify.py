@@ -25,7 +25,7 @@ def _cfg(model: str, pp: int, kind: str, m: int, *extra: str, dp: int = 1) -> di
              f"train.micro_batches={m}", *extra]
     if kind == "interleaved":
         flags.append("layout.virtual_stages=2")
-    if dp > 1:
+    if dp > 1 and not any(f.startswith("layout.dp_mode=") for f in extra):
         flags.append('layout.dp_mode="bucketed"')
     # verify's own sizing: enough layers for the chunks, a batch that divides into the microbatches.
     cfg = load_config(None, flags, base=verify_base(load_config(None, flags, base=VERIFY_BASE)))
@@ -66,6 +66,45 @@ def test_data_parallel_over_stages(pools):
     # Frozen and tied parameters, and layer 0 bypassed on every second step (no gradient there).
     _verify(pools, "gpt", 2, "1f1b", 2, "model.freeze=pos_emb.*", "model.skip_layer_every=2", dp=2)
     _verify(pools, "mlp", 2, "zb1", 4, 'layout.dp_mode="naive"', dp=2)
+
+
+def _verify_counting_overlap(cfg_dict: dict) -> tuple[dict | None, int]:
+    """verify_rank, counting the buckets a pipelined overlap wrapper launched during a backward."""
+    from shardlab.parallel.data import DataParallel
+    from shardlab.train.verify import verify_rank
+
+    original, early = DataParallel._launch, [0]
+
+    def launch(self, bucket):  # noqa: ANN001, ANN202
+        early[0] += self.pipelined and self._armed
+        return original(self, bucket)
+
+    DataParallel._launch = launch
+    try:
+        return verify_rank(cfg_dict, 1e-6, 1e-5), early[0]
+    finally:
+        DataParallel._launch = original
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("1f1b", ("layout.zero=1",)),
+    ("interleaved", ("layout.zero=2",)),
+    ("1f1b", ("layout.zero=3", "model.tie_embeddings=false", 'layout.recompute="full"')),
+    ("interleaved", ("layout.zero=3",)),
+    ("interleaved", ('layout.dp_mode="overlap"', "layout.bucket_mb=0.01")),
+])
+def test_zero_and_overlap_over_each_stages_replicas(pools, kind, extra):
+    """ZeRO 1-3 over each stage's dp replicas: the norm summed over pp by the sharded optimizer, the
+    tied embedding's copies summed from whole gradients (ZeRO-2 reduces them at the end, ZeRO-3
+    keeps them whole), ZeRO-3 gathering per chunk; overlapped dp reducing during each chunk's last
+    backward (small buckets, so that some complete before the schedule's end)."""
+    cfg = _cfg("gpt", 2, kind, 4, "train.steps=3", *extra, dp=2)
+    report, early = pools(4).run(_verify_counting_overlap, cfg)[0]
+    assert report["passed"], json.dumps(report["per_step"], indent=1)
+    assert report["layout"]["zero"] == cfg["layout"]["zero"] and report["world_size"] == 4
+    assert report["max_rel_grad_norm_diff"] < 1e-6
+    if cfg["layout"]["dp_mode"] == "overlap":
+        assert early > 0  # reduced while the last microbatch's backward ran, not only at the end
 
 
 @pytest.mark.parametrize("precision, kind, dp", [("bf16", "1f1b", 1), ("fp16", "gpipe", 2)])

@@ -155,6 +155,7 @@ def _cfg(*extra: str) -> dict:
     (("layout.tp=2", "layout.sp=true"), "selective"),
     (("layout.tp=2", "layout.sp=true"), "full"),
     (("layout.dp=2", "layout.zero=2"), "full"),
+    (("layout.dp=2", "layout.zero=3"), "full"),  # FSDP gathers a block again before its recomputation
     (("layout.pp=2", "train.micro_batches=2"), "full"),
     (("layout.pp=2", "train.micro_batches=2", 'layout.schedule="interleaved"', "layout.virtual_stages=2"),
      "selective"),
@@ -179,9 +180,13 @@ def test_verify_one_process_and_mlp(pools):
         assert report["passed"], (extra, json.dumps(report["per_step"], indent=1))
 
 
+def test_zero3_accepted_before_launch():
+    for mode in ("full", "selective"):
+        load_config(None, [f'layout.recompute="{mode}"', "layout.dp=2", "layout.zero=3"], base=VERIFY_BASE).validate()
+
+
 @pytest.mark.parametrize("extra,needle", [
     (('layout.recompute="some"',), "layout.recompute = 'some' must be one of"),
-    (('layout.recompute="full"', "layout.dp=2", "layout.zero=3"), "layout.zero = 3: FSDP"),
     (('layout.recompute="full"', "layout.pp=2", 'layout.schedule="zb1"'), "layout.schedule = 'zb1'"),
     (('layout.recompute="selective"', 'model.name="mlp"'), "the deep MLP has none"),
 ])

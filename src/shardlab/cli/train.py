@@ -165,15 +165,10 @@ def add_checkpoint_options(p: argparse.ArgumentParser) -> None:
 
 def pipeline_adjustments(cfg) -> list[tuple[str, str]]:
     """What the command line changes so that a pipeline runs, as (section.key=value, why) pairs:
-    data parallelism over a stage's replicas cannot overlap its all-reduce with backward (the
-    gradients are final only after the schedule's last backward), so 'overlap', the default,
-    becomes 'bucketed'; and 'interleaved' with one chunk per rank gets two. Config.validate refuses
-    both for callers that do not come through here."""
+    'interleaved' with one chunk per rank gets two. Config.validate refuses it for callers that do
+    not come through here. (Overlapped data parallelism runs under a pipeline: each chunk's last
+    microbatch's backward overlaps its all-reduce, as Megatron-LM's does.)"""
     lay, out = cfg.layout, []
-    if lay.pp > 1 and lay.dp > 1 and lay.dp_mode == "overlap":
-        out.append(('layout.dp_mode="bucketed"',
-                    f"layout.pp = {lay.pp}: layout.dp_mode 'overlap' -> 'bucketed' (a stage's gradients are final "
-                    f"only after the schedule's last backward; they are all-reduced once, at its end)"))
     if lay.pp > 1 and lay.schedule == "interleaved" and lay.virtual_stages == 1:
         out.append(("layout.virtual_stages=2", "layout.schedule 'interleaved': layout.virtual_stages 1 -> 2 "
                                                "(interleaving needs at least 2 chunks per rank)"))

@@ -61,6 +61,10 @@ class DataParallel(nn.Module):
     params: synchronise these parameters only (default: all of the module's trainable ones), so
         that parameters replicated over different groups (expert parallelism: parallel/expert/data.py)
         get one wrapper per group; only these are broadcast at the start.
+    pipelined: the module is a pipeline stage whose schedule runs many backward passes per step
+        (pipeline/model.py). In overlap mode the hooks then act only inside `final_backward()` (each
+        chunk's last microbatch, as Megatron-LM overlaps it) and no end of backward flushes the
+        buckets: `finish_gradient_sync()`, at the schedule's end, launches the rest and waits.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class DataParallel(nn.Module):
         impl: str = comm.TORCH,
         average: bool = True,
         params: list[nn.Parameter] | None = None,
+        pipelined: bool = False,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -83,6 +88,8 @@ class DataParallel(nn.Module):
         self.group, self.mode, self.impl = group, mode, impl
         self._op = "avg" if average else "sum"
         self._sync_enabled = True
+        self.pipelined = pipelined
+        self._armed = not pipelined  # pipelined overlap: hooks act inside final_backward() only
         self._params = trainable_params(module) if params is None else [p for p in params if p.requires_grad]
         if params is None:
             broadcast_state(module, group)
@@ -111,16 +118,24 @@ class DataParallel(nn.Module):
         """Backward passes inside accumulate gradients locally, with no communication."""
         return sync_enabled_as(self, False)
 
+    def final_backward(self) -> contextlib.AbstractContextManager[None]:
+        """A pipelined overlap wrapper's hooks reduce buckets during the backward inside (a chunk's
+        last microbatch; the gradients of its parameters are final once it has run)."""
+        return _armed(self)
+
     def finish_gradient_sync(self) -> None:
-        """Average the gradients across the group (naive and bucketed modes).
+        """Average the gradients across the group (naive and bucketed modes; pipelined overlap: the
+        buckets its last backward passes did not launch, then the wait for all).
 
         A no-op in overlap mode (backward already did it) and inside `no_sync()`, so one training
         loop serves every mode.
         """
-        if not self._sync_enabled or self.mode == "overlap":
+        if not self._sync_enabled or (self.mode == "overlap" and not self.pipelined):
             return
         start = time.perf_counter()
-        if self.mode == "naive":
+        if self.mode == "overlap":
+            self._flush()
+        elif self.mode == "naive":
             self._sync_naive()
         else:
             # Launch every bucket before waiting on any, so several are in flight at once.
@@ -177,9 +192,9 @@ class DataParallel(nn.Module):
         weakref.finalize(self, _remove_hooks, list(self._hooks))
 
     def _grad_ready(self, bucket: Bucket, param: torch.Tensor) -> None:
-        if not self._sync_enabled:
+        if not (self._sync_enabled and self._armed):
             return
-        if not self._callback_queued:
+        if not self._callback_queued and not self.pipelined:
             # Runs once backward has finished every node: wait for the reductions in flight.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
@@ -205,21 +220,34 @@ class DataParallel(nn.Module):
 
     @torch.no_grad()
     def _end_of_backward(self) -> None:
+        start = time.perf_counter()
+        self._flush()
+        self.comm_wait_s += time.perf_counter() - start
+        self._callback_queued = False
+
+    @torch.no_grad()
+    def _flush(self) -> None:
         # Buckets still waiting hold a parameter that got no gradient here: send them now (zeros
         # for the missing ones), still in bucket order, then wait for everything.
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
-        start = time.perf_counter()
         self._wait_all()
-        self.comm_wait_s += time.perf_counter() - start
         self._next_launch = 0
-        self._callback_queued = False
 
 
 def _on_grad_ready(wrapper: "weakref.ref[DataParallel]", bucket_index: int, param: torch.Tensor) -> None:
     me = wrapper()
     if me is not None:
         me._grad_ready(me.buckets[bucket_index], param)
+
+
+@contextlib.contextmanager
+def _armed(wrapper: DataParallel) -> Any:
+    previous, wrapper._armed = wrapper._armed, True
+    try:
+        yield
+    finally:
+        wrapper._armed = previous
 
 
 def _remove_hooks(handles: list[Any]) -> None:

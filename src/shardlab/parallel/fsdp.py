@@ -84,6 +84,17 @@ from shardlab.parallel.fsdp_units import (
 MAX_REDUCES_IN_FLIGHT = 2
 
 
+def _entry_policy(entries: list[nn.Module]) -> Callable[[nn.Module], bool]:
+    """Units for a wrapper entered through `entries`: each of them, and every child of a ModuleList
+    or ModuleDict under them (a chunk's blocks or layers, as the default policy picks the model's)."""
+    chosen = {id(m) for m in entries}
+    for e in entries:
+        for m in e.modules():
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+                chosen |= {id(c) for c in m.children()}
+    return lambda m: id(m) in chosen
+
+
 class _Saved(NamedTuple):
     """What the pack hook keeps instead of a saved tensor that lies in a gathered unit."""
 
@@ -110,20 +121,36 @@ class FullyShardedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, bucket_mb: float = 25.0,
-                 impl: str = comm.TORCH, policy: Policy = None, min_shard_numel: int = 0) -> None:
+                 impl: str = comm.TORCH, policy: Policy = None, min_shard_numel: int = 0,
+                 entries: list[nn.Module] | None = None, replicate: Iterable[nn.Parameter] = (),
+                 regather_for_recompute: bool = False) -> None:
         super().__init__()
         self.module, self.group, self.impl, self.bucket_mb = module, group, impl, bucket_mb
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.comm_wait_s = 0.0  # seconds blocked on communication; the trainer resets it each step
         self.max_gathered_bytes = 0  # most bytes of gathered parameters held at once (reset freely)
         broadcast_state(module, group)
-        modules = unit_modules(module, policy)
+        # `entries`: the modules a caller runs directly instead of the root (a pipeline stage's
+        # chunks, which its schedule calls one microbatch at a time): each is a unit acting as the
+        # root does (saved-tensor hooks over its forward, kept gathered for its backward), its
+        # ModuleList/ModuleDict children units as the root's are; the root itself is never called,
+        # so what it alone owns stays whole. `replicate`: parameters kept whole too (a pipeline's
+        # tied copies, whose whole gradients are summed over pp after the backward passes).
+        modules = unit_modules(module, policy if entries is None else _entry_policy(entries))
         owned: list[list[nn.Parameter]] = [[] for _ in modules]
         self.replicated: list[nn.Parameter] = []
+        whole = {id(p) for p in replicate}
         for p, unit in owners(module, modules):
-            (owned[unit] if p.requires_grad and p.numel() >= min_shard_numel else self.replicated).append(p)
+            shard = p.requires_grad and p.numel() >= min_shard_numel and id(p) not in whole
+            (owned[unit] if shard and (unit or entries is None) else self.replicated).append(p)
         self._nan: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.units = [make_unit(i, m, ps, self.world, self.rank, self._placeholder) for i, (m, ps) in enumerate(zip(modules, owned))]
+        entry_ids = {id(m) for m in entries} if entries is not None else {id(module)}
+        self._entries = {u.index for u in self.units if id(u.module) in entry_ids}
+        # Recomputation (parallel/recompute.py) reruns a block's forward inside backward without
+        # its module call, so no pre-forward hook gathers it: as FSDP2, gather a unit when
+        # backward reaches its output (before its recomputation reads the weights).
+        self._regather = regather_for_recompute
         self._device = next(module.parameters(), torch.empty(0)).device
         self._by_ptr: dict[int, Unit] = {}  # storage address of each gathered vector -> its unit
         self._saving: list[Any] = []  # the saved-tensor hooks context of the forward in progress
@@ -142,7 +169,7 @@ class FullyShardedDataParallel(nn.Module):
         for u in self.units:
             hooks.append(u.module.register_forward_pre_hook(functools.partial(_call, me, "_pre_forward", u.index)))
             hooks.append(u.module.register_forward_hook(functools.partial(_call, me, "_post_forward", u.index),
-                                                        always_call=u.index == 0))
+                                                        always_call=u.index in self._entries))
             hooks += [p.register_post_accumulate_grad_hook(functools.partial(_call, me, "_grad_ready", u.index))
                       for p in u.params]
         weakref.finalize(self, lambda hs: [h.remove() for h in hs], hooks)
@@ -286,7 +313,7 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------------------- forward
     def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
-        if index == 0:
+        if index in self._entries:
             self._fwd_seen, self._fwd_done = [], []
             saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             saving.__enter__()
@@ -298,7 +325,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         self._fwd_done.append(index)
-        if index != 0:
+        if index not in self._entries:
+            if self._regather and self.units[index].params and torch.is_grad_enabled():
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(functools.partial(_call, weakref.ref(self), "_pre_backward", index))
             self._release(self.units[index])
             return
         self._saving.pop().__exit__(None, None, None)
@@ -310,6 +341,12 @@ class FullyShardedDataParallel(nn.Module):
                 and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))):
             for u in self.units:
                 self._release(u)
+
+    def _pre_backward(self, index: int, grad: torch.Tensor) -> None:
+        unit = self.units[index]
+        if not unit.reduced:  # a second output's hook after the unit's backward: nothing to gather
+            self._gather(unit)
+            self._queue_end_of_backward()
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._by_ptr and t.layout == torch.strided:

@@ -28,7 +28,8 @@ axis is the replica group data parallelism wraps, ("dp", "ep", "cp").
 
 A wrapper may provide, besides forward: `no_sync()`, `finish_gradient_sync()`, `build_optimizer()`
 (when the optimizer must know the sharding), `clip_grad_norm_()` (when gradients are sharded) and
-`full_parameters()` / `full_gradients()` (whole over dp). train/step.py uses whichever exist;
+`full_parameters()` / `full_gradients()` (whole over dp). Which of these a wrapper has is decided by
+its type in parallel/contract.py (step_contract), which train/step.py calls;
 `full_parameters(model)` and `full_gradients(model)` below compose them with the tp gather.
 """
 
@@ -234,7 +235,8 @@ def apply_data_parallel(model: nn.Module, layout: "LayoutSection", group: dist.P
     if layout.zero == 3:
         from shardlab.parallel.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(model, group, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
+        return FullyShardedDataParallel(model, group, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
+                                        regather_for_recompute=layout.recompute != "none")
     if layout.zero:
         return ZeroDataParallel(model, group, stage=layout.zero, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
     return DataParallel(model, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
@@ -244,16 +246,12 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     """This rank's stage of `model` (copied: the model is left as it was, unless tensor parallelism
     converts it first: the split is planned on the plain model, then the converted one is cut the
     same way, so every stage holds its tp shards), run by layout.schedule over the mesh's pp group,
-    with data parallelism over its replica group: the gradients of a stage are averaged once per
-    step, at the schedule's STEP (train/config_check.py refuses what a stage cannot be combined
-    with yet, and says why)."""
+    with data parallelism (plain, overlapped, or ZeRO 1-3: stage_data_parallel) over its replica
+    group: the gradients of a stage are final at the schedule's STEP (train/config_check.py refuses
+    what a stage cannot be combined with yet, and says why)."""
     from shardlab.parallel.pipeline import PipelineParallel, build_stage, plan_split
 
     refused = []
-    if layout.zero:
-        refused.append(f"layout.zero = {layout.zero}")
-    if layout.dp_mode == "overlap" and layout.dp > 1:
-        refused.append("layout.dp_mode = 'overlap'")
     if layout.ep > 1:
         refused.append(f"layout.ep = {layout.ep}")
     if refused:
@@ -277,13 +275,33 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
         record = record.with_axis(MeshAxis.of("cp", mesh.group("cp")), {})
     stage = build_stage(model, plan, mesh.local_rank("pp"), base=record)
     stage = apply_recompute(stage, layout)  # step 4, on this rank's copies of its blocks
-    dp = None
-    if layout.dp * layout.cp > 1:  # a stage's replicas: its dp ranks and the cp ranks sharing its rows
-        dp = DataParallel(stage, replica_group(mesh), mode=layout.dp_mode, bucket_mb=layout.bucket_mb,
-                          impl=layout.comm_impl)
+    dp = stage_data_parallel(stage, layout, replica_group(mesh))
     pipe = PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)
-    pipe.placement = pipe.placement.with_axis(MeshAxis.of("dp", replica_group(mesh)), {})
+    pipe.placement = data_placement(dp, pipe.placement, replica_group(mesh)) if dp is not None else \
+        pipe.placement.with_axis(MeshAxis.of("dp", replica_group(mesh)), {})
     return pipe
+
+
+def stage_data_parallel(stage: nn.Module, layout: "LayoutSection", group: dist.ProcessGroup | None) -> nn.Module | None:
+    """Step 5 for a pipeline stage: plain data parallelism or ZeRO 1/2/3 over the stage's replicas
+    (None: a single replica without ZeRO). The tied embedding's copies (first and last stage) are
+    summed over pp at the schedule's STEP from whole gradients, so ZeRO-2 reduces them there rather
+    than during backward, and ZeRO-3 keeps them whole (replicated over dp); ZeRO-3's units are the
+    stage's chunks (each gathered by its own forward, which the schedule calls) and their blocks."""
+    tied = [p for n, p in stage.stage_named_parameters() if n in stage.tied]
+    if layout.zero == 3:
+        from shardlab.parallel.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(stage, group, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
+                                        entries=list(stage.chunks.values()), replicate=tied,
+                                        regather_for_recompute=layout.recompute != "none")
+    if layout.zero:
+        return ZeroDataParallel(stage, group, stage=layout.zero, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
+                                deferred=tied)
+    if layout.dp * layout.ep * layout.cp > 1:
+        return DataParallel(stage, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
+                            pipelined=True)
+    return None
 
 
 # ---------------------------------------------------------------------------- whole-model views

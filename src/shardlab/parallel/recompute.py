@@ -36,9 +36,9 @@ model's forward) is closed by then, and its parameters come through copy_to_grou
 of as views of one vector, the same values (copy_to_group's forward is the identity and saves
 nothing; the sequence-parallel dropout test checks the result bit for bit).
 
-Not supported (train/config_check.py refuses them before launch, naming why): ZeRO-3 (FSDP points a
-unit's parameters at placeholders after its forward; a recomputation would read those), the
-zero-bubble schedule (its weight-gradient split is a function mode active only in the forward), and,
+ZeRO-3 works with it: FSDP (fsdp.py, regather_for_recompute) gathers a unit again when backward
+reaches its output, before the recomputation reads the weights. Not supported (train/config_check.py
+refuses them before launch, naming why): the zero-bubble schedule (its weight-gradient split is a function mode active only in the forward), and,
 until verified, expert and context parallelism.
 """
 

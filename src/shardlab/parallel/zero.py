@@ -59,34 +59,39 @@ class ShardBucket:
     pieces: list[Piece] = field(default_factory=list)
     ready: set[int] = field(default_factory=set)
     grad_chunk: torch.Tensor | None = None  # this rank's reduced gradients (stages 1 and 2)
+    deferred: bool = False  # reduced at finish_gradient_sync only, never during backward (stage 2)
 
 
 class ShardLayout:
     """Buckets, chunks and this rank's pieces for a list of parameters (pure bookkeeping)."""
 
-    def __init__(self, params: list[nn.Parameter], world: int, rank: int, bucket_bytes: int) -> None:
+    def __init__(self, params: list[nn.Parameter], world: int, rank: int, bucket_bytes: int,
+                 deferred: Iterable[nn.Parameter] = ()) -> None:
         self.world, self.rank = world, rank
         self.params = params
         self.buckets: list[ShardBucket] = []
+        later = {id(p) for p in deferred}  # kept in buckets of their own (ZeroDataParallel's `deferred`)
         group: list[nn.Parameter] = []
         size = 0
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
-            if group and ((group[0].dtype, group[0].device) != (p.dtype, p.device) or size + nbytes > bucket_bytes):
-                self._add(group)
+            key = (p.dtype, p.device, id(p) in later)
+            if group and ((group[0].dtype, group[0].device, id(group[0]) in later) != key or
+                          size + nbytes > bucket_bytes):
+                self._add(group, id(group[0]) in later)
                 group, size = [], 0
             group.append(p)
             size += nbytes
         if group:
-            self._add(group)
+            self._add(group, id(group[0]) in later)
 
-    def _add(self, params: list[nn.Parameter]) -> None:
+    def _add(self, params: list[nn.Parameter], deferred: bool = False) -> None:
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
             total += p.numel()
         padded = -(-max(total, 1) // self.world) * self.world
-        bucket = ShardBucket(len(self.buckets), params, offsets, padded, padded // self.world)
+        bucket = ShardBucket(len(self.buckets), params, offsets, padded, padded // self.world, deferred=deferred)
         lo, hi = self.rank * bucket.chunk, (self.rank + 1) * bucket.chunk
         for p, off in zip(params, offsets):
             start, stop = max(lo, off) - off, min(hi, off + p.numel()) - off
@@ -164,14 +169,17 @@ class ZeroDataParallel(nn.Module):
     """Data parallelism with ZeRO stage 1 or 2 over `group`: see the module docstring."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, stage: int = 1,
-                 bucket_mb: float = 25.0, impl: str = comm.TORCH) -> None:
+                 bucket_mb: float = 25.0, impl: str = comm.TORCH, deferred: Iterable[nn.Parameter] = ()) -> None:
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}")
         self.module, self.group, self.stage, self.impl = module, group, stage, impl
         broadcast_state(module, group)
+        # `deferred`: parameters whose whole gradient must survive the backward passes (a pipeline's
+        # tied embedding copies, summed over pp at the schedule's end): in buckets of their own,
+        # reduced by finish_gradient_sync, as stage 1 reduces every bucket.
         self.layout = ShardLayout(trainable_params(module), dist.get_world_size(group), dist.get_rank(group),
-                                  int(bucket_mb * 2**20))
+                                  int(bucket_mb * 2**20), deferred)
         for p in self.layout.params:  # their .grad is dropped for the optimizer's reduced pieces
             refuse_plain_step(p, f"a ZeRO-{stage} parameter, whose reduced gradient goes to the sharded "
                                  "optimizer's pieces, not to its .grad")
@@ -207,8 +215,9 @@ class ZeroDataParallel(nn.Module):
         if not self._sync_enabled:
             return
         start = time.perf_counter()
-        if self.stage == 1:
-            for bucket in self.layout.buckets:
+        for bucket in self.layout.buckets:
+            if self.stage == 1 or bucket.deferred:
+                self._had_grad |= {id(p) for p in bucket.params if p.grad is not None}
                 self._launch(bucket)
         self._wait_all()
         self._assign_piece_grads()
@@ -227,7 +236,6 @@ class ZeroDataParallel(nn.Module):
                 p.grad = None  # reduced from here on: the full gradient is no longer needed
         op = averaging_op(flat, self.layout.world)
         self._handles[bucket.index] = comm.reduce_scatter(flat, op, self.group, impl=self.impl, async_op=True)
-        self._next_launch = bucket.index + 1
 
     def _wait_all(self) -> None:
         for bucket in self.layout.buckets:
@@ -261,17 +269,21 @@ class ZeroDataParallel(nn.Module):
         bucket.ready.add(id(param))
         while self._next_launch < len(self.layout.buckets):  # launch in bucket order on every rank
             nxt = self.layout.buckets[self._next_launch]
-            if len(nxt.ready) < len(nxt.params):
+            if len(nxt.ready) < len(nxt.params) and not nxt.deferred:
                 return
-            self._had_grad |= {id(p) for p in nxt.params if p.grad is not None}
-            self._launch(nxt)
+            self._next_launch += 1
+            if not nxt.deferred:
+                self._had_grad |= {id(p) for p in nxt.params if p.grad is not None}
+                self._launch(nxt)
 
     @torch.no_grad()
     def _end_of_backward(self) -> None:
         while self._next_launch < len(self.layout.buckets):
             nxt = self.layout.buckets[self._next_launch]
-            self._had_grad |= {id(p) for p in nxt.params if p.grad is not None}
-            self._launch(nxt)
+            self._next_launch += 1
+            if not nxt.deferred:
+                self._had_grad |= {id(p) for p in nxt.params if p.grad is not None}
+                self._launch(nxt)
         start = time.perf_counter()
         self._wait_all()
         self.comm_wait_s += time.perf_counter() - start

@@ -201,10 +201,6 @@ def recompute_problems(cfg: Config) -> list[str]:
     if cfg.model.name == "mlp" and lay.recompute == "selective":
         out.append(f"{what} with model.name = 'mlp': selective recomputation redoes the attention core, and the "
                    f"deep MLP has none (use 'full': its layers in checkpointed pairs)")
-    if lay.zero == 3:
-        out.append(f"{what} with layout.zero = 3: FSDP points a unit's parameters at placeholders after its "
-                   f"forward and gathers them again only through its saved-tensor hooks, which a recomputation "
-                   f"bypasses (it would read the placeholders); use layout.zero <= 2")
     if lay.pp > 1 and lay.schedule == "zb1":
         out.append(f"{what} with layout.schedule = 'zb1': the zero-bubble weight-gradient split is a function "
                    f"mode active only during the forward, so a recomputation in backward would save different "
@@ -281,19 +277,12 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
         out.append(f"{where} with layout.tp = {lay.tp} and layout.schedule = 'zb1': its split backward runs a "
                    f"layer's weight gradients apart from its input gradients, which the tensor-parallel layers' "
                    f"backward collectives are not written for; use '1f1b', 'gpipe', 'naive' or 'interleaved'")
-    if lay.zero:
-        why = {1: "its sharded optimizer's gradient norm has no pipeline dimension yet, so each stage would clip "
-                  "by its own norm",
-               2: "it reduce-scatters and frees gradients during every microbatch's backward, but a tied "
-                  "embedding's copies are summed from whole gradients at the schedule's end",
-               3: "it gathers parameters in the wrapper's forward, which the schedule bypasses (it calls the "
-                  "stage's chunks directly)"}.get(lay.zero, "")
-        out.append(f"layout.zero = {lay.zero} with {where}: not supported yet: {why}; use layout.zero = 0 (plain "
-                   f"data parallelism over each stage's replicas)")
-    if lay.dp > 1 and lay.dp_mode == "overlap":
-        out.append(f"layout.dp_mode = 'overlap' with {where} x layout.dp = {lay.dp}: a stage's gradients are complete "
-                   f"only after the schedule's last backward (every microbatch, every chunk), so they are reduced "
-                   f"once, at its end; use 'bucketed' or 'naive'")
+    if lay.zero >= 2 and kind == "zb1":
+        out.append(f"layout.zero = {lay.zero} with {where} and layout.schedule = 'zb1': the zero-bubble split "
+                   f"accumulates the linear layers' weight gradients in its W passes, outside the backward whose "
+                   f"hooks reduce-scatter (and, at ZeRO-3, free) them, so they would be lost; not supported yet "
+                   f"(DeepSpeed refuses ZeRO-2/3 with any pipeline; Megatron-LM's zero-bubble schedule reduces "
+                   f"once after the last W); use layout.zero = 1 or another schedule")
     return out
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from shardlab.parallel.buckets import trainable_params as unique_trainable
+from shardlab.parallel.contract import StepContract, optimizer_contract, step_contract
 from shardlab.parallel.gradnorm import clip_grad_norm_
 from shardlab.parallel.optim import MixedPrecisionOptimizer
 from shardlab.parallel.precision import (
@@ -68,9 +69,10 @@ def _make_optimizer(model: nn.Module, o: OptimSection, precision: str) -> torch.
     if p.loss_scaling:
         kwargs["loss_scaler"] = LossScaler(o.loss_scale, o.loss_scale_window)
     device = next((q.device for g in groups for q in g["params"]), torch.device("cpu"))
-    if hasattr(model, "build_optimizer"):  # a sharding wrapper (ZeRO) or a pipeline stage builds its own
-        return model.build_optimizer(groups, torch.optim.AdamW, tp=tensor_sharding(model),
-                                     **kwargs, **adamw_implementation(device, whole=False))
+    build = step_contract(model).build_optimizer
+    if build is not None:  # a sharding wrapper (ZeRO, FSDP, experts) or a pipeline stage builds its own
+        return build(groups, torch.optim.AdamW, tp=tensor_sharding(model),
+                     **kwargs, **adamw_implementation(device, whole=False))
     kwargs.update(adamw_implementation(device, whole=True))
     if p.mixed:
         return MixedPrecisionOptimizer(groups, torch.optim.AdamW, tp=tensor_sharding(model), **kwargs)
@@ -139,8 +141,9 @@ def train_step(
 ) -> StepResult:
     """Forward and backward over this rank's micro-batches, gradient sync, clip, AdamW update.
 
-    `model` is a plain module or a parallel wrapper with `no_sync()` and `finish_gradient_sync()`
-    (DataParallel); the wrapper's communication happens only after the last micro-batch. A pipeline
+    `model` is a plain module or a parallel wrapper, whose side of the step (no_sync, the gradient
+    sync, its optimizer, a pipeline's schedule) parallel/contract.py's `step_contract` gives by its
+    type; the wrapper's communication happens only after the last micro-batch. A pipeline
     stage (`run_schedule`, parallel/pipeline/model.py) takes this rank's rows whole and runs its
     schedule's `micro_batches` microbatches itself; the rest of the step happens at the schedule's
     STEP, in the same code. `after_backward` runs when the last backward has finished, before any
@@ -155,29 +158,29 @@ def train_step(
     start = time.perf_counter()
     for group in optimizer.param_groups:
         group["lr"] = lr
-    inner = getattr(model, "module", model)
+    layout, opt = step_contract(model), optimizer_contract(optimizer)
+    inner = layout.inner
     skip = skip_layer_every and step % skip_layer_every == skip_layer_every - 1
-    restore = (model.skip_first_layer() if hasattr(model, "skip_first_layer") else skip_layer(inner)) if skip else None
-    if hasattr(model, "comm_wait_s"):
-        model.comm_wait_s = 0.0
+    skipper = layout.skip_first_layer if layout.skip_first_layer is not None else lambda: skip_layer(inner)
+    restore = skipper() if skip else None
+    layout.reset_comm_wait()
     # fp16 loss scaling: gradients come out `scale` times larger; the optimizer divides it back out.
-    scale = float(getattr(optimizer, "loss_scale", 1.0))
+    scale = opt.loss_scale
     norms: list[torch.Tensor] = []
     dropped: list[bool] = []
-    loss_scaling = getattr(optimizer, "loss_scaler", None) is not None
+    loss_scaling = opt.loss_scaling
 
     def update() -> None:
         """Everything after the last backward: sync, clip, the optimizer step."""
         if after_backward is not None:
             after_backward()
-        if hasattr(model, "finish_gradient_sync"):
-            model.finish_gradient_sync()
+        layout.finish_gradient_sync()
         max_norm = grad_clip if grad_clip > 0 else math.inf  # inf: the norm is still logged, nothing scaled
-        if hasattr(optimizer, "clip_grad_norm_"):
+        if opt.pieces is not None:
             # Sharded, mixed-precision or pipeline-stage optimizers (parallel/optim.py; a stage's is
             # pipeline/model.py's) sum the squares across the ranks that cut the model and fold the
             # coefficient (and 1/loss scale) into their fp32 update.
-            norms.append(optimizer.clip_grad_norm_(max_norm))
+            norms.append(opt.pieces.clip_grad_norm_(max_norm))
         else:
             # Every rank holds whole gradients after data-parallel sync; a tensor-parallel model's
             # are its shards and replicas, whose squares parallel/gradnorm.py sums over its tp group.
@@ -196,32 +199,32 @@ def train_step(
     try:
         compute = autocast_context(precision, device if device is not None else "cpu")
         with compute:
-            loss = _forward_backward(model, task, step, dp_rank, dp_size, micro_batches, scale, device, update)
+            loss = _forward_backward(layout, task, step, dp_rank, dp_size, micro_batches, scale, device, update)
     finally:
         if restore is not None:
             restore()
-    if not hasattr(model, "run_schedule"):
+    if layout.pipeline is None:
         update()
     return StepResult(
         loss=loss,
         grad_norm=float(norms[0]),
-        comm_wait_s=float(getattr(model, "comm_wait_s", 0.0)),
+        comm_wait_s=layout.comm_wait_s(),
         seconds=time.perf_counter() - start,
-        skipped=bool(dropped) or bool(getattr(optimizer, "last_step_skipped", False)),
+        skipped=bool(dropped) or opt.last_step_skipped,
         loss_scale=scale,
     )
 
 
-def _forward_backward(model: nn.Module, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
+def _forward_backward(layout: StepContract, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
                       scale: float, device: torch.device | None, update: Callable[[], None]) -> float:
-    if hasattr(model, "run_schedule"):
+    if layout.pipeline is not None:
         # Pipeline: every stage takes the same rows (the first reads the inputs, the last the
         # targets, the others their shapes); the executor splits them into the microbatches.
         x, y = task.batch(step, dp_rank, dp_size)
         if device is not None:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        return model.run_schedule(x, y, micro_batches, on_step=update, loss_scale=scale)
-    return _accumulate(model, task, step, dp_rank, dp_size, micro_batches, scale, device)
+        return layout.pipeline.run_schedule(x, y, micro_batches, on_step=update, loss_scale=scale)
+    return _accumulate(layout, task, step, dp_rank, dp_size, micro_batches, scale, device)
 
 
 class NonFiniteError(FloatingPointError):
@@ -244,7 +247,7 @@ def nonfinite_gradients(model: nn.Module) -> list[str]:
             if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
 
-def _accumulate(model: nn.Module, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
+def _accumulate(layout: StepContract, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
                 scale: float, device: torch.device | None) -> float:
     """Forward and backward of this rank's micro-batches, communicating only after the last; returns
     the mean loss over the rank's rows."""
@@ -254,11 +257,11 @@ def _accumulate(model: nn.Module, task: Task, step: int, dp_rank: int, dp_size: 
         if device is not None:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == micro_batches - 1
-        quiet = model.no_sync() if (hasattr(model, "no_sync") and not last) else contextlib.nullcontext()
+        quiet = layout.no_sync() if not last else contextlib.nullcontext()
         with quiet:
             # Each micro-batch's loss is a mean over its rows; dividing by their count makes
             # the accumulated gradient the mean over the rank's rows, as one pass would give.
-            loss = model(x, y) / micro_batches
+            loss = layout.model(x, y) / micro_batches
             (loss * scale if scale != 1.0 else loss).backward()
         total += loss.detach().double()
     return total.item()

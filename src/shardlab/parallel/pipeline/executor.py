@@ -21,8 +21,11 @@ Semantics (the ones check.py proves a schedule safe under, on gloo and NCCL alik
     accumulated over microbatches are the gradient of the whole batch's mean loss, as one process
     computes it (microbatches may differ in size by one row when M does not divide the batch).
   * BI/BW split the backward (splitgrad.py); B runs it whole.
-  * STEP: tied copies' gradients are summed across ranks, then `on_step` runs (data-parallel sync,
-    clipping, the optimizer); without STEP in the list this happens after the last action.
+  * STEP: tied copies' gradients are summed across ranks (unless the caller does it in `on_step`:
+    sum_tied=False), then `on_step` runs (data-parallel sync, clipping, the optimizer); without STEP
+    in the list this happens after the last action.
+  * Each chunk's last backward runs inside `final_backward()` when given (the overlapped
+    data-parallel reduction of that chunk's gradients starts there, as Megatron-LM's does).
   * The loss is broadcast from the rank of the last chunk, so every rank returns it.
 
 Every rank passes the same-shaped batch: the first chunk reads the inputs, the last the targets,
@@ -64,8 +67,10 @@ class PipelineExecutor:
     """Runs `schedule[group rank]` on `stage` over the pipeline process group `group`."""
 
     def __init__(self, stage: PipelineStage, schedule: Schedule, group: dist.ProcessGroup | None = None,
-                 *, timeout_s: float | None = None) -> None:
-        self.stage, self.group, self.timeout_s = stage, group, timeout_s
+                 *, timeout_s: float | None = None, sum_tied: bool = True) -> None:
+        # sum_tied=False: the caller sums the tied copies' gradients itself, in on_step (PipelineParallel:
+        # before ZeRO's reduce-scatter, or after an overlapped data-parallel all-reduce).
+        self.stage, self.group, self.timeout_s, self.sum_tied = stage, group, timeout_s, sum_tied
         self.rank, size = dist.get_rank(group), dist.get_world_size(group)
         if len(schedule) != size:
             raise ValueError(f"the schedule has {len(schedule)} ranks but the pipeline group has {size}")
@@ -87,16 +92,22 @@ class PipelineExecutor:
             raise ValueError(f"{self.microbatches} microbatches x {self.chunks} chunks exceed the message tags")
         self.last_rank = self.sim.owners[self.chunks - 1]
         self.split = {(a.microbatch, a.chunk) for a in self.actions if a.op == BI}
+        # Each chunk's last backward (B, or BI under a split), after which its gradients are final
+        # but for BW's deferred weight gradients: where an overlapped data-parallel sync may start.
+        self.last_backward = {a.chunk: i for i, a in enumerate(self.actions) if a.op in (B, BI)}
         self.dtype = next((p.dtype for p in stage.parameters() if p.is_floating_point()), torch.float32)
 
     def _tag(self, kind: str, mb: int, producer: int) -> int:
         return 1 + 2 * (mb * self.chunks + producer) + (kind == "B")
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor | None,
-            on_step: Callable[[], None] | None = None, *, loss_scale: float = 1.0) -> PipelineResult:
+            on_step: Callable[[], None] | None = None, *, loss_scale: float = 1.0,
+            final_backward: Callable[[], contextlib.AbstractContextManager[None]] | None = None) -> PipelineResult:
         """One step over the batch `inputs` (and `targets`, read by the last chunk). `loss_scale`:
         fp16's dynamic loss scale, multiplied into the loss before backward (the gradients come out
-        that many times larger; the optimizer divides it back out); the loss returned is unscaled."""
+        that many times larger; the optimizer divides it back out); the loss returned is unscaled.
+        `final_backward`: a context each chunk's last backward runs in (DataParallel.final_backward:
+        the overlapped reduction of its gradients starts there)."""
         m = self.microbatches
         self.loss_scale = float(loss_scale)
         if inputs.shape[0] < m:
@@ -122,7 +133,9 @@ class PipelineExecutor:
             elif a.op == F:
                 start = self._forward(a)
             elif a.op in (B, BI):
-                start = self._backward(a)
+                last = final_backward is not None and self.last_backward[a.chunk] == i
+                with final_backward() if last else contextlib.nullcontext():
+                    start = self._backward(a)
                 if a.op == B:
                     self._give_back(a.microbatch, a.chunk)
             elif a.op == BW:
@@ -266,6 +279,7 @@ class PipelineExecutor:
         return clip_grad_norm_(self.stage, max_norm, self.group)
 
     def _finish(self, on_step: Callable[[], None] | None) -> None:
-        sum_tied_grads(self.stage, self.group)
+        if self.sum_tied:
+            sum_tied_grads(self.stage, self.group)
         if on_step is not None:
             on_step()

@@ -29,15 +29,24 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.models.moe import aux_loss_scope
+from shardlab.parallel.data import DataParallel
+from shardlab.parallel.fsdp import FullyShardedDataParallel
 from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import PieceOptimizer, WholeLayout, param_groups, unique_trainable
 from shardlab.parallel.pipeline.executor import PipelineExecutor
-from shardlab.parallel.pipeline.params import TIED_TAG, gather_gradients, gather_parameters, stage_placement
+from shardlab.parallel.pipeline.params import (
+    TIED_TAG,
+    gather_gradients,
+    gather_parameters,
+    stage_placement,
+    sum_tied_grads,
+)
 from shardlab.parallel.pipeline.schedules import chunk_owner, compute_order, schedule
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.pipeline.timeline import WAIT
 from shardlab.parallel.placement import Placement
 from shardlab.parallel.precision import LossScaler
+from shardlab.parallel.zero import ZeroDataParallel
 
 # Above the executor's activation/gradient tags and the tied-weight exchange's, below the tags
 # validation adds to every point-to-point message (comm/p2p.py, from 1 << 20).
@@ -152,7 +161,7 @@ class PipelineParallel(nn.Module):
         if microbatches not in self.runners:
             plan = self.module.plan
             actions = schedule(self.kind, plan.stages, microbatches, plan.virtual)
-            self.runners[microbatches] = PipelineExecutor(self.module, actions, self.group)
+            self.runners[microbatches] = PipelineExecutor(self.module, actions, self.group, sum_tied=False)
         return self.runners[microbatches]
 
     @property
@@ -169,22 +178,40 @@ class PipelineParallel(nn.Module):
         seconds blocked on the pipeline's messages plus those of the data-parallel sync."""
         if self.data_parallel is not None:
             self.data_parallel.comm_wait_s = 0.0
-        result = self.runner(microbatches).run(inputs, targets, on_step, loss_scale=loss_scale)
+        dp = self.data_parallel
+        final = dp.final_backward if isinstance(dp, DataParallel) and dp.mode == "overlap" else None
+        result = self.runner(microbatches).run(inputs, targets, on_step, loss_scale=loss_scale, final_backward=final)
         self.last_events = result.events
         waits = sum(e.end - e.start for e in result.events if e.op == WAIT)
         self.comm_wait_s = waits + float(getattr(self.data_parallel, "comm_wait_s", 0.0))
         return result.loss
 
     def finish_gradient_sync(self) -> None:
-        if self.data_parallel is not None:
-            self.data_parallel.finish_gradient_sync()
+        """The stage's gradients final (the schedule's STEP calls it through `on_step`): the tied
+        copies summed over pp and the replicas' gradients averaged, in the order the data-parallel
+        wrapper needs (both are sums, so either order is the same gradient): ZeRO reduce-scatters
+        whole gradients, so the tied copies are summed first; an overlapped all-reduce may already
+        have reduced them during the last backward, so they are summed after it is waited for."""
+        dp = self.data_parallel
+        overlapped = isinstance(dp, DataParallel) and dp.mode == "overlap"
+        if not overlapped:
+            sum_tied_grads(self.module, self.group)
+        if dp is not None:
+            dp.finish_gradient_sync()
+        if overlapped:
+            sum_tied_grads(self.module, self.group)
 
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], *,
-                        tp: Any = None, **optimizer_kwargs: Any) -> StageOptimizer:
+                        tp: Any = None, **optimizer_kwargs: Any) -> PieceOptimizer:
+        """The stage's optimizer: under ZeRO (the stage's replicas sharding it) the wrapper's sharded
+        one, told the stage's record so that its norm is summed over pp too (tied copies once);
+        otherwise a StageOptimizer over the stage's whole parameters."""
         # `tp` is what the trainer found outside the pipeline (nothing: the stage's tensor
         # parallelism is inside it, and known here).
         if tp is not None:
             raise ValueError("a pipeline's tensor parallelism is applied inside its stages, not around them")
+        if isinstance(self.data_parallel, (ZeroDataParallel, FullyShardedDataParallel)):
+            return self.data_parallel.build_optimizer(params, optimizer_cls, tp=self.placement, **optimizer_kwargs)
         return StageOptimizer(params, optimizer_cls, self.placement, **optimizer_kwargs)
 
     def skip_first_layer(self) -> Callable[[], None]:
@@ -199,12 +226,26 @@ class PipelineParallel(nn.Module):
         device = next(self.module.parameters()).device
         return {n: None if t is None else t.to(device) for n, t in tensors.items()}
 
+    def _by_original(self, tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """The data-parallel wrapper's {stage module name: tensor} under the original names."""
+        original = {id(p): n for n, p in self.module.stage_named_parameters()}
+        params = dict(self.module.named_parameters())
+        return {original[id(params[n])]: t for n, t in tensors.items()}
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the whole model by its original name, on every stage (gathered over
-        the pipeline group: for verification, not the training loop)."""
-        return self._on_device(gather_parameters(self.module, self.group))  # type: ignore[return-value]
+        the pipeline group: for verification, not the training loop). ZeRO-3's shards are first
+        gathered whole over the stage's replicas by its wrapper."""
+        values = None
+        if isinstance(self.data_parallel, FullyShardedDataParallel):
+            values = self._by_original(self.data_parallel.full_parameters())
+        return self._on_device(gather_parameters(self.module, self.group, values))  # type: ignore[return-value]
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient by original name (None where it has none; tied copies already
-        summed), once the gradients are final: data-parallel gradients are whole after their sync."""
-        return self._on_device(gather_gradients(self.module, self.group))
+        summed), once the gradients are final: data-parallel gradients are whole after their sync;
+        ZeRO's reduced shards are gathered whole over the stage's replicas by its wrapper."""
+        values = None
+        if isinstance(self.data_parallel, (ZeroDataParallel, FullyShardedDataParallel)):
+            values = self._by_original(self.data_parallel.full_gradients())
+        return self._on_device(gather_gradients(self.module, self.group, values))

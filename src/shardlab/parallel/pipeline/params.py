@@ -64,11 +64,12 @@ def clip_grad_norm_(stage: PipelineStage, max_norm: float, group: dist.ProcessGr
     return clip_whole_grads_(params, max_norm, stage_placement(stage, group))
 
 
-def _gather(stage: PipelineStage, group: dist.ProcessGroup | None, grads: bool) -> dict[str, torch.Tensor | None]:
+def _gather(stage: PipelineStage, group: dist.ProcessGroup | None, grads: bool,
+            values: dict[str, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor | None]:
     local = {}
     for name, p in stage.stage_named_parameters():
         if stage.placement.counts(name):  # a tied copy is reported by its owner only
-            t = p.grad if grads else p
+            t = values.get(name) if values is not None else p.grad if grads else p
             local[name] = None if t is None else t.detach()
     # Whole over tp first, as the stage's record says (its tp axis, from the tensor-parallel model's).
     local = stage.placement.gather(local, "tp")
@@ -79,12 +80,17 @@ def _gather(stage: PipelineStage, group: dist.ProcessGroup | None, grads: bool) 
     return {name: merged[name] for name in stage.all_names if name in merged}
 
 
-def gather_parameters(stage: PipelineStage, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+def gather_parameters(stage: PipelineStage, group: dist.ProcessGroup | None = None,
+                      values: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every parameter of the whole model on every rank, keyed and ordered as model.named_parameters()
-    (a tensor-parallel stage's shards gathered whole over its tp group, as its record says)."""
-    return _gather(stage, group, grads=False)  # type: ignore[return-value]
+    (a tensor-parallel stage's shards gathered whole over its tp group, as its record says).
+    `values`: this stage's tensors by original name, when they are not the parameters themselves
+    (a ZeRO-3 stage's, gathered whole over dp by its wrapper)."""
+    return _gather(stage, group, False, values)  # type: ignore[return-value]
 
 
-def gather_gradients(stage: PipelineStage, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor | None]:
-    """Every parameter's gradient (None where it has none), like gather_parameters."""
-    return _gather(stage, group, grads=True)
+def gather_gradients(stage: PipelineStage, group: dist.ProcessGroup | None = None,
+                     values: dict[str, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient (None where it has none), like gather_parameters; `values`: the
+    stage's reduced gradients by original name where they are not its parameters' .grad (ZeRO)."""
+    return _gather(stage, group, True, values)
