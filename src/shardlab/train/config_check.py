@@ -177,10 +177,6 @@ def context_parallel_problems(cfg: Config) -> list[str]:
     if lay.tp > 1 or lay.sp:
         out.append(f"{where} with layout.tp = {lay.tp}, layout.sp = {lay.sp}: the tensor-parallel GPT's forward "
                    f"does not take the zigzag chunks' positions yet; use layout.tp = 1 without layout.sp")
-    if lay.ep > 1 or m.experts > 0:
-        out.append(f"{where} with layout.ep = {lay.ep}, model.experts = {m.experts}: the experts' capacity and "
-                   f"load-balancing loss are per whole sequence, which a rank holding part of each sequence "
-                   f"cannot compute alone; not supported yet")
     return out
 
 
