@@ -50,6 +50,18 @@ def test_cp2_recomputed(pools):
     _verify(pools, 1, 2, 'layout.recompute="selective"')
 
 
+def test_cp2_experts(pools):
+    # Per-sequence capacity (tight: assignments dropped every step, in the whole row's order) and the
+    # load-balancing loss from the whole rows' counts and probabilities, summed over the cp group.
+    moe = ["model.experts=4", "model.top_k=2", "model.capacity_factor=0.5", "model.aux_loss_coef=0.1"]
+    _verify(pools, 1, 2, *moe)
+    # cp 2 x ep 2: the experts' all-to-all among the ep ranks holding the same chunks.
+    from shardlab.train.verify import verify_rank
+
+    report = pools(4).run(verify_rank, _cfg(1, 2, *moe, "layout.ep=2", "model.top_k=1"), 1e-6, 1e-5)[0]
+    assert report["passed"] and report["layout"]["ep"] == 2, json.dumps(report["per_step"], indent=1)
+
+
 def test_cp4(pools):
     _verify(pools, 1, 4, "model.rotary=true")
 
@@ -72,7 +84,6 @@ def test_cp2_mixed_precision(pools):
     (["model.dropout=0.1"], "model.dropout = 0.1"),
     (["layout.tp=4", "layout.sp=true", "model.seq_len=20"], "each rank's zigzag tokens, model.seq_len = 20 / cp"),
     (['model.name="mlp"'], "only the gpt"),
-    (["model.experts=4"], "model.experts = 4"),
 ])
 def test_refused_before_launch(extra, message):
     cfg = load_config(None, ['model.name="gpt"', "layout.cp=2", *extra], base=VERIFY_BASE)

@@ -99,6 +99,7 @@ def test_refusals(extra, needle):
     ["--ep", "2", "--experts", "4", "--set", "checkpoint.every=1"],
     ["--ep", "2", "--experts", "4", "--recompute", "full"],
     ["--cp", "2", "--recompute", "selective"],
+    ["--cp", "2", "--ep", "2", "--experts", "4"],
 ])
 def test_lifted_dry_run_accepted(argv, capfd):
     from shardlab.cli.main import main

@@ -40,6 +40,7 @@ import contextvars
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -69,20 +70,38 @@ def capacity(t: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
     return max(1, math.ceil(capacity_factor * t * top_k / n_experts))
 
 
-def route(router: nn.Linear, x: torch.Tensor, top_k: int, capacity_factor: float, aux_loss_coef: float) -> Routing:
-    """Route the (b, t, d) tokens `x` (see the module docstring for the rules)."""
+class RowShards(Protocol):
+    """How a rank holds only part of every row (context parallelism): the row cut into `parts` equal
+    chunks, of which this rank holds `held`, in the order its tokens come; `total(x)` sums `x` over
+    the ranks sharing the rows (differentiably: the gradient of the sum is summed back)."""
+
+    held: tuple[int, ...]
+    parts: int
+
+    def total(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def route(router: nn.Linear, x: torch.Tensor, top_k: int, capacity_factor: float, aux_loss_coef: float,
+          rows: RowShards | None = None) -> Routing:
+    """Route the (b, t, d) tokens `x` (see the module docstring for the rules). `rows`: `x` holds only
+    these chunks of every row, whose capacity, drop order and load-balancing statistics are still the
+    whole row's (each rank's loss carries the whole row's term, its gradient to the local tokens)."""
     b, t, _ = x.shape
     n_experts = router.out_features
     probs = F.softmax(router(x).float(), dim=-1)                          # (b, t, E)
     weight, chosen = probs.topk(top_k, dim=-1)                            # (b, t, k)
     # Priority order within a row: choice-major, then position (first choices are kept first).
     chosen_bkt = chosen.transpose(1, 2).reshape(b, top_k * t)             # (b, k t)
-    onehot = F.one_hot(chosen_bkt, n_experts)                             # (b, k t, E)
-    slot = (onehot.cumsum(dim=1) - 1).gather(2, chosen_bkt.unsqueeze(2)).squeeze(2)  # place in its expert's queue
-    keep = slot < capacity(t, n_experts, top_k, capacity_factor)
-    # Load balancing per row: share of assignments f (before dropping) and mean probability P.
-    f = onehot.float().mean(dim=1)                                        # (b, E), sums to 1 per row
-    p_mean = probs.mean(dim=1)                                            # (b, E)
+    if rows is None:
+        onehot = F.one_hot(chosen_bkt, n_experts)                         # (b, k t, E)
+        slot = (onehot.cumsum(dim=1) - 1).gather(2, chosen_bkt.unsqueeze(2)).squeeze(2)  # place in its expert's queue
+        keep = slot < capacity(t, n_experts, top_k, capacity_factor)
+        # Load balancing per row: share of assignments f (before dropping) and mean probability P.
+        f = onehot.float().mean(dim=1)                                    # (b, E), sums to 1 per row
+        p_mean = probs.mean(dim=1)                                        # (b, E)
+    else:
+        slot, f, p_mean, whole_t = _whole_rows(chosen_bkt, probs, rows, top_k)
+        keep = slot < capacity(whole_t, n_experts, top_k, capacity_factor)
     aux = aux_loss_coef * n_experts * (f * p_mean).sum(dim=1).mean()
     token = (torch.arange(b, device=x.device).unsqueeze(1) * t
              + torch.arange(t, device=x.device).repeat(top_k).unsqueeze(0)).expand(b, top_k * t)
@@ -97,6 +116,30 @@ def route(router: nn.Linear, x: torch.Tensor, top_k: int, capacity_factor: float
         aux_loss=aux,
         dropped=int((~keep).sum()),
     )
+
+
+def _whole_rows(chosen_bkt: torch.Tensor, probs: torch.Tensor, rows: RowShards,
+                top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """`route`'s queue places, f and P when this rank holds chunks `rows.held` of every row: each
+    (row, choice, chunk) group's per-expert counts summed over the ranks, so that an assignment's
+    place in its expert's queue counts every earlier choice anywhere in the row and, within its
+    choice, every earlier chunk, as one process's cumulative sum over the whole row does."""
+    b, t, n_experts = probs.shape
+    h, q = len(rows.held), rows.parts
+    c = t // h
+    onehot = F.one_hot(chosen_bkt, n_experts).view(b, top_k, h, c, n_experts)
+    held = torch.tensor(rows.held, device=probs.device)
+    counts = onehot.new_zeros(b, top_k, q, n_experts)
+    counts[:, :, held] = onehot.sum(dim=3)
+    counts = rows.total(counts)                                          # (b, k, chunks, E): the whole row's
+    flat = counts.reshape(b, top_k * q, n_experts)
+    before = (flat.cumsum(dim=1) - flat).view(b, top_k, q, n_experts)[:, :, held]  # (b, k, h, E)
+    queue = before.unsqueeze(3) + onehot.cumsum(dim=3) - 1              # (b, k, h, c, E)
+    slot = queue.gather(4, chosen_bkt.view(b, top_k, h, c, 1)).reshape(b, top_k * t)
+    whole_t = c * q
+    f = counts.sum(dim=(1, 2)).float() / (whole_t * top_k)
+    p_mean = rows.total(probs.sum(dim=1)) / whole_t
+    return slot, f, p_mean, whole_t
 
 
 def run_experts(experts: list[nn.Module], rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -137,10 +180,11 @@ class MoE(nn.Module):
         self.experts.conditional = True  # called only when tokens reach them (ZeRO-3 keeps them in the block's unit)
         self.aux_loss: torch.Tensor | None = None
         self.dropped = 0
+        self.rows: RowShards | None = None  # set by context parallelism (parallel/expert/rows.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        r = route(self.router, x, self.top_k, self.capacity_factor, self.aux_loss_coef)
+        r = route(self.router, x, self.top_k, self.capacity_factor, self.aux_loss_coef, self.rows)
         self.aux_loss, self.dropped = r.aux_loss, r.dropped
         y = run_experts(list(self.experts), x.reshape(b * t, d)[r.token], r.counts.tolist())
         return combine(y, r, b * t).view(b, t, d)

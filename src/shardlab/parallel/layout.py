@@ -209,6 +209,9 @@ def apply_context_parallel(model: nn.Module, layout: "LayoutSection", mesh: Devi
         from shardlab.parallel.context import apply_context_parallel as convert
 
         model = convert(model, mesh.group("cp"))
+        from shardlab.parallel.expert.rows import route_whole_rows
+
+        route_whole_rows(model, mesh.group("cp"))  # MoE capacity and loss per whole sequence
     return model
 
 

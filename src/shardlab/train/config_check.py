@@ -181,10 +181,6 @@ def context_parallel_problems(cfg: Config) -> list[str]:
     if lay.sp and lay.tp > 0 and m.seq_len % (lay.cp * lay.tp):
         out.append(f"{where} with layout.sp at layout.tp = {lay.tp}: each rank's zigzag tokens, model.seq_len = "
                    f"{m.seq_len} / cp, must divide over tp (sequence parallelism splits them further)")
-    if lay.ep > 1 or m.experts > 0:
-        out.append(f"{where} with layout.ep = {lay.ep}, model.experts = {m.experts}: the experts' capacity and "
-                   f"load-balancing loss are per whole sequence, which a rank holding part of each sequence "
-                   f"cannot compute alone; not supported yet")
     return out
 
 

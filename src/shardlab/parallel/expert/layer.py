@@ -54,11 +54,12 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleDict({str(i): moe.experts[i] for i in range(self.first, self.first + self.per_rank)})
         self.aux_loss: torch.Tensor | None = None
         self.dropped = 0
+        self.rows = moe.rows  # the whole rows' routing under context parallelism (rows.py)
         self.stats = A2AStats()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        r = route(self.router, x, self.top_k, self.capacity_factor, self.aux_loss_coef)
+        r = route(self.router, x, self.top_k, self.capacity_factor, self.aux_loss_coef, self.rows)
         self.aux_loss, self.dropped = r.aux_loss, r.dropped
         got = exchange_counts(r.counts, self.group, self.stats)             # (ep, E/ep): [source, local expert]
         send = r.counts.view(self.ep, self.per_rank).sum(1).tolist()
