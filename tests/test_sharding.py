@@ -141,6 +141,11 @@ def _verify(pools, cfg: dict, world: int) -> dict:  # noqa: ANN001
 def test_verify_megatron_and_sequence_parallel_rules(pools):
     _verify(pools, _cfg("gpt", 1, 2, f"sharding.compute={MEGATRON}, seq=tp", "train.steps=3"), 2)
     _verify(pools, _cfg("mlp", 1, 2, "sharding.compute=mlp=tp", "train.steps=3"), 2)
+    # Full recomputation re-runs each block's forward, its derived entry and exit collectives included.
+    _verify(pools, _cfg("gpt", 1, 2, f"sharding.compute={MEGATRON}, seq=tp", 'layout.recompute="full"',
+                        "train.steps=3"), 2)
+    _verify(pools, _cfg("gpt", 1, 2, f"sharding.compute={MEGATRON}", 'layout.recompute="selective"',
+                        "train.steps=2"), 2)
     # bf16 with fp32 masters: the fp32 sources are cut with the weights (compile.py), so the masters start
     # from the fp32 initialisation as the reference's do.
     from shardlab.train.verify import MIXED_VERIFY_BASE
