@@ -52,3 +52,35 @@ def traces(kind: str, plan: dict | None, sp: bool, compute: str, rows: int = 2) 
             # The placement record written from the plan is the hand-written layout's, entry for entry.
             "same_record": dict(hand.placement.params) == dict(derived.placement.params)
             and dict(hand.placement.tied) == dict(derived.placement.tied)}
+
+
+def checkpoint_across(root: str) -> dict:
+    """Train the derived Megatron layout 2 steps and save; load that into the hand-written tp layout and
+    into a fresh derived one: whether every parameter (gathered whole by the placement record) is exact."""
+    from shardlab.checkpoint import Checkpointer, load_checkpoint
+    from shardlab.parallel.layout import apply_layout, build_mesh, full_parameters
+    from shardlab.train.config import load_config
+    from shardlab.train.step import lr_at, make_optimizer, train_step
+    from shardlab.train.task import build_task, prepare_model
+    from shardlab.train.verify import VERIFY_BASE
+
+    def setup(rules: str):  # noqa: ANN202
+        cfg = load_config(None, ["layout.tp=2", f"sharding.compute={rules}"], base=VERIFY_BASE)
+        plain = prepare_model(cfg)
+        task = build_task(cfg, plain)
+        model = apply_layout(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+        return cfg, model, make_optimizer(model, cfg.optim, cfg.layout.precision), task
+
+    cfg, model, opt, task = setup("heads=tp, mlp=tp, vocab=tp, seq=tp")
+    for s in range(2):
+        train_step(model, opt, task, s, lr=lr_at(s, cfg), grad_clip=cfg.optim.grad_clip)
+    Checkpointer(root).save(2, model, opt, config=cfg.to_dict())
+    saved = full_parameters(model)
+    out = {}
+    for name, rules in (("hand-written", ""), ("derived", "heads=tp, mlp=tp, vocab=tp")):
+        _, other, other_opt, _ = setup(rules)
+        load_checkpoint(root, other, other_opt)
+        got = full_parameters(other)
+        out[name] = sorted(n for n in saved if not torch.equal(saved[n], got[n]))
+        out[name + " trained"] = any(not torch.equal(saved[n], v) for n, v in full_parameters(setup(rules)[1]).items())
+    return out

@@ -24,9 +24,9 @@ def sharding_problems(cfg: Config, model_ok: bool = True) -> list[str]:
         out.append(f"[sharding] rules with layout.pp = {lay.pp}, cp = {lay.cp}, ep = {lay.ep}: derived sharding "
                    f"covers tp and dp here; pipelines, context and expert parallelism stay the hand-written "
                    f"layouts (use them without [sharding])")
-    if lay.recompute != "none":
-        out.append(f"[sharding] rules with layout.recompute = {lay.recompute!r}: recomputation re-runs the derived "
-                   f"collectives of a block; not verified yet, so refused (use layout.recompute = 'none')")
+    if m.name == "mlp" and lay.recompute == "full":
+        out.append("[sharding] rules on the deep MLP with layout.recompute = 'full': recompute's pairs of layers are "
+                   "the plain MLP's forms, not the derived one's; use layout.recompute = 'none' (the GPT takes both)")
     if m.experts:
         out.append(f"[sharding] rules with model.experts = {m.experts}: logical axes are declared for dense models")
     if lay.tp > 1 and m.dropout > 0:
