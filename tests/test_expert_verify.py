@@ -69,6 +69,14 @@ def test_moe_under_zero(pools, zero):
     _verify(pools, 2, 1, "model.experts=16", "model.top_k=1", "train.global_batch=4", f"layout.zero={zero}")
 
 
+def test_ep_under_zero(pools):
+    # Dense parameters sharded over (dp, ep), experts over their replicas (dp) (parallel/expert/zero.py);
+    # unreached experts keep no gradient; the norm sums both kinds' squares, the experts' over ep too.
+    _verify(pools, 1, 2, "model.experts=4", "model.top_k=1", "layout.zero=1", "optim.grad_clip=0.05")
+    _verify(pools, 2, 2, "model.experts=8", "model.top_k=1", "train.global_batch=8", "layout.zero=2",
+            "train.micro_batches=2", "optim.grad_clip=0.05")
+
+
 def test_moe_in_pipeline_stages(pools):
     # Two stages, interleaved (rank 1 holds a chunk without the head too): every chunk's MoE layers
     # carry their load-balancing terms into the backward on their own stage (a large coefficient,
@@ -83,7 +91,7 @@ def test_moe_in_pipeline_stages(pools):
     (["layout.ep=2"], "model.experts = 0"),
     (["layout.ep=2", "model.experts=3"], "does not divide over layout.ep = 2"),
     (["model.experts=4", "model.top_k=5"], "model.top_k = 5"),
-    (["layout.ep=2", "model.experts=4", "layout.zero=1"], "layout.zero = 1 and layout.ep = 2 is not supported"),
+    (["layout.ep=2", "model.experts=4", "layout.zero=3"], "layout.zero = 3 and layout.ep = 2 is not supported"),
     (["model.experts=4", "layout.tp=2"], "layout.tp = 2"),
     (["model.experts=4", "layout.ep=2", "layout.pp=2"], "layout.pp = 2 and layout.ep = 2"),
 ])
@@ -96,6 +104,7 @@ def test_refusals(extra, needle):
     ["--pp", "2", "--microbatches", "2", "--experts", "4"],
     ["--dp", "2", "--zero", "1", "--experts", "4"],
     ["--dp", "2", "--zero", "3", "--experts", "4"],
+    ["--dp", "2", "--ep", "2", "--zero", "2", "--experts", "4"],
     ["--ep", "2", "--experts", "4", "--set", "checkpoint.every=1"],
     ["--ep", "2", "--experts", "4", "--recompute", "full"],
     ["--cp", "2", "--recompute", "selective"],

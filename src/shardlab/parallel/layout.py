@@ -234,7 +234,8 @@ def apply_data_parallel(model: nn.Module, layout: "LayoutSection", group: dist.P
         # Experts and dense parameters are replicated over different groups: one wrapper for both.
         from shardlab.parallel.expert import ExpertDataParallel
 
-        return ExpertDataParallel(model, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
+        return ExpertDataParallel(model, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
+                                  zero=layout.zero)
     if layout.zero == 3:
         from shardlab.parallel.fsdp import FullyShardedDataParallel
 

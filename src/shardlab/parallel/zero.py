@@ -169,17 +169,23 @@ class ZeroDataParallel(nn.Module):
     """Data parallelism with ZeRO stage 1 or 2 over `group`: see the module docstring."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, stage: int = 1,
-                 bucket_mb: float = 25.0, impl: str = comm.TORCH, deferred: Iterable[nn.Parameter] = ()) -> None:
+                 bucket_mb: float = 25.0, impl: str = comm.TORCH, deferred: Iterable[nn.Parameter] = (),
+                 params: list[nn.Parameter] | None = None) -> None:
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}")
         self.module, self.group, self.stage, self.impl = module, group, stage, impl
-        broadcast_state(module, group)
+        if params is None:
+            broadcast_state(module, group)
+        else:  # only these parameters are replicated over `group` (parallel/expert/zero.py: experts apart)
+            for p in params:
+                comm.broadcast(p.data, 0, group)
         # `deferred`: parameters whose whole gradient must survive the backward passes (a pipeline's
         # tied embedding copies, summed over pp at the schedule's end): in buckets of their own,
         # reduced by finish_gradient_sync, as stage 1 reduces every bucket.
-        self.layout = ShardLayout(trainable_params(module), dist.get_world_size(group), dist.get_rank(group),
-                                  int(bucket_mb * 2**20), deferred)
+        owned = trainable_params(module) if params is None else [p for p in params if p.requires_grad]
+        self.layout = ShardLayout(owned, dist.get_world_size(group), dist.get_rank(group), int(bucket_mb * 2**20),
+                                  deferred)
         for p in self.layout.params:  # their .grad is dropped for the optimizer's reduced pieces
             refuse_plain_step(p, f"a ZeRO-{stage} parameter, whose reduced gradient goes to the sharded "
                                  "optimizer's pieces, not to its .grad")

@@ -378,10 +378,10 @@ def expert_problems(cfg: Config) -> list[str]:
         out.append(f"model.experts = {m.experts} with layout.pp = {lay.pp} and layout.ep = {lay.ep} is not supported "
                    f"yet: the stages' data parallelism does not split experts from dense parameters")
     # cp > 1 with experts: refused by context_parallel_problems (capacity and the loss are per sequence).
-    if lay.zero and lay.ep > 1:
-        out.append(f"model.experts = {m.experts} with layout.zero = {lay.zero} and layout.ep = {lay.ep} is not supported "
-                   f"yet: ZeRO's shards of flat buckets assume every parameter is replicated over the whole "
-                   f"data-parallel group, which experts are not under layout.ep > 1 (they would need their own "
-                   f"shards over dp x cp, Megatron's expert data-parallel group); use layout.zero = 0, or "
-                   f"layout.ep = 1 (experts replicated, sharded by ZeRO like any parameter)")
+    if lay.zero == 3 and lay.ep > 1:
+        out.append(f"model.experts = {m.experts} with layout.zero = 3 and layout.ep = {lay.ep} is not supported yet: "
+                   f"FSDP's units are flat vectors sharded over one group, but an expert is replicated over dp x cp "
+                   f"only (its unit would have to be split from its block's, as ZeRO-1/2 split their buckets: "
+                   f"parallel/expert/zero.py); use layout.zero <= 2, or layout.ep = 1 (experts sharded like any "
+                   f"parameter)")
     return out

@@ -43,8 +43,11 @@ class ExpertDataParallel(nn.Module):
     mode, bucket_mb, impl: as DataParallel's."""
 
     def __init__(self, module: nn.Module, group: Group = None, *, mode: str = "bucketed", bucket_mb: float = 25.0,
-                 impl: str = comm.TORCH) -> None:
+                 impl: str = comm.TORCH, zero: int = 0) -> None:
         super().__init__()
+        if zero not in (0, 1, 2):
+            raise ValueError(f"expert parallelism with ZeRO-{zero}: ZeRO-1 and 2 shard each kind of parameter over "
+                             f"its own replicas (parallel/expert/zero.py); ZeRO-3's units are not split so yet")
         layers = expert_layers(module)
         if not layers:
             raise ValueError("ExpertDataParallel needs an expert-parallel model (convert_expert_parallel)")
@@ -55,20 +58,27 @@ class ExpertDataParallel(nn.Module):
         dense = [p for p in trainable_params(module) if id(p) not in expert_ids]
         self.replicas = dist.get_world_size(group)
         kw: dict[str, Any] = dict(mode=mode, bucket_mb=bucket_mb, impl=impl)
+        self.zero = zero
         # In a tuple, not as attributes: submodules would list the model's parameters twice more.
-        self._wrappers = (DataParallel(module, group, params=dense, **kw),
-                          DataParallel(module, layers[0].expert_replicas, params=experts, average=False, **kw))
+        if zero:
+            from shardlab.parallel.expert.zero import zero_wrappers
+
+            self._wrappers = zero_wrappers(module, dense, experts, group, layers[0].expert_replicas, zero, bucket_mb,
+                                           impl)
+        else:
+            self._wrappers = (DataParallel(module, group, params=dense, **kw),
+                              DataParallel(module, layers[0].expert_replicas, params=experts, average=False, **kw))
         self._expert_params = [p for p in experts if p.requires_grad]
         # The record convert_expert_parallel wrote: experts Owned over "ep", what the norm sums over it.
         self.placement: Placement = module.placement
         self._sync = True
 
     @property
-    def _dense(self) -> DataParallel:
+    def _dense(self) -> Any:  # DataParallel, or ZeroDataParallel under ZeRO
         return self._wrappers[0]
 
     @property
-    def _experts(self) -> DataParallel:
+    def _experts(self) -> Any:
         return self._wrappers[1]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -87,7 +97,11 @@ class ExpertDataParallel(nn.Module):
     def finish_gradient_sync(self) -> None:
         self._dense.finish_gradient_sync()
         self._experts.finish_gradient_sync()
-        if self._sync:
+        if self._sync and self.zero:  # ZeRO averaged the experts' shards over (dp, cp): divide by ep
+            for bucket in self._experts.layout.buckets:
+                if bucket.grad_chunk is not None:
+                    bucket.grad_chunk.div_(self.ep)
+        elif self._sync:
             for p in self._expert_params:
                 if p.grad is not None:
                     p.grad.div_(self.replicas)
@@ -112,6 +126,10 @@ class ExpertDataParallel(nn.Module):
         if tp is not None:
             raise ValueError("expert parallelism with tensor parallelism is not supported (layout.ep > 1 with "
                              "layout.tp > 1): the gradient norm would need both groups")
+        if self.zero:
+            from shardlab.parallel.expert.zero import ExpertZeroOptimizer
+
+            return ExpertZeroOptimizer(groups, optimizer_cls, self._dense, self._experts, self.placement, **kwargs)
         return MixedPrecisionOptimizer(groups, optimizer_cls, tp=self.placement, **kwargs)
 
     # ------------------------------------------------------------------- whole-model views
@@ -122,6 +140,8 @@ class ExpertDataParallel(nn.Module):
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        if self.zero:  # each wrapper's reduced shards gathered over its own group, then the experts over ep
+            return self._whole({**self._dense.full_gradients(), **self._experts.full_gradients()})
         return self._whole({n: None if p.grad is None else p.grad.detach().clone()
                             for n, p in self.module.named_parameters() if p.requires_grad})
 

@@ -1,0 +1,97 @@
+"""ZeRO-1/2 around an expert-parallel model: each kind of parameter sharded over its own replicas.
+
+A dense parameter is replicated over ("dp", "ep", "cp") and an expert over ("dp", "cp") only
+(data.py), so one set of flat buckets cut over one group cannot hold both: an expert's chunk would be
+owned by a rank of another ep index, which holds other experts. Each kind gets its own ZeroDataParallel
+(zero.py, `params=`): the dense buckets cut over the replica group, the experts' over their replicas
+(Megatron-LM's distributed optimizer does the same with its expert data-parallel group). The experts'
+reduce-scatter averages over (dp, cp); dividing by ep after it gives the whole batch's mean (data.py
+says why). An expert no token reached on any replica keeps no gradient: each wrapper all-reduces its
+"has a gradient" flags over its own group, so AdamW skips it as one process does.
+
+`ExpertZeroOptimizer` is one optimizer over both wrappers' pieces (parallel/optim.py's PieceOptimizer):
+the global norm is the dense pieces' squares summed over the replica group plus the experts' summed
+over their replicas and then over ep (the placement record's Owned entries), and after the step each
+kind's updated chunks are all-gathered over its own group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from shardlab import comm
+from shardlab.parallel.gradnorm import global_grad_norm
+from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups
+from shardlab.parallel.placement import Placement
+from shardlab.parallel.zero import ShardLayout, ZeroDataParallel
+
+
+class _BothLayouts:
+    """The dense and the expert ShardLayouts as one PieceLayout (rank and world: the dense group's)."""
+
+    def __init__(self, dense: ShardLayout, experts: ShardLayout) -> None:
+        self.parts = (dense, experts)
+        self.params = dense.params + experts.params
+        self.rank, self.world = dense.rank, dense.world
+
+    def pieces(self) -> Iterator[Piece]:
+        for part in self.parts:
+            yield from part.pieces()
+
+
+class ExpertZeroOptimizer(PieceOptimizer):
+    """One optimizer over the pieces of the dense and the expert ZeRO wrappers (module docstring)."""
+
+    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], dense: ZeroDataParallel,
+                 experts: ZeroDataParallel, placement: Placement, **optimizer_kwargs: Any) -> None:
+        super().__init__(param_groups(params), optimizer_cls, _BothLayouts(dense.layout, experts.layout), dense.group,
+                         impl=dense.impl, tp=placement, **optimizer_kwargs)
+        self.wrappers = (dense, experts)
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        device = self.layout.params[0].device if self.layout.params else None
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for w in self.wrappers:  # the same two collectives' sequence on every rank
+            grads = ((pc.tensor.grad, True, pc.param) for pc in w.layout.pieces() if pc.tensor.grad is not None)
+            total += global_grad_norm(grads, device, dp_group=w.group, dp_size=w.layout.world, tp=self.tp,
+                                      pp=self.tp).square()
+        self._norm = total.sqrt() / self.loss_scale
+        return self._norm.to(torch.float32)
+
+    @torch.no_grad()
+    def _after_step(self) -> None:
+        for w in self.wrappers:
+            for bucket in w.layout.buckets:
+                p0 = bucket.params[0]
+                mine = torch.zeros(bucket.chunk, dtype=p0.dtype, device=p0.device)
+                for piece in bucket.pieces:
+                    mine[piece.chunk_offset: piece.chunk_offset + piece.stop - piece.start] = piece.tensor.view(-1)
+                full = comm.all_gather(mine, w.group, impl=w.impl,
+                                       out=torch.empty(bucket.padded, dtype=p0.dtype, device=p0.device))
+                for p, off in zip(bucket.params, bucket.offsets):
+                    p.view(-1).copy_(full[off: off + p.numel()])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for w in self.wrappers:
+            for bucket in w.layout.buckets:
+                bucket.grad_chunk = None
+
+
+def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn.Parameter], group: Any,
+                  expert_group: Any, stage: int, bucket_mb: float, impl: str) -> tuple[ZeroDataParallel, ZeroDataParallel]:
+    """The two ZeRO wrappers of ExpertDataParallel: dense parameters over `group` at `stage`, experts
+    over `expert_group` (their replicas) at stage 1 whatever `stage` (see below)."""
+    # The experts' buckets are reduced once, after backward (stage 1), even under ZeRO-2: ranks route
+    # their tokens to different experts, so a bucket of experts fills at different points of each
+    # replica's backward (or never: an expert no token reached has no gradient), and reductions
+    # launched as buckets fill would interleave with the dense ones and the all-to-alls differently on
+    # each rank. So under ZeRO-2 the experts' gradients are held whole until the step, the dense ones
+    # at 1/N, and their optimizer state is 1/N for both kinds.
+    return (ZeroDataParallel(module, group, stage=stage, bucket_mb=bucket_mb, impl=impl, params=dense),
+            ZeroDataParallel(module, expert_group, stage=1, bucket_mb=bucket_mb, impl=impl, params=experts))
