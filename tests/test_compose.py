@@ -110,7 +110,6 @@ def test_mesh_coordinates_and_nodes():
     (["layout.dp=3", "layout.nodes=2"], ["layout.nodes = 2", "world size 3"]),
     (["layout.cp=0"], ["layout.cp = 0 must be positive"]),
     (["layout.pp=2", "layout.tp=2", "layout.sp=true"], ["layout.pp = 2 with layout.sp"]),
-    (["layout.pp=2", "layout.tp=2", 'layout.schedule="zb1"'], ["'zb1'", "layout.tp = 2"]),
     (["layout.pp=2", "layout.tp=2", 'model.name="mlp"'], ["built for the gpt, not the mlp"]),
 ])
 def test_refused_before_launch(flags, words):

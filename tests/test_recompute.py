@@ -180,7 +180,6 @@ def test_verify_one_process_and_mlp(pools):
 @pytest.mark.parametrize("extra,needle", [
     (('layout.recompute="some"',), "layout.recompute = 'some' must be one of"),
     (('layout.recompute="full"', "layout.dp=2", "layout.zero=3"), "layout.zero = 3: FSDP"),
-    (('layout.recompute="full"', "layout.pp=2", 'layout.schedule="zb1"'), "layout.schedule = 'zb1'"),
     (('layout.recompute="selective"', 'model.name="mlp"'), "the deep MLP has none"),
     (('layout.recompute="full"', 'model.name="mlp"', "layout.tp=2"), "tensor-parallel deep MLP"),
 ])

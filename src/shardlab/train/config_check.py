@@ -207,10 +207,6 @@ def recompute_problems(cfg: Config) -> list[str]:
         out.append(f"{what} with layout.zero = 3: FSDP points a unit's parameters at placeholders after its "
                    f"forward and gathers them again only through its saved-tensor hooks, which a recomputation "
                    f"bypasses (it would read the placeholders); use layout.zero <= 2")
-    if lay.pp > 1 and lay.schedule == "zb1":
-        out.append(f"{what} with layout.schedule = 'zb1': the zero-bubble weight-gradient split is a function "
-                   f"mode active only during the forward, so a recomputation in backward would save different "
-                   f"tensors; use another schedule")
     if lay.ep > 1 or lay.cp > 1:
         out.append(f"{what} with layout.ep = {lay.ep}, layout.cp = {lay.cp}: recomputing the experts' all-to-all "
                    f"or the ring attention is not verified yet")
@@ -279,10 +275,6 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     if (lay.tp > 1 or lay.sp) and m.name != "gpt":
         out.append(f"{where} with layout.tp = {lay.tp}: tensor-parallel pipeline stages are built for the gpt, "
                    f"not the {m.name}; use layout.tp = 1 or model.name = 'gpt'")
-    if lay.tp > 1 and kind == "zb1":
-        out.append(f"{where} with layout.tp = {lay.tp} and layout.schedule = 'zb1': its split backward runs a "
-                   f"layer's weight gradients apart from its input gradients, which the tensor-parallel layers' "
-                   f"backward collectives are not written for; use '1f1b', 'gpipe', 'naive' or 'interleaved'")
     if lay.zero:
         why = {1: "its sharded optimizer's gradient norm has no pipeline dimension yet, so each stage would clip "
                   "by its own norm",
