@@ -141,7 +141,6 @@ def test_mesh_coordinates_and_nodes():
     (["layout.cp=0"], ["layout.cp = 0 must be positive"]),
     (["layout.pp=3", "layout.tp=2", 'model.name="mlp"', "model.n_layer=4"],
      ["ends some chunks after a column-parallel layer"]),
-    (["layout.pp=2", "layout.tp=2", 'layout.schedule="zb1"'], ["'zb1'", "layout.tp = 2"]),
 ])
 def test_refused_before_launch(flags, words):
     cfg = load_config(None, flags, base=VERIFY_BASE + ["train.micro_batches=2"])

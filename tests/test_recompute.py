@@ -187,7 +187,6 @@ def test_zero3_accepted_before_launch():
 
 @pytest.mark.parametrize("extra,needle", [
     (('layout.recompute="some"',), "layout.recompute = 'some' must be one of"),
-    (('layout.recompute="full"', "layout.pp=2", 'layout.schedule="zb1"'), "layout.schedule = 'zb1'"),
     (('layout.recompute="selective"', 'model.name="mlp"'), "the deep MLP has none"),
 ])
 def test_refused_before_launch(extra, needle):

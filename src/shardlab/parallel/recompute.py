@@ -53,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardlab.models.gpt import Block, CausalSelfAttention
 from shardlab.models.mlp import DeepMLP, GeluLayers
+from shardlab.parallel.pipeline.splitgrad import recompute_context  # zb1: recompute as the forward ran
 
 MODES = ("none", "selective", "full")
 
@@ -64,7 +65,7 @@ class RecomputedBlock:
         inner = super(RecomputedBlock, self).forward  # the block's own forward
         if not torch.is_grad_enabled():  # evaluation, sampling: nothing is saved anyway
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=recompute_context, **kwargs)
 
 
 class SelectiveAttention:
@@ -95,7 +96,7 @@ class CheckpointedPairs(GeluLayers):
         if not torch.is_grad_enabled():
             return _pair(x, *layers)
         for i in range(0, len(layers), 2):
-            x = checkpoint(_pair, x, *layers[i:i + 2], use_reentrant=False)
+            x = checkpoint(_pair, x, *layers[i:i + 2], use_reentrant=False, context_fn=recompute_context)
         return x
 
 

@@ -197,10 +197,6 @@ def recompute_problems(cfg: Config) -> list[str]:
     if cfg.model.name == "mlp" and lay.recompute == "selective":
         out.append(f"{what} with model.name = 'mlp': selective recomputation redoes the attention core, and the "
                    f"deep MLP has none (use 'full': its layers in checkpointed pairs)")
-    if lay.pp > 1 and lay.schedule == "zb1":
-        out.append(f"{what} with layout.schedule = 'zb1': the zero-bubble weight-gradient split is a function "
-                   f"mode active only during the forward, so a recomputation in backward would save different "
-                   f"tensors; use another schedule")
     return out
 
 
@@ -269,10 +265,6 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
                        f"by features, and others after a row-parallel one, whose output is whole rows; the executor's "
                        f"buffers take one shape: choose model.n_layer so that every chunk boundary falls alike, or use "
                        f"layout.tp_plan = 'lecture'")
-    if lay.tp > 1 and kind == "zb1":
-        out.append(f"{where} with layout.tp = {lay.tp} and layout.schedule = 'zb1': its split backward runs a "
-                   f"layer's weight gradients apart from its input gradients, which the tensor-parallel layers' "
-                   f"backward collectives are not written for; use '1f1b', 'gpipe', 'naive' or 'interleaved'")
     if lay.zero >= 2 and kind == "zb1":
         out.append(f"layout.zero = {lay.zero} with {where} and layout.schedule = 'zb1': the zero-bubble split "
                    f"accumulates the linear layers' weight gradients in its W passes, outside the backward whose "

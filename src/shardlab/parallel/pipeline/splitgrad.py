@@ -16,10 +16,21 @@ gradient and the gradients of the cheap parameters (norms, embeddings), and free
 into `.grad`. No work is done twice; between BI and BW a microbatch holds only those pairs.
 
 A TorchFunctionMode intercepts the call, so the models stay plain: nothing in them changes.
+
+Tensor parallelism (zb1 x tp): its layers are F.linear on local shards between differentiable
+collectives (comm/autograd.py's f and g). The collectives are autograd nodes of their own, so they
+run in BI with the input gradients; what BW defers is only `grad_out^T @ input` of a local shard,
+which needs no communication: the split leaves every collective where it was.
+
+Recomputation (zb1 x recompute): torch.utils.checkpoint reruns a block's forward during BI, outside
+the forward's mode, and checks that it saves the same tensors. `recompute_context` (checkpoint's
+`context_fn`, parallel/recompute.py) reruns it under the mode that was active in the forward, with
+the same store: the recomputed linears defer their weight gradients to the same BW.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -58,13 +69,15 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 store: WeightGradStore) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.store = bias, store
+        # The weight is kept as the object itself, not a saved tensor: under recomputation a saved
+        # tensor comes back as the recomputed copy, and BW must accumulate into the parameter.
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         ctx.store.pending.append((weight, ctx.bias, x, grad_out))
         grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None
@@ -77,6 +90,14 @@ class defer_weight_grads(TorchFunctionMode):
         super().__init__()
         self.store = store
 
+    def __enter__(self) -> defer_weight_grads:
+        _ACTIVE.append(self.store)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.pop()
+        super().__exit__(*exc)
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.linear and torch.is_grad_enabled():
@@ -85,3 +106,14 @@ class defer_weight_grads(TorchFunctionMode):
             if weight.requires_grad and (bias is None or bias.requires_grad):
                 return _DeferredLinear.apply(x, weight, bias, self.store)
         return func(*args, **kwargs)
+
+
+_ACTIVE: list[WeightGradStore] = []   # the stores of the defer_weight_grads modes entered, innermost last
+
+
+def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """checkpoint's context_fn: nothing around the forward; around its recomputation, the deferral
+    that was active when the forward ran (with its store), or nothing."""
+    if not _ACTIVE:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), defer_weight_grads(_ACTIVE[-1])
