@@ -201,7 +201,7 @@ def _admit(result: SearchResult, admit: Admit, keep: int, pinned: set[str],
     order, seen, ranked = len(heap), {repr(e.layout) for e in result.ranked}, []
     while heap:
         _, _, e = heapq.heappop(heap)
-        if len(ranked) >= keep and e.time.total_s > 1.03 * ranked[0].time.total_s:
+        if len(ranked) >= keep and e.time.total_s > 1.03 * min(r.time.total_s for r in ranked):
             break
         result.checked += 1
         problems = admit(e.layout)
@@ -222,7 +222,9 @@ def _admit(result: SearchResult, admit: Admit, keep: int, pinned: set[str],
             if again.fits:
                 heapq.heappush(heap, (_rank_key(again), order, again))
                 order += 1
-    result.ranked = ranked
+    # A fallback can time faster than the layout it replaces (sequence parallelism off), and so than
+    # layouts admitted before it: the admitted are ranked again.
+    result.ranked = sorted(ranked, key=_rank_key)
 
 
 def miss_key(lay: PlanLayout) -> tuple:
