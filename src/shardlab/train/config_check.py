@@ -255,10 +255,12 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
             out.append(f"{where} x layout.virtual_stages = {v} = {p * v} chunks, but the {m.name} has only "
                        f"{len(pieces)} pieces to split ({what}): every chunk needs at least one")
     if model_ok and (lay.tp > 1 or lay.sp) and m.name == "mlp" and lay.tp_plan == "megatron" and m.n_layer > 1:
+        from shardlab.parallel.pipeline.partition import layout_balance
         from shardlab.parallel.pipeline.stages import plan_split
 
-        with torch.device("meta"):
-            sizes = plan_split(build_model(m), p, v).sizes if p * v <= len(pieces) else []
+        model = meta_model(m)
+        sizes = (plan_split(model, p, v, layout_balance(model, p, v, lay.stage_layers)).sizes
+                 if p * v <= len(pieces) else [])
         if len({sum(sizes[:i + 1]) % 2 for i in range(len(sizes) - 1)}) > 1:
             out.append(f"{where} x layout.tp = {lay.tp} with model.name = 'mlp', layout.tp_plan = 'megatron': the split "
                        f"{sizes} (layers per chunk) ends some chunks after a column-parallel layer, whose output is split "
