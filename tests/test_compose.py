@@ -139,7 +139,7 @@ def test_mesh_coordinates_and_nodes():
     (["layout.mesh_order=\"pp,dp,tp\""], ["layout.mesh_order", "each of pp, dp, ep, cp, tp once"]),
     (["layout.dp=3", "layout.nodes=2"], ["layout.nodes = 2", "world size 3"]),
     (["layout.cp=0"], ["layout.cp = 0 must be positive"]),
-    (["layout.pp=3", "layout.tp=2", 'model.name="mlp"', "model.n_layer=4"],
+    (["layout.pp=3", "layout.tp=2", 'model.name="mlp"', "model.n_layer=4", "layout.stage_layers=[2,1,1]"],
      ["ends some chunks after a column-parallel layer"]),
 ])
 def test_refused_before_launch(flags, words):
