@@ -267,7 +267,11 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     stage = apply_recompute(stage, layout)  # step 4, on this rank's copies of its blocks
     dp = None
     if layout.dp * layout.cp > 1:  # a stage's replicas: its dp ranks and the cp ranks sharing its rows
-        dp = DataParallel(stage, replica_group(mesh), mode=layout.dp_mode, bucket_mb=layout.bucket_mb,
+        # At dp 1 the replicas are cp's alone and the default 'overlap' was not asked for (it is refused
+        # at dp > 1): a stage's gradients are complete only at the schedule's end (zb1's weight
+        # gradients bypass backward hooks), so they are reduced once there.
+        mode = "bucketed" if layout.dp_mode == "overlap" and layout.dp == 1 else layout.dp_mode
+        dp = DataParallel(stage, replica_group(mesh), mode=mode, bucket_mb=layout.bucket_mb,
                           impl=layout.comm_impl)
     pipe = PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)
     pipe.placement = pipe.placement.with_axis(MeshAxis.of("dp", replica_group(mesh)), {})
