@@ -31,9 +31,9 @@ CausalSelfAttention; the Blocks keep their class) and a pipeline stage's chunks 
 blocks). Recomputation reruns a tensor-parallel block's forward collectives in backward, in the same
 order on every rank of the group. The rerun's own graph is discarded: backward runs the forward's
 graph and takes from the rerun only the tensors autograd saved, matched one by one in order. So the
-rerun need only save the same values: under sequence parallelism the block's SumScope (opened by the
-model's forward) is closed by then, and its parameters come through copy_to_group one by one instead
-of as views of one vector, the same values (copy_to_group's forward is the identity and saves
+rerun need only save the same values: under sequence parallelism the block's SumScope (opened and
+closed by hooks around the block's call, which the rerun does not pass through) is closed by then,
+and its parameters come through copy_to_group one by one instead of as views of one vector, the same values (copy_to_group's forward is the identity and saves
 nothing; the sequence-parallel dropout test checks the result bit for bit).
 
 ZeRO-3 works with it: FSDP (fsdp.py, regather_for_recompute) gathers a unit again when backward

@@ -9,7 +9,7 @@ parallel embedding and cross-entropy), attention.py (heads split, grouped/multi-
 heads), sequence.py (sequence parallelism: norms on sequence shards, partial gradients summed once
 per part), shared_input.py (column linears sharing one input collective, their backward's
 collectives overlapped with the weight gradients), shards.py (how parameters are cut and gathered whole again), gpt.py and
-lecture_mlp.py (each model's default plan, rules and forward), plan.py (apply_tensor_parallel).
+lecture_mlp.py (each model's default plan, rules and the modules it swaps in), plan.py (apply_tensor_parallel).
 The differentiable collectives they use are in shardlab.comm.autograd. See docs/tensor-parallel.md.
 """
 

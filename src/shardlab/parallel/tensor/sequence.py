@@ -32,9 +32,6 @@ Two things make it correct and make it pay:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -81,18 +78,6 @@ class SumScope:
 
     def close(self, module: nn.Module, args: object, output: object) -> None:
         self.active, self.views = False, None  # the views belong to that forward's graph only
-
-
-@contextlib.contextmanager
-def summing(scopes: list[SumScope]) -> Iterator[None]:
-    """Activate `scopes` for one forward (a model's): each builds its vector afresh, on first use."""
-    for sc in scopes:
-        sc.active, sc.views = torch.is_grad_enabled(), None
-    try:
-        yield
-    finally:  # the views belong to this forward's graph only
-        for sc in scopes:
-            sc.active, sc.views = False, None
 
 
 def _each(module: nn.Module, name: str, group: Group) -> torch.Tensor | None:
