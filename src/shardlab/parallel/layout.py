@@ -250,8 +250,8 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
         refused.append(f"layout.zero = {layout.zero}")
     if layout.dp_mode == "overlap" and layout.dp > 1:
         refused.append("layout.dp_mode = 'overlap'")
-    if layout.ep > 1 or layout.cp > 1:
-        refused.append(f"layout.ep = {layout.ep}, layout.cp = {layout.cp}")
+    if layout.cp > 1:
+        refused.append(f"layout.cp = {layout.cp}")
     if refused:
         raise ValueError(f"layout.pp = {layout.pp} with {', '.join(refused)} is not supported (see "
                          f"Config.validate for why)")
@@ -264,10 +264,17 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
 
         model, tp = tensor_parallel_for_stages(model, mesh, layout.tp_plan, base=record)
         record = model.placement
+    model, record = apply_expert_parallel(model, layout, mesh, record)  # the whole model, then split
     stage = build_stage(model, plan, mesh.local_rank("pp"), base=record)
     stage = apply_recompute(stage, layout)  # step 4, on this rank's copies of its blocks
     dp = None
-    if layout.dp > 1:
+    from shardlab.parallel.expert import ExpertDataParallel, expert_layers
+
+    if layout.ep > 1 and expert_layers(stage):  # experts and dense parameters: different replica groups
+
+        dp = ExpertDataParallel(stage, replica_group(mesh), mode=layout.dp_mode, bucket_mb=layout.bucket_mb,
+                                impl=layout.comm_impl)
+    elif layout.dp > 1:
         dp = DataParallel(stage, replica_group(mesh), mode=layout.dp_mode, bucket_mb=layout.bucket_mb,
                           impl=layout.comm_impl)
     pipe = PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)
