@@ -85,6 +85,10 @@ def test_moe_in_pipeline_stages(pools):
                      "model.n_layer=2", 'layout.schedule="interleaved"', "layout.virtual_stages=2",
                      "train.micro_batches=2", pp=2)
     assert report["layout"]["pp"] == 2
+    # pp 2 x ep 2: the whole model made expert-parallel, then split; each stage's experts averaged
+    # over their replicas, the stages' whole views gathered over pp then ep.
+    _verify(pools, 1, 2, "model.experts=4", "model.top_k=2", "model.aux_loss_coef=0.1", "model.n_layer=2",
+            "train.micro_batches=2", 'layout.schedule="1f1b"', pp=2)
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -93,7 +97,6 @@ def test_moe_in_pipeline_stages(pools):
     (["model.experts=4", "model.top_k=5"], "model.top_k = 5"),
     (["layout.ep=2", "model.experts=4", "layout.zero=3"], "layout.zero = 3 and layout.ep = 2 is not supported"),
     (["model.experts=4", "layout.tp=2"], "layout.tp = 2"),
-    (["model.experts=4", "layout.ep=2", "layout.pp=2"], "layout.pp = 2 and layout.ep = 2"),
 ])
 def test_refusals(extra, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -105,6 +108,7 @@ def test_refusals(extra, needle):
     ["--dp", "2", "--zero", "1", "--experts", "4"],
     ["--dp", "2", "--zero", "3", "--experts", "4"],
     ["--dp", "2", "--ep", "2", "--zero", "2", "--experts", "4"],
+    ["--pp", "2", "--ep", "2", "--microbatches", "2", "--experts", "4"],
     ["--ep", "2", "--experts", "4", "--set", "checkpoint.every=1"],
     ["--ep", "2", "--experts", "4", "--recompute", "full"],
     ["--cp", "2", "--recompute", "selective"],

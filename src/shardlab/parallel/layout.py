@@ -256,8 +256,8 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     from shardlab.parallel.pipeline import PipelineParallel, build_stage, plan_split
 
     refused = []
-    if layout.ep > 1:
-        refused.append(f"layout.ep = {layout.ep}")
+    if layout.ep > 1 and layout.zero:
+        refused.append(f"layout.ep = {layout.ep} and layout.zero = {layout.zero}")
     if refused:
         raise ValueError(f"layout.pp = {layout.pp} with {', '.join(refused)} is not supported (see "
                          f"Config.validate for why)")
@@ -277,9 +277,18 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     model = apply_context_parallel(model, layout, mesh)
     if layout.cp > 1:
         record = record.with_axis(MeshAxis.of("cp", mesh.group("cp")), {})
+    model, record = apply_expert_parallel(model, layout, mesh, record)  # the whole model, then split
     stage = build_stage(model, plan, mesh.local_rank("pp"), base=record)
     stage = apply_recompute(stage, layout)  # step 4, on this rank's copies of its blocks
-    dp = stage_data_parallel(stage, layout, replica_group(mesh))
+    from shardlab.parallel.expert import ExpertDataParallel, expert_layers
+
+    if layout.ep > 1 and expert_layers(stage):  # experts and dense parameters: different replica groups
+        mode = "bucketed" if layout.dp_mode == "overlap" and (layout.schedule == "zb1" or layout.dp == 1) \
+            else layout.dp_mode
+        dp = ExpertDataParallel(stage, replica_group(mesh), mode=mode, bucket_mb=layout.bucket_mb,
+                                impl=layout.comm_impl)
+    else:
+        dp = stage_data_parallel(stage, layout, replica_group(mesh))
     pipe = PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)
     pipe.placement = data_placement(dp, pipe.placement, replica_group(mesh)) if dp is not None else \
         pipe.placement.with_axis(MeshAxis.of("dp", replica_group(mesh)), {})

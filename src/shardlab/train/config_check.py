@@ -368,9 +368,6 @@ def expert_problems(cfg: Config) -> list[str]:
     if lay.tp > 1 or lay.sp:
         out.append(f"model.experts = {m.experts} with layout.tp = {lay.tp}, layout.sp = {lay.sp} is not supported: the "
                    f"tensor-parallel plan has no rule for the experts and the router (the MoE MLP is not cut)")
-    if lay.pp > 1 and lay.ep > 1:
-        out.append(f"model.experts = {m.experts} with layout.pp = {lay.pp} and layout.ep = {lay.ep} is not supported "
-                   f"yet: the stages' data parallelism does not split experts from dense parameters")
     # cp > 1 with experts: refused by context_parallel_problems (capacity and the loss are per sequence).
     if lay.zero == 3 and lay.ep > 1:
         out.append(f"model.experts = {m.experts} with layout.zero = 3 and layout.ep = {lay.ep} is not supported yet: "

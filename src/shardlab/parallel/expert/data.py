@@ -16,7 +16,8 @@ dp x ep x cp: the average over its replicas, divided by ep.
 Each kind gets its own DataParallel (parallel/data.py, `params=`): same modes, buckets and
 overlap. The global gradient norm counts an expert's square on its ep rank only, so the optimizer
 is told the experts are cut over the ep group (`build_optimizer`: gradnorm.py sums such squares
-over the group, as it does for tensor-parallel shards).
+over the group, as it does for tensor-parallel shards). With `zero=1` or `2` each kind gets its own
+ZeroDataParallel instead, and one optimizer steps both (zero.py in this package).
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ from shardlab.comm.dispatch import Group
 from shardlab.models.moe import MoE, combine, route, run_experts
 from shardlab.parallel.expert.alltoall import A2AStats, all_to_all_rows, exchange_counts
 from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
+from shardlab.parallel.tensor.shards import SharesGroups  # a pipeline's chunks are deep copies: groups shared
 
 
-class ExpertParallelMoE(nn.Module):
+class ExpertParallelMoE(SharesGroups, nn.Module):
     """A plain MoE's router and this rank's share of its experts (the modules themselves, not copies).
 
     `expert_replicas`: the group of ranks holding the same experts and seeing other tokens (dp x cp),

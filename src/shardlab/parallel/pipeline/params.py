@@ -77,7 +77,13 @@ def _gather(stage: PipelineStage, group: dist.ProcessGroup | None, grads: bool,
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, local, group=group)
     merged = {k: v for part in parts for k, v in part.items()}
-    return {name: merged[name] for name in stage.all_names if name in merged}
+    ep = stage.placement.axis("ep")
+    if ep.size > 1:  # each ep rank's experts (Owned over ep) from every ep rank
+        others: list = [None] * ep.size
+        dist.all_gather_object(others, merged, group=ep.group)
+        merged = {k: v for part in others for k, v in part.items()}
+    ordered = {name: merged[name] for name in stage.all_names if name in merged}
+    return {**ordered, **merged}  # the other ep ranks' experts are not among this rank's model's names
 
 
 def gather_parameters(stage: PipelineStage, group: dist.ProcessGroup | None = None,
