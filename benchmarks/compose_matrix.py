@@ -33,6 +33,8 @@ parameters, gradient norm). docs/compose.md quotes the results with the command 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import itertools
 import json
 import subprocess
@@ -70,6 +72,22 @@ MULTI: dict[str, list[str]] = {
 }
 
 
+_LOCK: str | None = None  # --lock: each launch holds this file's lock (a machine shared with others)
+
+
+@contextlib.contextmanager
+def _held():
+    if _LOCK is None:
+        yield
+        return
+    with open(_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def pairs(only: list[str] | None) -> list[tuple[str, str]]:
     """Every unordered pair of features of different families, in table order."""
     names = [n for n in FEATURES if only is None or n in only]
@@ -92,7 +110,8 @@ def run_verify(label: str, flags: list[str], workdir: Path, timeout: float) -> d
     cmd = [sys.executable, "-m", "shardlab", "verify", "--model", "gpt", *flags, "--json", str(path)]
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        with _held():
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         code, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         code, out = 124, f"timed out after {timeout:.0f} s: {exc}"
@@ -116,7 +135,8 @@ def _train(flags: list[str], out_dir: Path, extra: list[str], timeout: float) ->
            "--set", "train.global_batch=8", "--set", "train.warmup_steps=1", "--set", "train.log_every=1",
            "--set", "train.eval_every=0", "--set", "data.max_bytes=200000", "--set", "log.sample_tokens=0",
            "--set", "log.plot=false", "--set", "log.tensorboard=false", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    with _held():
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 def _losses(out_dir: Path) -> dict[int, float]:
@@ -193,11 +213,15 @@ def main() -> int:
     ap.add_argument("--no-multi", action="store_true", help="skip the three 8-rank multi-axis layouts")
     ap.add_argument("--no-pairs", action="store_true", help="run the multi-axis layouts only")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (default %(default)s)")
+    ap.add_argument("--lock", default=None, metavar="FILE", help="hold this file's lock (flock) during each launch, "
+                                                             "so that a shared machine's other jobs interleave")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every row as JSON")
     ap.add_argument("--markdown", default=None, metavar="PATH", help="write the tables as Markdown")
     ap.add_argument("--from-json", default=None, metavar="PATH", help="the tables of an earlier --json, "
                                                                       "running nothing")
     args = ap.parse_args()
+    global _LOCK
+    _LOCK = args.lock
     only = args.only.split(",") if args.only else None
     if only and (bad := [n for n in only if n not in FEATURES]):
         ap.error(f"--only: unknown feature(s) {', '.join(bad)}; known: {', '.join(FEATURES)}")
