@@ -37,7 +37,7 @@ def _verify_with(cfg_dict: dict, policy: str | None = None, min_shard_numel: int
     # its attention and norms (17k) fall to the root, with the embeddings.
     chosen = {None: None, "types": {Block, MLP}, "size": 20_000}[policy]
     original = verify.apply_layout
-    verify.apply_layout = lambda model, layout, mesh=None: FullyShardedDataParallel(
+    verify.apply_layout = lambda model, layout, mesh=None, sharding=None: FullyShardedDataParallel(
         model, None if mesh is None else mesh.group("dp"), impl=layout.comm_impl, policy=chosen, min_shard_numel=min_shard_numel)
     try:
         return verify.verify_rank(cfg_dict, 1e-6, 1e-5)

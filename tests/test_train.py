@@ -58,7 +58,7 @@ def _broken_rank(cfg_dict: dict) -> dict | None:
     """verify with a layout that sums gradients instead of averaging them: it must fail."""
     from shardlab.parallel import DataParallel
 
-    return _verify_with(cfg_dict, lambda model, layout, mesh=None: DataParallel(model, mode=layout.dp_mode, average=False))
+    return _verify_with(cfg_dict, lambda model, layout, mesh=None, sharding=None: DataParallel(model, mode=layout.dp_mode, average=False))
 
 
 def _verify_with(cfg_dict: dict, apply_layout) -> dict | None:
@@ -150,7 +150,7 @@ def _nan_rank(cfg_dict: dict) -> dict | None:
             if Poisoned.calls > 1:
                 next(p for p in self.module.parameters() if p.grad is not None).grad.fill_(float("nan"))
 
-    return _verify_with(cfg_dict, lambda model, layout, mesh=None: Poisoned(model, mode="naive"))
+    return _verify_with(cfg_dict, lambda model, layout, mesh=None, sharding=None: Poisoned(model, mode="naive"))
 
 
 def test_nan_fails_verification(pools):

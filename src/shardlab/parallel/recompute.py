@@ -53,7 +53,16 @@ from torch.utils.checkpoint import checkpoint
 
 from shardlab.models.gpt import Block, CausalSelfAttention
 from shardlab.models.mlp import DeepMLP, GeluLayers
-from shardlab.parallel.pipeline.splitgrad import recompute_context  # zb1: recompute as the forward ran
+from shardlab.parallel.pipeline.splitgrad import deferring, recompute_context
+
+def _checkpoint(fn, *args, **kwargs):
+    """torch's non-reentrant checkpoint; under a zero-bubble forward, its recomputation runs under the
+    same weight-gradient deferral the forward ran under (splitgrad.recompute_context). Only then:
+    torch.compile accepts no other context_fn than a pair of dispatch modes."""
+    if deferring():
+        kwargs["context_fn"] = recompute_context
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
 
 MODES = ("none", "selective", "full")
 
@@ -65,7 +74,7 @@ class RecomputedBlock:
         inner = super(RecomputedBlock, self).forward  # the block's own forward
         if not torch.is_grad_enabled():  # evaluation, sampling: nothing is saved anyway
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=recompute_context, **kwargs)
+        return _checkpoint(inner, *args, **kwargs)
 
 
 class SelectiveAttention:
@@ -96,7 +105,7 @@ class CheckpointedPairs(GeluLayers):
         if not torch.is_grad_enabled():
             return _pair(x, *layers)
         for i in range(0, len(layers), 2):
-            x = checkpoint(_pair, x, *layers[i:i + 2], use_reentrant=False, context_fn=recompute_context)
+            x = _checkpoint(_pair, x, *layers[i:i + 2])
         return x
 
 

@@ -111,6 +111,11 @@ class defer_weight_grads(TorchFunctionMode):
 _ACTIVE: list[WeightGradStore] = []   # the stores of the defer_weight_grads modes entered, innermost last
 
 
+def deferring() -> bool:
+    """Whether a defer_weight_grads mode is active (a zero-bubble forward is running)."""
+    return bool(_ACTIVE)
+
+
 def recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """checkpoint's context_fn: nothing around the forward; around its recomputation, the deferral
     that was active when the forward ran (with its store), or nothing."""
