@@ -210,6 +210,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None, help="comma-separated features: pairs among these only "
                                                  f"(of: {', '.join(FEATURES)})")
+    ap.add_argument("--pairs", default=None, help="run these pairs only, e.g. zero1+pp-1f1b,cp+tp (after --only)")
+    ap.add_argument("--skip-json", default=None, metavar="PATH", help="leave out the cases an earlier --json "
+                                                                    "already holds (to continue a run)")
     ap.add_argument("--no-multi", action="store_true", help="skip the three 8-rank multi-axis layouts")
     ap.add_argument("--no-pairs", action="store_true", help="run the multi-axis layouts only")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (default %(default)s)")
@@ -230,7 +233,15 @@ def main() -> int:
     else:
         rows = []
         todo: list = [] if args.no_pairs else [("pair", p) for p in pairs(only)]
+        if args.pairs:
+            wanted = [tuple(x.split("+")) for x in args.pairs.split(",")]
+            if bad := [w for w in wanted if len(w) != 2 or any(n not in FEATURES for n in w)]:
+                ap.error(f"--pairs: {bad} are not pairs of known features ({', '.join(FEATURES)})")
+            todo = [("pair", w) for w in wanted]
         todo += [] if args.no_multi else [("multi", m) for m in MULTI]
+        if args.skip_json:
+            done = {r["case"] for r in json.loads(Path(args.skip_json).read_text())}
+            todo = [(k, w) for k, w in todo if (" + ".join(w) if k == "pair" else w) not in done]
         with tempfile.TemporaryDirectory() as tmp:
             for i, (kind, what) in enumerate(todo, 1):
                 row = (run_pair(*what, Path(tmp), args.timeout) if kind == "pair"
