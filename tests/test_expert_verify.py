@@ -91,7 +91,7 @@ def test_moe_in_pipeline_stages(pools):
             "train.micro_batches=2", 'layout.schedule="1f1b"', pp=2)
     # pp 2 x ep 2 x ZeRO-2: each stage's dense parameters sharded over (dp, ep), its experts over dp
     # (expert/zero.py), the tied embedding's copies reduced only after their sum over pp (deferred),
-    # and the clipped norm summed over ep, then once over pp (without either this fails at step 1).
+    # and the clipped norm summed over ep, then once over pp (without either, verify fails).
     _verify(pools, 1, 2, "model.experts=4", "model.top_k=2", "model.n_layer=2", "train.micro_batches=2",
             'layout.schedule="1f1b"', "layout.zero=2", "optim.grad_clip=0.05", pp=2)
 
