@@ -89,6 +89,11 @@ def test_moe_in_pipeline_stages(pools):
     # over their replicas, the stages' whole views gathered over pp then ep.
     _verify(pools, 1, 2, "model.experts=4", "model.top_k=2", "model.aux_loss_coef=0.1", "model.n_layer=2",
             "train.micro_batches=2", 'layout.schedule="1f1b"', pp=2)
+    # pp 2 x ep 2 x ZeRO-2: each stage's dense parameters sharded over (dp, ep), its experts over dp
+    # (expert/zero.py), the tied embedding's copies reduced only after their sum over pp (deferred),
+    # and the clipped norm summed over ep, then once over pp (without either, verify fails).
+    _verify(pools, 1, 2, "model.experts=4", "model.top_k=2", "model.n_layer=2", "train.micro_batches=2",
+            'layout.schedule="1f1b"', "layout.zero=2", "optim.grad_clip=0.05", pp=2)
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -109,6 +114,8 @@ def test_refusals(extra, needle):
     ["--dp", "2", "--zero", "3", "--experts", "4"],
     ["--dp", "2", "--ep", "2", "--zero", "2", "--experts", "4"],
     ["--pp", "2", "--ep", "2", "--microbatches", "2", "--experts", "4"],
+    ["--pp", "2", "--ep", "2", "--zero", "1", "--microbatches", "2", "--experts", "4"],
+    ["--dp", "2", "--pp", "2", "--ep", "2", "--zero", "2", "--microbatches", "4", "--experts", "4"],
     ["--ep", "2", "--experts", "4", "--set", "checkpoint.every=1"],
     ["--ep", "2", "--experts", "4", "--recompute", "full"],
     ["--cp", "2", "--recompute", "selective"],

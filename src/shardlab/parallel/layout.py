@@ -255,12 +255,9 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     what a stage cannot be combined with yet, and says why)."""
     from shardlab.parallel.pipeline import PipelineParallel, build_stage, plan_split
 
-    refused = []
-    if layout.ep > 1 and layout.zero:
-        refused.append(f"layout.ep = {layout.ep} and layout.zero = {layout.zero}")
-    if refused:
-        raise ValueError(f"layout.pp = {layout.pp} with {', '.join(refused)} is not supported (see "
-                         f"Config.validate for why)")
+    if layout.ep > 1 and layout.zero == 3:
+        raise ValueError(f"layout.pp = {layout.pp} with layout.ep = {layout.ep} and layout.zero = 3 is not supported "
+                         f"(see Config.validate for why)")
     # nccl is fine: the executor posts each step's sends and receives as groups (batch_isend_irecv)
     # that check.py proves deadlock-free on NCCL's in-order stream (docs/pipeline.md).
     from shardlab.parallel.pipeline.partition import layout_balance  # layers as even as possible, or stage_layers
@@ -285,8 +282,11 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     if layout.ep > 1 and expert_layers(stage):  # experts and dense parameters: different replica groups
         mode = "bucketed" if layout.dp_mode == "overlap" and (layout.schedule == "zb1" or layout.dp == 1) \
             else layout.dp_mode
+        # Under ZeRO-1/2 each kind sharded over its own replicas (expert/zero.py), the tied embedding
+        # copies deferred as stage_data_parallel defers them.
+        tied = [p for n, p in stage.stage_named_parameters() if n in stage.tied] if layout.zero else []
         dp = ExpertDataParallel(stage, replica_group(mesh), mode=mode, bucket_mb=layout.bucket_mb,
-                                impl=layout.comm_impl)
+                                impl=layout.comm_impl, zero=layout.zero, deferred=tied)
     else:
         dp = stage_data_parallel(stage, layout, replica_group(mesh))
     pipe = PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)

@@ -369,12 +369,6 @@ def expert_problems(cfg: Config) -> list[str]:
         out.append(f"model.experts = {m.experts} with layout.tp = {lay.tp}, layout.sp = {lay.sp} is not supported: the "
                    f"tensor-parallel plan has no rule for the experts and the router (the MoE MLP is not cut)")
     # cp > 1 with experts: refused by context_parallel_problems (capacity and the loss are per sequence).
-    if lay.zero and lay.ep > 1 and lay.pp > 1:
-        out.append(f"model.experts = {m.experts} with layout.zero = {lay.zero}, layout.ep = {lay.ep} and layout.pp = "
-                   f"{lay.pp} is not supported yet: a stage's ZeRO would need the expert-parallel split of its "
-                   f"buckets (dense over dp x ep x cp, experts over dp x cp: parallel/expert/zero.py) together with "
-                   f"the pipeline's deferred tied copies and its norm over pp, which are written separately; use "
-                   f"layout.zero = 0 (plain data parallelism over each stage's replicas), layout.ep = 1, or layout.pp = 1")
     if lay.zero == 3 and lay.ep > 1:
         out.append(f"model.experts = {m.experts} with layout.zero = 3 and layout.ep = {lay.ep} is not supported yet: "
                    f"FSDP's units are flat vectors sharded over one group, but an expert is replicated over dp x cp "

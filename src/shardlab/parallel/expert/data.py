@@ -23,7 +23,7 @@ ZeroDataParallel instead, and one optimizer steps both (zero.py in this package)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -41,14 +41,19 @@ from shardlab.parallel.placement import Owned, Placement
 class ExpertDataParallel(nn.Module):
     """Wrap an expert-parallel `module`: dense gradients averaged over `group` (the replica group
     dp x ep x cp), expert gradients summed over the experts' replicas and divided by `group`'s size.
-    mode, bucket_mb, impl: as DataParallel's."""
+    mode, bucket_mb, impl: as DataParallel's. `deferred` (under ZeRO): dense parameters ZeRO-2 reduces
+    only at finish_gradient_sync, as ZeroDataParallel's (a pipeline stage's tied embedding copies)."""
 
     def __init__(self, module: nn.Module, group: Group = None, *, mode: str = "bucketed", bucket_mb: float = 25.0,
-                 impl: str = comm.TORCH, zero: int = 0) -> None:
+                 impl: str = comm.TORCH, zero: int = 0, deferred: Iterable[nn.Parameter] = ()) -> None:
         super().__init__()
         if zero not in (0, 1, 2):
             raise ValueError(f"expert parallelism with ZeRO-{zero}: ZeRO-1 and 2 shard each kind of parameter over "
                              f"its own replicas (parallel/expert/zero.py); ZeRO-3's units are not split so yet")
+        deferred = list(deferred)
+        if deferred and not zero:
+            raise ValueError(f"ExpertDataParallel: {len(deferred)} deferred parameter(s) with zero = 0; deferring "
+                             f"a reduction to finish_gradient_sync is a ZeRO option (zero = 1 or 2)")
         layers = expert_layers(module)
         if not layers:
             raise ValueError("ExpertDataParallel needs an expert-parallel model (convert_expert_parallel)")
@@ -65,7 +70,7 @@ class ExpertDataParallel(nn.Module):
             from shardlab.parallel.expert.zero import zero_wrappers
 
             self._wrappers = zero_wrappers(module, dense, experts, group, layers[0].expert_replicas, zero, bucket_mb,
-                                           impl)
+                                           impl, deferred)
         else:
             self._wrappers = (DataParallel(module, group, params=dense, **kw),
                               DataParallel(module, layers[0].expert_replicas, params=experts, average=False, **kw))

@@ -11,7 +11,8 @@ says why). An expert no token reached on any replica keeps no gradient: each wra
 
 `ExpertZeroOptimizer` is one optimizer over both wrappers' pieces (parallel/optim.py's PieceOptimizer):
 the global norm is the dense pieces' squares summed over the replica group plus the experts' summed
-over their replicas and then over ep (the placement record's Owned entries), and after the step each
+over their replicas and then over ep (the placement record's Owned entries), under a pipeline their
+total summed over pp with each tied copy counted by its owner stage only, and after the step each
 kind's updated chunks are all-gathered over its own group.
 """
 
@@ -55,12 +56,18 @@ class ExpertZeroOptimizer(PieceOptimizer):
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         device = self.layout.params[0].device if self.layout.params else None
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for w in self.wrappers:  # the same two collectives' sequence on every rank
-            grads = ((pc.tensor.grad, True, pc.param) for pc in w.layout.pieces() if pc.tensor.grad is not None)
-            total += global_grad_norm(grads, device, dp_group=w.group, dp_size=w.layout.world, tp=self.tp,
-                                      pp=self.tp).square()
-        self._norm = total.sqrt() / self.loss_scale
+        record: Placement = self.tp  # type: ignore[assignment]
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for w in self.wrappers:  # the same collectives' sequence on every rank of a stage
+            grads = ((pc.tensor.grad, True, pc.param) for pc in w.layout.pieces()
+                     if pc.tensor.grad is not None and _counts(record, pc.param))
+            total += global_grad_norm(grads, device, dp_group=w.group, dp_size=w.layout.world, tp=record).square()
+        # Under a pipeline, the stages' totals summed once, after both kinds: a stage without experts
+        # (a plain ZeRO stage, parallel/layout.py) makes one reduction over pp too, so they pair up.
+        stages = record.axis("pp")
+        if stages.size > 1:
+            comm.all_reduce(total, "sum", stages.group)
+        self._norm = total[0].sqrt() / self.loss_scale
         return self._norm.to(torch.float32)
 
     @torch.no_grad()
@@ -83,15 +90,25 @@ class ExpertZeroOptimizer(PieceOptimizer):
                 bucket.grad_chunk = None
 
 
+def _counts(record: Placement, p: nn.Parameter) -> bool:
+    """Whether `p`'s square enters the norm: False for a pipeline's tied copy another stage owns."""
+    name = record.name_of(p)
+    return name is None or record.counts(name)
+
+
 def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn.Parameter], group: Any,
-                  expert_group: Any, stage: int, bucket_mb: float, impl: str) -> tuple[ZeroDataParallel, ZeroDataParallel]:
+                  expert_group: Any, stage: int, bucket_mb: float, impl: str,
+                  deferred: Iterable[nn.Parameter] = ()) -> tuple[ZeroDataParallel, ZeroDataParallel]:
     """The two ZeRO wrappers of ExpertDataParallel: dense parameters over `group` at `stage`, experts
-    over `expert_group` (their replicas) at stage 1 whatever `stage` (see below)."""
+    over `expert_group` (their replicas) at stage 1 whatever `stage` (see below). `deferred`: dense
+    parameters reduced only at finish_gradient_sync (a pipeline stage's tied embedding copies, whose
+    whole gradients are summed over pp first: parallel/layout.py stage_data_parallel)."""
     # The experts' buckets are reduced once, after backward (stage 1), even under ZeRO-2: ranks route
     # their tokens to different experts, so a bucket of experts fills at different points of each
     # replica's backward (or never: an expert no token reached has no gradient), and reductions
     # launched as buckets fill would interleave with the dense ones and the all-to-alls differently on
     # each rank. So under ZeRO-2 the experts' gradients are held whole until the step, the dense ones
     # at 1/N, and their optimizer state is 1/N for both kinds.
-    return (ZeroDataParallel(module, group, stage=stage, bucket_mb=bucket_mb, impl=impl, params=dense),
+    return (ZeroDataParallel(module, group, stage=stage, bucket_mb=bucket_mb, impl=impl, params=dense,
+                             deferred=deferred),
             ZeroDataParallel(module, expert_group, stage=1, bucket_mb=bucket_mb, impl=impl, params=experts))

@@ -130,6 +130,16 @@ class StageOptimizer(PieceOptimizer):
         return self._norm.to(torch.float32)
 
 
+def _expert_zero(dp: nn.Module | None) -> tuple[ZeroDataParallel, ZeroDataParallel] | None:
+    """The (dense, experts) ZeRO wrappers of an ExpertDataParallel under ZeRO-1/2 (parallel/expert/
+    data.py), else None."""
+    from shardlab.parallel.expert.data import ExpertDataParallel
+
+    if isinstance(dp, ExpertDataParallel) and dp.zero:
+        return dp._dense, dp._experts
+    return None
+
+
 class PipelineParallel(nn.Module):
     """This rank's stage of a pipeline over `group`, trained by the schedule `kind` (schedules.KINDS;
     the stage's plan gives the stages and the virtual chunks per rank), with `data_parallel` (a
@@ -212,6 +222,11 @@ class PipelineParallel(nn.Module):
             raise ValueError("a pipeline's tensor parallelism is applied inside its stages, not around them")
         if isinstance(self.data_parallel, (ZeroDataParallel, FullyShardedDataParallel)):
             return self.data_parallel.build_optimizer(params, optimizer_cls, tp=self.placement, **optimizer_kwargs)
+        zero = _expert_zero(self.data_parallel)
+        if zero is not None:  # experts at ep > 1 under ZeRO-1/2: one optimizer over both kinds' shards
+            from shardlab.parallel.expert.zero import ExpertZeroOptimizer
+
+            return ExpertZeroOptimizer(params, optimizer_cls, *zero, self.placement, **optimizer_kwargs)
         return StageOptimizer(params, optimizer_cls, self.placement, **optimizer_kwargs)
 
     def skip_first_layer(self) -> Callable[[], None]:
@@ -248,4 +263,7 @@ class PipelineParallel(nn.Module):
         values = None
         if isinstance(self.data_parallel, (ZeroDataParallel, FullyShardedDataParallel)):
             values = self._by_original(self.data_parallel.full_gradients())
+        zero = _expert_zero(self.data_parallel)
+        if zero is not None:  # each kind's shards whole over its own replicas; the ep gather is gather_gradients'
+            values = self._by_original({**zero[0].full_gradients(), **zero[1].full_gradients()})
         return self._on_device(gather_gradients(self.module, self.group, values))
