@@ -22,7 +22,7 @@ size the product of their degrees. The outcome is one of:
   FAIL     verify ran and a bar was exceeded (exit 1), or it crashed;
   refused  the configuration check refused it before launch (exit 2), with the reason printed.
 The resume feature is run through the trainer: the partner layout trains 4 steps with a checkpoint
-at step 2, which a single process (another layout) then resumes in another directory; its losses at
+at step 2, which a single process (another layout: the same model and precision) then resumes in another directory; its losses at
 steps 2 and 3 must match the first run's within 1e-5 relative (fp32 rounding under another cut of
 the arithmetic; a silent fresh start would be off by two steps of training).
 
@@ -158,7 +158,8 @@ def run_resume(label: str, partner: str, workdir: Path, timeout: float) -> dict:
                    seconds=round(time.perf_counter() - start, 1))
         return row
     step2 = ref / "checkpoints" / "step_00000002"
-    resumed = _train([], part, ["--set", f"checkpoint.resume={json.dumps(str(step2))}"], timeout)
+    # The same model and precision (a MoE stays a MoE), on one process: only the layout changes.
+    resumed = _train(_model_flags(flags), part, ["--set", f"checkpoint.resume={json.dumps(str(step2))}"], timeout)
     a, b = _losses(ref), _losses(part)
     worst = max((abs(b[s] - a[s]) / abs(a[s]) for s in (2, 3) if s in a and s in b), default=float("inf"))
     ok = first.returncode == 0 and resumed.returncode == 0 and sorted(b) == [2, 3] and worst <= 1e-5
@@ -168,6 +169,15 @@ def run_resume(label: str, partner: str, workdir: Path, timeout: float) -> dict:
         row["reason"] = (f"train exit {first.returncode}, resume exit {resumed.returncode}, resumed steps {sorted(b)}: "
                          + (resumed.stderr or first.stderr)[-400:])
     return row
+
+
+def _model_flags(flags: list[str]) -> list[str]:
+    """Of a feature's flags, those that describe the model or its arithmetic, not the layout."""
+    keep, out = ("--experts", "--precision"), []
+    for i, f in enumerate(flags):
+        if f in keep:
+            out += [f, flags[i + 1]]
+    return out
 
 
 def run_pair(a: str, b: str, workdir: Path, timeout: float) -> dict:
