@@ -365,9 +365,8 @@ def expert_problems(cfg: Config) -> list[str]:
         out.append(f"model.experts = {m.experts} does not divide over layout.ep = {lay.ep} ranks (each holds "
                    f"experts / ep of every MoE layer)")
     # Not supported yet, each with its reason:
-    if lay.tp > 1 or lay.sp:
-        out.append(f"model.experts = {m.experts} with layout.tp = {lay.tp}, layout.sp = {lay.sp} is not supported: the "
-                   f"tensor-parallel plan has no rule for the experts and the router (the MoE MLP is not cut)")
+    # tp > 1: every expert's MLP cut column/row, the router replicated (parallel/tensor/moe.py); with
+    # sp the tensor-parallel plan check refuses it (tensor_plan_problems), giving its reason.
     # cp > 1 with experts: refused by context_parallel_problems (capacity and the loss are per sequence).
     if lay.zero == 3 and lay.ep > 1:
         out.append(f"model.experts = {m.experts} with layout.zero = 3 and layout.ep = {lay.ep} is not supported yet: "

@@ -129,9 +129,8 @@ class ExpertDataParallel(nn.Module):
         so the global gradient norm sums their squares over it and counts dense ones once."""
         from shardlab.parallel.optim import MixedPrecisionOptimizer
 
-        if tp is not None:
-            raise ValueError("expert parallelism with tensor parallelism is not supported (layout.ep > 1 with "
-                             "layout.tp > 1): the gradient norm would need both groups")
+        # `tp` (the tensor-parallel record) is part of self.placement, which also has the ep axis: the
+        # norm sums the experts' tp shards over tp and their owners over ep from it alone.
         if self.zero:
             from shardlab.parallel.expert.zero import ExpertZeroOptimizer
 

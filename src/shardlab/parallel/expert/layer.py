@@ -31,6 +31,7 @@ from shardlab.comm.dispatch import Group
 from shardlab.models.moe import MoE, combine, route, run_experts
 from shardlab.parallel.expert.alltoall import A2AStats, all_to_all_rows, exchange_counts
 from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
+from shardlab.parallel.tensor.moe import TensorParallelMoE, tp_output, tp_rows, tp_weights
 from shardlab.parallel.tensor.shards import SharesGroups  # a pipeline's chunks are deep copies: groups shared
 
 
@@ -56,6 +57,10 @@ class ExpertParallelMoE(SharesGroups, nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.dropped = 0
         self.rows = moe.rows  # the whole rows' routing under context parallelism (rows.py)
+        # Experts cut over tp first (parallel/tensor/moe.py): the rows enter and the weights reach the
+        # partial outputs through f, and the combined output is all-reduced over tp once.
+        self.tp_cut = isinstance(moe, TensorParallelMoE)
+        self.tp_group = moe.tp_group if self.tp_cut else None  # (None is also the world group: tp_cut says which)
         self.stats = A2AStats()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,11 +70,14 @@ class ExpertParallelMoE(SharesGroups, nn.Module):
         got = exchange_counts(r.counts, self.group, self.stats)             # (ep, E/ep): [source, local expert]
         send = r.counts.view(self.ep, self.per_rank).sum(1).tolist()
         recv = got.sum(1).tolist()
-        arrived = all_to_all_rows(x.reshape(b * t, d)[r.token], self.group, send, recv, self.stats)
+        rows = (tp_rows(x, self.tp_group) if self.tp_cut else x).reshape(b * t, d)[r.token]
+        arrived = all_to_all_rows(rows, self.group, send, recv, self.stats)
         order = _expert_major(got)
         y = run_experts(list(self.experts.values()), arrived[order], got.sum(0).tolist())
         back = all_to_all_rows(y[torch.argsort(order)], self.group, recv, send, self.stats)
-        return combine(back, r, b * t).view(b, t, d)
+        if not self.tp_cut:
+            return combine(back, r, b * t).view(b, t, d)
+        return tp_output(combine(back, tp_weights(r, self.tp_group), b * t), self.tp_group).view(b, t, d)
 
 
 def _expert_major(counts: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,10 @@ from shardlab.comm.autograd import gather_from_group
 from shardlab.comm.dispatch import Group
 from shardlab.models.gpt import GPT, Embedding
 from shardlab.models.layers import SwiGLU
+from shardlab.models.moe import MoE
 from shardlab.parallel.tensor.attention import shard_attention
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from shardlab.parallel.tensor.moe import shard_moe
 from shardlab.parallel.tensor.sequence import (
     SequenceParallelLayerNorm, SequenceParallelRMSNorm, SumScope, convert_layer_norm, norm_params, replicated,
 )
@@ -65,6 +67,13 @@ def gpt_plan(model: GPT) -> dict[str, str]:
     model has)."""
     plan: dict[str, str] = {}
     for k, v in GPT_PLAN.items():
+        if k.startswith("blocks.*.mlp.") and _moe(model):  # the experts' MLPs cut as the dense one, router whole
+            if k == "blocks.*.mlp.fc":
+                plan["blocks.*.mlp.router"] = "replicate"
+                if _swiglu(model):
+                    plan["blocks.*.mlp.experts.*.gate"] = "column"
+            plan[k.replace("mlp.", "mlp.experts.*.")] = v
+            continue
         if k == "blocks.*.mlp.fc" and _swiglu(model):  # gate and up (fc) split alike: one entry collective
             plan["blocks.*.mlp.gate"] = "column"
         if k != "pos_emb" or model.pos_emb is not None:
@@ -73,7 +82,14 @@ def gpt_plan(model: GPT) -> dict[str, str]:
 
 
 def _swiglu(model: GPT) -> bool:
-    return bool(len(model.blocks)) and isinstance(model.blocks[0].mlp, SwiGLU)
+    if not len(model.blocks):
+        return False
+    mlp = model.blocks[0].mlp
+    return isinstance(mlp.experts[0] if isinstance(mlp, MoE) else mlp, SwiGLU)
+
+
+def _moe(model: GPT) -> bool:
+    return bool(len(model.blocks)) and isinstance(model.blocks[0].mlp, MoE)
 
 
 # What each part of the GPT may be; a block's MLP is (fc, proj) together.
@@ -109,24 +125,54 @@ def gpt_problems(model: GPT, styles: dict[str, str], n: int, sequence_parallel: 
         elif sequence_parallel and kind in _SHARDED and style != _SHARDED[kind]:
             problems.append(f"{name}: sequence parallelism needs it {_SHARDED[kind]}, not {style}")
     for i in range(len(model.blocks)):
-        pair = (_effective(styles, f"blocks.{i}.mlp.fc"), _effective(styles, f"blocks.{i}.mlp.proj"))
-        if isinstance(model.blocks[i].mlp, SwiGLU):
-            three = (_effective(styles, f"blocks.{i}.mlp.gate"), *pair)
-            if three not in _SWIGLU:
-                problems.append(f"blocks.{i}.mlp: gate, fc and proj can be column, column and row, or all "
-                                f"replicate, not {three}")
-            elif sequence_parallel and three != _SWIGLU[0]:
-                problems.append(f"blocks.{i}.mlp: sequence parallelism needs gate and fc column and proj row")
+        if isinstance(model.blocks[i].mlp, MoE):
+            problems += _moe_problems(model.blocks[i].mlp, f"blocks.{i}.mlp", styles, sequence_parallel)
             continue
-        if pair not in _MLP_PAIRS:
-            problems.append(f"blocks.{i}.mlp: fc and proj can be column and row, or both replicate, not {pair}")
-        elif sequence_parallel and pair != ("column", "row"):
-            problems.append(f"blocks.{i}.mlp: sequence parallelism needs fc column and proj row")
+        problems += _mlp_problems(model.blocks[i].mlp, f"blocks.{i}.mlp", styles, sequence_parallel)
     if model.head.weight is model.tok_emb.weight and _effective(styles, "head") != _effective(styles, "tok_emb"):
         problems.append(f"head: its weight is tied to tok_emb's, so both must be sharded alike "
                         f"(tok_emb {_effective(styles, 'tok_emb')}, head {_effective(styles, 'head')})")
     if sequence_parallel and model.cfg.seq_len % n:
         problems.append(f"sequence parallelism: seq_len {model.cfg.seq_len} does not divide over tp {n}")
+    return problems
+
+
+def _moe_problems(moe: MoE, name: str, styles: dict[str, str], sequence_parallel: bool) -> list[str]:
+    """A MoE: the router whole, every expert an MLP cut alike (column/row, or all replicate)."""
+    problems = []
+    if _effective(styles, f"{name}.router") != "replicate":
+        problems.append(f"{name}.router: the router can only be replicate (every tp rank routes the same tokens "
+                        f"alike), not {_effective(styles, f'{name}.router')}")
+    cuts = set()
+    for j in range(len(moe.experts)):
+        problems += _mlp_problems(moe.experts[j], f"{name}.experts.{j}", styles, False)
+        cuts.add(_effective(styles, f"{name}.experts.{j}.fc"))
+    if len(cuts) > 1:
+        problems.append(f"{name}.experts: every expert must be cut alike (the layer ends in one all-reduce "
+                        f"or none), got fc styles {sorted(map(str, cuts))}")
+    if sequence_parallel:
+        problems.append(f"{name}: sequence parallelism with experts is not supported: the router would read "
+                        f"the tokens gathered over tp, whose backward (a reduce-scatter) sums the "
+                        f"load-balancing term's gradient, already whole on every rank, tp times")
+    return problems
+
+
+def _mlp_problems(mlp: nn.Module, name: str, styles: dict[str, str], sequence_parallel: bool) -> list[str]:
+    """A dense MLP (a block's or one expert's): fc and proj (and a SwiGLU's gate) column then row."""
+    problems = []
+    pair = (_effective(styles, f"{name}.fc"), _effective(styles, f"{name}.proj"))
+    if isinstance(mlp, SwiGLU):
+        three = (_effective(styles, f"{name}.gate"), *pair)
+        if three not in _SWIGLU:
+            problems.append(f"{name}: gate, fc and proj can be column, column and row, or all "
+                            f"replicate, not {three}")
+        elif sequence_parallel and three != _SWIGLU[0]:
+            problems.append(f"{name}: sequence parallelism needs gate and fc column and proj row")
+        return problems
+    if pair not in _MLP_PAIRS:
+        problems.append(f"{name}: fc and proj can be column and row, or both replicate, not {pair}")
+    elif sequence_parallel and pair != ("column", "row"):
+        problems.append(f"{name}: sequence parallelism needs fc column and proj row")
     return problems
 
 
@@ -200,7 +246,10 @@ def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_paral
             convert_layer_norm(block.ln2, group)
         if _effective(styles, f"blocks.{i}.attn") == "heads":
             shard_attention(block.attn, group, sp)
-        if _effective(styles, f"blocks.{i}.mlp.fc") == "column" and isinstance(block.mlp, SwiGLU):
+        if isinstance(block.mlp, MoE):
+            if _effective(styles, f"blocks.{i}.mlp.experts.0.fc") == "column":
+                shard_moe(block.mlp, group)
+        elif _effective(styles, f"blocks.{i}.mlp.fc") == "column" and isinstance(block.mlp, SwiGLU):
             shard_swiglu(block.mlp, group, sp)
         elif _effective(styles, f"blocks.{i}.mlp.fc") == "column":
             block.mlp.fc = ColumnParallelLinear.from_linear(
