@@ -367,7 +367,6 @@ def expert_problems(cfg: Config) -> list[str]:
     # Not supported yet, each with its reason:
     # tp > 1: every expert's MLP cut column/row, the router replicated (parallel/tensor/moe.py); with
     # sp the tensor-parallel plan check refuses it (tensor_plan_problems), giving its reason.
-    # cp > 1 with experts: refused by context_parallel_problems (capacity and the loss are per sequence).
     if lay.zero == 3 and lay.ep > 1:
         out.append(f"model.experts = {m.experts} with layout.zero = 3 and layout.ep = {lay.ep} is not supported yet: "
                    f"FSDP's units are flat vectors sharded over one group, but an expert is replicated over dp x cp "
