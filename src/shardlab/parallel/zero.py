@@ -149,20 +149,26 @@ class ShardedOptimizer(PieceOptimizer):
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """Every rank's updated chunks to every rank, written into the parameters."""
-        for bucket in self.layout.buckets:
-            p0 = bucket.params[0]
-            mine = torch.zeros(bucket.chunk, dtype=p0.dtype, device=p0.device)
-            for piece in bucket.pieces:
-                mine[piece.chunk_offset : piece.chunk_offset + piece.stop - piece.start] = piece.tensor.view(-1)
-            full = comm.all_gather(mine, self.process_group, impl=self.impl,
-                                   out=torch.empty(bucket.padded, dtype=p0.dtype, device=p0.device))
-            for p, off in zip(bucket.params, bucket.offsets):
-                p.view(-1).copy_(full[off : off + p.numel()])
+        gather_chunks(self.layout, self.process_group, self.impl)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for bucket in self.layout.buckets:
             bucket.grad_chunk = None
+
+
+@torch.no_grad()
+def gather_chunks(layout: "ShardLayout", group: dist.ProcessGroup | None, impl: str) -> None:
+    """Every rank's updated chunks of `layout`'s buckets, all-gathered over `group` and written into
+    the parameters (ZeRO-1/2's step ends with it; parallel/expert/zero.py calls it per kind)."""
+    for bucket in layout.buckets:
+        p0 = bucket.params[0]
+        mine = torch.zeros(bucket.chunk, dtype=p0.dtype, device=p0.device)
+        for piece in bucket.pieces:
+            mine[piece.chunk_offset : piece.chunk_offset + piece.stop - piece.start] = piece.tensor.view(-1)
+        full = comm.all_gather(mine, group, impl=impl, out=torch.empty(bucket.padded, dtype=p0.dtype, device=p0.device))
+        for p, off in zip(bucket.params, bucket.offsets):
+            p.view(-1).copy_(full[off : off + p.numel()])
 
 
 class ZeroDataParallel(nn.Module):

@@ -28,7 +28,7 @@ from shardlab import comm
 from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups
 from shardlab.parallel.placement import Placement
-from shardlab.parallel.zero import ShardLayout, ZeroDataParallel
+from shardlab.parallel.zero import ShardLayout, ZeroDataParallel, gather_chunks
 
 
 class _BothLayouts:
@@ -72,16 +72,8 @@ class ExpertZeroOptimizer(PieceOptimizer):
 
     @torch.no_grad()
     def _after_step(self) -> None:
-        for w in self.wrappers:
-            for bucket in w.layout.buckets:
-                p0 = bucket.params[0]
-                mine = torch.zeros(bucket.chunk, dtype=p0.dtype, device=p0.device)
-                for piece in bucket.pieces:
-                    mine[piece.chunk_offset: piece.chunk_offset + piece.stop - piece.start] = piece.tensor.view(-1)
-                full = comm.all_gather(mine, w.group, impl=w.impl,
-                                       out=torch.empty(bucket.padded, dtype=p0.dtype, device=p0.device))
-                for p, off in zip(bucket.params, bucket.offsets):
-                    p.view(-1).copy_(full[off: off + p.numel()])
+        for w in self.wrappers:  # each kind's updated chunks over its own group
+            gather_chunks(w.layout, w.group, w.impl)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
