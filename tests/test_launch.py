@@ -162,7 +162,7 @@ def test_rendezvous_listens_on_loopback_only():
         del store
 
 
-@pytest.mark.slow
+@pytest.mark.long  # test_cli.py::test_train_under_torchrun runs the same entry point under torchrun in make test
 def test_torchrun_entry_point():
     """The same command under torchrun: it reads RANK/WORLD_SIZE/... instead of spawning."""
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -20,7 +20,8 @@ def test_formulas_match_the_paper():
         model_state_bytes(1, 1, 4)
 
 
-@pytest.mark.parametrize("ws,precision", [(2, "fp32"), (4, "fp32"), (2, "bf16")])
+# The formula at 4 ranks is the same arithmetic as at 2 (the shards' sizes divide by the degree): `long`.
+@pytest.mark.parametrize("ws,precision", [(2, "fp32"), pytest.param(4, "fp32", marks=pytest.mark.long), (2, "bf16")])
 def test_measured_model_state_equals_the_formula(pools, ws, precision):
     from shardlab.bench.memory import measure_stages_rank
 
