@@ -277,18 +277,7 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     model, record = apply_expert_parallel(model, layout, mesh, record)  # the whole model, then split
     stage = build_stage(model, plan, mesh.local_rank("pp"), base=record)
     stage = apply_recompute(stage, layout)  # step 4, on this rank's copies of its blocks
-    from shardlab.parallel.expert import ExpertDataParallel, expert_layers
-
-    if layout.ep > 1 and expert_layers(stage):  # experts and dense parameters: different replica groups
-        mode = "bucketed" if layout.dp_mode == "overlap" and (layout.schedule == "zb1" or layout.dp == 1) \
-            else layout.dp_mode
-        # Under ZeRO-1/2 each kind sharded over its own replicas (expert/zero.py), the tied embedding
-        # copies deferred as stage_data_parallel defers them.
-        tied = [p for n, p in stage.stage_named_parameters() if n in stage.tied] if layout.zero else []
-        dp = ExpertDataParallel(stage, replica_group(mesh), mode=mode, bucket_mb=layout.bucket_mb,
-                                impl=layout.comm_impl, zero=layout.zero, deferred=tied)
-    else:
-        dp = stage_data_parallel(stage, layout, replica_group(mesh))
+    dp = stage_data_parallel(stage, layout, replica_group(mesh))
     pipe = PipelineParallel(stage, layout.schedule, mesh.group("pp"), data_parallel=dp, tp_group=tp)
     pipe.placement = data_placement(dp, pipe.placement, replica_group(mesh)) if dp is not None else \
         pipe.placement.with_axis(MeshAxis.of("dp", replica_group(mesh)), {})
@@ -302,6 +291,19 @@ def stage_data_parallel(stage: nn.Module, layout: "LayoutSection", group: dist.P
     than during backward, and ZeRO-3 keeps them whole (replicated over dp); ZeRO-3's units are the
     stage's chunks (each gathered by its own forward, which the schedule calls) and their blocks."""
     tied = [p for n, p in stage.stage_named_parameters() if n in stage.tied]
+    # zb1's weight gradients are made in its W passes, outside the backward whose hooks an overlapped
+    # reduction launches from (verify at pp 2 x cp 2 under zb1 was off by 7e-4 with it); and at dp 1
+    # the replicas are cp's or ep's alone, where the default 'overlap' was not asked for. Both reduce
+    # once, at the schedule's end.
+    mode = layout.dp_mode
+    if mode == "overlap" and (layout.schedule == "zb1" or layout.dp == 1):
+        mode = "bucketed"
+    from shardlab.parallel.expert import ExpertDataParallel, expert_layers
+
+    if layout.ep > 1 and expert_layers(stage):  # experts and dense parameters: different replica groups
+        # Under ZeRO-1/2 each kind sharded over its own replicas (expert/zero.py), the tied copies deferred.
+        return ExpertDataParallel(stage, group, mode=mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
+                                  zero=layout.zero, deferred=tied if layout.zero else [])
     if layout.zero == 3:
         from shardlab.parallel.fsdp import FullyShardedDataParallel
 
@@ -312,13 +314,6 @@ def stage_data_parallel(stage: nn.Module, layout: "LayoutSection", group: dist.P
         return ZeroDataParallel(stage, group, stage=layout.zero, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
                                 deferred=tied)
     if layout.dp * layout.ep * layout.cp > 1:
-        # zb1's weight gradients are made in its W passes, outside the backward whose hooks an overlapped
-        # reduction launches from (verify at pp 2 x cp 2 under zb1 was off by 7e-4 with it); and at dp 1
-        # the replicas are cp's or ep's alone, where the default 'overlap' was not asked for. Both reduce
-        # once, at the schedule's end.
-        mode = layout.dp_mode
-        if mode == "overlap" and (layout.schedule == "zb1" or layout.dp == 1):
-            mode = "bucketed"
         return DataParallel(stage, group, mode=mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
                             pipelined=True)
     return None
