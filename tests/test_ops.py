@@ -6,6 +6,7 @@ collective is known on every rank without trusting the backend.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -252,6 +253,24 @@ def test_pool_reports_first_failure_and_recovers(pools):
     with pytest.raises(RankFailure) as info:
         pool.run(_raise_in_validated_call_on_one_rank)
     assert info.value.rank == 1 and "rank 1 refuses" in str(info.value)
+    assert pool.run(dist.get_world_size) == [2, 2]
+
+
+def _die_on_rank_1() -> int:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return dist.get_rank()
+
+
+def test_pool_names_a_rank_that_dies_and_restarts(pools):
+    # The pool waits on each rank's pipe and process sentinel at once: a death wakes it at once, is
+    # named with its exit code, and the next call runs on fresh ranks.
+    pool = pools(2)
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        pool.run(_die_on_rank_1, timeout_s=60)
+    assert info.value.rank == 1 and "exit 3" in str(info.value), str(info.value)
+    assert time.monotonic() - start < 30  # well before the 60 s deadline: no wait for a reply
     assert pool.run(dist.get_world_size) == [2, 2]
 
 
