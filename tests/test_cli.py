@@ -113,6 +113,7 @@ def test_verify_a_pipeline_and_refuse_one_that_cannot_run(capfd, tmp_path):
     assert "world size 4 (pp 2 x dp 2)" in out and "# chunk 3 (rank 1): layers.3" in out
 
 
+@pytest.mark.long  # test_multinode's two torchrun agents train, log and sample the same way
 def test_train_under_torchrun(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

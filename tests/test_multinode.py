@@ -1,6 +1,6 @@
 """Two nodes on one machine: two `torchrun` agents (--nnodes 2, 2 processes each, c10d rendezvous on
 127.0.0.1) train a dp 2 x tp 2 GPT as one job of 4 ranks, the mesh told of its 2 nodes. Both agents
-exit 0, the losses are finite and fall, and the first loss is one process's on the same global batch
+exit 0, every step is logged and text is sampled, the losses are finite and fall, and the first loss is one process's on the same global batch
 (the weights are the same seed's, the rows the same sampler's: only the layout differs)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from shardlab.train.task import build_task, prepare_model
 
 TINY = ['model.name="gpt"', "model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.seq_len=16",
         "data.max_bytes=200000", "train.steps=4", "train.warmup_steps=1", "train.global_batch=8",
-        "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "log.sample_tokens=0",
+        "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "log.sample_tokens=20",
         "log.tensorboard=false", "log.plot=false"]
 
 
@@ -53,6 +53,8 @@ def test_two_nodes_dp2_x_tp2(tmp_path: Path) -> None:
     stdout = "".join(out for _, out, _ in outputs)
     # Rank 0 (on whichever agent the rendezvous made node 0) printed the mesh with its nodes.
     assert "dp 2" in stdout and "on 2 nodes" in stdout and "| node 1" in stdout
+    # The whole run under torchrun, as a user sees it: every step logged, then sampled text.
+    assert "step 4/4" in stdout and "sampled text" in stdout
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 

@@ -47,7 +47,7 @@ def uninterrupted(tmp_path_factory, pools) -> dict[int, tuple[float, float | Non
     return losses(out)
 
 
-def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, uninterrupted):
+def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, uninterrupted, pools):
     cfg = config(tmp_path, layout={"dp": 2}, checkpoint={"every": 2, "async_save": False})
     monkeypatch.setenv("SHARDLAB_FAULT", "4:1")  # rank 1 is SIGKILLed as it starts step 4
     with pytest.raises(RankFailure) as failure:
@@ -56,7 +56,7 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, uninterrupted):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
     monkeypatch.delenv("SHARDLAB_FAULT")
     cfg.set("checkpoint.resume", "latest")
-    summary = launch(train_rank, 2, cfg.to_dict())[0]
+    summary = pools(2).run(train_rank, cfg.to_dict())[0]  # the resume needs no fresh ranks: the pool's
     assert summary["resumed_from"].endswith("step_00000004")
     # Steps 0-3 from the killed run, 4-5 from the resumed one: the uninterrupted run's, exactly.
     assert losses(tmp_path) == uninterrupted
@@ -102,13 +102,13 @@ def test_torchrun_restart_resumes(tmp_path, uninterrupted):
     assert losses(tmp_path) == uninterrupted
 
 
-def test_resume_latest_falls_back_past_damaged_checkpoints(tmp_path, capfd, uninterrupted):
+def test_resume_latest_falls_back_past_damaged_checkpoints(tmp_path, capfd, uninterrupted, pools):
     """Checkpoints at steps 2, 4, 6; step 6 bit-flipped in rank 1's file, step 4's step edited in its
     metadata. --resume latest must resume from step 2 (verified by both ranks, each hashing its
     share of the files), say on rank 0 once which it skipped and why, and retrain steps 2-5 to the
     uninterrupted run's losses exactly."""
     cfg = config(tmp_path, layout={"dp": 2}, checkpoint={"every": 2, "async_save": False})
-    launch(train_rank, 2, cfg.to_dict())
+    pools(2).run(train_rank, cfg.to_dict())  # the saving run on the long-lived pool: no start-up
     ck = tmp_path / "checkpoints"
     flipped = ck / "step_00000006" / "rank00001.pt"
     data = bytearray(flipped.read_bytes())
@@ -119,6 +119,7 @@ def test_resume_latest_falls_back_past_damaged_checkpoints(tmp_path, capfd, unin
     (ck / "step_00000004" / "metadata.json").write_text(json.dumps(meta))
     capfd.readouterr()
     cfg.set("checkpoint.resume", "latest")
+    # Freshly launched ranks, whose rank-0 output the test captures (the pool's was bound at its start).
     summary = launch(train_rank, 2, cfg.to_dict())[0]
     assert summary["resumed_from"].endswith("step_00000002")
     out = capfd.readouterr().out

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -42,6 +41,7 @@ from shardlab.dist.env import (  # DEFAULT_TIMEOUT_S: 60 s, SHARDLAB_TIMEOUT ove
 )
 from shardlab.dist import flight
 from shardlab.dist.hang import FlightWatch
+from shardlab.dist.start import LauncherState, adopt, rank_context
 from shardlab.dist.rank import (
     OUTPUT_MODES,
     RankSpec,
@@ -88,6 +88,7 @@ def host_store(addr: str | None, port: int, timeout_s: float) -> tuple[dist.TCPS
 
 
 def _rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    adopt(spec.launcher)
     die_with_parent(spec.parent_pid)
     signals.install()  # SIGTERM and SIGHUP raise like Ctrl-C; the trainer stops at a step boundary instead
     setup_output(spec)
@@ -230,14 +231,16 @@ def launch(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     backend = backend or default_backend(world_size)
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
+    launcher = LauncherState.capture()
     store, addr, port = host_store(master_addr, master_port, timeout_s)
     with tempfile.TemporaryDirectory(prefix="shardlab-launch-") as workdir:
         procs: list = []
         watch = FlightWatch(procs, workdir).start()  # the hang doctor's records (dist/hang.py)
         try:
             for rank in range(world_size):
-                spec = RankSpec(rank, world_size, addr, port, backend, threads, timeout_s, output, workdir, os.getpid())
+                spec = RankSpec(rank, world_size, addr, port, backend, threads, timeout_s, output, workdir, os.getpid(),
+                                launcher)
                 p = ctx.Process(target=_rank_main, args=(spec, fn, args, kwargs), name=f"shardlab-rank{rank}")
                 p.start()
                 procs.append(p)

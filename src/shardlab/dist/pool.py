@@ -14,7 +14,6 @@ dies or never answers, the pool is torn down and restarted on the next call.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import tempfile
@@ -25,9 +24,11 @@ from typing import Any, Callable
 from shardlab.dist.env import default_backend
 from shardlab.dist.launch import RankFailure, host_store, is_peer_loss, stop_ranks, tail_lines
 from shardlab.dist.rank import RankSpec, die_with_parent, hard_exit, init_rank, log_path, setup_output
+from shardlab.dist.start import LauncherState, adopt, rank_context
 
 
 def _serve(spec: RankSpec, conn: Any) -> None:
+    adopt(spec.launcher)
     die_with_parent(spec.parent_pid)
     setup_output(spec)
     try:
@@ -90,13 +91,14 @@ class RankPool:
         if self.alive:
             return
         self.close()
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
+        launcher = LauncherState.capture()
         self._workdir = tempfile.TemporaryDirectory(prefix="shardlab-pool-")
         self._store, addr, port = host_store(None, 0, self.timeout_s + 30)
         for rank in range(self.world_size):
             spec = RankSpec(
                 rank, self.world_size, addr, port, self.backend, self.threads,
-                self.timeout_s, "ranks", self._workdir.name, os.getpid(),
+                self.timeout_s, "ranks", self._workdir.name, os.getpid(), launcher,
             )
             parent_end, child_end = ctx.Pipe()
             p = ctx.Process(target=_serve, args=(spec, child_end), name=f"shardlab-pool-rank{rank}")

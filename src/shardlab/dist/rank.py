@@ -24,6 +24,7 @@ import torch.distributed as dist
 from shardlab.dist import flight
 from shardlab.dist.env import device_for, threads_per_rank
 from shardlab.dist.hang import rank_dir
+from shardlab.dist.start import LauncherState
 
 OUTPUT_MODES = ("rank0", "ranks", "all")
 
@@ -42,6 +43,7 @@ class RankSpec:
     output: str
     workdir: str
     parent_pid: int
+    launcher: LauncherState | None = None  # the launcher's environment and streams, adopted first (start.py)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -52,8 +54,11 @@ def die_with_parent(parent_pid: int) -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
-    # The parent may have died before prctl took effect.
-    if os.getppid() != parent_pid:
+    # The launcher may have died before prctl took effect. (A rank forked by the forkserver has the
+    # server as its parent, which exits as soon as the launcher does: its death then reaches the rank.)
+    try:
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
         os._exit(1)
 
 
