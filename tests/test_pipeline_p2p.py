@@ -4,6 +4,7 @@ refused. (Equality with one process for every schedule: tests/test_pipeline_exec
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -101,3 +102,84 @@ def _nccl_layout_task() -> str:
 
 def test_pipeline_layout_on_nccl_is_no_longer_refused(pools):
     assert pools(2).run(_nccl_layout_task) == ["PipelineParallel"] * 2
+
+
+def _mismatched_step(case: str) -> str:
+    """One 1F1B step whose two stages disagree on their messages: rank 1's stage built from another
+    width or dtype, or rank 1 given a batch of another size. Validation must refuse it on every rank
+    before a message is posted (unchecked, gloo aborts the receiver or fills part of its buffer)."""
+    from shardlab.comm import CollectiveMismatchError
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DeepMLP(MLPConfig(d_model=24 if case == "width" and rank == 1 else 16, n_layer=4))
+    if case == "dtype" and rank == 1:
+        model = model.double()
+    x, y = _batch(0)
+    if case == "rows" and rank == 1:
+        x, y = torch.randn(10, 16), torch.randn(10, 16)
+    stage = build_stage(model, plan_split(model, 2), rank)
+    runner = PipelineExecutor(stage, schedule("1f1b", 2, 4), timeout_s=10, validate=True)
+    try:
+        runner.run(x, y)
+    except CollectiveMismatchError as exc:
+        return str(exc)
+    raise AssertionError(f"rank {rank}: no CollectiveMismatchError for {case}")
+
+
+def _validation_off_exchanges_nothing() -> list[float]:
+    """With validation off the executor neither exchanges headers nor checks sends (zero cost)."""
+    from shardlab.parallel.pipeline import executor as ex
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("headers exchanged with validation off")
+    real_agree, real_check = ex.agree, ex.check_send
+    ex.agree, ex.check_send = refuse, refuse
+    try:
+        model = _model()
+        stage = build_stage(model, plan_split(model, 2), dist.get_rank())
+        return [PipelineExecutor(stage, schedule("1f1b", 2, 4), validate=False).run(*_batch(0)).loss]
+    finally:
+        ex.agree, ex.check_send = real_agree, real_check
+
+
+def _validated_losses() -> list[float]:
+    return _run(PipelineExecutor, "1f1b", 4, 1)[0]
+
+
+def test_validation_refuses_mismatched_pipeline_messages_on_every_rank(pools):
+    import time
+
+    pool = pools(2)
+    start = time.monotonic()
+    width = pool.run(_mismatched_step, "width")
+    rows = pool.run(_mismatched_step, "rows")
+    dtype = pool.run(_mismatched_step, "dtype")
+    assert time.monotonic() - start < 10  # refused before any message: no timeout was waited out
+    s0, s1 = "stage 0 (pipeline rank 0, global rank 0)", "stage 1 (pipeline rank 1, global rank 1)"
+    for msg in width:  # every rank (the receiver too) names both stages, the message and both shapes
+        assert (f"forward activation of microbatch 0 (chunk 0 -> chunk 1): {s0} sends shape (2, 16) float32 but "
+                f"{s1} receives into shape (2, 24) float32") in msg, msg
+        assert f"backward gradient of microbatch 0 (chunk 1 -> chunk 0): {s1} sends shape (2, 24) float32" in msg
+    for msg in rows:
+        assert "pipeline rank 0: 8 rows into 4 microbatches, pipeline rank 1: 10 rows into 4 microbatches" in msg
+        assert f"{s0} sends shape (2, 16) float32 but {s1} receives into shape (3, 16) float32" in msg, msg
+    for msg in dtype:
+        assert f"{s0} sends shape (2, 16) float32 but {s1} receives into shape (2, 16) float64" in msg, msg
+    # Nothing was left in flight: the next pipeline step on the same ranks runs and agrees.
+    losses = pool.run(_validation_off_exchanges_nothing)
+    assert losses[0] == losses[1]
+    assert pool.run(_validated_losses) == losses  # validation on, stages agreeing: the same step
+
+
+def test_a_send_is_checked_against_its_header() -> None:
+    from shardlab.comm import CollectiveMismatchError
+    from shardlab.parallel.pipeline.actions import SEND_B, Action
+    from shardlab.parallel.pipeline.headers import check_send, header
+
+    declared = header(Action(SEND_B, 3, 1, 0), 1, (2, 16), torch.float32)
+    check_send(declared, torch.zeros(2, 16))
+    with pytest.raises(CollectiveMismatchError, match=r"pipeline rank 1: the backward gradient of microbatch 3 "
+                       r"\(chunk 1 -> chunk 0\) to pipeline rank 0 is shape \(2, 8\) bfloat16 but its header "
+                       r"declared shape \(2, 16\) float32"):
+        check_send(declared, torch.zeros(2, 8, dtype=torch.bfloat16))

@@ -141,3 +141,54 @@ def test_split_backward_equals_the_whole_backward_and_defers_only_matmul_weights
     assert len(store) == 0
     for name, p in whole.named_parameters():
         torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
+
+
+def _sp_sums_in_the_last_chunk() -> dict:
+    """The last chunk of a tp 2 + sp GPT split in 2: how many times its forward sums partial gradients
+    over tp (copy_to_group: one all-reduce each in backward), and that its gradients are the whole
+    model's own sums (the scope's views carry the same gradients as one sum per tensor)."""
+    import torch.distributed as dist
+
+    from shardlab.parallel.tensor import apply_tensor_parallel, named_plan
+    from shardlab.parallel.tensor import sequence
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, vocab_size=64, tie_embeddings=False))
+    plan = plan_split(model, 2)
+    model = apply_tensor_parallel(model, None, named_plan(model, "megatron"), sequence_parallel=True)
+    chunk = build_stage(model, plan, rank=1).chunk(1)
+    calls: list[int] = []
+    real = sequence.copy_to_group
+
+    def counting(t, group):  # type: ignore[no-untyped-def]
+        calls.append(t.numel())
+        return real(t, group)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16 // dist.get_world_size(), 32, generator=gen)
+    y = torch.randint(0, 64, (2, 16), generator=gen)
+    grads = []
+    for scoped in (True, False):
+        if not scoped:  # the same chunk without its scope: each tensor summed on its own
+            chunk.ln_f._sum_scope.active = False
+            for hooks in (chunk._forward_pre_hooks, chunk._forward_hooks):
+                hooks.clear()
+        calls.clear()
+        sequence.copy_to_group = counting
+        try:
+            chunk(x, y).backward()
+        finally:
+            sequence.copy_to_group = real
+        grads.append({n: p.grad.clone() for n, p in chunk.ln_f.named_parameters()})
+        chunk.zero_grad()
+        grads[-1]["calls"] = list(calls)
+    return {"scoped": grads[0].pop("calls"), "alone": grads[1].pop("calls"),
+            "same": all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])}
+
+
+def test_a_pipeline_chunk_sums_its_final_norm_in_one_sequence_parallel_all_reduce(pools):
+    got = pools(2).run(_sp_sums_in_the_last_chunk)[0]
+    # block 1's norms and row biases in one sum (its own scope), then ln_f's gain and bias in one
+    # (the chunk's scope): 2 sums, where ln_f alone costs one per tensor (3).
+    assert len(got["scoped"]) == 2 and got["scoped"][-1] == 2 * 32, got
+    assert len(got["alone"]) == 3 and got["alone"][-2:] == [32, 32], got
+    assert got["same"]

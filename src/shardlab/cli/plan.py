@@ -7,6 +7,8 @@ import json
 import sys
 from dataclasses import replace
 
+from shardlab.cli.plan_inputs import build_hardware, build_spec
+
 PLAN_DOC = """\
 Predict, before anything runs, which parallel layouts of a model fit in a cluster's memory and how
 fast they train: per-rank memory (parameters, gradients and optimizer state by ZeRO stage;
@@ -172,65 +174,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-_SHAPE = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads", "ffn": "ffn",
-          "vocab": "vocab", "seq": "seq", "experts": "experts", "top_k": "top_k", "gated": "gated_mlp",
-          "attention": "attention", "dropout": "dropout", "norm": "norm", "tied": "tied_embeddings"}
-
-
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"--mem-fraction must lie in (0, 1], got {value}")
     return value
-
-
-def build_spec(args: argparse.Namespace):
-    """The model: a configuration's or a preset's, with shape flags overriding its fields; shape
-    flags alone build exactly that shape (a fused-attention, dropout-free GPT with the defaults of
-    ModelSpec for whatever is not given), never an edited gpt3-175b."""
-    from shardlab.plan.models import ModelSpec, get_model, spec_from_config
-
-    changes = {field: getattr(args, arg) for arg, field in _SHAPE.items() if getattr(args, arg) is not None}
-    if args.config:
-        from shardlab.train.config import load_config
-
-        spec = spec_from_config(load_config(args.config, []).model)
-    elif args.model or not changes:
-        spec = get_model(args.model or "gpt3-175b")
-    else:
-        missing = [f for f in ("layers", "hidden", "heads") if f not in changes]
-        if missing:
-            raise ValueError(f"shape flags without --model or --config build that shape, which needs "
-                             f"--{', --'.join(missing)} (given: {', '.join('--' + k for k in changes)})")
-        base = {"attention": "flash", "dropout": False}
-        return ModelSpec("custom", **{**base, **changes})
-    return replace(spec, **changes) if changes else spec
-
-
-def build_hardware(args: argparse.Namespace, gpus: int | None = None):
-    """The cluster: a preset, its peak and memory replaced if asked, its network replaced by --link
-    levels, shaped for the device count."""
-    from shardlab.plan.hardware import get_hardware
-    from shardlab.plan.network import parse_link
-
-    hw = get_hardware(args.hardware, args.calibration)
-    if args.peak_tflops is not None:
-        if args.peak_tflops <= 0:
-            raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")
-        hw = replace(hw, peak_flops={**hw.peak_flops, "bf16": args.peak_tflops * 1e12,
-                                     "fp16": args.peak_tflops * 1e12}, name=hw.name + "*")
-    if args.memory_gb is not None:
-        if args.memory_gb <= 0:
-            raise ValueError(f"--memory-gb must be positive, got {args.memory_gb}")
-        hw = replace(hw, memory_bytes=args.memory_gb * 1e9, name=hw.name.rstrip("*") + "*")
-    if args.link:
-        levels = tuple(parse_link(text) for text in args.link)
-        hw = replace(hw, network=levels, name=hw.name.rstrip("*") + "*")
-        if levels[0].kind != "torus" and levels[0].size:
-            hw = replace(hw, devices_per_node=levels[0].size)
-    if args.devices_per_node:
-        hw = hw.with_nodes(args.devices_per_node)
-    return hw.sized(gpus) if gpus else hw
 
 
 def run(args: argparse.Namespace) -> int:

@@ -338,7 +338,8 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
             continue
         seen.add(problem)
         name = problem.split(":", 1)[0]
-        hint = next((h for key, h in hints.items() if key in name.split(".") or name == key), None)
+        # The hints name the settings that size a module: only a size that does not divide needs one.
+        hint = next((h for key, h in hints.items() if key in name.split(".") or name == key), None) if "divide" in problem else None
         out.append(f"{where}, layout.tp_plan = '{lay.tp_plan}': {problem}" + (f" ({hint})" if hint else ""))
     return out
 

@@ -1,5 +1,6 @@
 """`shardlab train --help-config`: every configuration section and field with its type, default and
-documentation, read from the attribute docstrings beside each field in train/config.py."""
+documentation, read from the attribute docstrings beside each field (train/sections.py, and the
+[layout] and [sharding] sections beside their strategies)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,11 @@
     loss = runner.run(x, y, on_step=lambda: (opt.step(), opt.zero_grad())).loss
 
 Files: actions.py (the vocabulary), schedules.py (naive, GPipe, 1F1B, interleaved, and the sends and
-receives each implies), zero_bubble.py (ZB-H1), check.py (simulation: deadlock proof and timing),
+receives each implies), zero_bubble.py (ZB-H1), check.py (simulation: deadlock proof and timing;
+deadlock.py its errors and the chain of waits that explains one),
 partition.py and stages.py (the split), splitgrad.py (backward split into BI and BW), executor.py,
-params.py (tied copies, gathering by original name), model.py (a stage packaged for the trainer:
+params.py (tied copies, gathering by original name), headers.py (validation mode: the step's
+messages agreed before any is posted), model.py (a stage packaged for the trainer:
 PipelineParallel, its forward-only pass and StageOptimizer), tensor_stage.py (stages cut by tensor
 parallelism: tp x pp), timeline.py (traces; the charts are bench/pipeline_gantt.py and the
 measurement of real runs bench/pipeline_measure.py). See docs/pipeline.md.

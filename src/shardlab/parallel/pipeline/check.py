@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from shardlab.parallel.pipeline.actions import (
     B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule,
 )
+from shardlab.parallel.pipeline.deadlock import Desc, ScheduleError, explain_grouped, explain_ops, message_of, show
 from shardlab.parallel.pipeline.streams import Streams
 
 DEFAULT_COSTS: dict[str, float] = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
@@ -47,24 +48,6 @@ DEFAULT_COSTS: dict[str, float] = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
 per forward matmul), split evenly into its input and weight halves."""
 
 Key = tuple[str, int, int]    # (compute op, microbatch, chunk)
-Desc = tuple[str, int, int]   # a message: ("F" or "B", microbatch, chunk that produced it)
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run; names the rank, the action index and the conflict."""
-
-    def __init__(self, rank: int, index: int, message: str) -> None:
-        self.rank, self.index = rank, index
-        super().__init__(f"rank {rank}, action {index}: {message}")
-
-
-class DeadlockError(ScheduleError):
-    """A cycle of waits. `late`: (rank, action index) of the receives a send in the cycle waits
-    for that are not posted yet, which posting earlier could break the cycle (see grouped())."""
-
-    def __init__(self, rank: int, index: int, message: str, late: list[tuple[int, int]]) -> None:
-        super().__init__(rank, index, message)
-        self.late = late
 
 
 @dataclass
@@ -98,17 +81,6 @@ class Simulation:
         """Idle share of compute time over all ranks between the first start and the last end."""
         span = self.makespan
         return 1.0 - sum(self.busy(r) for r in range(self.ranks)) / (self.ranks * span) if span else 0.0
-
-
-def _desc(a: Action) -> Desc:
-    """The message a communication action carries, named by the chunk that produced it."""
-    produced_by = {SEND_F: a.chunk, RECV_F: a.chunk - 1, SEND_B: a.chunk, RECV_B: a.chunk + 1}[a.op]
-    return ("F" if a.op in (SEND_F, RECV_F) else "B", a.microbatch, produced_by)
-
-
-def _show(d: Desc) -> str:
-    kind, mb, chunk = d
-    return f"{'activation' if kind == 'F' else 'gradient'} of mb {mb} from chunk {chunk}"
 
 
 def comm_groups(actions: list[Action]) -> list[list[int]]:
@@ -207,7 +179,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
         if k < len(s) and k < len(rv) and s[k][0] != rv[k][0]:
             raise ScheduleError(dst, rv[k][1], f"{schedule[dst][rv[k][1]]} is matched with rank {src}'s action "
                                 f"{s[k][3]} ({schedule[src][s[k][3]]}): message #{k} from rank {src} to rank {dst} "
-                                f"is the {_show(s[k][0])}, but rank {dst} expects the {_show(rv[k][0])}")
+                                f"is the {show(s[k][0])}, but rank {dst} expects the {show(rv[k][0])}")
 
     def need_local(r: int, i: int, a: Action, keys: list[Key], what: str) -> float:
         for key in keys:
@@ -217,7 +189,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
 
     def need_message(r: int, i: int, a: Action, d: Desc, src: int) -> float | None:
         if d not in posted[r]:
-            raise ScheduleError(r, i, f"{a} needs the {_show(d)} from rank {src}, but no receive for it is "
+            raise ScheduleError(r, i, f"{a} needs the {show(d)} from rank {src}, but no receive for it is "
                                       f"posted before this action")
         k = posted[r][d]
         j = recvs[(src, r)][k][1]
@@ -280,7 +252,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
             streams.post(r, i, a, clock[r])
         if a.op in (SEND_F, SEND_B):
             ch = sends.setdefault((r, a.peer), [])
-            ch.append((_desc(a), clock[r], list(vc[r]), i))
+            ch.append((message_of(a), clock[r], list(vc[r]), i))
             g = streams.group_of[r][i]
             if not unreleased[r] or unreleased[r][-1][0] != g:
                 unreleased[r].append((g, []))
@@ -288,10 +260,10 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
             match(r, a.peer, len(ch) - 1)
         elif a.op in (RECV_F, RECV_B):
             ch = recvs.setdefault((a.peer, r), [])
-            if _desc(a) in posted[r]:
+            if message_of(a) in posted[r]:
                 raise ScheduleError(r, i, f"{a} is posted twice")
-            posted[r][_desc(a)] = len(ch)
-            ch.append((_desc(a), i))
+            posted[r][message_of(a)] = len(ch)
+            ch.append((message_of(a), i))
             if (a.peer, r) in sends:
                 match(a.peer, r, len(ch) - 1)
         # A group's sends are waited for (and their tensors freed) once the whole group is known
@@ -312,8 +284,8 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
                 progress = True
         if not progress:
             if not grouped_posts:
-                raise _deadlock_ops(schedule, pc, owners, sends, posted)
-            raise _deadlock(schedule, pc, owners, streams, recvs, posted)
+                raise explain_ops(schedule, pc, owners, sends, posted)
+            raise explain_grouped(schedule, pc, owners, streams, recvs, posted)
     for (src, dst), ch in sends.items():
         got = len(recvs.get((src, dst), []))
         if len(ch) > got:
@@ -325,87 +297,8 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
             src = owners[d[2]]
             if (src, r, k) not in consumed:
                 i = recvs[(src, r)][k][1]
-                raise ScheduleError(r, i, f"{schedule[r][i]}: no compute on rank {r} uses the {_show(d)}")
+                raise ScheduleError(r, i, f"{schedule[r][i]}: no compute on rank {r} uses the {show(d)}")
     return Simulation(schedule, mbs, chunks, owners, start, end, release, groups, peak, cost)
-
-
-def _deadlock(schedule: Schedule, pc: list[int], owners: dict[int, int], streams: Streams, recvs: dict,
-              posted: list) -> ScheduleError:
-    """Follow the waits from the first blocked rank to their root: a message never sent (reported
-    at the rank waiting for it) or a cycle (reported at the first blocked rank), the chain included.
-    A rank's compute waits for the group of its receive; a group waits for the group its transfer is
-    matched with to become active (queued behind that rank's earlier groups), or for its peer to post."""
-    first = min(r for r in range(len(schedule)) if pc[r] < len(schedule[r]))
-    chain: list[str] = []
-    late: list[tuple[int, int]] = []
-    node: tuple = ("host", first)
-    seen: set[tuple] = set()
-    while True:
-        if node in seen:
-            return DeadlockError(first, pc[first], "blocked: " + "; ".join(chain) + ": a cycle of waits, deadlock",
-                                 late)
-        seen.add(node)
-        if node[0] == "host":
-            r = node[1]
-            a = schedule[r][pc[r]]
-            d, src = _awaited(a, owners)
-            k = posted[r][d]
-            j = recvs[(src, r)][k][1]
-            where = f"rank {r} at action {pc[r]} ({a}) waits for the {_show(d)} (message #{k} from rank {src})"
-            g = streams.group_of[r][j]
-            if g > streams.head[r] or streams.partner(r, j) is not None:
-                chain.append(f"{where}, received by {streams._span(r, g)}")
-                node = ("group", r, g)
-                continue
-            sent = len(streams.chan_sends.get((src, r), []))
-            rest = [x for x in range(pc[src], len(schedule[src]))
-                    if schedule[src][x].op in (SEND_F, SEND_B) and schedule[src][x].peer == r]
-            if sent + len(rest) <= k:
-                root = f"{where}, which rank {src} never sends (it sends rank {r} only {sent + len(rest)} message(s))"
-                behind = f" (blocking: {'; '.join(chain)})" if chain else ""
-                return ScheduleError(r, pc[r], f"blocked: {root}{behind}")
-            chain.append(f"{where}, which rank {src} would send at action {rest[k - sent]}")
-            node = ("host", src)
-        else:
-            _, r, g = node
-            text, nxt, waits_for = streams.why_group(r, g, pc)
-            chain.append(text)
-            if waits_for is not None and schedule[waits_for[0]][waits_for[1]].op in (RECV_F, RECV_B):
-                late.append(waits_for)
-            if nxt is None:
-                return ScheduleError(first, pc[first], "blocked: " + "; ".join(chain))
-            node = nxt
-
-
-def _awaited(a: Action, owners: dict[int, int]) -> tuple[tuple, int]:
-    """The message a blocked compute waits for (its kind, microbatch and sending chunk) and its sender."""
-    if a.op == F:
-        return ("F", a.microbatch, a.chunk - 1), owners[a.chunk - 1]
-    return ("B", a.microbatch, a.chunk + 1), owners[a.chunk + 1]
-
-
-def _deadlock_ops(schedule: Schedule, pc: list[int], owners: dict[int, int], sends: dict, posted: list) -> ScheduleError:
-    """Follow the waits from the first blocked rank to their root: a message never sent (reported
-    at the rank waiting for it) or a cycle (reported at the first blocked rank), the chain included."""
-    first = min(r for r in range(len(schedule)) if pc[r] < len(schedule[r]))
-    chain, r, seen = [], first, set()
-    while True:
-        if r in seen:
-            return ScheduleError(first, pc[first], "blocked: " + "; ".join(chain) + ": a cycle of waits, deadlock")
-        seen.add(r)
-        a = schedule[r][pc[r]]
-        d, src = _awaited(a, owners)
-        k = posted[r][d]
-        sent = len(sends.get((src, r), []))
-        rest = [j for j in range(pc[src], len(schedule[src]))
-                if schedule[src][j].op in (SEND_F, SEND_B) and schedule[src][j].peer == r]
-        where = f"rank {r} at action {pc[r]} ({a}) waits for the {_show(d)} (message #{k} from rank {src})"
-        if sent + len(rest) <= k:
-            root = f"{where}, which rank {src} never sends (it sends rank {r} only {sent + len(rest)} message(s))"
-            behind = f" (blocking: {'; '.join(chain)})" if chain else ""
-            return ScheduleError(r, pc[r], f"blocked: {root}{behind}")
-        chain.append(f"{where}, which rank {src} would send at action {rest[k - sent]}")
-        r = src
 
 
 def check(schedule: Schedule) -> Simulation:

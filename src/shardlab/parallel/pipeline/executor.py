@@ -27,6 +27,8 @@ Semantics (the ones check.py proves a schedule safe under, on gloo and NCCL alik
   * Each chunk's last backward runs inside `final_backward()` when given (the overlapped
     data-parallel reduction of that chunk's gradients starts there, as Megatron-LM's does).
   * The loss is broadcast from the rank of the last chunk, so every rank returns it.
+  * Validation mode (SHARDLAB_VALIDATE, or validate=True): before posting anything, the ranks agree
+    on every message's shape and dtype and raise together on a disagreement (headers.py).
 
 Every rank passes the same-shaped batch: the first chunk reads the inputs, the last the targets,
 and every other rank only their shapes (to size its receive buffers). No global state: the pipeline
@@ -44,10 +46,12 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from shardlab.comm.validate import validation_enabled
 from shardlab.dist import flight
 from shardlab.models.moe import aux_loss_scope
 from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule
 from shardlab.parallel.pipeline.check import check
+from shardlab.parallel.pipeline.headers import Header, Table, agree, check_send, header, is_message
 from shardlab.parallel.pipeline.params import TIED_TAG, clip_grad_norm_, sum_tied_grads
 from shardlab.parallel.pipeline.schedules import chunk_owner
 from shardlab.parallel.pipeline.splitgrad import WeightGradStore, defer_weight_grads
@@ -67,10 +71,11 @@ class PipelineExecutor:
     """Runs `schedule[group rank]` on `stage` over the pipeline process group `group`."""
 
     def __init__(self, stage: PipelineStage, schedule: Schedule, group: dist.ProcessGroup | None = None,
-                 *, timeout_s: float | None = None, sum_tied: bool = True) -> None:
+                 *, timeout_s: float | None = None, sum_tied: bool = True, validate: bool | None = None) -> None:
         # sum_tied=False: the caller sums the tied copies' gradients itself, in on_step (PipelineParallel:
         # before ZeRO's reduce-scatter, or after an overlapped data-parallel all-reduce).
         self.stage, self.group, self.timeout_s, self.sum_tied = stage, group, timeout_s, sum_tied
+        self.validate = validation_enabled(validate)  # read once: nothing is exchanged or checked when off
         self.rank, size = dist.get_rank(group), dist.get_world_size(group)
         if len(schedule) != size:
             raise ValueError(f"the schedule has {len(schedule)} ranks but the pipeline group has {size}")
@@ -123,6 +128,9 @@ class PipelineExecutor:
         self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}   # tensors for sends and local hand-offs
         self.stores: dict[tuple[int, int], WeightGradStore] = {}
         self.loss = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        self.declared: dict[tuple[str, int, int], Header] = {}
+        if self.validate:
+            self._agree_on_messages(inputs.device)
         stepped = False
         for i, a in enumerate(self.actions):
             start = time.perf_counter()
@@ -170,6 +178,8 @@ class PipelineExecutor:
             kind = "F" if a.op in (SEND_F, RECV_F) else "B"
             if a.op in (SEND_F, SEND_B):
                 t = self.outgoing.pop((kind, a.microbatch, a.chunk)).contiguous()
+                if self.validate:
+                    check_send(self.declared[(kind, a.microbatch, a.chunk)], t)
                 tag = self._tag(kind, a.microbatch, a.chunk)
                 ops.append(dist.P2POp(dist.isend, t, group=self.group, tag=tag, group_peer=a.peer))
             else:
@@ -188,6 +198,25 @@ class PipelineExecutor:
                 self.sends[j] = (handle, op.tensor)
             else:
                 self.recvs[("F" if a.op == RECV_F else "B", a.microbatch, a.chunk)] = (handle, op.tensor)
+
+    def _agree_on_messages(self, device: torch.device) -> None:
+        """Validation: every message's header, agreed by the whole pipeline group before any is posted.
+        A message's shape is its stage's activation_shape of the microbatch, its dtype the stage's
+        parameters' (what _buffer allocates on the receiving side and the chunks return)."""
+        shapes: dict[int, tuple[int, ...]] = {}
+        sends, recvs = [], []
+        for a in self.actions:
+            if not is_message(a):
+                continue
+            if a.microbatch not in shapes:
+                shapes[a.microbatch] = tuple(self.stage.activation_shape(self.xs[a.microbatch]))
+            h = header(a, self.rank, shapes[a.microbatch], self.dtype)
+            if h.sender == self.rank:
+                sends.append(h)
+                self.declared[(h.kind, a.microbatch, a.chunk)] = h
+            else:
+                recvs.append(h)
+        agree(Table(self.rank, self.rows, self.microbatches, sends, recvs), self.group, device, self.timeout_s)
 
     def _buffer(self, kind: str, chunk: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
         free = self.pool.setdefault((kind, chunk, tuple(shape), device), [])

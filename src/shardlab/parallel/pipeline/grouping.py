@@ -10,7 +10,8 @@ prefetch puts them; `grouped` moves each to where the proof needs it.
 from __future__ import annotations
 
 from shardlab.parallel.pipeline.actions import B, BI, F, RECV_B, RECV_F, Action, Schedule
-from shardlab.parallel.pipeline.check import DeadlockError, ScheduleError, simulate
+from shardlab.parallel.pipeline.check import simulate
+from shardlab.parallel.pipeline.deadlock import DeadlockError, ScheduleError
 
 
 def _just_in_time(actions: list[Action]) -> list[Action]:

@@ -222,8 +222,24 @@ def _make_chunk(model: nn.Module, plan: SplitPlan, c: int, memo: dict) -> nn.Mod
     for name in _GPT_SWAPS if isinstance(model, GPT) else ("body", "loss"):
         modules[name] = copy.deepcopy(getattr(model, name), memo)
     if isinstance(model, GPT):
-        return GPTChunk(model, modules)
+        return _rest_scope(GPTChunk(model, modules))
     return MLPChunk(model, modules, last=c == plan.chunks - 1)
+
+
+def _rest_scope(chunk: GPTChunk) -> GPTChunk:
+    """Under sequence parallelism the positions and the final norm sum their partial gradients in one
+    all-reduce, in a SumScope opened by the whole model's forward, which a chunk never runs: the chunk
+    opens its own over those it holds (the last chunk's norm gain and bias: one sum, not two)."""
+    from shardlab.parallel.tensor.sequence import SumScope, norm_params
+
+    owners = []
+    if chunk.pos_emb is not None and hasattr(chunk.pos_emb, "_sum_scope"):
+        owners.append((chunk.pos_emb, "weight"))
+    if chunk.ln_f is not None and hasattr(chunk.ln_f, "_sum_scope"):
+        owners += norm_params(chunk.ln_f)
+    if len(owners) > 1:
+        SumScope(owners).attach(chunk)
+    return chunk
 
 
 class PipelineStage(nn.Module):

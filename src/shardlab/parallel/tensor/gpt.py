@@ -151,9 +151,13 @@ def _moe_problems(moe: MoE, name: str, styles: dict[str, str], sequence_parallel
         problems.append(f"{name}.experts: every expert must be cut alike (the layer ends in one all-reduce "
                         f"or none), got fc styles {sorted(map(str, cuts))}")
     if sequence_parallel:
+        # Megatron-LM (megatron/core/transformer/moe) requires sp with tp and experts: each tp rank routes
+        # its own slice of the sequence, and the load-balancing counts are summed over the tp group.
         problems.append(f"{name}: sequence parallelism with experts is not supported: the router would read "
                         f"the tokens gathered over tp, whose backward (a reduce-scatter) sums the "
-                        f"load-balancing term's gradient, already whole on every rank, tp times")
+                        f"load-balancing term's gradient, already whole on every rank, tp times (Megatron-LM "
+                        f"routes each tp rank's own slice of the sequence instead, its load-balancing counts "
+                        f"summed over tp; not done here yet); use layout.sp = false")
     return problems
 
 
