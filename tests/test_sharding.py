@@ -213,6 +213,9 @@ def test_verify_fsdp_with_derived_tensor_parallelism(pools):
 def test_verify_context_parallel_rules(pools):
     # seq over cp alone (2 ranks), and with Megatron TP and sequence parallelism over tp (4 ranks).
     _verify(pools, _cfg("gpt", 1, 1, "layout.cp=2", "sharding.compute=seq=cp", "train.steps=3"), 2)
+    # Rotary positions offset by the shard, grouped-query heads on the ring, the ring recomputed in backward.
+    _verify(pools, _cfg("gpt", 1, 1, "layout.cp=2", "sharding.compute=seq=cp", "model.rotary=true", "model.n_kv_head=2",
+                        'layout.recompute="selective"', "train.steps=2"), 2)
     _verify(pools, _cfg("gpt", 1, 2, "layout.cp=2", f"sharding.compute={MEGATRON}, seq=cp+tp", "train.steps=2"), 4)
 
 
