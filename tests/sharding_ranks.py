@@ -84,3 +84,61 @@ def checkpoint_across(root: str) -> dict:
         out[name] = sorted(n for n in saved if not torch.equal(saved[n], got[n]))
         out[name + " trained"] = any(not torch.equal(saved[n], v) for n, v in full_parameters(setup(rules)[1]).items())
     return out
+
+
+def _flight_trace(run) -> list[list]:  # noqa: ANN001
+    """Every shardlab.comm operation `run()` starts on this rank, in issue order, as [operation, the
+    group's global ranks, bytes] (point-to-point: "send"/"recv" with the peer's rank), from the flight
+    recorder (dist/flight.py)."""
+    import math
+
+    from shardlab.dist import flight
+
+    before = max((e["id"] for e in flight.snapshot("mark")["entries"]), default=-1)
+    run()
+    snap = flight.snapshot("trace")
+    ranks = {g["key"]: g["ranks"] for g in snap["groups"]}
+    entries = [e for e in snap["entries"] if e["id"] > before]
+    assert [e["id"] for e in entries] == list(range(before + 1, before + 1 + len(entries))), "flight ring overflowed"
+    out = []
+    for e in entries:
+        shape = e["shape"] or []
+        numel = sum(math.prod(s) for s in shape) if shape and isinstance(shape[0], list) else math.prod(shape)
+        item = torch.empty(0, dtype=getattr(torch, e["dtype"])).element_size() if e["dtype"] else 0
+        out.append([e["op"], ranks.get(e["group"], []), numel * item] + ([e["peer"]] if "peer" in e else []))
+    return out
+
+
+def cp_traces(sets: list[str]) -> dict:
+    """One training step (forward, backward, gradient sync, clipping, AdamW) of verify's GPT laid out
+    by the hand-written flags `sets` (e.g. layout.cp=2) and again with the rules `sharding.compute=...`
+    that describe it: every operation of each, and what the derived plan predicts for the cp axis."""
+    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.train.config import load_config
+    from shardlab.train.step import lr_at, make_optimizer, train_step
+    from shardlab.train.task import build_task, prepare_model
+    from shardlab.train.verify import VERIFY_BASE
+
+    out: dict = {}
+    for name, extra in (("hand", [s for s in sets if not s.startswith("sharding.")]), ("derived", sets)):
+        cfg = load_config(None, extra, base=VERIFY_BASE)
+        cfg.validate(dist.get_world_size())
+        plain = prepare_model(cfg)
+        task = build_task(cfg, plain)
+        model = apply_layout(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+        opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
+        out[name] = _flight_trace(lambda: train_step(model, opt, task, 0, lr=lr_at(0, cfg), grad_clip=cfg.optim.grad_clip))
+        inner = getattr(model, "module", model)
+        out[name + " swapped"] = [type(inner.tokens).__name__, type(inner.blocks[0].attn.attend).__name__]
+        if name == "derived":
+            plan = inner.derived_plan
+            rows = cfg.train.global_batch // (cfg.layout.dp * cfg.train.micro_batches)
+            from shardlab.parallel.sharding import Rules, derive
+            from shardlab.parallel.sharding.apply import mesh_sizes
+
+            sized = derive(prepare_model(cfg), Rules.parse(cfg.sharding.compute, cfg.sharding.params),
+                           mesh_sizes(cfg.layout), rows=rows)
+            out["predicted_cp"] = sized.counts(axis="cp")
+            out["cp_ranks"] = build_mesh(cfg.layout, create_groups=False).ranks_along("cp")
+            out["plan_has_context"] = plan.context_axis == "cp"
+    return out

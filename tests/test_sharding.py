@@ -43,6 +43,18 @@ def test_refusals_name_module_tensor_and_axis():
     assert "unknown logical axis 'hidden'" in _refusal(_gpt(), "hidden=tp", {"tp": 2})
     seq = _refusal(_gpt(seq_len=18), "seq=tp", {"tp": 4})
     assert "seq_len 18 does not divide by tp = 4" in seq
+    # Context parallelism: the zigzag split needs 2 x cp chunks; sp cuts a cp rank's tokens further.
+    assert "tokens: activation residual (batch, seq/cp, embed): seq_len 18 does not divide by 2 x cp = 4" in \
+        _refusal(_gpt(seq_len=18), "seq=cp", {"cp": 2})
+    assert "seq_len 24 / cp 4 = 6 tokens per cp rank do not divide by tp = 4" in \
+        _refusal(_gpt(seq_len=24), "seq=cp+tp", {"cp": 4, "tp": 4})
+    assert "heads='cp': only the sequence (seq) is cut over 'cp'" in _refusal(_gpt(), "heads=cp", {"cp": 2})
+    assert "the deep MLP has no sequence" in _refusal(DeepMLP(MLPConfig(d_model=16, n_layer=2)), "seq=cp", {"cp": 2})
+    assert "blocks.*.attn.attend: seq over cp with model.dropout" in _refusal(_gpt(dropout=0.1), "seq=cp", {"cp": 2})
+    assert "'tp+cp'" in _refusal(_gpt(), "seq=tp+cp", {"cp": 2, "tp": 2})
+    cfg = load_config(None, ["layout.cp=2", f"sharding.compute={MEGATRON}"], base=VERIFY_BASE)
+    with pytest.raises(ConfigError, match="layout.cp = 2 with .sharding. rules that keep seq off cp"):
+        cfg.validate()
     # Before launch: validate() derives the plan on the meta device.
     cfg = load_config(None, ["layout.tp=2", "sharding.compute=embed=tp"], base=VERIFY_BASE)
     with pytest.raises(ConfigError, match="partial sum fed where it cannot be"):
@@ -69,6 +81,20 @@ def test_plan_places_megatron_and_sequence_parallel_collectives():
     assert plan.module("blocks.0.ln1").weight_sync and plan.data[0].bwd == "all_reduce"
     fsdp = derive(_gpt(), Rules.parse(MEGATRON, "embed=dp"), {"dp": 2, "tp": 2}, rows=2)
     assert fsdp.fsdp and [c.bwd for c in fsdp.data] == ["all_gather", "reduce_scatter"]
+    # seq over cp (with sp over tp): every module on t / cp tokens, a ring per attention core, the loss
+    # averaged over cp, the replicated weights' gradients over dp x cp.
+    plan = derive(_gpt(), Rules.parse(MEGATRON + ", seq=cp+tp"), {"dp": 2, "cp": 2, "tp": 2}, rows=2)
+    core = plan.module("blocks.0.attn.attend")
+    kv, grad = core.entry[0], core.exit[0]
+    block = 2 * 2 * (4 // 2) * (16 // 2) * 8   # k and v x rows x kv heads over tp x tokens over cp x head_dim
+    assert (kv.fn, kv.axis, kv.nbytes, kv.bytes_fwd(), kv.bytes_bwd()) == ("ring_kv", "cp", block * 4, block * 4, block * 4)
+    assert (grad.fn, grad.bytes_fwd(), grad.bytes_bwd(), grad.calls("bwd")) == ("ring_kv_grad", 0, 2 * block * 4, 2)
+    assert plan.module("blocks.0.attn").inp == "(batch/dp, seq/cp+tp, embed)"
+    assert plan.module("blocks.0.attn.proj").entry == [] and plan.module("blocks.0.attn.proj").inp == \
+        "(batch/dp, ctx/cp, heads/tp)"
+    assert plan.module("blocks.0.attn").entry[0].nbytes == 2 * (16 // 2) * 32 * 4   # sp's gather of t / cp tokens
+    assert [c.fn for c in plan.module("loss").exit] == ["whole_loss"] and plan.context_axis == "cp"
+    assert plan.data[0].axis == "dp+cp" and plan.counts(axis="cp")["sendrecv"]["calls"] == 2 * (1 + 1 + 2)
 
 
 # ------------------------------------------------------------------------------ trace equality
@@ -123,6 +149,29 @@ def test_derived_collectives_equal_hand_written(pools):
         assert Counter(op for op, _ in g["derived"]) == Counter(want)
 
 
+def test_derived_context_parallelism_equals_hand_written_cp(pools):
+    """seq over cp derives what `--cp 2` issues, operation for operation in issue order (kind, group,
+    bytes, ring peer) over one whole training step; and the plan predicts the ring's messages and the
+    loss's all-reduce on the cp group. At tp 2 x cp 2 the cp group's traffic is again the hand-written's."""
+    from sharding_ranks import cp_traces
+
+    got = pools(2).run(cp_traces, ["layout.cp=2", "sharding.compute=seq=cp"])[0]
+    assert got["hand"] == got["derived"] and got["plan_has_context"], json.dumps(got)
+    assert got["derived swapped"] == got["hand swapped"] == ["ZigzagTokens", "RingAttend"]
+    cp = got["cp_ranks"]
+    on_cp = Counter((op, b) for op, ranks, b, *_ in got["derived"] if ranks == cp)
+    sends = Counter(b for (op, b), k in on_cp.items() for _ in range(k) if op == "send")
+    assert on_cp[("all_reduce", 4)] == 1 and sum(sends.values()) == got["predicted_cp"]["sendrecv"]["calls"]
+    assert sum(b * k for b, k in sends.items()) == got["predicted_cp"]["sendrecv"]["bytes"]
+    assert {op for op, _ in on_cp} == {"send", "recv", "all_reduce"}
+    # Megatron TP x CP: the vocabulary-cut head differs on tp (docs/sharding.md), the cp ring does not.
+    got = pools(4).run(cp_traces, ["layout.cp=2", "layout.tp=2", f"sharding.compute={MEGATRON}, seq=cp"])[0]
+    cp = got["cp_ranks"]
+    hand, derived = ([e for e in got[k] if e[1] == cp] for k in ("hand", "derived"))
+    # At dp 1 the weights' replica group (dp x cp) is the cp group: + the loss's and the gradients' all-reduces.
+    assert hand == derived and len(derived) == 2 * got["predicted_cp"]["sendrecv"]["calls"] + 2, json.dumps(got)
+
+
 # ------------------------------------------------------------------------------------- verify
 def _cfg(model: str, dp: int, tp: int, *extra: str) -> dict:
     cfg = load_config(None, [f'model.name="{model}"', f"layout.dp={dp}", f"layout.tp={tp}", *extra], base=VERIFY_BASE)
@@ -161,52 +210,81 @@ def test_verify_fsdp_with_derived_tensor_parallelism(pools):
                         "train.steps=3", "train.micro_batches=2"), 4)
 
 
+def test_verify_context_parallel_rules(pools):
+    # seq over cp alone (2 ranks), and with Megatron TP and sequence parallelism over tp (4 ranks).
+    _verify(pools, _cfg("gpt", 1, 1, "layout.cp=2", "sharding.compute=seq=cp", "train.steps=3"), 2)
+    # Rotary positions offset by the shard, grouped-query heads on the ring, the ring recomputed in backward.
+    _verify(pools, _cfg("gpt", 1, 1, "layout.cp=2", "sharding.compute=seq=cp", "model.rotary=true", "model.n_kv_head=2",
+                        'layout.recompute="selective"', "train.steps=2"), 2)
+    _verify(pools, _cfg("gpt", 1, 2, "layout.cp=2", f"sharding.compute={MEGATRON}, seq=cp+tp", "train.steps=2"), 4)
+
+
+@pytest.mark.slow
+def test_verify_fsdp_heads_over_tp_seq_over_cp_on_eight_ranks(pools):
+    # The issue's example, which no hand-written flag set spells: weights stored over dp (FSDP), heads,
+    # mlp and vocab over tp, the sequence over cp (the ring), on dp 2 x tp 2 x cp 2.
+    _verify(pools, _cfg("gpt", 2, 2, "layout.cp=2", f"sharding.compute={MEGATRON}, seq=cp", "sharding.params=embed=dp",
+                        "train.steps=2"), 8)
+
+
 # ---------------------------------------------------------------------------------- randomized
-def _predicted_refusal(model: str, rules: dict, tp: int, shape: dict) -> bool:
+def _predicted_refusal(model: str, rules: dict, tp: int, cp: int, shape: dict) -> bool:
     """Whether the rules must be refused, worked out here from the shapes (not from the derivation)."""
     if model == "mlp":
         return ("embed" in rules and "mlp" in rules) or shape["d_model"] % tp != 0
-    kv = shape["n_kv_head"]
+    kv, t = shape["n_kv_head"], shape["seq_len"]
+    seq = rules.get("seq", "")
     return ("embed" in rules or "ctx" in rules
             or ("heads" in rules and (shape["n_head"] % tp or kv % tp))
             or ("mlp" in rules and shape["d_ff"] % tp) or ("vocab" in rules and 256 % tp)
-            or ("seq" in rules and shape["seq_len"] % tp))
+            or (seq == "tp" and t % tp)
+            or (cp > 1 and "cp" not in seq)                       # layout.cp under rules is seq over cp
+            or ("cp" in seq and t % (2 * cp))                     # the zigzag split: 2 chunks per cp rank
+            or (seq == "cp+tp" and (t // cp) % tp))
+
+
+def _draws(rng: random.Random, count: int):  # noqa: ANN202
+    """(model, dp, cp, tp, rules, shape, store) draws: meshes of 2 or 4 ranks over dp x cp x tp."""
+    for _ in range(count):
+        model = rng.choice(["gpt", "mlp"])
+        world = rng.choice([2, 4])
+        tp = rng.choice([2, world]) if model == "mlp" else rng.choice([1, 2, world])
+        cp = rng.choice([1, world // tp]) if model == "gpt" else 1
+        dp = world // tp // cp
+        names = ["heads", "mlp", "vocab", "seq", "embed", "ctx"] if model == "gpt" else ["mlp", "embed"]
+        rules = {n: "tp" for n in names if rng.random() < 0.45} or {names[0]: "tp"}
+        if "seq" in rules or cp > 1 and rng.random() < 0.8:
+            rules["seq"] = rng.choice(["tp", "cp", "cp+tp"])
+        shape = {"n_head": rng.choice([2, 4]), "d_ff": rng.choice([96, 128]), "seq_len": rng.choice([20, 24, 32]),
+                 "d_model": 32 if model == "gpt" else rng.choice([24, 32])}
+        shape["n_kv_head"] = rng.choice([1, shape["n_head"]])
+        yield model, dp, cp, tp, rules, shape, rng.random() < 0.3 and dp > 1
 
 
 def test_randomized_rules_and_meshes_against_one_process(pools):
-    rng = random.Random(19)
     ran = refused = 0
     seen: set[tuple] = set()
-    for _ in range(40):
-        model = rng.choice(["gpt", "mlp"])
-        world = rng.choice([2, 4])
-        tp = rng.choice([2, world])
-        dp = world // tp
-        names = ["heads", "mlp", "vocab", "seq", "embed", "ctx"] if model == "gpt" else ["mlp", "embed"]
-        rules = {n: "tp" for n in names if rng.random() < 0.45} or {names[0]: "tp"}
-        shape = {"n_head": rng.choice([2, 4]), "d_ff": rng.choice([96, 128]), "seq_len": rng.choice([24, 32]),
-                 "d_model": 32 if model == "gpt" else rng.choice([24, 32])}
-        shape["n_kv_head"] = rng.choice([1, shape["n_head"]])
-        store = rng.random() < 0.3 and dp > 1
+    for model, dp, cp, tp, rules, shape, store in _draws(random.Random(2), 40):
         sets = [f"model.{k}={v}" for k, v in shape.items() if model == "gpt" or k == "d_model"]
         sets += ["sharding.compute=" + ", ".join(f"{k}={v}" for k, v in rules.items()), "train.steps=2"]
         sets += ["sharding.params=embed=dp"] if store else []
-        cfg = load_config(None, [f'model.name="{model}"', f"layout.dp={dp}", f"layout.tp={tp}", *sets],
-                          base=VERIFY_BASE)
-        must_refuse = _predicted_refusal(model, rules, tp, shape)
+        cfg = load_config(None, [f'model.name="{model}"', f"layout.dp={dp}", f"layout.tp={tp}", f"layout.cp={cp}",
+                                 *sets], base=VERIFY_BASE)
+        must_refuse = _predicted_refusal(model, rules, tp, cp, shape)
+        mesh = f"dp {dp} x cp {cp} x tp {tp}"
         try:
             cfg.validate()
         except ConfigError as exc:
-            assert must_refuse, f"{sets} at dp {dp} x tp {tp} was refused but is derivable: {exc}"
+            assert must_refuse, f"{sets} at {mesh} was refused but is derivable: {exc}"
             refused += 1
             continue
-        assert not must_refuse, f"{sets} at dp {dp} x tp {tp} was accepted but cannot be derived"
-        key = (model, world, dp, store)
+        assert not must_refuse, f"{sets} at {mesh} was accepted but cannot be derived"
+        key = (model, dp * cp * tp, dp, cp > 1, store)
         if ran < 4 and key not in seen:  # each run costs seconds: four accepted draws of different kinds
             seen.add(key)
-            _verify(pools, cfg.to_dict(), world)
+            _verify(pools, cfg.to_dict(), dp * cp * tp)
             ran += 1
-    assert ran == 4 and refused >= 5 and any(w == 4 for _, w, _, _ in seen)
+    assert ran == 4 and refused >= 5 and any(w == 4 for _, w, *_ in seen) and any(c for *_, c, _ in seen), seen
 
 
 # ---------------------------------------------------------------------------------- explain CLI
@@ -227,6 +305,15 @@ def test_explain_prints_the_plan_and_refuses_bad_rules(capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "blocks.1.mlp.proj" in text and "per step:" in text and "reduce_scatter_to_sequence" in text
+    # Context parallelism: each attention core's ring, forward and backward, with bytes and a predicted time.
+    assert main(["explain", "--model", "gpt", "--tp", "2", "--cp", "2", "--set", "model.n_layer=2", "--set",
+                 f"sharding.compute={MEGATRON}, seq=cp", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    core = next(m for m in d["modules"] if m["name"] == "blocks.1.attn.attend")
+    kv, grad = core["collectives"]
+    assert (kv["fwd"], kv["fwd_calls"], kv["bwd_calls"], kv["group"]) == ("sendrecv", 1, 1, "cp[2] [0, 2]")
+    assert kv["fwd_bytes"] == kv["bwd_bytes"] > 0 and grad["bwd_bytes"] == 2 * kv["fwd_bytes"] and kv["predicted_s"] > 0
+    assert {c["group"] for c in d["data_parallel"]} == {"dp+cp[2] [0, 2]"}
     assert main(["explain", "--model", "mlp", "--tp", "2", "--set", "sharding.compute=embed=tp, mlp=tp"]) == 2
     assert "used twice in one tensor" in capsys.readouterr().err
 

@@ -15,8 +15,12 @@ Derives the plan of a configuration's [sharding] rules (docs/sharding.md) on the
 and output live, how its weights are cut, and each collective that reconciles producer and consumer:
 the comm.autograd function, its group (the mesh axis, its size and rank 0's members), what it moves
 forward and backward (the nccl-tests size of the buffer, per micro-batch) and the planner's predicted
-time for it on --hardware (plan/comm.py's alpha-beta model of the group's links). Totals per step at
-the end (model-axis collectives x micro-batches, plus the data-parallel engine's, once per step).
+time for it on --hardware (plan/comm.py's alpha-beta model of the group's links). Context parallelism
+(seq over cp) shows each attention core's ring: the key/value messages sent to the next cp rank
+('sendrecv xN': N steps of one message each way, forward and again backward) and the key/value
+gradients passed back in backward, each step timed as one point-to-point exchange (plan/comm.py
+p2p_time). Totals per step at the end (model-axis and cp collectives x micro-batches, plus the
+data-parallel engine's, once per step).
 
 The rules are sharding.compute (how activations and weights in compute are laid out) and
 sharding.params (storage where it differs: embed=dp is FSDP), as 'logical=axis' text or TOML tables.
@@ -27,6 +31,8 @@ examples:
   shardlab explain --model mlp --tp 2 --set sharding.compute=mlp=tp --json plan.json
   shardlab explain --config configs/gpt-small.toml --dp 2 --tp 2 \\
       --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=tp' --set sharding.params=embed=dp
+  shardlab explain --model gpt --dp 2 --tp 2 --cp 2 \
+      --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=cp' --set sharding.params=embed=dp
 """
 
 
@@ -41,8 +47,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _axes(axis: str) -> str | tuple[str, ...]:
+    """"dp+cp" (a combined group: the weights' replicas under context parallelism) -> ("dp", "cp")."""
+    return tuple(axis.split("+")) if "+" in axis else axis
+
+
 def _group(mesh: Any, axis: str) -> str:
-    return f"{axis}[{mesh.size(axis)}] {mesh.ranks_along(axis, 0)}"
+    return f"{axis}[{mesh.size(_axes(axis))}] {mesh.ranks_along(_axes(axis), 0)}"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -60,7 +71,7 @@ def explain(cfg: Any, hardware: str) -> dict[str, Any]:
     from shardlab.parallel.layout import build_mesh, mesh_order
     from shardlab.parallel.sharding.apply import mesh_sizes, rules_of
     from shardlab.parallel.sharding.derive import derive
-    from shardlab.plan.comm import Group, collective_time
+    from shardlab.plan.comm import Group, collective_time, p2p_time
     from shardlab.plan.hardware import get_hardware
     from shardlab.train.corpus import model_vocab
     from shardlab.train.task import build_model
@@ -77,28 +88,35 @@ def explain(cfg: Any, hardware: str) -> dict[str, Any]:
     hw = get_hardware(hardware)
 
     def stride(axis: str) -> int:
-        inner = order[order.index(axis) + 1:]
+        # A combined group (dp+cp): its innermost member's stride (the axes are adjacent but for ep = 1).
+        inner = order[max(order.index(a) for a in axis.split("+")) + 1:]
         out = 1
         for a in inner:
             out *= getattr(lay, a)
         return out
 
-    def seconds(op: str, nbytes: int, axis: str) -> float:
+    def seconds(op: str, nbytes: int, axis: str, steps: int = 1) -> float:
+        group = Group(axis, mesh.size(_axes(axis)), stride(axis))
+        if op == "sendrecv":  # a ring's steps: one exchange with the neighbours each, one after another
+            return steps * p2p_time(hw, nbytes, group)
         if op not in ("all_reduce", "all_gather", "reduce_scatter"):
             return 0.0
-        return collective_time(hw, op, nbytes, Group(axis, mesh.size(axis), stride(axis)))
+        return collective_time(hw, op, nbytes, group)
 
     def row(c: Any) -> dict[str, Any]:
         return {"at": c.at, "function": c.fn, "group": _group(mesh, c.axis), "axis": c.axis, "dim": c.dim,
-                "fwd": c.fwd, "fwd_bytes": c.bytes_fwd(), "bwd": c.bwd, "bwd_bytes": c.bytes_bwd(),
-                "predicted_s": seconds(c.fwd, c.nbytes, c.axis) + seconds(c.bwd, c.nbytes, c.axis), "why": c.why}
+                "fwd": c.fwd, "fwd_bytes": c.bytes_fwd(), "fwd_calls": c.calls("fwd"),
+                "bwd": c.bwd, "bwd_bytes": c.bytes_bwd(), "bwd_calls": c.calls("bwd"),
+                "predicted_s": seconds(c.fwd, c.nbytes, c.axis, c.steps_fwd)
+                + seconds(c.bwd, c.nbytes, c.axis, c.steps_bwd), "why": c.why}
 
     modules = [{"name": m.name, "kind": m.kind, "in": m.inp, "out": m.out, "weights": m.weights,
                 "collectives": [row(c) for c in m.collectives()]} for m in plan.modules]
     data = [row(c) for c in plan.data]
     per_mb = [c for m in modules for c in m["collectives"]]
     mb = t.micro_batches
-    total = {"calls": mb * sum((c["fwd_bytes"] > 0) + (c["bwd_bytes"] > 0) for c in per_mb)
+    total = {"calls": mb * sum(c["fwd_calls"] * (c["fwd_bytes"] > 0) + c["bwd_calls"] * (c["bwd_bytes"] > 0)
+                               for c in per_mb)
              + sum((c["fwd_bytes"] > 0) + (c["bwd_bytes"] > 0) for c in data),
              "bytes": mb * sum(c["fwd_bytes"] + c["bwd_bytes"] for c in per_mb)
              + sum(c["fwd_bytes"] + c["bwd_bytes"] for c in data),
@@ -121,8 +139,9 @@ def render(d: dict[str, Any]) -> str:
             short = ", ".join(f"{w.removeprefix(m['name'] + '.')} {p}" for w, p in m["weights"].items())
             lines.append(f"{'':<24}weights {short}")
         for c in m["collectives"]:
-            lines.append(f"{'':<24}{c['at']:<8} {c['function']:<27} {c['group']:<14} fwd {c['fwd']:<14} "
-                         f"{_fmt_bytes(c['fwd_bytes']):>10}  bwd {c['bwd']:<14} {_fmt_bytes(c['bwd_bytes']):>10}  "
+            fwd, bwd = (c[p] + (f" x{c[p + '_calls']}" if c[p] == "sendrecv" else "") for p in ("fwd", "bwd"))
+            lines.append(f"{'':<24}{c['at']:<8} {c['function']:<27} {c['group']:<14} fwd {fwd:<14} "
+                         f"{_fmt_bytes(c['fwd_bytes']):>10}  bwd {bwd:<14} {_fmt_bytes(c['bwd_bytes']):>10}  "
                          f"{c['predicted_s'] * 1e6:8.1f} us  ({c['why']})")
     if d["data_parallel"]:
         lines.append("data parallel engine (once per step)" + (": FSDP (ZeRO-3 units)" if d["fsdp"] else ""))

@@ -6,8 +6,8 @@ The names, as in JAX/Flax's logical axis annotations (MaxText, Levanter):
 
   batch     rows of a batch (sequences; the deep MLP's rows)
   seq       the sequence as the residual stream holds it, between blocks (norms, embeddings, residual adds)
-  ctx       the sequence inside attention, the MLP and the head (attention needs every key: whole, unless
-            context parallelism, which is not derived here)
+  ctx       the sequence inside attention, the MLP and the head (attention needs every key: whole, or cut
+            over cp with seq under context parallelism, where the keys travel around a ring)
   embed     the residual stream's width (d_model)
   heads     query heads (the flat heads x head_dim dim of q, proj's input; cut by whole heads)
   kv_heads  key/value heads (the fused key/value projection: two blocks, keys then values)

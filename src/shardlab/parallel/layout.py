@@ -204,8 +204,10 @@ def apply_expert_parallel(model: nn.Module, layout: "LayoutSection", mesh: Devic
 
 def apply_context_parallel(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | None) -> nn.Module:
     """Step 3b: split every sequence over the mesh's "cp" axis, attention as a ring (parallel/context):
-    the GPT converted in place, each rank running its zigzag chunks of the rows it receives."""
-    if layout.cp > 1:
+    the GPT converted in place, each rank running its zigzag chunks of the rows it receives. A model
+    whose [sharding] rules cut seq over cp had the same swaps compiled from its plan in step 2."""
+    plan = getattr(model, "derived_plan", None)
+    if layout.cp > 1 and not (plan is not None and plan.context_axis):
         from shardlab.parallel.context import apply_context_parallel as convert
 
         model = convert(model, mesh.group("cp"))

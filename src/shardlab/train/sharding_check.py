@@ -20,22 +20,28 @@ def sharding_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     if lay.sp or lay.tp_plan != "megatron":
         out.append(f"[sharding] rules with layout.sp = {lay.sp}, layout.tp_plan = {lay.tp_plan!r}: the rules replace "
                    f"both (sequence parallel is seq=tp in sharding.compute); leave them at false and 'megatron'")
-    if lay.pp > 1 or lay.cp > 1 or lay.ep > 1:
-        out.append(f"[sharding] rules with layout.pp = {lay.pp}, cp = {lay.cp}, ep = {lay.ep}: derived sharding "
-                   f"covers tp and dp here; pipelines, context and expert parallelism stay the hand-written "
-                   f"layouts (use them without [sharding])")
+    if lay.pp > 1 or lay.ep > 1:
+        out.append(f"[sharding] rules with layout.pp = {lay.pp}, ep = {lay.ep}: derived sharding covers tp, cp and "
+                   f"dp here; pipelines and expert parallelism stay the hand-written layouts (use them without "
+                   f"[sharding])")
     if m.name == "mlp" and lay.recompute == "full":
         out.append("[sharding] rules on the deep MLP with layout.recompute = 'full': recompute's pairs of layers are "
                    "the plain MLP's forms, not the derived one's; use layout.recompute = 'none' (the GPT takes both)")
     if m.experts:
         out.append(f"[sharding] rules with model.experts = {m.experts}: logical axes are declared for dense models")
-    if lay.tp > 1 and m.dropout > 0:
+    if lay.tp > 1 and m.dropout > 0 and lay.cp == 1:  # with cp the derivation refuses it, naming the ring
         out.append(f"model.dropout = {m.dropout} with [sharding] over layout.tp = {lay.tp}: the ranks would draw "
                    f"the same masks for different heads (no tensor-parallel generator); set model.dropout = 0")
     try:
         rules = rules_of(cfg.sharding)
     except ShardingError as exc:
         return out + [str(exc)]
+    from shardlab.parallel.sharding.rules import split_seq
+
+    if lay.cp > 1 and split_seq(rules.compute)[0] is None:
+        out.append(f"layout.cp = {lay.cp} with [sharding] rules that keep seq off cp (compute: "
+                   f"{cfg.sharding.compute or '-'}): under rules, context parallelism is the rule seq=cp (or "
+                   f"seq=cp+tp with sequence parallelism); add it, or set layout.cp = 1")
     if any(v == "dp" for v in rules.params.values()) and lay.zero in (1, 2):
         out.append(f"sharding.params stores weights over dp (FSDP, ZeRO-3) but layout.zero = {lay.zero}; "
                    f"leave layout.zero at 0 or 3")

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardlab import comm
 from shardlab.comm.dispatch import Group
 from shardlab.models.gpt import GPT, Tokens
 from shardlab.parallel.context.ring import ring_attention
@@ -113,9 +114,9 @@ class ZigzagTokens(SharesGroups, Tokens):
 
     def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
         # The value of the line's mean, the gradient of this rank's own (the module docstring says why).
+        # Through shardlab.comm, so the flight recorder and the derived plan's trace see it (sharding/context.py).
         n = self._nr()[0]
-        line = loss.detach().clone()
-        dist.all_reduce(line, group=self.group)
+        line = comm.all_reduce(loss.detach().clone(), "sum", self.group)
         return loss + (line / n - loss.detach())
 
 

@@ -12,7 +12,7 @@ from shardlab.dist.mesh import DeviceMesh
 from shardlab.parallel.placement import Placement
 from shardlab.parallel.sharding.compile import compile_plan
 from shardlab.parallel.sharding.derive import derive
-from shardlab.parallel.sharding.rules import MODEL_AXIS, Rules
+from shardlab.parallel.sharding.rules import CONTEXT_AXIS, MODEL_AXIS, Rules
 
 if TYPE_CHECKING:
     from shardlab.parallel.layout_section import LayoutSection
@@ -29,11 +29,13 @@ def mesh_sizes(layout: "LayoutSection") -> dict[str, int]:
 
 def apply_sharding(model: nn.Module, layout: "LayoutSection", sharding: "ShardingSection", mesh: DeviceMesh,
                    record: Placement) -> tuple[nn.Module, "LayoutSection"]:
-    """`model` with the derived plan compiled over the mesh's "tp" group (in place) and the layout step
+    """`model` with the derived plan compiled over the mesh's "tp" group and, for seq over cp, its "cp"
+    group (in place; apply_layout's step 3 then leaves context parallelism alone) and the layout step
     5 then applies: layout.zero = 3 when the rules store weights over dp (FSDP), else as given."""
     rules = rules_of(sharding)
     plan = derive(model, rules, mesh_sizes(layout), rows=1)
-    model = compile_plan(model, plan, mesh.group(MODEL_AXIS), base=record)
+    cp_group = mesh.group(CONTEXT_AXIS) if plan.context_axis and layout.cp > 1 else None
+    model = compile_plan(model, plan, mesh.group(MODEL_AXIS), base=record, cp_group=cp_group)
     if plan.fsdp:
         layout = dataclasses.replace(layout, zero=3)
     return model, layout

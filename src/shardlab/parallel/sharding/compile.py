@@ -114,10 +114,12 @@ def _entry_hook(entry: tuple[Collective, ...], group: Group) -> Callable:
     return hook
 
 
-def compile_plan(model: nn.Module, plan: Plan, group: Group, base: Placement | None = None) -> nn.Module:
+def compile_plan(model: nn.Module, plan: Plan, group: Group, base: Placement | None = None,
+                 cp_group: Group = None) -> nn.Module:
     """Apply `plan` to the plain `model` in place over `group` (the mesh's model axis) and return it,
     carrying `placement` (`base` with the model axis added from the plan's shards), `tp_group`,
-    `derived_plan` and the whole-model views of a tensor-parallel model."""
+    `derived_plan` and the whole-model views of a tensor-parallel model. `cp_group`: the mesh's cp
+    axis, when the plan cuts the sequence over it (context.py's swaps)."""
     base = Placement.whole(model.named_parameters(), tied_aliases(model)) if base is None else base
     named = list(model.named_parameters())
     record = base.with_axis(MeshAxis.of("tp", group), dict(plan.shards), local=named)
@@ -129,7 +131,13 @@ def compile_plan(model: nn.Module, plan: Plan, group: Group, base: Placement | N
                 # Mixed precision: the fp32 source the masters start from is cut alike (precision.py).
                 owner, _, attr = name.rpartition(".")
                 carry_fp32_source(p, p, lambda t, n=name: record.local_slice(t, n), modules[owner], attr)
+    if plan.context_axis:
+        from shardlab.parallel.sharding.context import compile_context
+
+        compile_context(model, plan.modules, cp_group)
     for mp in plan.modules:
+        if mp.context_axis:
+            continue
         module = modules[mp.name]
         if mp.kind in ("attention", "mlp"):
             if mp.entry:

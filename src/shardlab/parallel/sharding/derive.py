@@ -22,7 +22,8 @@ A collective placed on a module's input is issued once for all the layers inside
 kv share one), as Megatron's f at a parallel region's entry. Rules that cannot be derived are refused
 with the module, the tensor and the axis named: a mesh axis used twice in one tensor, a dimension that
 does not divide, a partial sum fed where it cannot be (a norm over a cut embed), or what is not
-derived here (the sequence inside attention over cp: that is layout.cp's ring attention).
+derived here. The sequence over cp (context parallelism) is context.py's: attention's contraction over
+a cut sequence is finished by the ring, the loss's mean by an average over cp.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.nn as nn
 from shardlab.models.axes import GPT_ACTIVATIONS, TensorAxes, mlp_activation_axes, mlp_layer_axes, param_axes
 from shardlab.parallel.placement import Shard
 from shardlab.parallel.sharding.plan import Collective, ModulePlan, Plan
-from shardlab.parallel.sharding.rules import DATA_AXIS, MODEL_AXIS, Rules, ShardingError
+from shardlab.parallel.sharding.rules import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, Rules, ShardingError, axes_of, split_seq
 
 
 def fmt(axes: TensorAxes | tuple[str, ...], mapping: Mapping[str, str | None], partial: str | None = None) -> str:
@@ -55,13 +56,29 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
 
     problems = rules.problems()
     axes = param_axes(model)
-    compute = {k: v for k, v in rules.compute.items() if k != "batch"}
+    cp, seq_tp = split_seq(rules.compute)
+    # The tp derivation below sees seq's tp part (sequence parallelism); its cp part is context.py's.
+    compute = {k: v for k, v in rules.compute.items() if k not in ("batch", "ctx", "seq")}
+    if seq_tp:
+        compute["seq"] = seq_tp
     for name, ta in axes.items():
         _twice(f"parameter {name}", ta, compute, problems)
         _divides(name, ta, dict(model.named_parameters())[name].shape, compute, sizes, problems)
     if isinstance(model, GPT):
-        modules = _gpt(model, compute, sizes, rows, seq or model.cfg.seq_len, itemsize, problems)
+        from shardlab.parallel.sharding.context import add_context, context_problems
+
+        t_all = seq or model.cfg.seq_len
+        n_cp = sizes.get(CONTEXT_AXIS, 1) if cp else 1
+        if cp:
+            problems += context_problems(model, t_all, sizes, seq_tp)
+        # Bytes per rank: its t / cp tokens (the zigzag chunks) run through every module.
+        modules = _gpt(model, compute, sizes, rows, max(1, t_all // n_cp), itemsize, problems, cp)
+        if cp:
+            modules = add_context(model, modules, sizes, rows, t_all, itemsize, bool(compute.get("kv_heads")))
     elif isinstance(model, DeepMLP):
+        if cp:
+            problems.append(f"seq over {cp!r}: the deep MLP has no sequence (its activations are (batch, embed) "
+                            f"and (batch, mlp)); context parallelism is the GPT's")
         modules = _mlp(model, compute, sizes, rows, itemsize, problems)
     else:
         raise ShardingError(f"no derivation for {type(model).__name__}: GPT and DeepMLP declare logical axes")
@@ -75,19 +92,20 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
     fsdp = any(v == DATA_AXIS for k, v in rules.params.items())
     data = _data_collectives(model, axes, shards, sizes, itemsize, fsdp)
     t = (seq or model.cfg.seq_len) if isinstance(model, GPT) else 0
-    return Plan(rules.describe(), dict(sizes), modules, shards, data, fsdp, rows, t, itemsize, micro_batches)
+    return Plan(rules.describe(), dict(sizes), modules, shards, data, fsdp, rows, t, itemsize, micro_batches,
+                context_axis=cp)
 
 
 # ---------------------------------------------------------------------------------------- checks
 def _twice(what: str, ta: TensorAxes, compute: Mapping[str, str], problems: list[str]) -> None:
     seen: dict[str, str] = {}
     for logical in ta.names:
-        axis = compute.get(logical)
-        if axis and axis in seen:
-            problems.append(f"{what} {fmt(ta, compute)}: mesh axis {axis!r} used twice in one tensor "
-                            f"({seen[axis]} and {logical}); one axis can cut one dimension of a tensor")
-        elif axis:
-            seen[axis] = logical
+        for axis in axes_of(compute.get(logical)):
+            if axis in seen:
+                problems.append(f"{what} {fmt(ta, compute)}: mesh axis {axis!r} used twice in one tensor "
+                                f"({seen[axis]} and {logical}); one axis can cut one dimension of a tensor")
+            else:
+                seen[axis] = logical
 
 
 def _divides(name: str, ta: TensorAxes, shape: tuple[int, ...], compute: Mapping[str, str],
@@ -114,20 +132,19 @@ def _coll(sizes: Mapping[str, int], module: str, at: str, fn: str, dim: int | No
 
 # ------------------------------------------------------------------------------------------- GPT
 def _gpt(model: nn.Module, c: dict[str, str], sizes: Mapping[str, int], rows: int, t: int, item: int,
-         problems: list[str]) -> list[ModulePlan]:
+         problems: list[str], cp: str | None = None) -> list[ModulePlan]:
+    """`t`: the tokens this rank runs (the whole sequence / cp under context parallelism)."""
     cfg, n = model.cfg, sizes.get(MODEL_AXIS, 1)
     S, H, KV, M, V = (c.get(k) for k in ("seq", "heads", "kv_heads", "mlp", "vocab"))
     amap = dict(c, batch=DATA_AXIS if sizes.get(DATA_AXIS, 1) > 1 else None)
+    if cp:  # placements as text: the sequence over cp everywhere (ctx too), then over tp between blocks
+        amap.update(seq="+".join(a for a in (cp, S) if a), ctx=cp)
     for key, ta in GPT_ACTIVATIONS.items():
         _twice(f"activation {key}", ta, amap, problems)
     if c.get("embed"):
         problems.append(f"blocks.0.ln1 normalises the residual (batch, seq, embed) over embed, which compute "
                         f"maps to {c['embed']!r}: its mean and variance would be partial sums (a partial sum fed "
                         f"where it cannot be); keep embed whole in compute (store it over dp with params)")
-    if c.get("ctx"):
-        problems.append(f"blocks.0.attn: ctx (the sequence inside attention) over {c['ctx']!r}: every query needs "
-                        f"every earlier key; that is context parallelism's ring attention (layout.cp), not "
-                        f"derived here")
     for k in ("head_dim", "pos"):
         if c.get(k):
             problems.append(f"{k} over {c[k]!r}: not derived ({'a head is never cut' if k == 'head_dim' else 'the position table stays whole'})")
@@ -139,7 +156,7 @@ def _gpt(model: nn.Module, c: dict[str, str], sizes: Mapping[str, int], rows: in
         if c.get(logical) and count % n:
             problems.append(f"blocks.0.attn: {count} {what} cannot be cut into {c[logical]} = {n} equal shares of "
                             f"whole heads")
-    if S and t % n:
+    if S and t % n and not cp:  # under cp: context.context_problems says it with the cp split
         problems.append(f"activation residual (batch, seq/{S}, embed): seq_len {t} does not divide by {S} = {n}")
     resid = rows * t * cfg.d_model * item
     rtext = fmt(GPT_ACTIVATIONS["residual"], amap)
@@ -270,18 +287,23 @@ def _data_collectives(model: nn.Module, axes: Mapping[str, TensorAxes], shards: 
     """The batch is cut over dp and every weight replicated over it: each weight's gradient is a
     partial sum over dp, reduced once per step by the data-parallel engine (all-reduce), or, stored over
     dp, gathered for forward and backward and reduce-scattered (FSDP)."""
-    n = sizes.get(DATA_AXIS, 1)
+    # The weights' replicas: dp, and cp (the sequence cut, the weights whole): one group, "dp+cp".
+    cp = sizes.get(CONTEXT_AXIS, 1)
+    n = sizes.get(DATA_AXIS, 1) * cp
     if n <= 1:
         return []
+    axis = DATA_AXIS if cp == 1 else f"{DATA_AXIS}+{CONTEXT_AXIS}"
+    cut = "batch cut over dp" if cp == 1 else ("sequence cut over cp" if n == cp else "batch over dp, sequence over cp")
     tp = sizes.get(MODEL_AXIS, 1)
     local = sum(p.numel() // (tp if name in shards else 1) for name, p in model.named_parameters() if p.requires_grad)
     nbytes = local * item
     if fsdp:
-        return [Collective("(all weights)", "weights", "fsdp", DATA_AXIS, None, nbytes,
-                           "stored over dp, computed whole: gathered for forward, again for backward",
+        where = "dp" if cp == 1 else "dp x cp (every rank holding them whole: the ZeRO-3 engine's replica group)"
+        return [Collective("(all weights)", "weights", "fsdp", axis, None, nbytes,
+                           f"stored over {where}, computed whole: gathered for forward, again for backward",
                            fwd="all_gather", bwd="all_gather"),
-                Collective("(all weights)", "gradients", "fsdp", DATA_AXIS, None, nbytes,
-                           "batch cut over dp: partial gradients, each rank keeps its stored chunk",
+                Collective("(all weights)", "gradients", "fsdp", axis, None, nbytes,
+                           f"{cut}: partial gradients, each rank keeps its stored chunk",
                            fwd="-", bwd="reduce_scatter")]
-    return [Collective("(all weights)", "gradients", "grad_all_reduce", DATA_AXIS, None, nbytes,
-                       "batch cut over dp, weights replicated: partial gradients", fwd="-", bwd="all_reduce")]
+    return [Collective("(all weights)", "gradients", "grad_all_reduce", axis, None, nbytes,
+                       f"{cut}, weights replicated: partial gradients", fwd="-", bwd="all_reduce")]

@@ -21,7 +21,14 @@ FUNCTIONS: dict[str, tuple[str, str]] = {
     "reduce_scatter_to_sequence": ("reduce_scatter", "all_gather"),
     "split_to_group": ("split", "all_gather"),
 }
-COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter")
+CONTEXT_FUNCTIONS: dict[str, tuple[str, str]] = {
+    # context parallelism's swap points (parallel/context), run over the cp axis
+    "zigzag_split": ("split", "-"),          # the tokens: this rank's two zigzag chunks, their positions
+    "ring_kv": ("sendrecv", "sendrecv"),     # RingAttention: keys and values passed on, forward and again backward
+    "ring_kv_grad": ("-", "sendrecv"),       # RingAttention's backward: the running key/value gradients, fp32
+    "whole_loss": ("all_reduce", "-"),       # the loss's value averaged over the cp ranks (no gradient through it)
+}
+COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
 
 
 @dataclass(frozen=True)
@@ -38,22 +45,33 @@ class Collective:
     why: str
     fwd: str = ""
     bwd: str = ""
+    # A ring's pass is `steps` point-to-point exchanges of `nbytes` each ("sendrecv": every rank sends
+    # one message to the next rank and receives one from the previous), forward and backward alike.
+    steps_fwd: int = 1
+    steps_bwd: int = 1
 
     def __post_init__(self) -> None:
-        if self.fn in FUNCTIONS:
-            fwd, bwd = FUNCTIONS[self.fn]
+        table = FUNCTIONS if self.fn in FUNCTIONS else CONTEXT_FUNCTIONS
+        if self.fn in table:
+            fwd, bwd = table[self.fn]
             object.__setattr__(self, "fwd", self.fwd or fwd)
             object.__setattr__(self, "bwd", self.bwd or bwd)
 
     def bytes_fwd(self) -> int:
-        return self.nbytes if self.fwd in COMMUNICATING else 0
+        return self.nbytes * self.steps_fwd if self.fwd in COMMUNICATING else 0
 
     def bytes_bwd(self) -> int:
-        return self.nbytes if self.bwd in COMMUNICATING else 0
+        return self.nbytes * self.steps_bwd if self.bwd in COMMUNICATING else 0
+
+    def calls(self, phase: str) -> int:
+        op, steps = (self.fwd, self.steps_fwd) if phase == "fwd" else (self.bwd, self.steps_bwd)
+        return steps if op in COMMUNICATING else 0
 
     def ops(self) -> list[tuple[str, str, int]]:
-        """[(phase, operation, bytes)] of the communicating halves."""
-        return [(ph, op, self.nbytes) for ph, op in (("fwd", self.fwd), ("bwd", self.bwd)) if op in COMMUNICATING]
+        """[(phase, operation, bytes)] of the communicating halves, one per message (a ring's steps)."""
+        return [(ph, op, self.nbytes) for ph, op, k in (("fwd", self.fwd, self.steps_fwd),
+                                                       ("bwd", self.bwd, self.steps_bwd))
+                if op in COMMUNICATING for _ in range(k)]
 
 
 @dataclass
@@ -72,6 +90,7 @@ class ModulePlan:
     weight_sync: list[Collective] = field(default_factory=list)
     partial_out: bool = False
     vocab_axis: str | None = None   # an embedding cut by rows: masked lookup over this axis
+    context_axis: str | None = None  # the tokens / attention core / loss swapped for context parallelism's
 
     def collectives(self) -> list[Collective]:
         return self.entry + self.weight_sync + self.exit
@@ -93,6 +112,7 @@ class Plan:
     seq: int
     itemsize: int
     micro_batches: int = 1
+    context_axis: str | None = None   # "cp" when the rules cut the sequence over cp (context parallelism)
 
     def module(self, name: str) -> ModulePlan:
         for m in self.modules:
@@ -103,12 +123,15 @@ class Plan:
     def collectives(self) -> list[Collective]:
         return [c for m in self.modules for c in m.collectives()] + self.data
 
-    def counts(self, model_axis_only: bool = True) -> dict[str, dict[str, int]]:
+    def counts(self, model_axis_only: bool = True, axis: str | None = None) -> dict[str, dict[str, int]]:
         """{operation: {"calls", "bytes"}} per micro-batch, forward and backward together: the figures
-        comm.autograd.count_comm() measures for the model axis."""
+        comm.autograd.count_comm() measures for the model axis (`axis`: that mesh axis's alone,
+        e.g. "cp": the ring's messages and the loss's all-reduce)."""
         out: dict[str, dict[str, int]] = {}
         for c in self.collectives():
-            if model_axis_only and c.fn not in FUNCTIONS:
+            if axis is not None and c.axis != axis:
+                continue
+            if axis is None and model_axis_only and c.fn not in FUNCTIONS:
                 continue
             for _, op, nbytes in c.ops():
                 row = out.setdefault(op, {"calls": 0, "bytes": 0})

@@ -3,6 +3,8 @@
     rules = Rules.parse(compute="heads=tp, kv_heads=tp, mlp=tp, vocab=tp")           # Megatron TP
     rules = Rules.parse(compute="heads=tp, kv_heads=tp, mlp=tp, vocab=tp, seq=tp")   # + sequence parallel
     rules = Rules.parse(compute="", params="embed=dp")                              # FSDP (ZeRO-3)
+    rules = Rules.parse(compute="heads=tp, mlp=tp, vocab=tp, seq=cp")              # + context parallel
+    rules = Rules.parse(compute="heads=tp, mlp=tp, vocab=tp, seq=cp+tp")           # + both (cp outer)
 
 `compute` says how activations, and the weights used in compute, are laid out; `params` how weights
 are stored between uses, given as the entries that differ from `compute` (the storage mapping is the
@@ -11,8 +13,12 @@ before each use and its gradient reduce-scattered back (FSDP; Zhao et al. 2023).
 
 What the derivation executes (parallel/sharding/derive.py says why each other rule is refused):
 model dimensions over the mesh's "tp" axis, the batch over "dp" (always: the trainer splits rows over
-the data-parallel ranks), and storage over "dp". The `[sharding]` section of a configuration holds
-the same two mappings as text ("heads=tp, mlp=tp") or TOML inline tables ({heads = "tp"}).
+the data-parallel ranks), the sequence over "cp" (context parallelism: the whole model on this rank's
+zigzag chunks, attention by the ring; parallel/sharding/context.py), and storage over "dp". One logical
+axis may name several mesh axes joined by '+', outer first: only `seq=cp+tp` is derived (the sequence
+over cp everywhere, and each cp share further over tp between blocks: sequence parallelism). The
+`[sharding]` section of a configuration holds the same two mappings as text ("heads=tp, mlp=tp") or
+TOML inline tables ({heads = "tp"}).
 """
 
 from __future__ import annotations
@@ -26,6 +32,22 @@ MODEL_AXIS = "tp"
 """The mesh axis that model dimensions are cut over (its group is the model's tp_group)."""
 DATA_AXIS = "dp"
 """The mesh axis the batch is split over, and that storage may shard weights over (FSDP)."""
+CONTEXT_AXIS = "cp"
+"""The mesh axis the sequence may be cut over for the whole model (context parallelism)."""
+
+
+def axes_of(value: str | None) -> tuple[str, ...]:
+    """'cp+tp' -> ('cp', 'tp'); None or '' -> ()."""
+    return tuple(a.strip() for a in value.split("+") if a.strip()) if value else ()
+
+
+def split_seq(compute: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(the sequence's context axis, its axis between blocks) of `seq`'s mapping: 'cp' -> ('cp',
+    None), 'tp' -> (None, 'tp'), 'cp+tp' -> ('cp', 'tp')."""
+    parts = axes_of(compute.get("seq"))
+    cp = CONTEXT_AXIS if CONTEXT_AXIS in parts else None
+    rest = [a for a in parts if a != CONTEXT_AXIS]
+    return cp, (rest[0] if rest else None)
 
 
 class ShardingError(ValueError):
@@ -67,10 +89,26 @@ class Rules:
                 elif logical == "batch" and axis != DATA_AXIS:
                     out.append(f"sharding.{where}: batch={axis!r}: the batch is split over {DATA_AXIS!r} (the "
                                f"trainer's rows per data-parallel rank); no other axis is derived")
+                elif where == "compute" and logical == "seq":
+                    parts = axes_of(axis)
+                    if parts not in ((MODEL_AXIS,), (CONTEXT_AXIS,), (CONTEXT_AXIS, MODEL_AXIS)):
+                        out.append(f"sharding.compute: seq={axis!r}: the sequence is derived over {CONTEXT_AXIS!r} "
+                                   f"(context parallelism: everywhere, attention by the ring), {MODEL_AXIS!r} "
+                                   f"(sequence parallelism: between blocks) or '{CONTEXT_AXIS}+{MODEL_AXIS}' (both, "
+                                   f"cp outer)")
+                elif where == "compute" and logical == "ctx":
+                    if axis != CONTEXT_AXIS or split_seq(self.compute)[0] != CONTEXT_AXIS:
+                        out.append(f"sharding.compute: ctx={axis!r}: the sequence inside blocks follows seq's "
+                                   f"{CONTEXT_AXIS!r} part (seq={CONTEXT_AXIS} cuts it everywhere, attention by ring "
+                                   f"attention); it is never cut alone (every query needs every earlier key) nor "
+                                   f"over {MODEL_AXIS!r} (that axis cuts heads inside attention)")
+                elif where == "compute" and logical != "batch" and axis == CONTEXT_AXIS:
+                    out.append(f"sharding.compute: {logical}={axis!r}: only the sequence (seq) is cut over "
+                               f"{CONTEXT_AXIS!r}; the weights stay whole over it (their gradients summed over cp)")
                 elif where == "compute" and logical != "batch" and axis != MODEL_AXIS:
                     out.append(f"sharding.compute: {logical}={axis!r}: model dimensions are derived over the mesh's "
-                               f"{MODEL_AXIS!r} axis only (pp, ep and cp stay the hand-written layout.pp/ep/cp; "
-                               f"storage over {DATA_AXIS!r} goes in sharding.params)")
+                               f"{MODEL_AXIS!r} axis, the sequence also over {CONTEXT_AXIS!r} (pp and ep stay the "
+                               f"hand-written layout.pp/ep; storage over {DATA_AXIS!r} goes in sharding.params)")
                 elif where == "params" and axis not in (DATA_AXIS, MODEL_AXIS):
                     out.append(f"sharding.params: {logical}={axis!r}: weights are stored over {DATA_AXIS!r} "
                                f"(FSDP) or as computed ({MODEL_AXIS!r}); other axes are not derived")

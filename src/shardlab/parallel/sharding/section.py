@@ -14,9 +14,10 @@ class ShardingSection:
     compute: str = ""
     """How activations and the weights in compute are laid out: 'logical=axis' pairs, e.g.
     'heads=tp, kv_heads=tp, mlp=tp, vocab=tp' (Megatron TP), plus 'seq=tp' (sequence parallel between
-    blocks); or a TOML inline table {heads = "tp"}. Logical axes: batch, seq, ctx, embed, heads, kv_heads,
-    head_dim, mlp, vocab, pos (models/axes.py). The axis's degree is layout.tp; it replaces layout.tp_plan
-    and layout.sp. '': no derived sharding."""
+    blocks), 'seq=cp' (context parallelism: the sequence over layout.cp, attention by the ring) or
+    'seq=cp+tp' (both); or a TOML inline table {heads = "tp"}. Logical axes: batch, seq, ctx, embed, heads, kv_heads,
+    head_dim, mlp, vocab, pos (models/axes.py). The axes' degrees are layout.tp and layout.cp; the rules
+    replace layout.tp_plan and layout.sp (and layout.cp > 1 needs seq over cp). '': no derived sharding."""
     params: str = ""
     """How weights are stored between uses, where it differs from compute: 'embed=dp' stores the weights
     over the data-parallel ranks and gathers them for compute (FSDP). It is run by the ZeRO-3 engine, whose
