@@ -16,14 +16,17 @@ weights, but accumulates each batch over `k` micro-batches (the smallest divisor
 batch), through the same `train_step`. That is the same arithmetic summed in another order: every
 gradient element differs from the reference's by the rounding of a reordered sum, exactly the
 difference a data- or tensor-parallel layout makes (it sums per rank, then across ranks), with no
-invented magnitude. Its distance from the reference after each step, per tensor (max |a - b|, the
-largest so far), is the noise floor: what any correct reordering may cost on this configuration.
+invented magnitude. Its distance from the reference after each step, the largest so far, is the
+noise floor: what any correct reordering may cost on this configuration. Pooled over the model (see
+grad_floor, param_floor: which elements Adam magnifies is chance): for parameters the largest
+element difference of any tensor, absolute; for gradients the largest relative one, times each
+gradient's scale.
 
-The bars: a tensor is held to max(strict bar, NOISE_FACTOR x its floor). The layout and the second
+The bars: a tensor is held to max(strict bar, NOISE_FACTOR x the floor). The layout and the second
 reference are two draws of the same process (the reference plus a rounding-level reordering,
-magnified by Adam), each about the floor from the reference; NOISE_FACTOR 4 leaves room for one
-draw's worst element landing in a different tensor position than the other's (measured on
-gpt-small at tp 2: the layouts' differences came to 0.2-2.2x the floor, see docs/training.md).
+magnified by Adam), each about the floor from the reference: over the model, the layouts'
+largest differences on gpt-small at tp 2 came to up to 2.1x the second reference's (parameters)
+and 1.4x (gradients), docs/training.md; NOISE_FACTOR 4 leaves that twice over.
 Before the optimizer has run nothing is magnified: the first step's loss and gradients (and their
 norm) keep the strict bars. A layout fault (a wrong shard, a missing reduction, a gradient off by
 1e-3) shows in the first step's gradients, where the floor does not apply, and later moves tensors
