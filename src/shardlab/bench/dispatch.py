@@ -14,11 +14,16 @@ variants, each step is split three ways:
   dispatch  the step's wall time minus both: Python, module hooks, autograd's bookkeeping,
             DTensor's sharding propagation, the optimizer's loop, anything that is neither
 
-The wall time is the *unprofiled* step's (the timed steps' median on this rank), and compute and comm
-come from `steps` further steps of the same warm model under the profiler (their median), so the
-profiler's own per-event overhead, which grows with the number of operators and would be charged to
-dispatch, is not in the figure. Every variant gets the same number of profiled steps, after its
-warm-up and timed steps. On one CPU thread per rank, self CPU time is the kernel's wall time.
+All three come from the same steps: `steps` further steps of the warm model after its warm-up and
+timed steps, each under torch.profiler (CPU activities), the same count for every variant; the
+figures are their medians. On one CPU thread per rank, an operator's self CPU time is its kernel's
+wall time. The profiler costs something per recorded event, and that cost lands mostly in dispatch
+(little of it inside an operator's self time): `profiler_ms`, the profiled step's wall time
+minus the unprofiled timed steps' median, bounds it, so a variant's dispatch cost without the
+profiler lies between dispatch_ms - profiler_ms and dispatch_ms (less exactly: the two walls are
+different steps, a few percent apart from run to run). An earlier form subtracted the profiled
+compute and comm from the unprofiled wall; it came out negative for a variant whose profiled
+operators ran slower than unprofiled, the per-event cost charged to compute instead.
 """
 
 from __future__ import annotations
@@ -112,10 +117,13 @@ def profile_steps(run_step: Callable[[int], None], first: int, steps: int) -> li
 
 
 def dispatch_split(step_s: list[float], profiled: list[tuple[float, float, float]]) -> dict[str, float]:
-    """One rank's figures in ms: the unprofiled step (median of `step_s`), compute and comm (medians
-    of the profiled steps), dispatch = step - compute - comm, and the profiled step's wall."""
-    step = statistics.median(step_s)
+    """One rank's figures in ms, medians over the profiled steps: the profiled step's wall time,
+    compute, comm, and dispatch = wall - compute - comm (all three from the same steps, on the same
+    clock); beside them the unprofiled step (median of `step_s`, the timed steps) and the
+    profiler's own cost, the profiled step's wall minus the unprofiled one's."""
+    wall = statistics.median(p[0] for p in profiled)
     compute = statistics.median(p[1] for p in profiled)
     comm = statistics.median(p[2] for p in profiled)
-    return {"step_ms": 1e3 * step, "compute_ms": 1e3 * compute, "comm_ms": 1e3 * comm,
-            "dispatch_ms": 1e3 * (step - compute - comm), "profiled_step_ms": 1e3 * statistics.median(p[0] for p in profiled)}
+    step = statistics.median(step_s)
+    return {"profiled_step_ms": 1e3 * wall, "compute_ms": 1e3 * compute, "comm_ms": 1e3 * comm,
+            "dispatch_ms": 1e3 * (wall - compute - comm), "step_ms": 1e3 * step, "profiler_ms": 1e3 * (wall - step)}
