@@ -39,6 +39,7 @@ this magnification, so the noise floor is for fp32.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ def _divisor(rows: int) -> int:
 
 
 class NoiseFloor:
-    """The second, reordered reference and the per-tensor floors it gives; every rank holds the same
+    """The second, reordered reference and the floors it gives; every rank holds the same
     floors (rank 0 computes them, the others receive them: the single process is the same on every
     rank, and running it once saves the shared CPU)."""
 
@@ -87,15 +88,17 @@ class NoiseFloor:
                                  for n, p in self.model.named_parameters() if p.requires_grad})
 
             res = run_step(self.model, self.opt, self.micro_batches, grab)
+            # Only finite distances widen a floor: a gradient one reference has and the other not,
+            # or a nan, is no measure of rounding and must not turn into an unbounded allowance.
             for n, g in ref_grads.items():  # relative to the gradient's scale, as verify's gradient bar
                 scale = 0.0 if g is None else g.detach().double().abs().max().item()
                 d = _absdiff(captured.get(n), g)
-                self.grad[n] = max(self.grad.get(n, 0.0), d / scale if scale > 0 else (0.0 if d == 0 else d))
+                self.grad[n] = max(self.grad.get(n, 0.0), _finite(d / scale if scale > 0 else 0.0))
             mine = dict(self.model.named_parameters())
             for n, p in reference.named_parameters():
-                self.param[n] = max(self.param.get(n, 0.0), _absdiff(mine[n], p))
-            self.loss = max(self.loss, abs(res.loss - ref_loss))
-            self.norm = max(self.norm, abs(res.grad_norm - ref_norm))
+                self.param[n] = max(self.param.get(n, 0.0), _finite(_absdiff(mine[n], p)))
+            self.loss = max(self.loss, _finite(abs(res.loss - ref_loss)))
+            self.norm = max(self.norm, _finite(abs(res.grad_norm - ref_norm)))
         box = [(self.grad, self.param, self.loss, self.norm)]
         dist.broadcast_object_list(box, src=0)
         self.grad, self.param, self.loss, self.norm = box[0]
@@ -122,8 +125,7 @@ class NoiseFloor:
         rounding level each move by up to about lr, in absolute terms whatever their tensor's scale,
         and which elements (in which tensors) those are is chance: a layout's reordering hits other
         elements than the second reference's (per tensor, the layouts' differences on gpt-small
-        came to 0.1-9x the reference's, the largest over the model to 2x). Gradients respond to
-        the parameters' differences densely, every element a little, so their floor is per tensor."""
+        came to 0.1-9x the reference's, the largest over the model to 2x)."""
         top = max(self.param.values(), default=0.0)
         return {n: NOISE_FACTOR * top for n in self.param}
 
@@ -136,6 +138,10 @@ class NoiseFloor:
 
     def norm_floor(self) -> float:
         return NOISE_FACTOR * self.norm if self.step > 0 else 0.0
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
 
 
 def _absdiff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
