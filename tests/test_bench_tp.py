@@ -69,10 +69,45 @@ def test_command_runs_every_variant_checked_counted_and_measured(pools, monkeypa
     # Sequence parallelism shards what tensor parallelism leaves replicated: less held per rank.
     assert max(memory["tp_sp"]["held"]) < max(memory["tp"]["held"]) < max(memory["plain"]["held"])
 
+    # The dispatch cost (bench/dispatch.py): every variant split into compute, communication and
+    # the rest, from profiled steps, in the JSON's rows and the table.
+    for v in TP_VARIANTS:
+        d = tp["dispatch"][v]
+        assert d["compute_ms"] > 0 and d["comm_ms"] > 0 and d["step_ms"] > 0, (v, d)
+        assert d["dispatch_ms"] == pytest.approx(d["profiled_step_ms"] - d["compute_ms"] - d["comm_ms"]), (v, d)
+        assert d["dispatch_ms"] > 0, (v, d)  # compute and comm never overlap on the step's thread
+        assert rows[v]["dispatch_ms"] == d["dispatch_ms"]
+    assert "outside compute + comm ms" in out
+
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
     md = paths["md"].read_text()
     assert "| tp_sp |" in md and "| torch_tp |" in md and "per layer: predicted" in md
     assert "gathered again in backward" in md  # the table of what the prediction adds
+
+
+def test_dispatch_split_counts_collectives_once_and_their_insides_as_communication():
+    """bench/dispatch.py on hand-made profiler events: times in microseconds."""
+    from types import SimpleNamespace as E
+
+    from shardlab.bench.dispatch import WAIT_SPAN, split_events
+
+    def ev(name, start, end, self_us=None, parent=None):  # noqa: ANN001, ANN202
+        return E(name=name, time_range=E(start=start, end=end), self_cpu_time_total=end - start if self_us is None
+                 else self_us, cpu_parent=parent)
+
+    linear = ev("aten::linear", 0, 100, self_us=10)
+    launch = ev("c10d::allreduce_", 150, 160)
+    wait = ev(WAIT_SPAN, 160, 400)
+    functional = ev("_c10d_functional::all_reduce", 500, 600, self_us=20)
+    events = [linear, ev("aten::addmm", 10, 90, parent=linear), launch, wait,
+              ev("aten::copy_", 170, 180, parent=wait),                 # inside a wait: communication
+              functional, ev("c10d::allreduce_", 550, 590, parent=functional),  # nested: counted once
+              ev("_c10d_functional::_wrap_tensor_autograd", 600, 650),  # dispatch work, not communication
+              ev("gloo:all_reduce", 0, 10_000),                          # another thread's clock: ignored
+              ev("autograd::engine::evaluate_function: AddmmBackward0", 700, 800)]  # neither
+    compute, comm = split_events(events)
+    assert compute == pytest.approx(90e-6)          # linear's own 10 + addmm's 80
+    assert comm == pytest.approx((250 + 100) * 1e-6)  # 150-400 and 500-600
 
 
 def calls_and_bytes(ops: dict) -> dict:

@@ -70,6 +70,8 @@ def test_verify_command_writes_the_report(capfd, tmp_path):
     assert {"layout", "world_size", "steps", "loss_diffs", "max_abs_param_diff", "max_rel_param_diff",
             "passed"} <= set(report)
     assert report["passed"] is True and report["world_size"] == 2 and len(report["loss_diffs"]) == 5
+    # verify's own model keeps the strict fp32 bars: no noise floor without --config (--noise-floor auto).
+    assert report["noise_floor"] is None and "noise floor" not in out
 
 
 def test_verify_tensor_and_sequence_parallel(capfd):

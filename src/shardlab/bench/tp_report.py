@@ -53,13 +53,20 @@ def summarize(runs: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         per_rank = [[step for r in runs for step in r["phase_s"][v][rank]] for rank in range(first["world_size"])]
         phases[v] = {name: 1e3 * max(statistics.median(x[i] for x in steps) for steps in per_rank)
                      for i, name in enumerate(("fwd_bwd_ms", "after_backward_ms"))}
+    dispatch = {}
+    for v in first.get("dispatch", {}):
+        # Per rank, the median over every run's reps; then the mean over ranks (a tp group's ranks
+        # do the same work).
+        per_rank = [[d for r in runs for d in r["dispatch"][v][rank]] for rank in range(first["world_size"])]
+        dispatch[v] = {k: statistics.fmean(statistics.median(d[k] for d in ds) for ds in per_rank)
+                       for k in per_rank[0][0]}
     checks = [r["check"] for r in runs if r.get("check")]
     check = None
     if checks:
         check = {"rtol": checks[0]["rtol"], "reference": [c["reference"] for c in checks],
                  "max_rel_diff": {v: max(c["variants"][v]["max_rel_diff"] for c in checks)
                                   for v in checks[0]["variants"]}}
-    return {"check": check, "comm": comm, "activations": memory, "phases": phases,
+    return {"check": check, "comm": comm, "activations": memory, "phases": phases, "dispatch": dispatch,
             "rows_per_micro_batch": rows, "units": {
                 "bytes": "nccl-tests buffer bytes (the whole gathered/scattered buffer for all-gather, reduce-scatter)",
                 "bus_bytes": "bytes each rank sends on a ring: x 2(n-1)/n for all-reduce, x (n-1)/n otherwise",
@@ -68,6 +75,11 @@ def summarize(runs: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
                 "after_backward": "gradient sync of replicated parameters, clipping's norm: after the last backward",
                 "fwd_bwd_ms": "forward + backward of a timed step: median over steps and runs, slowest rank's",
                 "after_backward_ms": "the rest of the step: gradient sync, clipping, AdamW (same statistic)",
+                "dispatch_ms": "CPU time of a step outside compute and communication (bench/dispatch.py): a "
+                               "profiled step's wall time (profiled_step_ms) minus its aten operators' self time "
+                               "(compute_ms) and its time in collectives, waits included (comm_ms), min(steps, 3) "
+                               "profiled steps; per rank the median over steps, runs and reps, then the mean over "
+                               "ranks; profiler_ms: profiled_step_ms minus the unprofiled timed step (step_ms)",
                 "held": "bytes forward leaves alive for backward (parameters excluded), per rank",
                 "peak": "highest bytes during forward + backward (gradients included), per rank"}}
 
@@ -135,6 +147,9 @@ def added_cells(result: dict[str, Any]) -> list[list[str]]:
     return cells
 
 
+DISPATCH_COLUMNS = ["variant", "profiled step ms", "compute ms", "comm ms", "outside compute + comm ms", "of step",
+                    "unprofiled step ms", "profiler's own ms"]
+
 MEMORY_COLUMNS = ["model", "held MiB per rank", "of plain", "peak MiB per rank", "of plain"]
 
 
@@ -178,6 +193,16 @@ def format_tp(result: dict[str, Any], markdown: bool = False) -> str:
                 _table(["variant", "forward + backward ms", "after backward ms (sync, clip, AdamW)"],
                        [[v, f"{p['fwd_bwd_ms']:.1f}", f"{p['after_backward_ms']:.1f}"] for v, p in phases.items()],
                        markdown)]
+    disp = tp.get("dispatch", {})
+    if disp:
+        out += ["", "Dispatch cost: a step's CPU time outside compute and communication (bench/dispatch.py: a profiled "
+                    "step's wall time minus its aten operators' self time and its time in collectives, waits included; "
+                    "medians over steps and runs, mean over ranks; the profiler's own cost, profiled minus unprofiled "
+                    "step, is an upper bound on how much of the figure is the profiler's):", "",
+                _table(DISPATCH_COLUMNS, [[v, f"{d['profiled_step_ms']:.1f}", f"{d['compute_ms']:.1f}", f"{d['comm_ms']:.1f}",
+                                           f"{d['dispatch_ms']:.1f}", f"{d['dispatch_ms'] / d['profiled_step_ms']:.0%}",
+                                           f"{d['step_ms']:.1f}", f"{d['profiler_ms']:.1f}"]
+                                          for v, d in disp.items()], markdown)]
     out += ["", f"Communication per step and rank, forward + backward (bus MiB: what each rank sends on a ring; "
                 f"b x s x h = {b} x {s} x {h}; AR all-reduce, AG all-gather, RS reduce-scatter; "
                 f"predicted: Megatron's formula and what the implementation adds to it, bench/tp_volume.py):", "",

@@ -32,7 +32,9 @@ One run is one launch (bench/train.py's run_train_bench). In it, before anything
    under MemoryTracker, parameters as baseline: "held" is what forward leaves for backward, "peak"
    the highest during both (gradients included).
 
-Then the variants take turns, `reps` times, timed as bench/train.py times data parallelism.
+Then the variants take turns, `reps` times, timed as bench/train.py times data parallelism; after
+its timed steps each variant runs min(steps, 3) more under torch.profiler, which split a step into
+compute, communication and the dispatch cost around them (bench/dispatch.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.bench import torch_tp as ttp
+from shardlab.bench.dispatch import dispatch_split, profile_steps
 from shardlab.bench.train import DrawnBatches, timed_steps
 from shardlab.comm.autograd import count_comm
 from shardlab.dist.env import synchronize
@@ -273,6 +276,7 @@ def tp_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, step
     times: dict[str, list[float]] = {v: [] for v in variants}
     phases: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     peaks: dict[str, int] = {v: 0 for v in variants}
+    dispatch: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for rep in range(reps):
         for v in variants:
             gc.collect()
@@ -291,6 +295,10 @@ def tp_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, step
             split = [(marks[3 * k + 1] - marks[3 * k], marks[3 * k + 2] - marks[3 * k + 1])
                      for k in range(warmup, warmup + steps)]
             phases[v] += split
+            # The same steps again, warm, under the profiler: the same count for every variant.
+            profiled = profile_steps(lambda i, v=v, model=model, opt=opt: step(v, model, opt, s, i), warmup,
+                                     min(steps, 3))
+            dispatch[v].append(dispatch_split([a + b for a, b in split], profiled))
             gc.collect()
             dist.barrier()
             with MemoryTracker(s.device) as tracker:
@@ -299,7 +307,7 @@ def tp_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, step
             peaks[v] = max(peaks[v], tracker.peak_bytes - s.data_bytes)
             del model, opt, marked_step  # the next variant is measured without this one alive
     every: list[Any] = [None] * n
-    dist.all_gather_object(every, {"peaks": peaks, "memory": memory, "phases": phases})
+    dist.all_gather_object(every, {"peaks": peaks, "memory": memory, "phases": phases, "dispatch": dispatch})
     if rank != 0:
         return None
     plain = prepare_model(cfg)
@@ -308,6 +316,7 @@ def tp_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, step
         "peak_bytes": {v: [e["peaks"][v] for e in every] for v in variants},
         "activation_bytes": {k: [e["memory"][k] for e in every] for k in memory},
         "phase_s": {v: [e["phases"][v] for e in every] for v in variants},  # [rank][step] (fwd+bwd, rest)
+        "dispatch": {v: [e["dispatch"][v] for e in every] for v in variants},  # [rank][rep] dispatch_split
         "check": checked,
         "comm": counts,
         "world_size": n,

@@ -40,6 +40,7 @@ from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import build_task, prepare_model
+from shardlab.train.verify_noise import NOISE_FACTOR, NoiseFloor, format_bars, noise_report
 
 # A command's own defaults: models small enough that 4 ranks on 2 cores verify in seconds, and a
 # global batch of 12 that divides by 1, 2, 3 and 4 ranks.
@@ -94,17 +95,19 @@ def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float]
 
 
 def _worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], atol: float,
-           rtol: float, rtol_extra: dict[str, float] | None = None) -> tuple[float, float, float, str]:
+           rtol: float, rtol_extra: dict[str, float] | None = None,
+           floor: dict[str, float] | None = None) -> tuple[float, float, float, str]:
     """Over named pairs: the largest absolute difference, the largest difference relative to its
-    tensor's scale, the largest share of the allowance atol + (rtol + rtol_extra[name]) x scale
-    used (<= 1 passes), and the name of the tensor that used the most."""
+    tensor's scale, the largest share of the allowance max(atol + (rtol + rtol_extra[name]) x scale,
+    floor[name]) used (<= 1 passes; floor: the noise floor, absolute), and the name of the tensor
+    that used the most."""
     abs_max = rel_max = used_max = 0.0
     name_max = ""
     for name, a, b in pairs:
         d, scale = _diff(a, b)
         abs_max = max(abs_max, d)
         rel_max = max(rel_max, d / scale if scale > 0 else (0.0 if d == 0 else float("inf")))
-        allowed = atol + (rtol + (rtol_extra or {}).get(name, 0.0)) * scale
+        allowed = max(atol + (rtol + (rtol_extra or {}).get(name, 0.0)) * scale, (floor or {}).get(name, 0.0))
         used = d / allowed if allowed > 0 else (0.0 if d == 0 else float("inf"))
         if used > used_max or not name_max:
             used_max, name_max = used, name
@@ -128,7 +131,7 @@ def _unscaled(grads: dict[str, torch.Tensor | None], scale: float) -> dict[str, 
 
 
 def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: float = 1e-7,
-                mp_factor: float = 2.0) -> dict[str, Any] | None:
+                mp_factor: float = 2.0, noise_floor: bool = False) -> dict[str, Any] | None:
     """Run the layout and the reference side by side; rank 0 returns the report.
 
     Under mixed precision (layout.precision bf16 or fp16) the reference runs in that precision too,
@@ -139,6 +142,10 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     two runs of that precision, each about G from the exact run, so up to ~2G from each other (the
     triangle inequality); a layout bug (a wrong shard, a missing reduction) moves tensors by their
     whole size, far more than a precision's rounding.
+
+    noise_floor (fp32): a second reference sums each batch in another order, and from the first
+    update on a tensor is held to max(its fp32 bar, NOISE_FACTOR x that reference's distance from the
+    first), for configurations whose optimizer magnifies rounding (train/verify_noise.py).
     """
     cfg = Config.from_dict(cfg_dict)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -153,6 +160,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     model = apply_layout(plain, cfg.layout, mesh, cfg.sharding)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     ref_opt = make_optimizer(reference, cfg.optim, cfg.layout.precision)
+    floor = NoiseFloor(reference, cfg.optim, t.global_batch, cfg.layout.precision, make_optimizer) if noise_floor else None
     # on_nonfinite "apply": a layout that produces nan is compared as it is (nan fails every bound,
     # step by step) rather than stopped at its first nan, so the report shows where it went wrong.
     common = dict(grad_clip=cfg.optim.grad_clip, skip_layer_every=cfg.model.skip_layer_every, device=device,
@@ -180,6 +188,11 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         ref = train_step(reference, ref_opt, task, step, lr=lr_at(step, cfg),
                          before_update=lambda: captured.update(ref=_unscaled(_grads(reference), scales[1])), **common)
         ref_params = dict(reference.named_parameters())
+        if floor is not None and not mixed:  # under mixed precision the precision's error covers it
+            floor.update(lambda m, o, k, grab: train_step(m, o, task, step, lr=lr_at(step, cfg), micro_batches=k,
+                                                          before_update=grab, **common),
+                         captured["ref"], ref.loss, ref.grad_norm, reference)
+        nf = floor if floor is not None and not mixed else None
         # What the precision itself costs (0 in fp32): the reference against the same single
         # process in fp32, the largest so far (one step's figure can be near zero by coincidence,
         # two errors cancelling). Gradients per tensor, relative to its scale: a layout bug shows in
@@ -210,18 +223,20 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         loss_par = loss.item() / dist.get_world_size(dp_group)
         grad_abs, grad_rel, grad_used, grad_name = _worst(
             [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]], 0.0, grad_tol,
-            {n: mp_factor * g for n, g in grad_gap.items()})
+            {n: mp_factor * g for n, g in grad_gap.items()}, nf.grad_floor(captured["ref"]) if nf else None)
         # Sharded parameters (ZeRO-3, tensor parallelism) gathered whole, by their original names.
         held = full_parameters(model)
         missing = sorted(set(ref_params) - set(held))
         if missing:
             raise RuntimeError(f"the layout does not hold parameters {missing[:5]} of the reference")
         param_abs, param_rel, param_used, param_name = _worst(
-            [(n, held[n], ref_params[n]) for n in ref_params], atol, tol + mp_factor * gap["param"])
+            [(n, held[n], ref_params[n]) for n in ref_params], atol, tol + mp_factor * gap["param"],
+            floor=nf.param_floor() if nf else None)
         # The gradient norm the step clipped with and logged: a sharded layout sums it over its groups
         # (parallel/gradnorm.py), so a group left out shows here. Allowed: what the gradients are.
         norm_allowed = ((grad_tol + mp_factor * max(grad_gap.values(), default=0.0)) * abs(ref.grad_norm)
                         + mp_factor * gap["norm"])
+        norm_allowed = max(norm_allowed, nf.norm_floor() if nf else 0.0)
         norm_used = _norm_diff(res.grad_norm, ref.grad_norm) / norm_allowed if norm_allowed > 0 else 0.0
         # The worst over ranks: every replica must match, not just rank 0's.
         worst = torch.tensor([grad_abs, grad_rel, grad_used, param_abs, param_rel, param_used, norm_used],
@@ -246,10 +261,14 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
             "grad_norm": res.grad_norm,
             "ref_grad_norm": ref.grad_norm,
             "grad_norm_allowance_used": worst[6].item(),
-            "loss_allowance": tol * abs(ref.loss) + mp_factor * max(gap["loss"], loss_floor),
+            "loss_allowance": max(tol * abs(ref.loss) + mp_factor * max(gap["loss"], loss_floor),
+                                  nf.loss_floor() if nf else 0.0),
             "skipped": res.skipped,
             "ref_skipped": ref.skipped,
         })
+        if nf is not None and nf.measured:  # the floors this step was held to (0: strict)
+            rows[-1].update(noise_floor_rel_grad=NOISE_FACTOR * max(nf.grad.values(), default=0.0) if step else 0.0,
+                            noise_floor_abs_param=NOISE_FACTOR * max(nf.param.values(), default=0.0))
         r = rows[-1]
         if mixed:
             r.update(precision_loss_gap=gap["loss"], precision_rel_grad_gap=max(grad_gap.values(), default=0.0),
@@ -257,6 +276,11 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         r["passed"] = bool(math.isfinite(r["loss"]) and abs(r["loss_diff"]) <= r["loss_allowance"]
                            and r["param_allowance_used"] <= 1.0 and r["grad_allowance_used"] <= 1.0
                            and r["grad_norm_allowance_used"] <= 1.0 and res.skipped == ref.skipped)
+    bars = None
+    if floor is not None:  # the last step's bars (the floors only grow), each tensor's worst rank
+        bars = noise_report(floor, mixed, [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]],
+                            [(n, held[n], ref_params[n]) for n in ref_params], tol, grad_tol, atol, device)
+        bars["loss_floor_used"] = bool(rows and bars["loss_floor"] > tol * abs(rows[-1]["ref_loss"]))
     if rank != 0:
         return None
     max_rel_loss = max(abs(r["loss_diff"]) / max(abs(r["ref_loss"]), 1e-30) for r in rows)
@@ -286,6 +310,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         "max_rel_grad_norm_diff": max(_norm_diff(r["grad_norm"], r["ref_grad_norm"]) / max(abs(r["ref_grad_norm"]), 1e-30)
                                       for r in rows),
         "per_step": rows,
+        "noise_floor": bars,
         "config": cfg.to_dict(),
     }
     # Pass: the loss within tol relative; every parameter within atol + tol x its tensor's scale;
@@ -347,4 +372,4 @@ def format_report(report: dict[str, Any]) -> str:
             f"{lay['precision']}: allowances include {report['mp_factor']:g} x the precision's own error (the "
             f"{lay['precision']} reference against fp32: loss {last['precision_loss_gap']:.2e}, gradients "
             f"{last['precision_rel_grad_gap']:.2e}, parameters {last['precision_rel_param_gap']:.2e} relative)")
-    return "\n".join(lines)
+    return "\n".join(lines + format_bars(report))
