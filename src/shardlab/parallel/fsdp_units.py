@@ -6,7 +6,7 @@ and this rank's part of the weights as a sharded state dict. Pure bookkeeping, n
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
@@ -34,8 +34,6 @@ class Unit:
     full: torch.Tensor | None = None  # the gathered flat parameters, while held
     gathering: tuple[Handle, torch.Tensor] | None = None  # an all-gather in flight, and its buffer
     grad_shard: torch.Tensor | None = None  # reduced gradient chunk, summed over micro-batches
-    ready: set[int] = field(default_factory=set)  # parameters whose gradient arrived this backward
-    reduced: bool = False  # reduce-scatter launched this backward
     in_backward: bool = False  # first unpack in this backward seen (prefetch done)
 
 
