@@ -69,31 +69,10 @@ from shardlab.comm import Handle
 from shardlab.parallel.buckets import broadcast_state, sync_enabled_as
 from shardlab.parallel.grad_hooks import GradHooks
 from shardlab.parallel.precision import averaging_op
-from shardlab.parallel.fsdp_units import (
-    FsdpLayout,
-    FsdpOptimizer,
-    Policy,
-    load_sharded_state,
-    sharded_state,
-    Unit,
-    make_unit,
-    owners,
-    successors,
-    unit_modules,
-)
+from shardlab.parallel.fsdp_units import (FsdpLayout, FsdpOptimizer, Policy, Unit, entry_policy, load_sharded_state,
+                                          make_unit, owners, sharded_state, successors, unit_modules)
 
 MAX_REDUCES_IN_FLIGHT = 2
-
-
-def _entry_policy(entries: list[nn.Module]) -> Callable[[nn.Module], bool]:
-    """Units for a wrapper entered through `entries`: each of them, and every child of a ModuleList
-    or ModuleDict under them (a chunk's blocks or layers, as the default policy picks the model's)."""
-    chosen = {id(m) for m in entries}
-    for e in entries:
-        for m in e.modules():
-            if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-                chosen |= {id(c) for c in m.children()}
-    return lambda m: id(m) in chosen
 
 
 class _Saved(NamedTuple):
@@ -137,7 +116,7 @@ class FullyShardedDataParallel(nn.Module):
         # ModuleList/ModuleDict children units as the root's are; the root itself is never called,
         # so what it alone owns stays whole. `replicate`: parameters kept whole too (a pipeline's
         # tied copies, whose whole gradients are summed over pp after the backward passes).
-        modules = unit_modules(module, policy if entries is None else _entry_policy(entries))
+        modules = unit_modules(module, policy if entries is None else entry_policy(entries))
         owned: list[list[nn.Parameter]] = [[] for _ in modules]
         self.replicated: list[nn.Parameter] = []
         whole = {id(p) for p in replicate}

@@ -67,6 +67,17 @@ def unit_modules(root: nn.Module, policy: Policy) -> list[nn.Module]:
     return [root, *(m for m in root.modules() if m is not root and not isinstance(m, containers) and pick(m))]
 
 
+def entry_policy(entries: list[nn.Module]) -> Callable[[nn.Module], bool]:
+    """Units for a wrapper entered through `entries`: each of them, and every child of a ModuleList
+    or ModuleDict under them (a chunk's blocks or layers, as the default policy picks the model's)."""
+    chosen = {id(m) for m in entries}
+    for e in entries:
+        for m in e.modules():
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+                chosen |= {id(c) for c in m.children()}
+    return lambda m: id(m) in chosen
+
+
 def owners(root: nn.Module, units: list[nn.Module]) -> list[tuple[nn.Parameter, int]]:
     """Each parameter once, with the unit that owns it: the innermost unit around every module that
     registers it, or the root when those differ (tied across units)."""
