@@ -98,8 +98,9 @@ def _equivalence_task(mode: str) -> str:
     if mode == "overlap":
         # Record how many buckets were already sent when backward ended: all of them, as every
         # gradient of this model is produced, so each bucket went out as soon as it was full.
-        end = dp._end_of_backward
-        dp._end_of_backward = lambda: (launched_early.append(dp._next_launch), end())[1]
+        hooks = dp.grad_hooks
+        end = hooks._end_of_backward
+        hooks._end_of_backward = lambda: (launched_early.append(hooks.launched_count), end())[1]
     _train_pair(mlp, dp, _mlp_batch)
     if mode == "overlap":
         assert len(dp.buckets) > 1 and launched_early == [len(dp.buckets)] * STEPS, launched_early

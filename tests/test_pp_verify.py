@@ -73,17 +73,17 @@ def _verify_counting_overlap(cfg_dict: dict) -> tuple[dict | None, int]:
     from shardlab.parallel.data import DataParallel
     from shardlab.train.verify import verify_rank
 
-    original, early = DataParallel._launch, [0]
+    original, early = DataParallel.launch_group, [0]
 
-    def launch(self, bucket):  # noqa: ANN001, ANN202
-        early[0] += self.pipelined and self._armed
-        return original(self, bucket)
+    def launch(self, index):  # noqa: ANN001, ANN202
+        early[0] += self.pipelined and self.grad_hooks is not None and self.grad_hooks.armed
+        return original(self, index)
 
-    DataParallel._launch = launch
+    DataParallel.launch_group = launch
     try:
         return verify_rank(cfg_dict, 1e-6, 1e-5), early[0]
     finally:
-        DataParallel._launch = original
+        DataParallel.launch_group = original
 
 
 @pytest.mark.parametrize("kind, extra", [

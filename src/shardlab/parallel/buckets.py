@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +42,6 @@ class Bucket:
     offsets: list[int]
     flat: torch.Tensor
     flag_offset: int
-    ready: set[int] = field(default_factory=set)  # ids of params whose gradient is complete this backward
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -68,7 +67,6 @@ class Bucket:
                 p.grad = self.view(i)
             else:
                 p.grad = None
-        self.ready.clear()
 
 
 def _is_view_of(grad: torch.Tensor, slot: torch.Tensor) -> bool:

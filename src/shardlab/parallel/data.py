@@ -25,16 +25,15 @@ communication happens there and gradients accumulate locally, then the last micr
 reduces the accumulated sum (Li et al. 2020, sec. 3.2.4).
 
 Parameters with no gradient: see buckets.py (zeros are sent; a grad no rank produced stays None).
-Overlap mode assumes each parameter's gradient hook fires at most once per backward (no
-re-entrant checkpointing) and that every rank's backward reaches at least one parameter.
+Overlap mode's hooks, bucket order and end of backward are grad_hooks.py's (shared with ZeRO and
+FSDP); it assumes each parameter's gradient hook fires at most once per backward (no re-entrant
+checkpointing) and that every rank's backward reaches at least one parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-import weakref
 from typing import Any, Literal
 
 import torch
@@ -44,6 +43,7 @@ import torch.nn as nn
 from shardlab import comm
 from shardlab.comm import Handle
 from shardlab.parallel.buckets import Bucket, broadcast_state, build_buckets, sync_enabled_as, trainable_params
+from shardlab.parallel.grad_hooks import GradHooks
 from shardlab.parallel.precision import averaging_op
 
 Mode = Literal["naive", "bucketed", "overlap"]
@@ -89,7 +89,6 @@ class DataParallel(nn.Module):
         self._op = "avg" if average else "sum"
         self._sync_enabled = True
         self.pipelined = pipelined
-        self._armed = not pipelined  # pipelined overlap: hooks act inside final_backward() only
         self._params = trainable_params(module) if params is None else [p for p in params if p.requires_grad]
         if params is None:
             broadcast_state(module, group)
@@ -97,15 +96,15 @@ class DataParallel(nn.Module):
             for p in self._params:
                 comm.broadcast(p.data, 0, group)
         self.buckets: list[Bucket] = []
-        self._hooks: list[Any] = []
         if mode != "naive":
             self.buckets = build_buckets(self._params, int(bucket_mb * 2**20))
+        # Overlap: the engine launches each bucket's all-reduce (launch_group) once its gradients are
+        # in, in bucket order, and waits at the end of backward (wait_groups); under no_sync it idles.
+        self.grad_hooks: GradHooks[DataParallel] | None = None
         if mode == "overlap":
-            self._install_hooks()
-        # overlap-mode state for the backward in progress
-        self._handles: dict[int, Handle] = {}
-        self._next_launch = 0
-        self._callback_queued = False
+            self.grad_hooks = GradHooks(self, [b.params for b in self.buckets], pipelined=pipelined,
+                                        acts=_sync_enabled)
+        self._handles: dict[int, Handle] = {}  # reductions in flight, by bucket index
         # Seconds this rank spent blocked on gradient communication (not hidden behind compute),
         # summed since the caller last reset it; the trainer reports it as a share of step time.
         self.comm_wait_s = 0.0
@@ -121,7 +120,7 @@ class DataParallel(nn.Module):
     def final_backward(self) -> contextlib.AbstractContextManager[None]:
         """A pipelined overlap wrapper's hooks reduce buckets during the backward inside (a chunk's
         last microbatch; the gradients of its parameters are final once it has run)."""
-        return _armed(self)
+        return contextlib.nullcontext() if self.grad_hooks is None else self.grad_hooks.arming()
 
     def finish_gradient_sync(self) -> None:
         """Average the gradients across the group (naive and bucketed modes; pipelined overlap: the
@@ -132,16 +131,16 @@ class DataParallel(nn.Module):
         """
         if not self._sync_enabled or (self.mode == "overlap" and not self.pipelined):
             return
+        if self.grad_hooks is not None:  # pipelined overlap: wait_groups counts the seconds blocked
+            self.grad_hooks.flush()
+            return
         start = time.perf_counter()
-        if self.mode == "overlap":
-            self._flush()
-        elif self.mode == "naive":
+        if self.mode == "naive":
             self._sync_naive()
         else:
             # Launch every bucket before waiting on any, so several are in flight at once.
             for bucket in self.buckets:
-                bucket.fill()
-                self._handles[bucket.index] = self._all_reduce(bucket.flat, async_op=True)
+                self.launch_group(bucket.index)
             self._wait_all()
         self.comm_wait_s += time.perf_counter() - start
 
@@ -181,75 +180,18 @@ class DataParallel(nn.Module):
             torch.cuda.current_stream().synchronize()
 
     # ---------------------------------------------------------------------------- overlap mode
-    def _install_hooks(self) -> None:
-        # The hooks live on the parameters, inside autograd where Python's garbage collector cannot
-        # see them: a hook that held the wrapper would keep it and its buckets alive for as long as
-        # the parameters live. So hooks hold only a weak reference, and are removed with the wrapper.
-        me = weakref.ref(self)
-        where = {id(p): b.index for b in self.buckets for p in b.params}
-        for p in self._params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(_on_grad_ready, me, where[id(p)])))
-        weakref.finalize(self, _remove_hooks, list(self._hooks))
-
-    def _grad_ready(self, bucket: Bucket, param: torch.Tensor) -> None:
-        if not (self._sync_enabled and self._armed):
-            return
-        if not self._callback_queued and not self.pipelined:
-            # Runs once backward has finished every node: wait for the reductions in flight.
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
-        bucket.ready.add(id(param))
-        if len(bucket.ready) == len(bucket.params):
-            self._launch_ready()
-
-    @torch.no_grad()
-    def _launch_ready(self) -> None:
-        """Launch complete buckets strictly in bucket order. Ranks must issue collectives in the
-        same order or they would pair up wrong ones; gradient readiness order can differ between
-        ranks (a branch unused on one rank), bucket order cannot (Li et al. 2020, sec. 3.2.3)."""
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if len(bucket.ready) < len(bucket.params):
-                return
-            self._launch(bucket)
-
-    def _launch(self, bucket: Bucket) -> None:
+    def launch_group(self, index: int) -> None:
+        """grad_hooks: bucket `index` is complete (or backward is over: zeros where missing)."""
+        bucket = self.buckets[index]
         bucket.fill()
-        self._handles[bucket.index] = self._all_reduce(bucket.flat, async_op=True)
-        self._next_launch += 1
+        self._handles[index] = self._all_reduce(bucket.flat, async_op=True)
 
-    @torch.no_grad()
-    def _end_of_backward(self) -> None:
+    def wait_groups(self) -> None:
+        """grad_hooks: backward is over and every bucket launched; wait for them."""
         start = time.perf_counter()
-        self._flush()
-        self.comm_wait_s += time.perf_counter() - start
-        self._callback_queued = False
-
-    @torch.no_grad()
-    def _flush(self) -> None:
-        # Buckets still waiting hold a parameter that got no gradient here: send them now (zeros
-        # for the missing ones), still in bucket order, then wait for everything.
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
         self._wait_all()
-        self._next_launch = 0
+        self.comm_wait_s += time.perf_counter() - start
 
 
-def _on_grad_ready(wrapper: "weakref.ref[DataParallel]", bucket_index: int, param: torch.Tensor) -> None:
-    me = wrapper()
-    if me is not None:
-        me._grad_ready(me.buckets[bucket_index], param)
-
-
-@contextlib.contextmanager
-def _armed(wrapper: DataParallel) -> Any:
-    previous, wrapper._armed = wrapper._armed, True
-    try:
-        yield
-    finally:
-        wrapper._armed = previous
-
-
-def _remove_hooks(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
+def _sync_enabled(wrapper: DataParallel) -> bool:
+    return wrapper._sync_enabled

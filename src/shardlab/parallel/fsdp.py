@@ -28,12 +28,12 @@ unpack hook, when backward needs it, gathers the unit again and rebuilds the vie
 unpack prefetches the next unit in backward order (the reverse of the order forwards finished). No
 correctness rests on this timing: a unit needed after being freed is simply gathered again.
 
-Gradients. A post-accumulate-grad hook counts a unit's gradients; once all have arrived none of its
-parameters is needed in this backward: the gradients are packed, freed and reduce-scattered (average)
-asynchronously, the unit is freed, and the reduced chunk is added to `unit.grad_shard` (at most two
-reductions in flight). At the end of backward (autograd's queue_callback) units that got no gradient
-are reduced too, as zeros (every rank must issue the same collectives), and all is waited for and
-freed. Under `no_sync()` every micro-batch is still reduced into the shard, as in our ZeRO-2: keeping
+Gradients. The units are grad_hooks.py's groups, launched as they become ready: once all of a unit's
+gradients have arrived none of its parameters is needed in this backward, so they are packed, freed
+and reduce-scattered (average) asynchronously, the unit is freed, and the reduced chunk is added to
+`unit.grad_shard` (at most two reductions in flight). At the end of backward units that got no
+gradient are reduced too, as zeros (every rank must issue the same collectives), and all is waited
+for and freed. Under `no_sync()` every micro-batch is still reduced into the shard, as in our ZeRO-2: keeping
 full gradients across micro-batches would undo what stage 3 saves. `finish_gradient_sync()` then does
 one small all-reduce of "has a gradient" flags, with the replicated parameters' gradients: a parameter
 no rank had a gradient for keeps grad None and AdamW skips it, as one process would.
@@ -67,32 +67,12 @@ from torch.utils._pytree import tree_leaves
 from shardlab import comm
 from shardlab.comm import Handle
 from shardlab.parallel.buckets import broadcast_state, sync_enabled_as
+from shardlab.parallel.grad_hooks import GradHooks
 from shardlab.parallel.precision import averaging_op
-from shardlab.parallel.fsdp_units import (
-    FsdpLayout,
-    FsdpOptimizer,
-    Policy,
-    load_sharded_state,
-    sharded_state,
-    Unit,
-    make_unit,
-    owners,
-    successors,
-    unit_modules,
-)
+from shardlab.parallel.fsdp_units import (FsdpLayout, FsdpOptimizer, Policy, Unit, entry_policy, load_sharded_state,
+                                          make_unit, owners, sharded_state, successors, unit_modules)
 
 MAX_REDUCES_IN_FLIGHT = 2
-
-
-def _entry_policy(entries: list[nn.Module]) -> Callable[[nn.Module], bool]:
-    """Units for a wrapper entered through `entries`: each of them, and every child of a ModuleList
-    or ModuleDict under them (a chunk's blocks or layers, as the default policy picks the model's)."""
-    chosen = {id(m) for m in entries}
-    for e in entries:
-        for m in e.modules():
-            if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-                chosen |= {id(c) for c in m.children()}
-    return lambda m: id(m) in chosen
 
 
 class _Saved(NamedTuple):
@@ -136,7 +116,7 @@ class FullyShardedDataParallel(nn.Module):
         # ModuleList/ModuleDict children units as the root's are; the root itself is never called,
         # so what it alone owns stays whole. `replicate`: parameters kept whole too (a pipeline's
         # tied copies, whose whole gradients are summed over pp after the backward passes).
-        modules = unit_modules(module, policy if entries is None else _entry_policy(entries))
+        modules = unit_modules(module, policy if entries is None else entry_policy(entries))
         owned: list[list[nn.Parameter]] = [[] for _ in modules]
         self.replicated: list[nn.Parameter] = []
         whole = {id(p) for p in replicate}
@@ -162,7 +142,6 @@ class FullyShardedDataParallel(nn.Module):
         self._had_grad: set[int] = set()  # sharded parameters with a gradient in some micro-batch
         self._used: set[int] = set()  # parameters some rank had a gradient for (after the sync)
         self._gathered_bytes = 0
-        self._callback_queued = False
         self._sync_enabled = True
         me = weakref.ref(self)
         hooks = []
@@ -170,9 +149,10 @@ class FullyShardedDataParallel(nn.Module):
             hooks.append(u.module.register_forward_pre_hook(functools.partial(_call, me, "_pre_forward", u.index)))
             hooks.append(u.module.register_forward_hook(functools.partial(_call, me, "_post_forward", u.index),
                                                         always_call=u.index in self._entries))
-            hooks += [p.register_post_accumulate_grad_hook(functools.partial(_call, me, "_grad_ready", u.index))
-                      for p in u.params]
         weakref.finalize(self, lambda hs: [h.remove() for h in hs], hooks)
+        # Each unit reduced (launch_group) as soon as its gradients are in, whatever the order, and
+        # under no_sync too (see the module docstring); wait_groups ends the backward.
+        self.grad_hooks = GradHooks(self, [u.params for u in self.units], order="ready")
 
     def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
         key = (p.dtype, p.device)
@@ -343,10 +323,10 @@ class FullyShardedDataParallel(nn.Module):
                 self._release(u)
 
     def _pre_backward(self, index: int, grad: torch.Tensor) -> None:
-        unit = self.units[index]
-        if not unit.reduced:  # a second output's hook after the unit's backward: nothing to gather
-            self._gather(unit)
-            self._queue_end_of_backward()
+        # Launched already: a second output's hook after the unit's backward, nothing to gather.
+        if not self.grad_hooks.launched(index):
+            self._gather(self.units[index])
+            self.grad_hooks.expect_end_of_backward()
 
     def _pack(self, t: torch.Tensor) -> Any:
         if self._by_ptr and t.layout == torch.strided:
@@ -362,29 +342,18 @@ class FullyShardedDataParallel(nn.Module):
         self._gather(unit)
         if torch._C._current_graph_task_id() != -1 and not unit.in_backward:
             unit.in_backward = True
-            self._queue_end_of_backward()
+            self.grad_hooks.expect_end_of_backward()
             if unit.index in self._next_bwd:
                 self._start_gather(self.units[self._next_bwd[unit.index]])
         assert unit.full is not None
         return unit.full.as_strided(saved.size, saved.stride, saved.offset)
 
     # ------------------------------------------------------------------------------ backward
-    def _queue_end_of_backward(self) -> None:
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
-
-    def _grad_ready(self, index: int, param: nn.Parameter) -> None:
-        self._queue_end_of_backward()
-        unit = self.units[index]
-        unit.ready.add(id(param))
-        if len(unit.ready) == len(unit.params) and not unit.reduced:
-            self._reduce(unit)
-
     @torch.no_grad()
-    def _reduce(self, unit: Unit) -> None:
-        """The unit's backward is over: reduce-scatter its gradients, free them and its parameters."""
-        unit.reduced = True
+    def launch_group(self, index: int) -> None:
+        """grad_hooks: the unit's backward is over: reduce-scatter its gradients, free them and its
+        parameters (at the end of backward also a unit that got none: zeros)."""
+        unit = self.units[index]
         flat = torch.zeros(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
         for p, off in zip(unit.params, unit.offsets):
             if p.grad is not None:
@@ -405,17 +374,13 @@ class FullyShardedDataParallel(nn.Module):
         unit.grad_shard = reduced if unit.grad_shard is None else unit.grad_shard.add_(reduced)
 
     @torch.no_grad()
-    def _end_of_backward(self) -> None:
-        for u in self.units:  # no gradient here (unused this step): zeros, so the collectives match
-            if u.params and not u.reduced:
-                self._reduce(u)
+    def wait_groups(self) -> None:
+        """grad_hooks: backward is over and every unit reduced; wait, and free what is still gathered."""
         while self._reducing:
             self._finish_reduce()
         for u in self.units:
             self._release(u)
-            u.ready.clear()
-            u.reduced = u.in_backward = False
-        self._callback_queued = False
+            u.in_backward = False
 
     @torch.no_grad()
     def _gather_flats(self, source: Callable[[Unit], torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -6,7 +6,7 @@ and this rank's part of the weights as a sharded state dict. Pure bookkeeping, n
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
@@ -34,8 +34,6 @@ class Unit:
     full: torch.Tensor | None = None  # the gathered flat parameters, while held
     gathering: tuple[Handle, torch.Tensor] | None = None  # an all-gather in flight, and its buffer
     grad_shard: torch.Tensor | None = None  # reduced gradient chunk, summed over micro-batches
-    ready: set[int] = field(default_factory=set)  # parameters whose gradient arrived this backward
-    reduced: bool = False  # reduce-scatter launched this backward
     in_backward: bool = False  # first unpack in this backward seen (prefetch done)
 
 
@@ -67,6 +65,17 @@ def unit_modules(root: nn.Module, policy: Policy) -> list[nn.Module]:
         types = (policy,) if isinstance(policy, type) else tuple(policy)
         pick = lambda m: isinstance(m, types)  # noqa: E731
     return [root, *(m for m in root.modules() if m is not root and not isinstance(m, containers) and pick(m))]
+
+
+def entry_policy(entries: list[nn.Module]) -> Callable[[nn.Module], bool]:
+    """Units for a wrapper entered through `entries`: each of them, and every child of a ModuleList
+    or ModuleDict under them (a chunk's blocks or layers, as the default policy picks the model's)."""
+    chosen = {id(m) for m in entries}
+    for e in entries:
+        for m in e.modules():
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+                chosen |= {id(c) for c in m.children()}
+    return lambda m: id(m) in chosen
 
 
 def owners(root: nn.Module, units: list[nn.Module]) -> list[tuple[nn.Parameter, int]]:

@@ -23,18 +23,17 @@ Adagrad, ...) sharded this way takes exactly the unsharded step; one that couple
 tensor (LAMB's trust ratio, Adafactor's factored moments) would not, and is refused.
 
 Stage 1: full local gradients accumulate as usual; `finish_gradient_sync` reduce-scatters them
-bucket by bucket, then drops them (only the reduced shard is used). Stage 2: buckets are reduce-scattered during backward as soon as their gradients
-are ready (as overlap DataParallel does), then the full gradients are freed; only the reduced chunk
-stays. Under `no_sync` stage 2 still reduces every micro-batch (accumulating into the chunk): that is
-what keeps its gradient memory at 1/N.
+bucket by bucket, then drops them (only the reduced shard is used). Stage 2: buckets are
+reduce-scattered during backward as soon as their gradients are ready, in bucket order (grad_hooks.py,
+as overlap DataParallel), then the full gradients are freed; only the reduced chunk stays. Under
+`no_sync` stage 2 still reduces every micro-batch (accumulating into the chunk): that is what keeps
+its gradient memory at 1/N.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +44,7 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.parallel.buckets import broadcast_state, sync_enabled_as, trainable_params
+from shardlab.parallel.grad_hooks import GradHooks
 from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups, unique_trainable
 from shardlab.parallel.precision import LossScaler, averaging_op
 from shardlab.parallel.stepguard import refuse_plain_step
@@ -57,7 +57,6 @@ class ShardBucket:
     padded: int  # numel rounded up to a multiple of the world size
     chunk: int  # padded // world
     pieces: list[Piece] = field(default_factory=list)
-    ready: set[int] = field(default_factory=set)
     grad_chunk: torch.Tensor | None = None  # this rank's reduced gradients (stages 1 and 2)
     deferred: bool = False  # reduced at finish_gradient_sync only, never during backward (stage 2)
 
@@ -197,15 +196,15 @@ class ZeroDataParallel(nn.Module):
                                  "optimizer's pieces, not to its .grad")
         self._sync_enabled = True
         self._handles: dict[int, Any] = {}
-        self._next_launch = 0
-        self._callback_queued = False
         self._had_grad: set[int] = set()  # stage 2 frees gradients once reduced: remember which existed
         self.comm_wait_s = 0.0
+        # Stage 2: the engine reduce-scatters each bucket (launch_group) once its gradients are in, in
+        # bucket order, and waits at the end of backward (wait_groups); deferred buckets are held for
+        # finish_gradient_sync. Under no_sync too: stage 2 reduces every micro-batch.
+        self.grad_hooks: GradHooks[ZeroDataParallel] | None = None
         if stage == 2:
-            me = weakref.ref(self)
-            hooks = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad_ready, me, b.index))
-                     for b in self.layout.buckets for p in b.params]
-            weakref.finalize(self, lambda hs: [h.remove() for h in hs], hooks)
+            self.grad_hooks = GradHooks(self, [b.params for b in self.layout.buckets],
+                                        held=[b.index for b in self.layout.buckets if b.deferred])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -229,7 +228,6 @@ class ZeroDataParallel(nn.Module):
         start = time.perf_counter()
         for bucket in self.layout.buckets:
             if self.stage == 1 or bucket.deferred:
-                self._had_grad |= {id(p) for p in bucket.params if p.grad is not None}
                 self._launch(bucket)
         self._wait_all()
         self._assign_piece_grads()
@@ -241,7 +239,18 @@ class ZeroDataParallel(nn.Module):
         self.comm_wait_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------------------ internals
+    def launch_group(self, index: int) -> None:
+        """grad_hooks (stage 2): bucket `index` is complete (or backward is over: zeros where missing)."""
+        self._launch(self.layout.buckets[index])
+
+    def wait_groups(self) -> None:
+        """grad_hooks (stage 2): backward is over and every bucket but the deferred launched."""
+        start = time.perf_counter()
+        self._wait_all()
+        self.comm_wait_s += time.perf_counter() - start
+
     def _launch(self, bucket: ShardBucket) -> None:
+        self._had_grad |= {id(p) for p in bucket.params if p.grad is not None}
         flat = self.layout.pack(bucket)
         if self.stage == 2:
             for p in bucket.params:
@@ -255,7 +264,6 @@ class ZeroDataParallel(nn.Module):
             if handle is not None:
                 reduced = handle.wait()
                 bucket.grad_chunk = reduced if bucket.grad_chunk is None else bucket.grad_chunk.add_(reduced)
-        self._next_launch = 0
         if self.layout.params and self.layout.params[0].is_cuda:
             torch.cuda.current_stream().synchronize()  # nccl's wait only orders streams
 
@@ -272,36 +280,6 @@ class ZeroDataParallel(nn.Module):
                 n = piece.stop - piece.start
                 piece.tensor.grad = (bucket.grad_chunk[piece.chunk_offset : piece.chunk_offset + n]
                                      if id(piece.param) in used else None)
-
-    def _grad_ready(self, bucket_index: int, param: nn.Parameter) -> None:
-        bucket = self.layout.buckets[bucket_index]
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
-        bucket.ready.add(id(param))
-        while self._next_launch < len(self.layout.buckets):  # launch in bucket order on every rank
-            nxt = self.layout.buckets[self._next_launch]
-            if len(nxt.ready) < len(nxt.params) and not nxt.deferred:
-                return
-            self._next_launch += 1
-            if not nxt.deferred:
-                self._had_grad |= {id(p) for p in nxt.params if p.grad is not None}
-                self._launch(nxt)
-
-    @torch.no_grad()
-    def _end_of_backward(self) -> None:
-        while self._next_launch < len(self.layout.buckets):
-            nxt = self.layout.buckets[self._next_launch]
-            self._next_launch += 1
-            if not nxt.deferred:
-                self._had_grad |= {id(p) for p in nxt.params if p.grad is not None}
-                self._launch(nxt)
-        start = time.perf_counter()
-        self._wait_all()
-        self.comm_wait_s += time.perf_counter() - start
-        for bucket in self.layout.buckets:
-            bucket.ready.clear()
-        self._callback_queued = False
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
@@ -328,8 +306,3 @@ class ZeroDataParallel(nn.Module):
             out[name] = full_flat[b.index][off : off + p.numel()].view_as(p).clone() if id(p) in used else None
         return out
 
-
-def _on_grad_ready(wrapper: "weakref.ref[ZeroDataParallel]", bucket_index: int, param: torch.Tensor) -> None:
-    me = wrapper()
-    if me is not None and me._sync_enabled:
-        me._grad_ready(bucket_index, param)
