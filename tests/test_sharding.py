@@ -339,6 +339,12 @@ def test_explain_prints_the_plan_and_refuses_bad_rules(capsys):
     assert (kv["fwd"], kv["fwd_calls"], kv["bwd_calls"], kv["group"]) == ("sendrecv", 1, 1, "cp[2] [0, 2]")
     assert kv["fwd_bytes"] == kv["bwd_bytes"] > 0 and grad["bwd_bytes"] == 2 * kv["fwd_bytes"] and kv["predicted_s"] > 0
     assert {c["group"] for c in d["data_parallel"]} == {"dp+cp[2] [0, 2]"}
+    # Under ZeRO-1/2 the engine reduce-scatters the gradients and all-gathers the updated chunks (not one all-reduce).
+    assert main(["explain", "--model", "gpt", "--dp", "2", "--cp", "2", "--zero", "2", "--set", "model.n_layer=2",
+                 "--set", "sharding.compute=seq=cp", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [(c["at"], c["fwd"], c["bwd"], c["group"]) for c in d["data_parallel"]] == [
+        ("gradients", "-", "reduce_scatter", "dp+cp[4] [0, 1, 2, 3]"), ("weights", "all_gather", "-", "dp+cp[4] [0, 1, 2, 3]")]
     assert main(["explain", "--model", "mlp", "--tp", "2", "--set", "sharding.compute=embed=tp, mlp=tp"]) == 2
     assert "used twice in one tensor" in capsys.readouterr().err
 
