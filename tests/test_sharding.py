@@ -223,17 +223,19 @@ def test_verify_context_parallel_rules(pools):
     # bf16 with fp32 masters through the rules: the ring's blocks in fp32, k/v travelling in bf16; the
     # allowance is verify's mixed-precision one (2 x the bf16 reference's own distance from fp32).
     (2, ["layout.cp=2", "sharding.compute=seq=cp", 'layout.precision="bf16"']),
+    # fp16 (loss scaling; rotary positions offset by the zigzag chunks' places).
+    (2, ["layout.cp=2", "sharding.compute=seq=cp", 'layout.precision="fp16"', "model.rotary=true"]),
     # ZeRO-2 over the replica group dp x cp (4 ranks): gradients reduce-scattered during backward.
     (4, ["layout.dp=2", "layout.cp=2", "sharding.compute=seq=cp", "layout.zero=2"]),
     # tp x cp x ZeRO-1: Megatron TP rules with seq over cp, optimizer state sharded over cp's replicas.
     (4, ["layout.tp=2", "layout.cp=2", f"sharding.compute={MEGATRON}, seq=cp", "layout.zero=1"]),
-], ids=["cp2-bf16", "dp2-cp2-zero2", "tp2-cp2-zero1"])
+], ids=["cp2-bf16", "cp2-fp16-rotary", "dp2-cp2-zero2", "tp2-cp2-zero1"])
 def test_verify_context_parallel_rules_with_zero_and_bf16(pools, world, sets):
     from shardlab.train.verify import MIXED_VERIFY_BASE
 
-    mixed = any("bf16" in s for s in sets)
+    mixed = any("bf16" in s or "fp16" in s for s in sets)
     report = _verify(pools, _cfg("gpt", 1, 1, *sets, "train.steps=2", *(MIXED_VERIFY_BASE if mixed else [])), world)
-    if mixed:  # the mixed-precision allowance was in play (a bf16 run cannot meet the fp32 bars)
+    if mixed:  # the mixed-precision allowance was in play (a bf16/fp16 run cannot meet the fp32 bars)
         assert report["mp_factor"] > 0 and report["max_rel_grad_diff"] > 1e-5, report
     else:
         from sharding_ranks import engine_under_rules
