@@ -142,3 +142,21 @@ def cp_traces(sets: list[str]) -> dict:
             out["cp_ranks"] = build_mesh(cfg.layout, create_groups=False).ranks_along("cp")
             out["plan_has_context"] = plan.context_axis == "cp"
     return out
+
+
+def engine_under_rules(sets: list[str]) -> dict:
+    """What apply_layout builds for verify's GPT under `sets` ([sharding] rules with seq over cp and a
+    ZeRO stage): the data-parallel engine, its stage and replica group, and the context swaps, so a
+    verify that passes is known to have run ZeRO under the derived ring (not plain data parallelism)."""
+    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.train.config import load_config
+    from shardlab.train.task import prepare_model
+    from shardlab.train.verify import VERIFY_BASE
+
+    cfg = load_config(None, sets, base=VERIFY_BASE)
+    cfg.validate(dist.get_world_size())
+    model = apply_layout(prepare_model(cfg), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+    inner = model.module
+    return {"engine": type(model).__name__, "stage": getattr(model, "stage", None),
+            "replicas": dist.get_world_size(model.group), "context": inner.derived_plan.context_axis,
+            "swapped": [type(inner.tokens).__name__, type(inner.blocks[0].attn.attend).__name__]}

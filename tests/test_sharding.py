@@ -219,6 +219,33 @@ def test_verify_context_parallel_rules(pools):
     _verify(pools, _cfg("gpt", 1, 2, "layout.cp=2", f"sharding.compute={MEGATRON}, seq=cp+tp", "train.steps=2"), 4)
 
 
+@pytest.mark.parametrize("world, sets", [
+    # bf16 with fp32 masters through the rules: the ring's blocks in fp32, k/v travelling in bf16; the
+    # allowance is verify's mixed-precision one (2 x the bf16 reference's own distance from fp32).
+    (2, ["layout.cp=2", "sharding.compute=seq=cp", 'layout.precision="bf16"']),
+    # fp16 (loss scaling; rotary positions offset by the zigzag chunks' places).
+    (2, ["layout.cp=2", "sharding.compute=seq=cp", 'layout.precision="fp16"', "model.rotary=true"]),
+    # ZeRO-2 over the replica group dp x cp (4 ranks): gradients reduce-scattered during backward.
+    (4, ["layout.dp=2", "layout.cp=2", "sharding.compute=seq=cp", "layout.zero=2"]),
+    # tp x cp x ZeRO-1: Megatron TP rules with seq over cp, optimizer state sharded over cp's replicas.
+    (4, ["layout.tp=2", "layout.cp=2", f"sharding.compute={MEGATRON}, seq=cp", "layout.zero=1"]),
+], ids=["cp2-bf16", "cp2-fp16-rotary", "dp2-cp2-zero2", "tp2-cp2-zero1"])
+def test_verify_context_parallel_rules_with_zero_and_bf16(pools, world, sets):
+    from shardlab.train.verify import MIXED_VERIFY_BASE
+
+    mixed = any("bf16" in s or "fp16" in s for s in sets)
+    report = _verify(pools, _cfg("gpt", 1, 1, *sets, "train.steps=2", *(MIXED_VERIFY_BASE if mixed else [])), world)
+    if mixed:  # the mixed-precision allowance was in play (a bf16/fp16 run cannot meet the fp32 bars)
+        assert report["mp_factor"] > 0 and report["max_rel_grad_diff"] > 1e-5, report
+    else:
+        from sharding_ranks import engine_under_rules
+
+        got = pools(world).run(engine_under_rules, ['model.name="gpt"', *sets])[0]
+        zero = int(next(s for s in sets if s.startswith("layout.zero=")).split("=")[1])
+        assert got == {"engine": "ZeroDataParallel", "stage": zero, "replicas": world // (2 if "layout.tp=2" in sets else 1),
+                       "context": "cp", "swapped": ["ZigzagTokens", "RingAttend"]}, got
+
+
 @pytest.mark.slow
 def test_verify_fsdp_heads_over_tp_seq_over_cp_on_eight_ranks(pools):
     # The issue's example, which no hand-written flag set spells: weights stored over dp (FSDP), heads,
@@ -314,6 +341,12 @@ def test_explain_prints_the_plan_and_refuses_bad_rules(capsys):
     assert (kv["fwd"], kv["fwd_calls"], kv["bwd_calls"], kv["group"]) == ("sendrecv", 1, 1, "cp[2] [0, 2]")
     assert kv["fwd_bytes"] == kv["bwd_bytes"] > 0 and grad["bwd_bytes"] == 2 * kv["fwd_bytes"] and kv["predicted_s"] > 0
     assert {c["group"] for c in d["data_parallel"]} == {"dp+cp[2] [0, 2]"}
+    # Under ZeRO-1/2 the engine reduce-scatters the gradients and all-gathers the updated chunks (not one all-reduce).
+    assert main(["explain", "--model", "gpt", "--dp", "2", "--cp", "2", "--zero", "2", "--set", "model.n_layer=2",
+                 "--set", "sharding.compute=seq=cp", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [(c["at"], c["fwd"], c["bwd"], c["group"]) for c in d["data_parallel"]] == [
+        ("gradients", "-", "reduce_scatter", "dp+cp[4] [0, 1, 2, 3]"), ("weights", "all_gather", "-", "dp+cp[4] [0, 1, 2, 3]")]
     assert main(["explain", "--model", "mlp", "--tp", "2", "--set", "sharding.compute=embed=tp, mlp=tp"]) == 2
     assert "used twice in one tensor" in capsys.readouterr().err
 

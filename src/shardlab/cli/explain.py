@@ -82,7 +82,7 @@ def explain(cfg: Any, hardware: str) -> dict[str, Any]:
     rows = max(1, t.global_batch // max(1, lay.dp * t.micro_batches))
     itemsize = 2 if lay.precision in ("bf16", "fp16") else 4
     plan = derive(model, rules_of(cfg.sharding), mesh_sizes(lay), rows=rows, itemsize=itemsize,
-                  micro_batches=t.micro_batches)
+                  micro_batches=t.micro_batches, zero=lay.zero)
     mesh = build_mesh(lay, world_size=cfg.world_size, rank=0, create_groups=False)
     order = mesh_order(lay)
     hw = get_hardware(hardware)
@@ -144,7 +144,8 @@ def render(d: dict[str, Any]) -> str:
                          f"{_fmt_bytes(c['fwd_bytes']):>10}  bwd {bwd:<14} {_fmt_bytes(c['bwd_bytes']):>10}  "
                          f"{c['predicted_s'] * 1e6:8.1f} us  ({c['why']})")
     if d["data_parallel"]:
-        lines.append("data parallel engine (once per step)" + (": FSDP (ZeRO-3 units)" if d["fsdp"] else ""))
+        lines.append("data parallel engine (once per step)" + (": FSDP (ZeRO-3 units)" if d["fsdp"] else
+                     ": ZeRO-1/2 (flat buckets)" if any(c["function"] == "zero" for c in d["data_parallel"]) else ""))
         for c in d["data_parallel"]:
             lines.append(f"{'':<24}{c['at']:<9} {c['group']:<14} fwd {c['fwd']:<14} {_fmt_bytes(c['fwd_bytes']):>10}  "
                          f"bwd {c['bwd']:<14} {_fmt_bytes(c['bwd_bytes']):>10}  {c['predicted_s'] * 1e6:8.1f} us")

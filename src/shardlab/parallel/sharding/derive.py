@@ -47,10 +47,11 @@ def fmt(axes: TensorAxes | tuple[str, ...], mapping: Mapping[str, str | None], p
 
 
 def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: int, seq: int | None = None,
-           itemsize: int = 4, micro_batches: int = 1) -> Plan:
+           itemsize: int = 4, micro_batches: int = 1, zero: int = 0) -> Plan:
     """The plan of `rules` for the plain `model` (a GPT or a DeepMLP) on a mesh of `sizes` ({axis:
     degree}); `rows` per micro-batch per data-parallel rank and `seq` tokens (GPT) size the bytes.
-    Raises ShardingError naming every problem. Needs no process group."""
+    `zero`: layout.zero, the data-parallel engine's stage (1 and 2 reduce-scatter and all-gather where
+    plain data parallelism all-reduces). Raises ShardingError naming every problem. Needs no process group."""
     from shardlab.models.gpt import GPT
     from shardlab.models.mlp import DeepMLP
 
@@ -90,7 +91,7 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
     shards = {n: Shard(ta.names.index(logical), ta.blocks if ta.names.index(logical) == 0 else 1)
               for n, ta in axes.items() for logical in ta.names if compute.get(logical) == MODEL_AXIS}
     fsdp = any(v == DATA_AXIS for k, v in rules.params.items())
-    data = _data_collectives(model, axes, shards, sizes, itemsize, fsdp)
+    data = _data_collectives(model, axes, shards, sizes, itemsize, fsdp, zero)
     t = (seq or model.cfg.seq_len) if isinstance(model, GPT) else 0
     return Plan(rules.describe(), dict(sizes), modules, shards, data, fsdp, rows, t, itemsize, micro_batches,
                 context_axis=cp)
@@ -283,7 +284,7 @@ def _mlp(model: nn.Module, c: dict[str, str], sizes: Mapping[str, int], rows: in
 
 # --------------------------------------------------------------------------------- data parallel
 def _data_collectives(model: nn.Module, axes: Mapping[str, TensorAxes], shards: Mapping[str, Shard],
-                      sizes: Mapping[str, int], item: int, fsdp: bool) -> list[Collective]:
+                      sizes: Mapping[str, int], item: int, fsdp: bool, zero: int = 0) -> list[Collective]:
     """The batch is cut over dp and every weight replicated over it: each weight's gradient is a
     partial sum over dp, reduced once per step by the data-parallel engine (all-reduce), or, stored over
     dp, gathered for forward and backward and reduce-scattered (FSDP)."""
@@ -305,5 +306,13 @@ def _data_collectives(model: nn.Module, axes: Mapping[str, TensorAxes], shards: 
                 Collective("(all weights)", "gradients", "fsdp", axis, None, nbytes,
                            f"{cut}: partial gradients, each rank keeps its stored chunk",
                            fwd="-", bwd="reduce_scatter")]
+    if zero in (1, 2):  # ZeRO-1/2 (parallel/zero.py): each rank updates its 1/n chunk of the flat buckets
+        return [Collective("(all weights)", "gradients", "zero", axis, None, nbytes,
+                           f"{cut}, weights replicated: partial gradients, reduce-scattered (ZeRO-{zero}: "
+                           f"{'during backward' if zero == 2 else 'after backward'}), each rank keeping its chunk",
+                           fwd="-", bwd="reduce_scatter"),
+                Collective("(all weights)", "weights", "zero", axis, None, nbytes,
+                           "after the optimizer step: each rank's updated chunk all-gathered (once per step, "
+                           "shown in the forward column)", fwd="all_gather", bwd="-")]
     return [Collective("(all weights)", "gradients", "grad_all_reduce", axis, None, nbytes,
                        f"{cut}, weights replicated: partial gradients", fwd="-", bwd="all_reduce")]

@@ -38,7 +38,7 @@ class Collective:
 
     module: str
     at: str          # "input", "output" or "weight <param>"
-    fn: str          # a key of FUNCTIONS, or "grad_all_reduce" / "fsdp" for the data-parallel engine
+    fn: str          # a key of FUNCTIONS, or "grad_all_reduce" / "zero" / "fsdp" for the data-parallel engine
     axis: str
     dim: int | None
     nbytes: int
