@@ -28,6 +28,30 @@ def test_spec_counts_shardlab_gpt_exactly(overrides):
     assert spec.flops_per_token() == pytest.approx(model.flops_per_token())
 
 
+@pytest.mark.parametrize("overrides", [[], ["model.tie_embeddings=false", "model.bias=true"],
+                                       ["model.name=mlp"], ["model.norm=rmsnorm", "model.rotary=true"]])
+def test_empty_model_has_the_built_models_names_shapes_and_tying(overrides):
+    """empty_model skips torch.nn.init's fills on the meta device: everything a planner or a check
+    reads of it is the real model's, and the fills are torch's own again afterwards."""
+    from torch import nn
+
+    from shardlab.train.task import build_model, empty_model
+
+    cfg = load_config(None, overrides)
+    fills = {name: getattr(nn.init, name) for name in ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")}
+    real, empty = build_model(cfg.model), empty_model(cfg.model)
+    assert [(n, p.shape, p.dtype) for n, p in real.named_parameters()] == \
+        [(n, p.shape, p.dtype) for n, p in empty.named_parameters()]
+    assert all(p.is_meta for p in empty.parameters())
+    assert len(list(real.parameters())) == len(list(empty.parameters()))   # tied weights counted once
+    assert all(getattr(nn.init, name) is fn for name, fn in fills.items())
+    bad = load_config(None, ["model.n_head=5"]).model
+    with pytest.raises(ValueError, match="n_head 5"):   # a model that fails to build leaves them restored
+        empty_model(bad)
+    assert all(getattr(nn.init, name) is fn for name, fn in fills.items())
+    assert nn.init.zeros_(torch.ones(2)).sum() == 0
+
+
 @pytest.mark.parametrize("name, billions, tol", [
     ("gpt3-175b", 175.0, 0.01),        # Brown et al. 2020, Table 2.1
     ("megatron-530b", 530.0, 0.01),    # Smith et al. 2022 (MT-NLG)

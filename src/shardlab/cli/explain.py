@@ -66,19 +66,16 @@ def _fmt_bytes(n: float) -> str:
 def explain(cfg: Any, hardware: str) -> dict[str, Any]:
     """The plan of `cfg`'s rules as a dict (modules, collectives with group, bytes and predicted
     seconds, totals per step)."""
-    import torch
-
     from shardlab.parallel.layout import build_mesh, mesh_order
     from shardlab.parallel.sharding.apply import mesh_sizes, rules_of
     from shardlab.parallel.sharding.derive import derive
     from shardlab.plan.comm import Group, collective_time, p2p_time
     from shardlab.plan.hardware import get_hardware
     from shardlab.train.corpus import model_vocab
-    from shardlab.train.task import build_model
+    from shardlab.train.task import empty_model
 
     lay, t = cfg.layout, cfg.train
-    with torch.device("meta"):
-        model = build_model(cfg.model, model_vocab(cfg) if cfg.model.name == "gpt" else 0)
+    model = empty_model(cfg.model, model_vocab(cfg) if cfg.model.name == "gpt" else 0)
     rows = max(1, t.global_batch // max(1, lay.dp * t.micro_batches))
     itemsize = 2 if lay.precision in ("bf16", "fp16") else 4
     plan = derive(model, rules_of(cfg.sharding), mesh_sizes(lay), rows=rows, itemsize=itemsize,

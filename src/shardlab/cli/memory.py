@@ -50,12 +50,10 @@ def _mib(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from shardlab.dist import launch, under_torchrun
     from shardlab.plan.memory import model_state_bytes
     from shardlab.train.config import ConfigError
-    from shardlab.train.task import build_model
+    from shardlab.train.task import empty_model
 
     bad = [s for s in args.stages if s not in (0, 1, 2, 3)]
     if bad:
@@ -72,8 +70,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"shardlab memory: {exc}", file=sys.stderr)
         return 2
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = empty_model(cfg.model)
     psi = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for n, p in model.named_parameters() if not cfg.frozen(n))
     n = cfg.layout.dp

@@ -318,11 +318,10 @@ def discard_partial_save(cfg) -> None:
 def dry_run(cfg) -> int:
     import torch
 
-    from shardlab.train.task import build_model
+    from shardlab.train.task import empty_model
 
     # The meta device builds the model without allocating its weights: counts for any size.
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = empty_model(cfg.model)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for n, p in model.named_parameters() if not cfg.frozen(n))
     print(cfg.to_toml())

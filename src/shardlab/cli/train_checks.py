@@ -45,17 +45,14 @@ def check_before_launch(cfg, make_out_dir: bool = True) -> None:
     import fnmatch
     from pathlib import Path
 
-    import torch
-
     from shardlab.train.config import ConfigError
-    from shardlab.train.task import build_model
+    from shardlab.train.task import empty_model
 
     if cfg.model.init_from_hf:
         problems = hf_problems(cfg.model)
         if problems:
             raise ConfigError("the model does not fit its Hugging Face checkpoint:\n  - " + "\n  - ".join(problems))
-    with torch.device("meta"):
-        names = [n for n, _ in build_model(cfg.model).named_parameters()]
+    names = [n for n, _ in empty_model(cfg.model).named_parameters()]
     for pattern in filter(None, (p.strip() for p in cfg.model.freeze.split(","))):
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter of the {cfg.model.name} "

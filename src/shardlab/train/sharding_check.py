@@ -7,13 +7,11 @@ from shardlab.train.config import Config
 
 
 def sharding_problems(cfg: Config, model_ok: bool = True) -> list[str]:
-    import torch
-
     from shardlab.parallel.sharding.apply import mesh_sizes, rules_of
     from shardlab.parallel.sharding.derive import derive
     from shardlab.parallel.sharding.rules import ShardingError
     from shardlab.train.corpus import model_vocab
-    from shardlab.train.task import build_model
+    from shardlab.train.task import empty_model
 
     lay, m, t = cfg.layout, cfg.model, cfg.train
     out: list[str] = []
@@ -51,8 +49,7 @@ def sharding_problems(cfg: Config, model_ok: bool = True) -> list[str]:
         vocab = model_vocab(cfg) if m.name == "gpt" else 0
     except (OSError, ValueError, ImportError):
         return out
-    with torch.device("meta"):
-        model = build_model(m, vocab)
+    model = empty_model(m, vocab)
     rows = max(1, t.global_batch // max(1, lay.dp * t.micro_batches))
     try:
         derive(model, rules, mesh_sizes(lay), rows=rows)
