@@ -108,6 +108,31 @@ def test_output_modes(capfd):
     assert lines == ["[rank 0] hello from 0", "[rank 1] hello from 1", "[rank 2] hello from 2"]
 
 
+def _start_method() -> str:
+    import multiprocessing
+
+    print(f"started by {multiprocessing.get_start_method()} with {os.environ.get('SHARDLAB_PROBE')}")
+    return multiprocessing.get_start_method()
+
+
+def test_ranks_are_spawned_off_linux_or_on_request(monkeypatch, capfd):
+    """The forkserver start is Linux's; macOS (unsafe to fork after loading its frameworks) and
+    SHARDLAB_START_METHOD=spawn spawn the ranks, which still adopt the launcher's env and output."""
+    from shardlab.dist.start import rank_context
+
+    assert rank_context().get_start_method() == ("forkserver" if sys.platform.startswith("linux") else "spawn")
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert rank_context().get_start_method() == "spawn"
+    monkeypatch.undo()
+    monkeypatch.setenv("SHARDLAB_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="SHARDLAB_START_METHOD='fork'"):
+        rank_context()
+    monkeypatch.setenv("SHARDLAB_START_METHOD", "spawn")
+    monkeypatch.setenv("SHARDLAB_PROBE", "set-after-start")
+    assert launch(_start_method, 2, threads=1) == ["spawn", "spawn"]
+    assert "started by spawn with set-after-start" in capfd.readouterr().out
+
+
 def _late_peer() -> tuple[float, str]:
     """Rank 0 calls a collective that rank 1 joins only after rank 0's timeout."""
     if dist.get_rank() == 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 from dataclasses import dataclass
 from multiprocessing import reduction
 from typing import Any
@@ -26,8 +27,16 @@ PRELOAD = ["torch", "torch.distributed"]
 
 
 def rank_context() -> Any:
-    """The multiprocessing context every local rank is started with (spawn where fork is unavailable)."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """The multiprocessing context every local rank is started with.
+
+    The forkserver on Linux only. On macOS a process that has loaded system frameworks (as importing
+    torch does) is not safe to fork without exec (the reason Python's default there is spawn), and
+    Windows has no fork. SHARDLAB_START_METHOD=spawn chooses spawn anywhere (e.g. to rule the
+    forkserver out when a rank fails at start)."""
+    choice = os.environ.get("SHARDLAB_START_METHOD", "")
+    if choice not in ("", "forkserver", "spawn"):
+        raise ValueError(f"SHARDLAB_START_METHOD={choice!r}: expected forkserver or spawn")
+    if choice == "spawn" or not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
