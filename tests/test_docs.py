@@ -3,8 +3,9 @@
 What goes stale first when code moves: a file a page points to, a link between pages, a flag a
 command line in a page gives, a file of src/shardlab missing from docs/ARCHITECTURE.md's layer map.
 Only what is unambiguous is checked: repository paths with a directory (`parallel/layout.py`,
-`benchmarks/gpt_mfu.py`), relative Markdown links, and the `--flags` of `shardlab COMMAND ...` lines
-inside code (fenced blocks and `inline code`), read up to a `#` comment. Prose is never parsed.
+`benchmarks/gpt_mfu.py`), tests cited by name (`tests/test_x.py::test_y`), relative Markdown links,
+and the `--flags` of `shardlab COMMAND ...` and `benchmarks/*.py` lines inside code (fenced blocks
+and `inline code`), read up to a `#` comment. Prose is never parsed for flags.
 """
 
 from __future__ import annotations
@@ -61,6 +62,17 @@ def test_paths_named_in_docs_exist():
                 if path not in suffixes and path not in outputs and path not in FOREIGN:
                     missing.append(f"{page.relative_to(ROOT)}:{n}: {path}")
     assert not missing, "paths named in the docs that do not exist:\n  " + "\n  ".join(missing)
+
+
+def test_tests_named_in_docs_exist():
+    """`tests/test_x.py::test_name`, as the pages cite the test that checks a claim."""
+    missing = []
+    for page in PAGES:
+        for path, name in re.findall(r"(tests/\w+\.py)::(\w+)", page.read_text()):
+            test = ROOT / path
+            if test.exists() and not re.search(r"^\s*(?:async )?def %s\(" % name, test.read_text(), re.M):
+                missing.append(f"{page.relative_to(ROOT)}: {path}::{name}")
+    assert not missing, "tests the docs cite that do not exist:\n  " + "\n  ".join(missing)
 
 
 def test_links_between_pages_resolve():
