@@ -23,7 +23,8 @@ PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 # Paths a page names: any `dir/file.py` (in the repository or the package: `parallel/layout.py`,
 # `tensor/plan.py`), and data, configs and pages under the repository's own directories.
 PY_PATH = re.compile(r"(?<![\w./*-])((?:[\w.-]+/)+[\w-]+\.py)\b")
-DATA_PATH = re.compile(r"(?<![\w./*-])((?:src|tests|benchmarks|configs|docs)/(?:[\w.-]+/)*[\w-]+\.(?:md|toml|json|csv|png|txt))\b")
+DATA_PATH = re.compile(r"(?<![\w./*-])((?:src|tests|benchmarks|configs|docs)/(?:[\w.-]+/)*"
+                       r"[\w-]+\.(?:md|toml|json|csv|png|txt))\b")
 # What a command writes (`--json docs/results/new.json`) need not exist yet.
 OUTPUT = re.compile(r"--(?:json|csv|plot|markdown|out|output|profile|gantt|emit-config)[ =]+(\S+)")
 # Other projects' files, cited with their repository: (path, whose).
