@@ -1,6 +1,6 @@
 """The docs name what exists: README.md and docs/*.md checked against the code (no processes, ~1 s).
 
-What goes stale first when code moves: a file a page points to, a link between pages, a flag a
+What goes stale first when code moves: a file a page points to, a link (or heading) between pages, a flag a
 command line in a page gives, a file of src/shardlab missing from docs/ARCHITECTURE.md's layer map.
 Only what is unambiguous is checked: repository paths with a directory (`parallel/layout.py`,
 `benchmarks/gpt_mfu.py`), tests cited by name (`tests/test_x.py::test_y`), relative Markdown links,
@@ -76,13 +76,21 @@ def test_tests_named_in_docs_exist():
     assert not missing, "tests the docs cite that do not exist:\n  " + "\n  ".join(missing)
 
 
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#{1,6} +(.+?) *$", FENCE.sub("", page.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
 def test_links_between_pages_resolve():
     broken = []
     for page in PAGES:
         for target in LINK.findall(page.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
-                continue  # a URL or an anchor on the same page
-            if not (page.parent / target.split("#")[0]).exists():
+            if re.match(r"[a-z]+:", target):
+                continue  # a URL
+            path, _, anchor = target.partition("#")
+            linked = page.parent / path if path else page
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors(linked)):
                 broken.append(f"{page.relative_to(ROOT)}: ({target})")
     assert not broken, "links that resolve to nothing:\n  " + "\n  ".join(broken)
 
