@@ -47,6 +47,18 @@ def test_every_command_has_help(capfd):
     assert "--pp" in out and "--schedule" in out and "--microbatches" in out and "--virtual-stages" in out
 
 
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`shardlab ... | head`: the reader closed the pipe; no BrokenPipeError traceback, SIGPIPE's exit code."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "shardlab", "train", "--dry-run"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
 def test_train_dry_run_prints_the_resolved_config_and_parameter_count(capfd):
     assert main(["train", "--config", "configs/gpt-small.toml", "--set", "optim.lr=3e-4", "--dp", "1", "--dry-run"]) == 0
     out = capfd.readouterr().out

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # Sub-commands, each a module in shardlab.cli with add_parser(subparsers) and run(args) -> int.
@@ -37,6 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader of our output went away (`shardlab ... | head`): stop quietly, as a shell tool
+        # ended by SIGPIPE does, instead of a traceback. Python ignores SIGPIPE, so the write raised;
+        # stdout now points at /dev/null so that the flush at exit cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
