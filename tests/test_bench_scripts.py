@@ -124,3 +124,22 @@ def test_compose_matrix(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(sys, "argv", ["compose_matrix.py", "--from-json", str(out)])
     assert module.main() == 0
     assert "| rc-full + resume | pass |" in capsys.readouterr().out
+
+
+def test_ep_traffic(pooled, monkeypatch, tmp_path, capsys):
+    """ep 2 and ep 2 recomputed, one step of two short sequences: the counts the page states for the
+    layers built, and bytes that add up to the kept assignments exactly and near the prediction."""
+    _run(monkeypatch, "ep_traffic", "--ep", "2", "--recompute-full", "2", "--steps", "1", "--global-batch", "2",
+         "--seq", "16", "--d-model", "32", "--json", str(tmp_path / "e.json"), "--markdown", str(tmp_path / "e.md"))
+    rows = json.loads((tmp_path / "e.json").read_text())["rows"]
+    assert [r["layout"] for r in rows] == ["ep 2", "ep 2, recompute full"]
+    for r, forwards in zip(rows, (1, 2)):
+        passes = 2 * forwards + 2  # dispatch and combine, in each forward (recomputed: two) and in backward
+        assert r["calls"] == [passes * 2]  # 2 layers
+        assert r["count_bytes"] == [forwards * 2 * 4 * 8]  # E = 4 int64 a layer and forward
+        assert r["sent_min"] > 0 and r["local_min"] > 0 and 0 <= r["share_min"] <= r["share_max"] <= 1
+        assert r["sent_plus_local_exact"]
+        assert r["predicted_sent"] == passes * 16 * 2 * 2 / 2 * 32 * 4  # T x k x layers x (ep-1)/ep x row
+        assert 0 <= r["dropped_share"] < 0.2 and abs(r["ratio_to_kept"] - 1) < 0.25, r
+    assert rows[1]["sent_min"] * 4 == rows[0]["sent_min"] * 6  # a recomputed forward routes the same way
+    assert "| ep 2 | 16 | 8 |" in (tmp_path / "e.md").read_text()
