@@ -148,3 +148,10 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys
     assert "nothing to train" in out and "step_00000002 is at step 2" in out, out
     summary = json.loads(report.read_text())
     assert summary["steps"] == 0 and summary["resumed_from"].endswith("step_00000002")
+    # A checkpoint past train.steps is refused before launch (it used to fail in every rank, each
+    # with a traceback).
+    from shardlab.train.config import ConfigError
+
+    step2 = summary["resumed_from"]
+    with pytest.raises(ConfigError, match=f"checkpoint.resume = '{step2}' is at step 2, past train.steps = 1"):
+        config(tmp_path, train={"steps": 1, "warmup_steps": 0}, checkpoint={"resume": step2})
