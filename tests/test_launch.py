@@ -92,6 +92,22 @@ def test_killed_rank_is_named():
     assert "SIGKILL" in str(info.value)
 
 
+def _mismatched_all_reduce() -> None:
+    comm.all_reduce(torch.ones(4 + dist.get_rank()))
+
+
+def test_a_gloo_abort_on_mismatched_sizes_points_to_validation_mode(monkeypatch):
+    """Without validation mode gloo ends a size mismatch with a C++ abort: no Python error, no flight
+    record. The failure said only "rank 0 died (killed by SIGABRT)"; it now says what that usually
+    means and how to have the values named."""
+    monkeypatch.setenv("SHARDLAB_VALIDATE", "0")
+    with pytest.raises(RankFailure) as info:
+        launch(_mismatched_all_reduce, 2, threads=1)
+    text = str(info.value)
+    assert "killed by SIGABRT" in text and "sizes differ between ranks" in text, text
+    assert "SHARDLAB_VALIDATE=1" in text and "CollectiveMismatchError" in text
+
+
 def _print_rank() -> None:
     print(f"hello from {dist.get_rank()}", flush=True)
     comm.barrier()
