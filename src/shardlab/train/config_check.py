@@ -215,11 +215,12 @@ def checkpoint_problems(cfg: Config) -> list[str]:
         else:
             from shardlab.checkpoint.format import CheckpointError, read_metadata
 
-            try:
+            try:  # found here, not by every rank after the launch (the ranks check its files)
                 step = read_metadata(Path(ck.resume).expanduser()).step
-            except CheckpointError:  # a damaged checkpoint is the integrity check's to name, in full
+            except CheckpointError as exc:
                 step = None
-            if step is not None and step > cfg.train.steps:  # found here, not by every rank after the launch
+                out.append(f"checkpoint.resume = {ck.resume!r} cannot be resumed from: {exc}")
+            if step is not None and step > cfg.train.steps:
                 out.append(f"checkpoint.resume = {ck.resume!r} is at step {step}, past train.steps = "
                            f"{cfg.train.steps}: raise train.steps to continue from it")
     return out
