@@ -214,3 +214,25 @@ def test_ranks_at_different_steps_save_nothing(pools, tmp_path):
     errors = pools(2).run(_save_at_rank_steps, str(tmp_path))
     assert all("the ranks are at different steps (rank 0: 1, rank 1: 2)" in e for e in errors)
     assert list_checkpoints(tmp_path) == []
+
+
+def _verify_together(path: str) -> list[str]:
+    from shardlab.checkpoint.verify import verify_together
+
+    return verify_together(Path(path))
+
+
+def test_an_unreadable_metadata_file_is_reported_once_by_ranks_verifying_together(pools, tmp_path):
+    """Every rank reads metadata.json, so every rank found it unreadable: `--resume latest` printed
+    the same reason once per rank ("resume: skipped ...: cannot read it as JSON: ...; <the same>")."""
+    _three(tmp_path)
+    (tmp_path / "step_00000003" / "metadata.json").write_text("{")
+    for problems in pools(2).run(_verify_together, str(tmp_path / "step_00000003")):
+        assert len(problems) == 1 and "metadata.json: cannot read it as JSON" in problems[0], problems
+    # --resume DIR of it is refused before launch, with the same reason.
+    from shardlab.train.config import Config, ConfigError
+
+    cfg = Config()
+    cfg.checkpoint.resume = str(tmp_path / "step_00000003")
+    with pytest.raises(ConfigError, match="step_00000003' cannot be resumed from: .*cannot read it as JSON"):
+        cfg.validate()

@@ -33,6 +33,13 @@ def test_demonstration_with_our_algorithm_at_odd_world_size(capfd):
 def test_unknown_algorithm_is_refused_before_launch(capfd):
     with pytest.raises(SystemExit, match="unknown --impl 'nope'"):
         main(["collectives", "-n", "2", "--impl", "nope"])
+    # Each names its command and flag (they used to say only "unknown op(s) nope").
+    with pytest.raises(SystemExit, match="^shardlab collectives: --ops nope: unknown operation"):
+        main(["collectives", "-n", "2", "--ops", "nope"])
+    with pytest.raises(SystemExit, match="^shardlab bench comm: --ops all_reduce,nope: unknown op"):
+        main(["bench", "comm", "--world-size", "2", "--ops", "all_reduce,nope"])
+    with pytest.raises(SystemExit, match="^shardlab bench comm: --impl nope: unknown implementation"):
+        main(["bench", "comm", "--world-size", "2", "--impl", "nope"])
 
 
 def test_every_command_has_help(capfd):

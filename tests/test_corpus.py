@@ -107,3 +107,20 @@ def test_ids_past_the_vocabulary_are_refused_before_launch(tmp_path, capsys):
     ok.tofile(raw)
     assert main([*args[:-4], *args[-2:]]) == 2  # log.sample_tokens left at its default
     assert "names no tokenizer" in capsys.readouterr().err
+
+
+def test_a_corpus_too_small_for_the_windows_is_refused_before_launch(tmp_path, capsys):
+    """Too few tokens for a window in both splits used to pass every check and fail in each rank after
+    the launch, with a traceback per rank; it is refused first, naming the fields that decide it."""
+    from shardlab.data.prepare import prepare
+
+    (tmp_path / "a.txt").write_text("hi there\n")
+    tok_file = prepare([str(tmp_path / "a.txt")], tmp_path / "a.tok", workers=1, progress=False).out
+    run = ["--set", "log.sample_tokens=0", "--set", f'log.out_dir="{tmp_path / "run"}"']
+    assert main(["train", "--set", f'data.source="{tok_file}"', *run]) == 2
+    err = capsys.readouterr().err
+    assert f"data.source = '{tok_file}' holds 12 tokens, fewer than the" in err and "model.seq_len = " in err, err
+    assert "Traceback" not in err
+    # A cap on the text read says so.
+    assert main(["train", "--set", "data.max_bytes=100", *run]) == 2
+    assert "holds 100 tokens (read up to data.max_bytes = 100)" in capsys.readouterr().err

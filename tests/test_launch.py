@@ -63,6 +63,45 @@ def _pids_gone(pid_dir: Path) -> bool:
     return True
 
 
+_SLEEPER = """
+import os, sys, time
+from pathlib import Path
+
+def sleep_forever(pid_dir):
+    Path(pid_dir, f"{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+"""
+
+
+def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
+    """A launcher killed outright (SIGKILL: the OOM killer, a scheduler's hard kill) must take its
+    ranks with it. PR_SET_PDEATHSIG watches the direct parent, which for a forked rank is the
+    forkserver, and the forkserver outlives the launcher (each rank holds its 'alive' descriptor):
+    the ranks of a killed `shardlab train` went on training, orphaned, to the last step."""
+    (tmp_path / "sleeper.py").write_text(_SLEEPER)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import sleeper; from shardlab.dist import launch; "
+            "launch(sleeper.sleep_forever, 2, sys.argv[1], threads=1)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=dict(os.environ, SHARDLAB_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2 or any(not f.read_text() for f in tmp_path.glob("*.pid")):
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while not _pids_gone(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _pids_gone(tmp_path), "ranks outlived their killed launcher"
+    finally:
+        proc.kill()
+        for f in tmp_path.glob("*.pid"):  # never leave the test's own orphans behind
+            try:
+                os.kill(int(f.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
 def test_raising_rank_fails_fast_with_its_traceback(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
@@ -90,6 +129,22 @@ def test_killed_rank_is_named():
     assert time.monotonic() - t0 < 30
     assert info.value.rank == 1
     assert "SIGKILL" in str(info.value)
+
+
+def _mismatched_all_reduce() -> None:
+    comm.all_reduce(torch.ones(4 + dist.get_rank()))
+
+
+def test_a_gloo_abort_on_mismatched_sizes_points_to_validation_mode(monkeypatch):
+    """Without validation mode gloo ends a size mismatch with a C++ abort: no Python error, no flight
+    record. The failure said only "rank 0 died (killed by SIGABRT)"; it now says what that usually
+    means and how to have the values named."""
+    monkeypatch.setenv("SHARDLAB_VALIDATE", "0")
+    with pytest.raises(RankFailure) as info:
+        launch(_mismatched_all_reduce, 2, threads=1)
+    text = str(info.value)
+    assert "killed by SIGABRT" in text and "sizes differ between ranks" in text, text
+    assert "SHARDLAB_VALIDATE=1" in text and "CollectiveMismatchError" in text
 
 
 def _print_rank() -> None:

@@ -224,6 +224,8 @@ def test_shape_mismatch_names_both_shapes_fast(pools):
     assert time.monotonic() - t0 < 10
     for msg in messages:  # every rank raised, with the same account of who has what
         assert "all_reduce" in msg and "rank 0 has shape (4, 3)" in msg and "rank 1 has shape (5, 3)" in msg
+        # The values, plainly (it used to read "ranks disagree: has shape differs: rank 0 has ...").
+        assert msg.endswith("ranks disagree: rank 0 has shape (4, 3), rank 1 has shape (5, 3)"), msg
     # The failure was agreed by all ranks, so the pool is still usable.
     assert pool.run(dist.get_rank) == [0, 1]
 

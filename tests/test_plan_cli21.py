@@ -70,3 +70,20 @@ def test_network_comparison_small():
     # The same layout on H100's faster compute spends a larger share of its step in communication.
     assert h100.same.time.breakdown()["compute"] < a100.same.time.breakdown()["compute"]
     assert "network" in format_comparison(rows)
+
+
+def test_a_calibration_or_bench_comm_file_that_would_be_ignored_or_unreadable_is_named(tmp_path, capsys):
+    """--calibration with a GPU preset used to be ignored without a word (even a missing file), and
+    a --bench-comm file that is not JSON, or not bench comm's, ended in a traceback."""
+    from shardlab.cli.main import main
+
+    with pytest.raises(ValueError, match="only --hardware this-cpu .* reads a calibration; --hardware h100-sxm"):
+        build_hardware(_args("--hardware", "h100-sxm", "--calibration", str(tmp_path / "cal.json")))
+    bad = tmp_path / "comm.json"
+    for text, why in (("{", "JSONDecodeError"), ('{"rows": []}', "KeyError: 'fits'")):
+        bad.write_text(text)
+        assert main(["plan", "--model", "llama2-7b", "--gpus", "8", "--dp", "8", "--bench-comm", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"--bench-comm {bad}: not a `shardlab bench comm --json` file" in err and why in err, err
+    assert main(["plan", "--model", "llama2-7b", "--bench-comm", str(tmp_path / "none.json")]) == 2
+    assert "cannot read it (No such file or directory)" in capsys.readouterr().err

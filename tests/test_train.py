@@ -123,6 +123,30 @@ def test_training_writes_metrics_events_plot_and_samples(pools, tmp_path):
     assert summary["final_loss"] == records[-1]["loss"] and (tmp_path / "config.toml").exists()
 
 
+def _train_recording(cfg: dict) -> list[tuple[str, str]]:
+    """train_rank, returning the (operation, call site) of what this rank's flight recorder holds of it."""
+    from shardlab.dist import flight
+    from shardlab.train.loop import train_rank
+
+    first = next(flight._ids)  # ids are global and increasing: everything after this is the run's
+    train_rank(cfg)
+    return [(e["op"], e["site"]) for e in flight.snapshot("test")["entries"] if e["id"] > first]
+
+
+def test_the_trainers_own_collectives_are_in_the_flight_recorder(pools, tmp_path):
+    """The per-step gather of losses and stop signals, and the validation loss's all-reduce, go through
+    shardlab.comm, so a rank stopped between steps is named by the launcher as the one the others wait
+    on. With torch.distributed's own all_gather a SIGSTOPped rank ended the job as a bare gloo timeout
+    on rank 0 ("Timed out waiting 10000ms for send operation") that named no rank."""
+    cfg = _train_cfg(tmp_path, 2, "train.steps=3", "train.warmup_steps=0", "train.eval_every=0",
+                     "train.eval_batches=1", "log.sample_tokens=0", "log.plot=false", "log.tensorboard=false",
+                     "log.memory=false")
+    for ops in pools(2).run(_train_recording, cfg):
+        gathers = [site for op, site in ops if op == "all_gather" and "loop.py" in site and "in _train" in site]
+        evals = [site for op, site in ops if op == "all_reduce" and "loop.py" in site and "in evaluate" in site]
+        assert (len(gathers), len(evals)) == (3, 1), ops[-20:]
+
+
 def test_training_is_the_same_at_one_and_two_ranks(pools, tmp_path):
     """The trainer's loss curve does not depend on the data-parallel degree (fp32, same batches)."""
     from shardlab.train.loop import train_rank

@@ -127,3 +127,31 @@ def test_resume_latest_falls_back_past_damaged_checkpoints(tmp_path, capfd, unin
     assert f"resume: skipped {ck / 'step_00000006'}: {flipped}: checksum check failed" in out
     assert f"resume: skipped {ck / 'step_00000004'}: {ck / 'step_00000004' / 'metadata.json'}: step name" in out
     assert losses(tmp_path) == uninterrupted
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys, monkeypatch, pools):
+    """A finished run started again with --resume (its newest checkpoint is of its last step) has no
+    step left: `shardlab train` says so and exits 0. It used to fail with `KeyError: 'first_loss'`
+    after the ranks had ended, printing the summary of a run that trained nothing."""
+    import shardlab.dist
+    from shardlab.cli.main import main
+
+    cfg = config(tmp_path, layout={"dp": 2}, train={"steps": 2, "warmup_steps": 0, "eval_every": 0},
+                 checkpoint={"every": 2, "async_save": False})
+    pools(2).run(train_rank, cfg.to_dict())
+    # The real command line, its ranks from the pool instead of a fresh launch (seconds of start-up).
+    monkeypatch.setattr(shardlab.dist, "launch", lambda fn, world, *args, **kw: pools(world).run(fn, *args))
+    capsys.readouterr()
+    report = tmp_path / "again.json"
+    assert main(["train", "--config", str(tmp_path / "config.toml"), "--resume", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train" in out and "step_00000002 is at step 2" in out, out
+    summary = json.loads(report.read_text())
+    assert summary["steps"] == 0 and summary["resumed_from"].endswith("step_00000002")
+    # A checkpoint past train.steps is refused before launch (it used to fail in every rank, each
+    # with a traceback).
+    from shardlab.train.config import ConfigError
+
+    step2 = summary["resumed_from"]
+    with pytest.raises(ConfigError, match=f"checkpoint.resume = '{step2}' is at step 2, past train.steps = 1"):
+        config(tmp_path, train={"steps": 1, "warmup_steps": 0}, checkpoint={"resume": step2})

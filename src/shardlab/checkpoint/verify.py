@@ -80,7 +80,8 @@ def verify_together(path: Path) -> list[str]:
         return mine
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
-    return [p for problems in everyone for p in problems]
+    # Once each: a metadata.json that cannot be read is every rank's problem, not one per rank.
+    return list(dict.fromkeys(p for problems in everyone for p in problems))
 
 
 def newest_verified(root: str | os.PathLike, *, agreed: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:

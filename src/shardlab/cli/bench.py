@@ -142,7 +142,8 @@ def _resolve_impls(asked: list[str]) -> list[str]:
     for name in asked:
         for impl in registered_impls() if name == "all" else [name]:
             if impl_ops(impl) is None:
-                raise SystemExit(f"unknown implementation {impl!r}; registered: {', '.join(registered_impls())}")
+                raise SystemExit(f"shardlab bench comm: --impl {impl}: unknown implementation; registered: "
+                                 f"{', '.join(registered_impls())}")
             if impl not in impls:
                 impls.append(impl)
     return impls
@@ -157,7 +158,8 @@ def run_comm(args: argparse.Namespace) -> int:
 
     unknown = [op for op in args.ops if op not in OPS]
     if unknown:
-        raise SystemExit(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(OPS)}")
+        raise SystemExit(f"shardlab bench comm: --ops {','.join(args.ops)}: unknown op(s) {', '.join(unknown)}; "
+                         f"choose from {', '.join(OPS)}")
     cfg = CommBenchConfig(
         ops=args.ops, impls=_resolve_impls(args.impl), sizes=args.sizes, dtypes=args.dtype,
         world_sizes=args.world_size, warmup=args.warmup, target_s=args.target_time, min_iters=args.min_iters,

@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     unknown = [op for op in args.ops if op not in OPS and op not in ("reduce_scatter", "all_gather")]
     if unknown:
-        raise SystemExit(f"unknown operation(s) {unknown}; choose from {OPS}")
+        raise SystemExit(f"shardlab collectives: --ops {','.join(args.ops)}: unknown operation(s) "
+                         f"{', '.join(unknown)}; choose from {', '.join(OPS)}")
     if args.impl != comm.TORCH:
         from shardlab.comm.algorithms import ALGORITHMS
 

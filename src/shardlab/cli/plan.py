@@ -181,6 +181,20 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _bench_comm_fits(path: str) -> tuple:
+    """The torch fits of a `shardlab bench comm --json` file; ValueError naming the flag and the file."""
+    from shardlab.plan.alphabeta import load_fits
+
+    try:
+        fits = load_fits(path)
+    except OSError as exc:
+        raise ValueError(f"--bench-comm {path}: cannot read it ({exc.strerror or exc})") from exc
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--bench-comm {path}: not a `shardlab bench comm --json` file with fitted collectives "
+                         f"({type(exc).__name__}: {exc})") from exc
+    return tuple(f for f in fits if f.impl == "torch")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(args)
@@ -202,13 +216,11 @@ def run(args: argparse.Namespace) -> int:
         spec = build_spec(args)
         hw = build_hardware(args)
         stage_layers = tuple(int(x) for x in args.stage_layers.split(",")) if args.stage_layers else ()
+        if args.bench_comm:
+            hw = replace(hw, fits=_bench_comm_fits(args.bench_comm))
     except (ValueError, FileNotFoundError) as exc:
         print(f"shardlab plan: {exc}", file=sys.stderr)
         return 2
-    if args.bench_comm:
-        from shardlab.plan.alphabeta import load_fits
-
-        hw = replace(hw, fits=tuple(f for f in load_fits(args.bench_comm) if f.impl == "torch"))
     if args.validate:
         from shardlab.plan.validate_report import print_validation
 

@@ -42,6 +42,9 @@ def build_hardware(args: argparse.Namespace, gpus: int | None = None):
     from shardlab.plan.hardware import get_hardware
     from shardlab.plan.network import parse_link
 
+    if args.calibration and args.hardware != "this-cpu":  # it would be ignored: the preset has its own rates
+        raise ValueError(f"--calibration {args.calibration}: only --hardware this-cpu (and --validate-local) reads "
+                         f"a calibration; --hardware {args.hardware} is a preset with its own rates")
     hw = get_hardware(args.hardware, args.calibration)
     if args.peak_tflops is not None:
         if args.peak_tflops <= 0:

@@ -270,6 +270,17 @@ def run(args: argparse.Namespace) -> int:
         raise
     if summary is None:  # a torchrun rank other than 0
         return 0
+    if not summary["steps"]:
+        # Resumed from a checkpoint of the last step (train/loop.py): the run is already complete, as
+        # when a finished job is started again with --resume; there are no losses to report.
+        print(f"shardlab train: nothing to train: {summary['resumed_from']} is at step {cfg.train.steps}, "
+              f"train.steps; raise train.steps (--steps) to continue from it")
+        if args.json:
+            import json
+
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
+        return 0
     print(f"\nloss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
           + (f" (validation {summary['final_val_loss']:.4f})" if summary.get("final_val_loss") is not None else "")
           + f" in {summary['wall_s']:.0f} s, {summary['tokens_per_s']:,.0f} tokens/s (median step)")

@@ -82,12 +82,15 @@ def check_data_before_launch(cfg) -> None:
     needs a tokenizer to be read. Raises ConfigError."""
     from shardlab.train.config import ConfigError
     from shardlab.train.corpus import check_token_ids, corpus_tokenizer, resolve_data
+    from shardlab.train.task import load_corpus
 
     if cfg.model.name != "gpt":
         return
     try:
         resolve_data(cfg)
-        check_token_ids(cfg)
+        # As the ranks will read it (a token file is memory-mapped, not read): a corpus too small for
+        # the model's windows is refused here, not by every rank after the launch.
+        check_token_ids(cfg, load_corpus(cfg))
         tokenizer = corpus_tokenizer(cfg)
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(str(exc)) from exc

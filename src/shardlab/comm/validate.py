@@ -77,8 +77,8 @@ def _field_disagreement(descs: list[Descriptor], field: str, label: str) -> str 
     values = [d.get(field) for d in descs]
     if all(v == values[0] for v in values):
         return None
-    per_rank = ", ".join(f"rank {r} {label} {show(v)}" for r, v in enumerate(values))
-    return f"{label} differs: {per_rank}"
+    # After agree()'s "ranks disagree: ", the values say what differs ("rank 0 has shape (4,), ...").
+    return ", ".join(f"rank {r} {label} {show(v)}" for r, v in enumerate(values))
 
 
 def show(value: Any) -> str:

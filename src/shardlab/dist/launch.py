@@ -166,6 +166,14 @@ def _failure(procs: list, workdir: str, exit_seen: dict[int, float]) -> RankFail
     else:
         rank = silent[0][1]
         message = f"rank {rank} died ({_describe_exit(procs[rank].exitcode)}) without raising a Python error"
+        if procs[rank].exitcode == -signal.SIGABRT and os.environ.get("SHARDLAB_VALIDATE", "0").lower() in (
+                "0", "false", "no", "off"):
+            # gloo's answer to a collective whose sizes differ between ranks (a C++ abort, so no Python
+            # error and no flight record): say how to have it named instead.
+            message += ("; gloo aborts a rank this way when a collective's sizes differ between ranks (its "
+                        "'EnforceNotMet ... collective mismatch' line is in the rank's output): rerun with "
+                        "SHARDLAB_VALIDATE=1 and the ranks compare operation, shape and dtype first, raising "
+                        "CollectiveMismatchError with each rank's values")
         tb = ""
         out = tail_lines(log_path(workdir, rank))
         if out:

@@ -10,8 +10,10 @@ import ctypes
 import datetime
 import json
 import os
+import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -47,19 +49,45 @@ class RankSpec:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies, so no rank is ever orphaned."""
+    """SIGKILL this process when the launcher (`parent_pid`) dies, so no rank is ever orphaned.
+
+    PR_SET_PDEATHSIG covers the direct parent. A rank forked by the forkserver has the server as its
+    parent, and the server does not exit with the launcher: multiprocessing hands every child the
+    server's "alive" descriptor, so the server sees no end of file while a rank lives (measured: the
+    ranks of a SIGKILLed `shardlab train` kept training). So a daemon thread also waits on the
+    launcher itself."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
-    # The launcher may have died before prctl took effect. (A rank forked by the forkserver has the
-    # server as its parent, which exits as soon as the launcher does: its death then reaches the rank.)
     try:
         os.kill(parent_pid, 0)
-    except ProcessLookupError:
+    except ProcessLookupError:  # the launcher died before any of this took effect
         os._exit(1)
+    threading.Thread(target=_kill_self_when_gone, args=(parent_pid,), name="shardlab-launcher-watch",
+                     daemon=True).start()
+
+
+def _kill_self_when_gone(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)  # Linux >= 5.3: readable once the process has exited; no polling
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
+    else:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+    os.kill(os.getpid(), signal.SIGKILL)  # as PR_SET_PDEATHSIG would: there is no one left to report to
 
 
 class _PrefixWriter:

@@ -212,6 +212,17 @@ def checkpoint_problems(cfg: Config) -> list[str]:
         if not (Path(ck.resume).expanduser() / "metadata.json").is_file():
             out.append(f"checkpoint.resume = {ck.resume!r} is not a checkpoint directory (no metadata.json there); "
                        f"use 'latest' for the newest under checkpoint.dir")
+        else:
+            from shardlab.checkpoint.format import CheckpointError, read_metadata
+
+            try:  # found here, not by every rank after the launch (the ranks check its files)
+                step = read_metadata(Path(ck.resume).expanduser()).step
+            except CheckpointError as exc:
+                step = None
+                out.append(f"checkpoint.resume = {ck.resume!r} cannot be resumed from: {exc}")
+            if step is not None and step > cfg.train.steps:
+                out.append(f"checkpoint.resume = {ck.resume!r} is at step {step}, past train.steps = "
+                           f"{cfg.train.steps}: raise train.steps to continue from it")
     return out
 
 

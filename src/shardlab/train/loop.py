@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardlab import comm
 from shardlab.dist import signals
 from shardlab.dist.env import synchronize
 from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, replica_group, uses_pipeline
@@ -60,7 +61,7 @@ def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, bat
         total += model(x.to(device), y.to(device)).double()
     model.train(was_training)
     total /= batches
-    dist.all_reduce(total, group=dp_group)
+    comm.all_reduce(total, group=dp_group)  # recorded, as the step's gather below
     return total.item() / dist.get_world_size(dp_group)
 
 
@@ -169,9 +170,10 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
                              (tracker.peak_reserved_bytes or 0.0) if tracker is not None else 0.0,
                              signals.requested()],
                             dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine.to(device) if device.type == "cuda" else mine)
-        stats = torch.stack([e.cpu() for e in every])
+        # Through shardlab.comm, so the flight recorder holds it: a rank stopped between steps is then
+        # named as the one its peers wait on here, not left as a bare gloo timeout on rank 0.
+        stats = comm.all_gather(mine.to(device).unsqueeze(0),
+                                out=torch.empty(world, mine.numel(), dtype=mine.dtype, device=device)).cpu()
         step_s = stats[:, 1].max().item()
         stopped_by = int(stats[:, 5].max().item())
         if tracker is None:

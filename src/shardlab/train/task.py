@@ -232,5 +232,13 @@ def load_corpus(cfg: Config) -> np.ndarray:
     min_tokens = int((cfg.model.seq_len + 2) / min(cfg.data.val_fraction, 1 - cfg.data.val_fraction)) + 1
     dtype = bin_dtype(cfg) if source_kind(cfg) == "bin" else None
     if cfg.data.max_bytes:
-        return load_tokens(source, max_bytes=cfg.data.max_bytes, min_tokens=min_tokens, token_dtype=dtype)
-    return load_tokens(source, min_tokens=min_tokens, token_dtype=dtype)
+        tokens = load_tokens(source, max_bytes=cfg.data.max_bytes, token_dtype=dtype, min_tokens=0)
+    else:
+        tokens = load_tokens(source, token_dtype=dtype, min_tokens=0)
+    if len(tokens) < min_tokens:  # named in the fields that set both numbers, not in load_tokens' terms
+        capped = f" (read up to data.max_bytes = {cfg.data.max_bytes:,})" if 0 < cfg.data.max_bytes <= tokens.nbytes else ""
+        raise ValueError(f"data.source = {cfg.data.source!r} holds {len(tokens):,} tokens{capped}, fewer than the "
+                         f"{min_tokens:,} needed for a window of model.seq_len = {cfg.model.seq_len} tokens and its "
+                         f"targets in both the training and the validation split (data.val_fraction = "
+                         f"{cfg.data.val_fraction}): use more data or a shorter model.seq_len")
+    return tokens
