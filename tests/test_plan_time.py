@@ -4,12 +4,11 @@ bubbles, and the search and CLI built on them."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 
+from shardlab.cli.main import main
 from shardlab.plan.alphabeta import AlphaBeta
 from shardlab.plan.comm import Group, collective_time, groups, layer_comms
 from shardlab.plan.flops import backward, layer_forward, recompute, tiles_efficiency
@@ -99,13 +98,14 @@ def test_search_ranks_fitting_layouts_and_agrees_with_evaluate():
     assert {e.layout.tp for e in pinned.ranked} == {2}
 
 
-def test_plan_cli_done_when(tmp_path):
+def test_plan_cli_done_when(tmp_path, capsys):
+    # In-process (main() is the command's entry point): a subprocess would add torch's import, ~1.5 s.
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, "-m", "shardlab", "plan", "--model", "gpt3-175b", "--gpus", "1024",
-                           "--hardware", "a100-80gb", "--global-batch", "1536", "--seq", "2048", "--top", "5",
-                           "--json", str(out)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "rank  layout" in proc.stdout and "MFU" in proc.stdout and "wins" in proc.stdout
+    code = main(["plan", "--model", "gpt3-175b", "--gpus", "1024", "--hardware", "a100-80gb", "--global-batch",
+                 "1536", "--seq", "2048", "--top", "5", "--json", str(out)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    assert "rank  layout" in stdout and "MFU" in stdout and "wins" in stdout
     data = json.loads(out.read_text())
     assert data["gpus"] == 1024 and data["fitting"] > 0
     row = data["ranked"][0]
@@ -115,14 +115,13 @@ def test_plan_cli_done_when(tmp_path):
     assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == 1024
 
 
-def test_plan_cli_one_layout_reports_a_layout_that_does_not_fit():
-    proc = subprocess.run([sys.executable, "-m", "shardlab", "plan", "--model", "megatron-175b", "--gpus", "64",
-                           "--global-batch", "64", "--tp", "8", "--pp", "8", "--recompute", "none"],
-                          capture_output=True, text=True, timeout=60)
+def test_plan_cli_one_layout_reports_a_layout_that_does_not_fit(capsys):
+    base = ["plan", "--model", "megatron-175b", "--gpus", "64", "--global-batch", "64", "--tp", "8", "--pp", "8"]
+    code = main([*base, "--recompute", "none"])
+    stdout = capsys.readouterr().out
     # Not fitting is a verdict, not an error: the breakdown is printed and the exit status is 0.
-    assert proc.returncode == 0 and "DOES NOT FIT" in proc.stdout   # 8 x 7 GB of activations in flight
-    assert "verdict: DOES NOT FIT" in proc.stdout and "time per step" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "shardlab", "plan", "--model", "megatron-175b", "--gpus", "64",
-                           "--global-batch", "64", "--tp", "8", "--pp", "8", "--sp", "--recompute", "selective"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "fits" in proc.stdout, proc.stdout + proc.stderr
+    assert code == 0 and "DOES NOT FIT" in stdout   # 8 x 7 GB of activations in flight
+    assert "verdict: DOES NOT FIT" in stdout and "time per step" in stdout
+    code = main([*base, "--sp", "--recompute", "selective"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0 and "fits" in stdout, stdout + stderr
