@@ -73,6 +73,30 @@ def test_train_dry_run_prints_the_resolved_config_and_parameter_count(capfd):
     assert "# gpt: 837,888 parameters (837,888 trainable), world size 1" in out
 
 
+@pytest.mark.parametrize("argv, why", [
+    (["--dp", "2", "--zero", "2", "--dp-mode", "naive"], "--dp-mode naive: ZeRO-2 synchronises gradients its own way"),
+    (["--dp-mode", "overlap"], "--dp-mode overlap: there are no data-parallel replicas"),
+    (["--dp", "2", "--zero", "3", "--bucket-mb", "4"], "--bucket-mb 4.0: ZeRO-3 reduces each unit's flat vector"),
+    (["--dp", "2", "--dp-mode", "naive", "--bucket-mb", "4"], "--bucket-mb 4.0: layout.dp_mode 'naive'"),
+    (["--schedule", "1f1b"], "--schedule 1f1b: a pipeline schedule needs pipeline stages"),
+    (["--top-k", "1"], "--top-k 1: the MLPs are dense (model.experts = 0)"),
+])
+def test_a_flag_the_layout_would_ignore_is_refused(capfd, argv, why):
+    """A silent no-op is a bug: a flag given for a layout that never reads it is named with the reason."""
+    assert main(["train", *argv, "--dry-run"]) == 2
+    err = capfd.readouterr().err
+    assert "flags this layout would ignore" in err and why in err, err
+
+
+def test_flags_the_layout_reads_are_accepted(capfd):
+    """The same flags where they act (a configuration file's values are not judged: only flags given)."""
+    for argv in (["--dp", "2", "--dp-mode", "naive"], ["--dp", "2", "--zero", "1", "--bucket-mb", "4"],
+                 ["--pp", "2", "--schedule", "1f1b", "--microbatches", "2"], ["--experts", "4", "--top-k", "1"],
+                 ["--config", "configs/gpt-small.toml", "--zero", "2"]):
+        assert main(["train", *argv, "--dry-run"]) == 0, capfd.readouterr().err
+    capfd.readouterr()
+
+
 def test_train_refuses_a_bad_layout_before_any_rank_starts(capfd):
     code = main(["train", "--config", "configs/gpt-small.toml", "--dp", "3", "--set", "train.micro_batches=2"])
     assert code == 2

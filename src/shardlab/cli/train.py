@@ -7,7 +7,7 @@ import sys
 
 from shardlab.cli.common import add_launch_options, launch_kwargs
 from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, memory and tests use them)
-    check_before_launch, check_data_before_launch, hf_assignments)
+    check_before_launch, check_data_before_launch, hf_assignments, ignored_flags)
 from shardlab.cli.train_report import rank_table, result_table, utilisation_line  # noqa: F401
 
 TRAIN_DOC = """\
@@ -177,8 +177,7 @@ def pipeline_adjustments(cfg) -> list[tuple[str, str]]:
 
 def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags."""
-    from shardlab.train.config import load_config
-
+    from shardlab.train.config import ConfigError, load_config
     from shardlab.train.presets import model_assignments
 
     flags = []
@@ -205,6 +204,9 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
         elif value is not None:
             flags.append(f'{key}="{value}"' if isinstance(value, str) else f"{key}={value}")
     cfg = load_config(args.config, [*family, *args.overrides, *flags], base=base)
+    ignored = ignored_flags(args, cfg)
+    if ignored:
+        raise ConfigError("flags this layout would ignore:\n  - " + "\n  - ".join(ignored))
     if cfg.model.name == "gpt" and not cfg.model.vocab_size:
         from shardlab.train.corpus import model_vocab
 

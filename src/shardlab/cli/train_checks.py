@@ -98,3 +98,39 @@ def check_data_before_launch(cfg) -> None:
         raise ConfigError(f"log.sample_tokens = {cfg.log.sample_tokens}: data.source = {cfg.data.source!r} holds raw "
                           f"ids and names no tokenizer to turn samples into text; set data.tokenizer to its "
                           f"tokenizer.json (or .tiktoken) file, or log.sample_tokens = 0")
+
+
+def ignored_flags(args, cfg) -> list[str]:
+    """Shortcut flags given on the command line that the resolved layout would never read, each with
+    why: accepted, they would be silent no-ops (a user comparing `--dp-mode naive` with `overlap`
+    under ZeRO would be timing the same run twice). Only flags given explicitly are judged: a value a
+    configuration file carries for other layouts is not the user's request for this one."""
+    lay, m, out = cfg.layout, cfg.model, []
+
+    def given(attr: str) -> bool:
+        return getattr(args, attr, None) is not None
+
+    replicas = lay.dp * lay.ep * lay.cp
+    if given("dp_mode"):
+        if replicas == 1:
+            out.append(f"--dp-mode {args.dp_mode}: there are no data-parallel replicas to synchronise "
+                       "(layout.dp x ep x cp = 1)")
+        elif lay.zero and lay.ep == 1:
+            out.append(f"--dp-mode {args.dp_mode}: ZeRO-{lay.zero} synchronises gradients its own way "
+                       f"(layout.zero = {lay.zero}), so the plain data-parallel mode is not used; drop it, or drop --zero")
+    if given("bucket_mb"):
+        if replicas == 1:
+            out.append(f"--bucket-mb {args.bucket_mb}: there are no data-parallel replicas whose gradients "
+                       "would be bucketed (layout.dp x ep x cp = 1)")
+        elif lay.zero == 3 and lay.ep == 1:
+            out.append(f"--bucket-mb {args.bucket_mb}: ZeRO-3 reduces each unit's flat vector as one "
+                       "bucket, so a bucket size is not used (layout.zero = 3)")
+        elif not lay.zero and lay.ep == 1 and lay.dp_mode == "naive":
+            out.append(f"--bucket-mb {args.bucket_mb}: layout.dp_mode 'naive' all-reduces each gradient "
+                       "on its own, without buckets; use --dp-mode bucketed or overlap")
+    if given("schedule") and lay.pp == 1:
+        out.append(f"--schedule {args.schedule}: a pipeline schedule needs pipeline stages (layout.pp = 1); "
+                   "add --pp N")
+    if given("top_k") and m.experts == 0:
+        out.append(f"--top-k {args.top_k}: the MLPs are dense (model.experts = 0); add --experts N")
+    return out
