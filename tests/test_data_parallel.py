@@ -305,3 +305,37 @@ def _wrapper_is_freed() -> bool:
 
 def test_overlap_wrapper_is_freed_with_its_hooks(pools):
     assert pools(1).run(_wrapper_is_freed) == [True]
+
+
+def _unsynced_step() -> list[str]:
+    """A torch optimizer on a naive/bucketed wrapper's parameters, stepped without finish_gradient_sync."""
+    out = []
+    for mode in MODES:
+        torch.manual_seed(0)
+        dp = DataParallel(nn.Linear(8, 8), mode=mode)
+        opt = torch.optim.AdamW(dp.parameters())
+        other = torch.optim.SGD(nn.Linear(2, 2).parameters())
+        dp(torch.ones(2, 8)).sum().backward()
+        other.step()   # an optimizer over other parameters is none of the wrapper's business
+        try:
+            opt.step()
+            out.append(f"{mode}: stepped")
+        except RuntimeError as exc:
+            out.append(f"{mode}: {exc}")
+        dp.finish_gradient_sync()
+        opt.step()     # once synchronised the same step goes through, and so does the next cycle
+        with torch.no_grad():
+            dp(torch.ones(2, 8))   # an evaluation forward asks for no synchronisation
+        opt.step()
+        del dp, opt
+    return out
+
+
+def test_a_step_over_unsynchronised_gradients_is_refused(pools):
+    """Forgetting finish_gradient_sync() in naive or bucketed mode would let each rank step on its
+    own gradients, silently; the optimizer's step is refused, naming the call. Overlap syncs in backward."""
+    out = pools(1).run(_unsynced_step)[0]
+    assert out[2] == "overlap: stepped", out
+    for line, mode in zip(out[:2], ("naive", "bucketed")):
+        assert line.startswith(f"{mode}: rank 0: AdamW.step() over a DataParallel model (mode '{mode}')"), line
+        assert "call model.finish_gradient_sync() after backward and before the step" in line, line
