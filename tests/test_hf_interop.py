@@ -125,3 +125,20 @@ def test_training_starts_from_a_transformers_checkpoint(pools, tmp_path, family)
     bad.model.d_model = 64
     with pytest.raises(ConfigError, match="model.d_model = 64, but the checkpoint"):
         check_before_launch(bad, make_out_dir=False)
+
+    # A tensor of another shape, one missing, a damaged file: named before launch from the files'
+    # headers, not by a traceback in every rank.
+    from safetensors.torch import load_file, save_file
+
+    (stored,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = load_file(str(stored))
+    norm = next(k for k in tensors if k.endswith("layers.1.input_layernorm.weight" if family == "llama" else "h.1.ln_1.weight"))
+    save_file({**tensors, norm: tensors[norm][:-1].clone()}, str(stored), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"blocks.1.ln1.weight \(31,\) \(model \(32,\)\)"):
+        check_before_launch(cfg, make_out_dir=False)
+    save_file({k: v for k, v in tensors.items() if k != norm}, str(stored), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=f"tensor .*{norm.split('.', 1)[-1]} is missing"):
+        check_before_launch(cfg, make_out_dir=False)
+    stored.write_bytes(stored.read_bytes()[:100])
+    with pytest.raises(ConfigError, match="model.init_from_hf = "):
+        check_before_launch(cfg, make_out_dir=False)

@@ -195,7 +195,8 @@ def hf_model_fields(path: str | os.PathLike) -> dict[str, Any]:
     raise CheckpointError(f"{where}: model_type {kind!r}; shardlab reads gpt2 and llama checkpoints")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, shapes_only: bool = False) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors"))
@@ -204,15 +205,20 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                               f"writes them; pytorch_model.bin is not read: it is a pickle)")
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update(load_file(str(f)))
+        if shapes_only:  # the files' headers alone: meta tensors of the stored shapes
+            with safe_open(str(f), framework="pt") as opened:
+                out.update({k: torch.empty(opened.get_slice(k).get_shape(), device="meta") for k in opened.keys()})
+        else:
+            out.update(load_file(str(f)))
     return out
 
 
-def read_hf(path: str | os.PathLike, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+def read_hf(path: str | os.PathLike, cfg: GPTConfig, shapes_only: bool = False) -> dict[str, torch.Tensor]:
     """The Hugging Face checkpoint in `path` as our whole state dict for a GPT of `cfg` (built with
-    hf_model_fields' fields; a shorter seq_len keeps the first rows of GPT-2's position table)."""
+    hf_model_fields' fields; a shorter seq_len keeps the first rows of GPT-2's position table).
+    shapes_only: meta tensors read from the files' headers, for checking a fit before any rank starts."""
     path = Path(path)
-    raw = _read_tensors(path)
+    raw = _read_tensors(path, shapes_only)
     # Some savers prefix the base model's names ("transformer." / "model.") or not; accept both.
     family, kvd = hf_family(cfg), cfg.n_kv_head * cfg.head_dim
     base = "transformer." if family == "gpt2" else "model."

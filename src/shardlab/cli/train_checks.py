@@ -39,6 +39,24 @@ def hf_problems(m) -> list[str]:
     return out
 
 
+def hf_tensor_misfit(m) -> str | None:
+    """The tensors of the Hugging Face checkpoint model.init_from_hf names that are missing or of
+    another shape than the model's, read from the files' headers (no weights loaded): found here, not
+    in every rank after launch. None when they fit."""
+    from safetensors import SafetensorError
+
+    from shardlab.checkpoint import CheckpointError
+    from shardlab.checkpoint.hf import read_hf
+    from shardlab.train.task import empty_model, hf_misfit
+
+    model = empty_model(m)
+    try:
+        state = read_hf(m.init_from_hf, model.cfg, shapes_only=True)
+    except (CheckpointError, OSError, SafetensorError) as exc:  # a missing tensor; a damaged file
+        return f"model.init_from_hf = {m.init_from_hf!r}: {exc}"
+    return hf_misfit(model, state, m.init_from_hf)
+
+
 def check_before_launch(cfg, make_out_dir: bool = True) -> None:
     """What validation cannot see without building the model (on the meta device: no memory) or
     touching the disk; raises ConfigError."""
@@ -52,6 +70,9 @@ def check_before_launch(cfg, make_out_dir: bool = True) -> None:
         problems = hf_problems(cfg.model)
         if problems:
             raise ConfigError("the model does not fit its Hugging Face checkpoint:\n  - " + "\n  - ".join(problems))
+        misfit = hf_tensor_misfit(cfg.model)
+        if misfit:
+            raise ConfigError(misfit)
     names = [n for n, _ in empty_model(cfg.model).named_parameters()]
     for pattern in filter(None, (p.strip() for p in cfg.model.freeze.split(","))):
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):

@@ -127,14 +127,23 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
     if not isinstance(model, GPT):
         raise ValueError(f"model.init_from_hf = {path!r}: only the GPT loads Hugging Face weights")
     state = read_hf(path, model.cfg)
+    problem = hf_misfit(model, state, path)
+    if problem:
+        raise ValueError(problem)
+    model.load_state_dict({n: state[n] for n in model.state_dict()})
+
+
+def hf_misfit(model: GPT, state: dict[str, torch.Tensor], path: str) -> str | None:
+    """Why the state dict read_hf made of the checkpoint in `path` does not fit `model` (None: it
+    fits): the tensors of another shape and those missing. Also run before launch on meta tensors."""
     own = model.state_dict()
     wrong = [f"{n} {tuple(t.shape)} (model {tuple(own[n].shape)})" for n, t in state.items()
              if n in own and own[n].shape != t.shape]
     missing = sorted(set(own) - set(state))
-    if wrong or missing:
-        raise ValueError(f"model.init_from_hf = {path!r} does not fit model.* ({model.cfg.n_layer} layers, d_model "
-                         f"{model.cfg.d_model}): " + "; ".join(wrong + [f"{n} not in the checkpoint" for n in missing]))
-    model.load_state_dict({n: state[n] for n in own})
+    if not (wrong or missing):
+        return None
+    return (f"model.init_from_hf = {path!r} does not fit model.* ({model.cfg.n_layer} layers, d_model "
+            f"{model.cfg.d_model}): " + "; ".join(wrong + [f"{n} not in the checkpoint" for n in missing]))
 
 
 def first_layer(model: nn.Module) -> nn.Module:
