@@ -308,12 +308,15 @@ def test_overlap_wrapper_is_freed_with_its_hooks(pools):
 
 
 def _unsynced_step() -> list[str]:
-    """A torch optimizer on a naive/bucketed wrapper's parameters, stepped without finish_gradient_sync."""
+    """A torch optimizer on a wrapper's parameters, stepped without finish_gradient_sync()."""
+    from shardlab.parallel import FullyShardedDataParallel
+
     out = []
-    for mode in MODES:
+    for mode in (*MODES, "fsdp"):
         torch.manual_seed(0)
-        dp = DataParallel(nn.Linear(8, 8), mode=mode)
-        opt = torch.optim.AdamW(dp.parameters())
+        dp = FullyShardedDataParallel(nn.Linear(8, 8)) if mode == "fsdp" else DataParallel(nn.Linear(8, 8), mode=mode)
+        opt = dp.build_optimizer(dp.parameters(), torch.optim.AdamW) if mode == "fsdp" else \
+            torch.optim.AdamW(dp.parameters())
         other = torch.optim.SGD(nn.Linear(2, 2).parameters())
         dp(torch.ones(2, 8)).sum().backward()
         other.step()   # an optimizer over other parameters is none of the wrapper's business
@@ -323,7 +326,9 @@ def _unsynced_step() -> list[str]:
         except RuntimeError as exc:
             out.append(f"{mode}: {exc}")
         dp.finish_gradient_sync()
+        before = [p.detach().clone() for p in dp.parameters()]
         opt.step()     # once synchronised the same step goes through, and so does the next cycle
+        assert any(not torch.equal(a, p) for a, p in zip(before, dp.parameters())), mode
         with torch.no_grad():
             dp(torch.ones(2, 8))   # an evaluation forward asks for no synchronisation
         opt.step()
@@ -333,9 +338,14 @@ def _unsynced_step() -> list[str]:
 
 def test_a_step_over_unsynchronised_gradients_is_refused(pools):
     """Forgetting finish_gradient_sync() in naive or bucketed mode would let each rank step on its
-    own gradients, silently; the optimizer's step is refused, naming the call. Overlap syncs in backward."""
+    own gradients, and under FSDP step nothing, silently; the optimizer's step is refused, naming the
+    call. Overlap synchronises during backward."""
     out = pools(1).run(_unsynced_step)[0]
     assert out[2] == "overlap: stepped", out
     for line, mode in zip(out[:2], ("naive", "bucketed")):
-        assert line.startswith(f"{mode}: rank 0: AdamW.step() over a DataParallel model (mode '{mode}')"), line
+        assert line.startswith(f"{mode}: rank 0: AdamW.step() over the parameters of a DataParallel (mode '{mode}') "
+                               "whose gradients were not synchronised"), line
         assert "call model.finish_gradient_sync() after backward and before the step" in line, line
+    assert out[3].startswith("fsdp: rank 0: FsdpOptimizer.step() over the parameters of a FullyShardedDataParallel "
+                             "whose"), out[3]
+    assert "without it they have none" in out[3], out[3]

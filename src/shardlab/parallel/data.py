@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from typing import Any, Literal
 
 import torch
@@ -46,6 +45,7 @@ from shardlab.comm import Handle
 from shardlab.parallel.buckets import Bucket, broadcast_state, build_buckets, sync_enabled_as, trainable_params
 from shardlab.parallel.grad_hooks import GradHooks
 from shardlab.parallel.precision import averaging_op
+from shardlab.parallel.sync_guard import await_sync, synced
 
 Mode = Literal["naive", "bucketed", "overlap"]
 MODES: tuple[str, ...] = ("naive", "bucketed", "overlap")
@@ -113,7 +113,8 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------------------- public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.mode != "overlap" and not self.pipelined and self._sync_enabled and torch.is_grad_enabled():
-            _await_sync(self)  # this forward's gradients are averaged only by finish_gradient_sync()
+            await_sync(self, "in 'naive' and 'bucketed' modes it does the all-reduce; without it each rank "
+                             "would step on its own gradients", self.mode)
         return self.module(*args, **kwargs)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -134,7 +135,7 @@ class DataParallel(nn.Module):
         """
         if not self._sync_enabled or (self.mode == "overlap" and not self.pipelined):
             return
-        _UNSYNCED.discard(self)
+        synced(self)
         if self.grad_hooks is not None:  # pipelined overlap: wait_groups counts the seconds blocked
             self.grad_hooks.flush()
             return
@@ -199,35 +200,3 @@ class DataParallel(nn.Module):
 
 def _sync_enabled(wrapper: DataParallel) -> bool:
     return wrapper._sync_enabled
-
-
-# A torch optimizer built on the wrapper's parameters() steps them with whatever gradients they hold:
-# in naive and bucketed modes each rank's own until finish_gradient_sync() averages them. Forgetting
-# that call would let every rank silently step on its own batch (replicas drifting apart, no error).
-# So a forward that will need the call enters this set until the call, and one global step pre-hook
-# refuses a step over the parameters of a wrapper still in it. Correct loops never find it non-empty
-# at a step, so the hook costs one emptiness test per step.
-_UNSYNCED: "weakref.WeakSet[DataParallel]" = weakref.WeakSet()
-_STEP_HOOK: list[Any] = []
-
-
-def _await_sync(wrapper: DataParallel) -> None:
-    _UNSYNCED.add(wrapper)
-    if not _STEP_HOOK:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_unsynced_step))
-
-
-def _refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _UNSYNCED:
-        return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for wrapper in list(_UNSYNCED):
-        if any(id(p) in stepped for p in wrapper._params):
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            raise RuntimeError(
-                f"rank {rank}: {type(optimizer).__name__}.step() over a DataParallel model (mode "
-                f"{wrapper.mode!r}) whose gradients were never averaged across its group: call "
-                "model.finish_gradient_sync() after backward and before the step (in 'naive' and 'bucketed' "
-                "modes it does the all-reduce; without it each rank would step on its own gradients)")

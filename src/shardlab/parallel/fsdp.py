@@ -69,6 +69,7 @@ from shardlab.comm import Handle
 from shardlab.parallel.buckets import broadcast_state, sync_enabled_as
 from shardlab.parallel.grad_hooks import GradHooks
 from shardlab.parallel.precision import averaging_op
+from shardlab.parallel.sync_guard import await_sync, synced
 from shardlab.parallel.fsdp_units import (FsdpLayout, FsdpOptimizer, Policy, Unit, entry_policy, load_sharded_state,
                                           make_unit, owners, sharded_state, successors, unit_modules)
 
@@ -162,6 +163,9 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------------------- public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sync_enabled and torch.is_grad_enabled():
+            await_sync(self, "it gives the shards their reduced gradients; without it they have none and the "
+                             "step would change nothing")
         return self.module(*args, **kwargs)
 
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
@@ -180,6 +184,7 @@ class FullyShardedDataParallel(nn.Module):
         average the replicated parameters' gradients: one all-reduce carries those and the flags."""
         if not self._sync_enabled:
             return
+        synced(self)
         start = time.perf_counter()
         while self._reducing:
             self._finish_reduce()

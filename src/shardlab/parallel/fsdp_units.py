@@ -16,6 +16,7 @@ from shardlab.comm import Handle
 from shardlab.parallel.optim import Piece, PieceOptimizer
 from shardlab.parallel.placement import FlatChunk, MeshAxis, Placement
 from shardlab.parallel.stepguard import refuse_plain_step
+from shardlab.parallel.sync_guard import check_synced
 
 Policy = Union[None, int, type, Iterable[type], Callable[[nn.Module], bool]]
 
@@ -157,6 +158,11 @@ class FsdpOptimizer(PieceOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.layout.fsdp.zero_grad(set_to_none)
+
+    def _attach_grads(self) -> None:
+        # The pieces' gradients come only from finish_gradient_sync(): without it this step would
+        # change nothing (or step the last step's gradients), silently.
+        check_synced(self.layout.fsdp, self)
 
 
 def sharded_state(fsdp: Any) -> dict[str, Any]:
