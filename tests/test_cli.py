@@ -42,6 +42,11 @@ def test_unknown_algorithm_is_refused_before_launch(capfd):
         main(["bench", "comm", "--world-size", "2", "--impl", "nope"])
 
 
+def test_checkpoint_export_without_a_format_is_a_usage_error(capfd, tmp_path):
+    assert main(["checkpoint", "export", str(tmp_path)]) == 2
+    assert "give --hf OUT and/or --dcp OUT" in capfd.readouterr().err
+
+
 def test_every_command_has_help(capfd):
     for argv in (["--help"], ["collectives", "--help"], ["bench", "comm", "--help"], ["topo", "--help"],
                  ["train", "--help"], ["verify", "--help"]):

@@ -132,8 +132,9 @@ def export(args: argparse.Namespace) -> int:
     from shardlab.checkpoint import CheckpointError, full_tensors, read_metadata
     from shardlab.checkpoint.format import resolve_checkpoint
 
-    if not (args.hf or args.dcp):
-        raise CheckpointError("export needs --hf OUT and/or --dcp OUT")
+    if not (args.hf or args.dcp):  # a usage error (exit 2), not a fault of the checkpoint
+        print("shardlab checkpoint export: give --hf OUT and/or --dcp OUT (the formats to write)", file=sys.stderr)
+        return 2
     path = resolve_checkpoint(args.path)
     if args.dcp:
         from shardlab.checkpoint.dcp import export_dcp
