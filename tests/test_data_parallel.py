@@ -309,14 +309,18 @@ def test_overlap_wrapper_is_freed_with_its_hooks(pools):
 
 def _unsynced_step() -> list[str]:
     """A torch optimizer on a wrapper's parameters, stepped without finish_gradient_sync()."""
-    from shardlab.parallel import FullyShardedDataParallel
+    from shardlab.parallel import FullyShardedDataParallel, ZeroDataParallel
 
     out = []
-    for mode in (*MODES, "fsdp"):
+    for mode in (*MODES, "fsdp", "zero1", "zero2"):
         torch.manual_seed(0)
-        dp = FullyShardedDataParallel(nn.Linear(8, 8)) if mode == "fsdp" else DataParallel(nn.Linear(8, 8), mode=mode)
-        opt = dp.build_optimizer(dp.parameters(), torch.optim.AdamW) if mode == "fsdp" else \
-            torch.optim.AdamW(dp.parameters())
+        if mode in MODES:
+            dp = DataParallel(nn.Linear(8, 8), mode=mode)
+            opt = torch.optim.AdamW(dp.parameters())
+        else:
+            dp = FullyShardedDataParallel(nn.Linear(8, 8)) if mode == "fsdp" else \
+                ZeroDataParallel(nn.Linear(8, 8), stage=int(mode[-1]))
+            opt = dp.build_optimizer(dp.parameters(), torch.optim.AdamW)
         other = torch.optim.SGD(nn.Linear(2, 2).parameters())
         dp(torch.ones(2, 8)).sum().backward()
         other.step()   # an optimizer over other parameters is none of the wrapper's business
@@ -338,8 +342,8 @@ def _unsynced_step() -> list[str]:
 
 def test_a_step_over_unsynchronised_gradients_is_refused(pools):
     """Forgetting finish_gradient_sync() in naive or bucketed mode would let each rank step on its
-    own gradients, and under FSDP step nothing, silently; the optimizer's step is refused, naming the
-    call. Overlap synchronises during backward."""
+    own gradients, and under ZeRO or FSDP step nothing (or the last step's), silently; the
+    optimizer's step is refused, naming the call. Overlap synchronises during backward."""
     out = pools(1).run(_unsynced_step)[0]
     assert out[2] == "overlap: stepped", out
     for line, mode in zip(out[:2], ("naive", "bucketed")):
@@ -349,3 +353,6 @@ def test_a_step_over_unsynchronised_gradients_is_refused(pools):
     assert out[3].startswith("fsdp: rank 0: FsdpOptimizer.step() over the parameters of a FullyShardedDataParallel "
                              "whose"), out[3]
     assert "without it they have none" in out[3], out[3]
+    for line, stage in zip(out[4:], (1, 2)):
+        assert line.startswith(f"zero{stage}: rank 0: ShardedOptimizer.step() over the parameters of a "
+                               "ZeroDataParallel whose gradients were not synchronised"), line

@@ -48,6 +48,7 @@ from shardlab.parallel.grad_hooks import GradHooks
 from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups, unique_trainable
 from shardlab.parallel.precision import LossScaler, averaging_op
 from shardlab.parallel.stepguard import refuse_plain_step
+from shardlab.parallel.sync_guard import await_sync, check_synced, synced
 
 @dataclass
 class ShardBucket:
@@ -134,10 +135,14 @@ class ShardedOptimizer(PieceOptimizer):
                                  int(bucket_mb * 2**20))
         super().__init__(groups, optimizer_cls, layout, group, impl=impl, loss_scaler=loss_scaler,
                          **optimizer_kwargs)
-        self._external_grads = False  # True when a ZeroDataParallel supplies reduced gradient chunks
+        # The ZeroDataParallel whose finish_gradient_sync() supplies the reduced gradient chunks (its
+        # build_optimizer sets it); None: standalone, taking this rank's pieces of full gradients.
+        self.grads_from: nn.Module | None = None
 
     def _attach_grads(self) -> None:
-        if not self._external_grads:
+        if self.grads_from is not None:  # without its sync the pieces hold no (or last step's) gradients
+            check_synced(self.grads_from, self)
+        else:
             for piece in self.pieces:
                 g = piece.param.grad
                 piece.tensor.grad = None if g is None else g.view(-1)[piece.start : piece.stop]
@@ -207,13 +212,16 @@ class ZeroDataParallel(nn.Module):
                                         held=[b.index for b in self.layout.buckets if b.deferred])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sync_enabled and torch.is_grad_enabled():
+            await_sync(self, "it gives the sharded optimizer's pieces their reduced gradients; without it they "
+                             "have none, or the last step's")
         return self.module(*args, **kwargs)
 
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
                         **optimizer_kwargs: Any) -> ShardedOptimizer:
         opt = ShardedOptimizer(params, optimizer_cls, self.group, impl=self.impl, layout=self.layout,
                                **optimizer_kwargs)
-        opt._external_grads = True
+        opt.grads_from = self
         return opt
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -225,6 +233,7 @@ class ZeroDataParallel(nn.Module):
     def finish_gradient_sync(self) -> None:
         if not self._sync_enabled:
             return
+        synced(self)
         start = time.perf_counter()
         for bucket in self.layout.buckets:
             if self.stage == 1 or bucket.deferred:
