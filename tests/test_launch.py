@@ -81,7 +81,10 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
     (tmp_path / "sleeper.py").write_text(_SLEEPER)
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import sleeper; from shardlab.dist import launch; "
             "launch(sleeper.sleep_forever, 2, sys.argv[1], threads=1)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=dict(os.environ, SHARDLAB_THREADS="1"))
+    tmp = tmp_path / "tmp"   # the launcher's temporary directory goes here
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
+                            env=dict(os.environ, SHARDLAB_THREADS="1", TMPDIR=str(tmp)))
     try:
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("*.pid"))) < 2 or any(not f.read_text() for f in tmp_path.glob("*.pid")):
@@ -93,6 +96,8 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
         while not _pids_gone(tmp_path) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _pids_gone(tmp_path), "ranks outlived their killed launcher"
+        # ...and its temporary directory with them (the killed launcher could not remove it).
+        assert not list(tmp.glob("shardlab-launch-*")), list(tmp.iterdir())
     finally:
         proc.kill()
         for f in tmp_path.glob("*.pid"):  # never leave the test's own orphans behind

@@ -89,7 +89,7 @@ def host_store(addr: str | None, port: int, timeout_s: float) -> tuple[dist.TCPS
 
 def _rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     adopt(spec.launcher)
-    die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid, spec.workdir)
     signals.install()  # SIGTERM and SIGHUP raise like Ctrl-C; the trainer stops at a step boundary instead
     setup_output(spec)
     try:

@@ -29,7 +29,7 @@ from shardlab.dist.start import LauncherState, adopt, rank_context
 
 def _serve(spec: RankSpec, conn: Any) -> None:
     adopt(spec.launcher)
-    die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid, spec.workdir)
     setup_output(spec)
     try:
         init_rank(spec)

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -48,8 +49,9 @@ class RankSpec:
     launcher: LauncherState | None = None  # the launcher's environment and streams, adopted first (start.py)
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the launcher (`parent_pid`) dies, so no rank is ever orphaned.
+def die_with_parent(parent_pid: int, workdir: str | None = None) -> None:
+    """SIGKILL this process when the launcher (`parent_pid`) dies, so no rank is ever orphaned; first
+    remove the launcher's `workdir` (its temporary directory), which a killed launcher cannot.
 
     PR_SET_PDEATHSIG covers the direct parent. A rank forked by the forkserver has the server as its
     parent, and the server does not exit with the launcher: multiprocessing hands every child the
@@ -66,27 +68,28 @@ def die_with_parent(parent_pid: int) -> None:
         os.kill(parent_pid, 0)
     except ProcessLookupError:  # the launcher died before any of this took effect
         os._exit(1)
-    threading.Thread(target=_kill_self_when_gone, args=(parent_pid,), name="shardlab-launcher-watch",
+    threading.Thread(target=_kill_self_when_gone, args=(parent_pid, workdir), name="shardlab-launcher-watch",
                      daemon=True).start()
 
 
-def _kill_self_when_gone(pid: int) -> None:
+def _kill_self_when_gone(pid: int, workdir: str | None) -> None:
     try:
-        fd = os.pidfd_open(pid)  # Linux >= 5.3: readable once the process has exited; no polling
+        fd: int | None = os.pidfd_open(pid)  # Linux >= 5.3: readable once the process has exited; no polling
     except ProcessLookupError:
-        os.kill(os.getpid(), signal.SIGKILL)
-        return
+        fd = -1
     except (AttributeError, OSError):
         fd = None
-    if fd is not None:
+    if fd is not None and fd >= 0:
         select.select([fd], [], [])
-    else:
+    elif fd is None:
         while True:
             time.sleep(1.0)
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 break
+    if workdir:  # every rank tries; whichever comes first removes it (the records in it have no reader left)
+        shutil.rmtree(workdir, ignore_errors=True)
     os.kill(os.getpid(), signal.SIGKILL)  # as PR_SET_PDEATHSIG would: there is no one left to report to
 
 
