@@ -135,17 +135,20 @@ def _train_recording(cfg: dict) -> list[tuple[str, str]]:
 
 
 def test_the_trainers_own_collectives_are_in_the_flight_recorder(pools, tmp_path):
-    """The per-step gather of losses and stop signals, and the validation loss's all-reduce, go through
-    shardlab.comm, so a rank stopped between steps is named by the launcher as the one the others wait
-    on. With torch.distributed's own all_gather a SIGSTOPped rank ended the job as a bare gloo timeout
-    on rank 0 ("Timed out waiting 10000ms for send operation") that named no rank."""
+    """The per-step agreement on stop signals, the gather of the steps' numbers at logging steps, and
+    the validation loss's all-reduce go through shardlab.comm, so a rank stopped between steps is named
+    by the launcher as the one the others wait on. With torch.distributed's own all_gather a SIGSTOPped
+    rank ended the job as a bare gloo timeout on rank 0 ("Timed out waiting 10000ms for send
+    operation") that named no rank."""
     cfg = _train_cfg(tmp_path, 2, "train.steps=3", "train.warmup_steps=0", "train.eval_every=0",
                      "train.eval_batches=1", "log.sample_tokens=0", "log.plot=false", "log.tensorboard=false",
                      "log.memory=false")
     for ops in pools(2).run(_train_recording, cfg):
-        gathers = [site for op, site in ops if op == "all_gather" and "loop.py" in site and "in _train" in site]
+        agreed = [site for op, site in ops if op == "all_reduce" and "stop.py" in site and "in agree" in site]
+        # Read at the logging steps only: step 0 and the last (train.log_every is larger than the run).
+        gathers = [site for op, site in ops if op == "all_gather" and "window.py" in site and "in read" in site]
         evals = [site for op, site in ops if op == "all_reduce" and "loop.py" in site and "in evaluate" in site]
-        assert (len(gathers), len(evals)) == (3, 1), ops[-20:]
+        assert (len(agreed), len(gathers), len(evals)) == (3, 2, 1), ops[-20:]
 
 
 def test_training_is_the_same_at_one_and_two_ranks(pools, tmp_path):

@@ -60,7 +60,9 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], d
     record = tp if tp is not None else pp
     axes = [] if tp is None else [a for a in tp.axes if a.size > 1 and a.name not in (PIPELINE_AXIS, DATA_AXIS)]
     bit = {a.name: 1 << (i + 1) for i, a in enumerate(axes)}
-    sq = torch.zeros(2 << len(axes), dtype=torch.float64, device=device)  # bit 0: over dp; bit i+1: axes[i]
+    # bit 0: over dp; bit i+1: axes[i]. Each sum's gradients are grouped by device and dtype for the
+    # multi-tensor kernel (one launch per group, not one per parameter).
+    bins: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g, over_dp, p in grads:
         index = int(bool(over_dp))
         name = None if record is None else record.name_of(p)
@@ -68,7 +70,11 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], d
             if pp is not None and not pp.counts(name):
                 continue
             index += sum(bit.get(a, 0) for a in record.cut_axes(name))
-        sq[index] += g.detach().double().square().sum()
+        if g.numel():
+            bins.setdefault((index, g.device, g.dtype), []).append(g)  # under no_grad: no detach needed
+    sq = torch.zeros(2 << len(axes), dtype=torch.float64, device=device)
+    for (index, _, _), group in bins.items():
+        sq[index] += squares(group).to(sq.device)
     if dp_size > 1:
         _reduce_where(sq, 1, dp_group)
     for a in axes:
@@ -83,6 +89,13 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], d
     return total.sqrt()
 
 
+def squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of every element of `grads` (one device and dtype), in fp64: the
+    multi-tensor norm kernel accumulates each tensor in fp64, so no fp64 copy of a gradient is made."""
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    return torch.stack(norms).square().sum()
+
+
 def _reduce_where(sq: torch.Tensor, bit: int, group: Group) -> None:
     """Sum over `group` the entries of `sq` whose index has `bit` set (those cut over it)."""
     idx = torch.tensor([i for i in range(sq.numel()) if i & bit], device=sq.device)
@@ -94,11 +107,23 @@ def _reduce_where(sq: torch.Tensor, bit: int, group: Group) -> None:
 def clip_coefficient(norm: float | torch.Tensor, max_norm: float) -> float:
     """What to multiply the gradients by so that their norm is at most max_norm (torch's rule, with
     its 1e-6); 1.0 when they are within it, or when the norm is not finite (fp16 overflow: the step
-    is skipped, not scaled)."""
+    is skipped, not scaled). Reads the norm on the host: `clip_factor` is the step's device version."""
     total = float(norm)
     if not math.isfinite(total) or not math.isfinite(max_norm):
         return 1.0
     return min(max_norm / (total + 1e-6), 1.0)
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """`clip_coefficient` computed on the norm's device, so the step never waits for the host: a
+    0-d fp64 tensor (the same double arithmetic, hence the same value), or None when nothing is
+    clipped (max_norm infinite). Multiplying by it always, as torch's clip_grad_norm_ does, leaves
+    an unclipped gradient exactly as it was (x * 1.0 == x)."""
+    if not math.isfinite(max_norm):
+        return None
+    norm = norm.double()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -155,8 +180,17 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float,
     pipeline stage does not count are scaled too: every copy takes the same step."""
     params = list(params)
     norm = whole_grad_norm(params, placement)
-    coef = clip_coefficient(norm, max_norm)
-    if coef < 1.0:
-        torch._foreach_mul_([_local(p.grad) for p in {id(p): p for p in params}.values() if p.grad is not None],
-                            coef)
+    coef = clip_factor(norm, max_norm)
+    grads = [_local(p.grad) for p in {id(p): p for p in params}.values() if p.grad is not None]
+    if coef is not None and grads:
+        for group in by_device_and_dtype(grads):
+            torch._foreach_mul_(group, coef.to(group[0].device))
     return norm.float()
+
+
+def by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped as the multi-tensor kernels want them (one device and dtype a call)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())

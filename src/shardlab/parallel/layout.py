@@ -226,7 +226,8 @@ def apply_recompute(model: nn.Module, layout: "LayoutSection") -> nn.Module:
 
 
 def apply_data_parallel(model: nn.Module, layout: "LayoutSection", group: dist.ProcessGroup | None) -> nn.Module:
-    """Step 5: plain data parallelism or ZeRO 1/2/3 over `group` (the replicas of a dense parameter)."""
+    """Step 5: plain data parallelism or ZeRO 1/2/3 over `group` (the replicas of a dense parameter);
+    a group of one rank without ZeRO leaves the model unwrapped."""
     size = dist.get_world_size(group)
     replicas = layout.dp * layout.ep * layout.cp
     if replicas != size:
@@ -245,6 +246,10 @@ def apply_data_parallel(model: nn.Module, layout: "LayoutSection", group: dist.P
                                         regather_for_recompute=layout.recompute != "none")
     if layout.zero:
         return ZeroDataParallel(model, group, stage=layout.zero, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
+    if size == 1:
+        # One replica: nothing to average. No wrapper, hooks, buckets or collectives: the step is the
+        # plain model's (what a 100-line script does at world size 1).
+        return model
     return DataParallel(model, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
 
 

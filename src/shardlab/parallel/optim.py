@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
-from shardlab.parallel.gradnorm import clip_coefficient, global_grad_norm
+from shardlab.parallel.gradnorm import by_device_and_dtype, clip_factor, global_grad_norm
 from shardlab.parallel.placement import Placement
 from shardlab.parallel.precision import LossScaler, master_from_source, set_fp32_source
 
@@ -136,7 +136,7 @@ class PieceOptimizer(torch.optim.Optimizer):
         super().__init__([p for g in inner_groups for p in g["params"]], self.optim.defaults)
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
-        self._coef = 1.0  # clip coefficient still to apply (low-precision pieces: inside step)
+        self._coef: torch.Tensor | None = None  # clip coefficient (a device scalar) still to apply to masters
         self._norm: torch.Tensor | None = None  # this step's global norm, once computed
         self.last_step_skipped = False
 
@@ -172,12 +172,13 @@ class PieceOptimizer(torch.optim.Optimizer):
         """Scale the gradients so that their global norm is at most `max_norm`; return the norm before.
         fp32 pieces are scaled in place now; low-precision ones when step() casts them to fp32."""
         norm = self.grad_norm()
-        coef = clip_coefficient(norm, max_norm)
-        if coef < 1.0:
+        coef = clip_factor(self._norm, max_norm)  # on the device: the step never reads the norm back
+        if coef is not None:
             self._coef = coef
-            for pc, master in zip(self.pieces, self.masters):
-                if master is pc.tensor and pc.tensor.grad is not None:
-                    pc.tensor.grad.mul_(coef)
+            own = [pc.tensor.grad for pc, master in zip(self.pieces, self.masters)
+                   if master is pc.tensor and pc.tensor.grad is not None]
+            for group in by_device_and_dtype(own):
+                torch._foreach_mul_(group, coef.to(group[0].device))
         return norm
 
     @torch.no_grad()
@@ -190,30 +191,49 @@ class PieceOptimizer(torch.optim.Optimizer):
             if not math.isfinite(float(norm)):  # overflow in fp16: same verdict on every rank
                 self.loss_scaler.update(found_inf=True)
                 self.last_step_skipped = True
-                self._coef, self._norm = 1.0, None
+                self._coef, self._norm = None, None
                 return loss
-        to_master = self._coef / self.loss_scale  # fp32 pieces already carry the clip coefficient
-        for pc, master in zip(self.pieces, self.masters):
-            g = pc.tensor.grad
-            if master is not pc.tensor:
-                master.grad = None if g is None else g.float()
-                if master.grad is not None and to_master != 1.0:
-                    master.grad.mul_(to_master)
-            elif g is not None and self.loss_scale != 1.0:
-                g.div_(self.loss_scale)
+        self._masters_take_grads()
         self.optim.step()
-        for pc, master in zip(self.pieces, self.masters):
-            if master is not pc.tensor:
-                pc.tensor.copy_(master)  # rounded to the compute dtype: what forward will use
+        # Rounded to the compute dtype (what forward will use), every piece in one multi-tensor copy.
+        copies = [(pc.tensor, master) for pc, master in zip(self.pieces, self.masters) if master is not pc.tensor]
+        if copies:
+            torch._foreach_copy_([t for t, _ in copies], [m for _, m in copies])
+            for _, master in copies:
                 master.grad = None
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
-        self._coef, self._norm = 1.0, None
+        self._coef, self._norm = None, None
         self._after_step()
         return loss
 
+    def _masters_take_grads(self) -> None:
+        """Hand each master its piece's gradient, in fp32, times the clip coefficient and 1/loss
+        scale (fp32 pieces carry the coefficient already: they are their own masters). The casts
+        and scalings run as multi-tensor kernels, one per device and dtype, not one per piece."""
+        low, own = [], []
+        for pc, master in zip(self.pieces, self.masters):
+            g = pc.tensor.grad
+            if master is not pc.tensor:
+                master.grad = None if g is None else torch.empty_like(master)
+                if g is not None:
+                    low.append((master.grad, g))
+            elif g is not None:
+                own.append(g)
+        if low:
+            fp32 = [m for m, _ in low]
+            torch._foreach_copy_(fp32, [g for _, g in low])
+            # One factor, formed in fp64 as before (coefficient / loss scale), one rounding.
+            if self._coef is not None:
+                torch._foreach_mul_(fp32, (self._coef / self.loss_scale).to(fp32[0].device))
+            elif self.loss_scale != 1.0:
+                torch._foreach_mul_(fp32, 1.0 / self.loss_scale)
+        if own and self.loss_scale != 1.0:
+            for group in by_device_and_dtype(own):
+                torch._foreach_div_(group, self.loss_scale)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._coef, self._norm = 1.0, None
+        self._coef, self._norm = None, None
         for t in [*self.layout.params, *(pc.tensor for pc in self.pieces), *self.masters]:
             if set_to_none:
                 t.grad = None

@@ -6,9 +6,10 @@
     torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
 
 Each step: this rank's micro-batches forward and backward (under a pipeline, its schedule's),
-gradient sync by the layout, clipping, AdamW (train/step.py). Every step's loss, step time and
-communication wait are gathered from all ranks (one tiny all_gather) so the curve is the global
-loss: the mean over dp ranks, since the ranks of a tp group compute the same loss on the same rows
+gradient sync by the layout, clipping, AdamW (train/step.py), with nothing read back to the host:
+the steps' losses, norms and times stay on the device until the loop needs them (logging steps,
+validation, checkpoints, a stop, the end: train/window.py), then come in one synchronisation and one
+tiny all_gather of every rank's rows, so the curve is the global loss: the mean over dp ranks, since the ranks of a tp group compute the same loss on the same rows
 and every stage of a pipeline returns its replica's loss; logged steps also measure peak tensor
 memory per rank. A pipeline's communication wait is its time blocked on activations and gradients
 from the other stages (the bubble shows there) plus its data-parallel sync. Throughput and MFU count the plain model's FLOPs over every rank. Rank 0 writes metrics.jsonl, TensorBoard events, and at the end loss.png, the
@@ -28,7 +29,6 @@ import torch.distributed as dist
 
 from shardlab import comm
 from shardlab.dist import signals
-from shardlab.dist.env import synchronize
 from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, replica_group, uses_pipeline
 from shardlab.parallel.precision import autocast_context, get_precision
 from shardlab.train.compile import compile_blocks
@@ -39,6 +39,8 @@ from shardlab.train.metrics import MetricsWriter, step_line
 from shardlab.train.prefetch import Prefetcher
 from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import Task, build_task, prepare_model
+from shardlab.train.stop import StopAgreement
+from shardlab.train.window import StepWindow
 
 
 def rank_device() -> torch.device:
@@ -140,9 +142,9 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             print(f"resumed from {resumed} at step {start_step}", flush=True)
 
     records: list[dict[str, Any]] = []
-    window: list[float] = []  # untraced step times since the last log line
-    shown_s = 0.0  # their median, kept when a window is empty (consecutive logged steps)
-    steady: list[float] = []  # every untraced step time
+    window = StepWindow(world, device, lr_of=lambda s: lr_at(s, cfg))
+    stop = StopAgreement(world, dist.get_backend())
+    loss_scaling = get_precision(lay.precision).loss_scaling
     feed = Prefetcher(task, device)  # the next step's batches made (and on CUDA copied) during this one
     run_start = time.perf_counter()
     stopped_by = 0  # the stop signal the ranks agreed to end on (0: none)
@@ -150,73 +152,54 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         inject_fault(step, rank)
         logged = step % t.log_every == 0 or step == t.steps - 1
         tracker = MemoryTracker(device) if (logged and cfg.log.memory) else None
+        window.started()
         if tracker is not None:
             tracker.__enter__()
         try:
+            # Nothing is read back here (check_now=False): the loss, the norm and the non-finite
+            # flag stay on the device until the window is read (train/window.py).
             res = train_step(
                 model, optimizer, feed, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=dp_size,
                 micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
                 skip_layer_every=cfg.model.skip_layer_every, device=device, on_nonfinite=cfg.optim.on_nonfinite,
-                precision=lay.precision,
+                precision=lay.precision, check_now=False,
             )
-            synchronize(device)
         finally:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
-        # One small gather per step: the global loss, the slowest rank's time, every rank's wait, and
-        # any stop signal a rank received, so that every rank stops after the same step.
-        mine = torch.tensor([res.loss, res.seconds, res.comm_wait_s,
-                             tracker.peak_bytes if tracker is not None else 0.0,
-                             (tracker.peak_reserved_bytes or 0.0) if tracker is not None else 0.0,
-                             signals.requested()],
-                            dtype=torch.float64)
-        # Through shardlab.comm, so the flight recorder holds it: a rank stopped between steps is then
-        # named as the one its peers wait on here, not left as a bare gloo timeout on rank 0.
-        stats = comm.all_gather(mine.to(device).unsqueeze(0),
-                                out=torch.empty(world, mine.numel(), dtype=mine.dtype, device=device)).cpu()
-        step_s = stats[:, 1].max().item()
-        stopped_by = int(stats[:, 5].max().item())
-        if tracker is None:
-            window.append(step_s)
-        # Logged steps trace memory, which slows them: their own time is recorded as is, but the
-        # console shows the untraced steps since the last log line (the steady state).
-        if window:
-            shown_s = sorted(window)[len(window) // 2]
-        rec: dict[str, Any] = {
-            "step": step,
-            "loss": stats[dp_leaders, 0].mean().item(),
-            "lr": lr_at(step, cfg),
-            "grad_norm": res.grad_norm,
-            "step_s": step_s,
-            "tokens_per_s": tokens_per_step / step_s,
-            "comm_wait_share": (stats[:, 2] / stats[:, 1]).mean().item(),
-            "comm_wait_share_per_rank": (stats[:, 2] / stats[:, 1]).tolist(),
-            "memory_traced": tracker is not None,
-            "peak_mem_bytes": [int(v) for v in stats[:, 3].tolist()] if tracker is not None else None,
-            "window_step_s": shown_s or step_s,
-            **flops.rates(tokens_per_step / step_s, world),
-        }
-        if tracker is not None and device.type == "cuda":  # the allocator's reserve: what nvidia-smi sees
-            rec["peak_reserved_bytes"] = [int(v) for v in stats[:, 4].tolist()]
-        if get_precision(lay.precision).loss_scaling:  # fp16: the scale and whether the step was skipped
-            rec.update(loss_scale=res.loss_scale, skipped=res.skipped)
-        elif res.skipped:  # a non-finite gradient norm under optim.on_nonfinite = 'skip'
-            rec["skipped"] = True
-        if logged:
-            steady.extend(window)
-            window = []
-        if not stopped_by and ((t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1):
-            # Through the wrapper, not the plain module: a layout that shards parameters gathers them in forward.
-            with autocast_context(lay.precision, device):
-                rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
-        records.append(rec)
-        if writer is not None:
-            writer.write(rec)
-            if logged or "val_loss" in rec:
-                print(step_line(rec, t.steps), flush=True)
+        window.add(step, res, tracker)
+        # Every rank stops after the same step: the ranks' stop signals are agreed on the host, by
+        # a one-number collective on a CPU group, which never waits for the device.
+        stopped_by = stop.agree(signals.requested())
+        evaluating = not stopped_by and ((t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1)
         save_every = cfg.checkpoint.every
-        if checkpointer is not None and ((save_every and ((step + 1) % save_every == 0 or step == t.steps - 1))
-                                         or (stopped_by and cfg.checkpoint.save_on_signal)):
+        saving = checkpointer is not None and ((save_every and ((step + 1) % save_every == 0 or step == t.steps - 1))
+                                               or (stopped_by and cfg.checkpoint.save_on_signal))
+        if not (logged or evaluating or saving or stopped_by):
+            continue
+        # Read the window: one synchronisation and one gather for the steps since the last read; a
+        # non-finite gradient norm under on_nonfinite 'stop' raises here, before anything is saved.
+        for rec in window.read(dp_leaders, tokens_per_step, lambda rate: flops.rates(rate, world),
+                               cfg.optim.on_nonfinite):
+            rec.pop("_nonfinite", None)
+            skipped, scale = rec.pop("_skipped"), rec.pop("_loss_scale")
+            if loss_scaling:  # fp16: the scale and whether the step was skipped
+                rec.update(loss_scale=scale, skipped=skipped)
+            elif skipped:  # a non-finite gradient norm under optim.on_nonfinite = 'skip'
+                rec["skipped"] = True
+            if rec["step"] == step and evaluating:
+                # Through the wrapper, not the plain module: a layout that shards parameters gathers them in forward.
+                with autocast_context(lay.precision, device):
+                    rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
+            records.append(rec)
+            rec_logged = rec["step"] % t.log_every == 0 or rec["step"] == t.steps - 1
+            if writer is not None:
+                writer.write(rec)
+                if rec_logged or "val_loss" in rec:
+                    print(step_line(rec, t.steps), flush=True)
+            if rec_logged:
+                window.logged()
+        if saving:
             checkpointer.save(step + 1, model, optimizer, config=cfg.to_dict())
         if stopped_by:
             if rank == 0:
@@ -248,7 +231,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     writer.close()
     if not records:  # resumed from a checkpoint of the last step: nothing left to train
         return {"steps": 0, "resumed_from": resumed, "out_dir": str(out_dir), "metrics": str(writer.path)}
-    summary = _finish(cfg, sample, records, steady + window, wall, tokens_per_step, out_dir,
+    summary = _finish(cfg, sample, records, window.steady + window.untraced, wall, tokens_per_step, out_dir,
                       flops=flops, world=world, stopped_by=signals.signal_name(stopped_by) if stopped_by else None)
     if summary["final_val_loss"] is not None and task.bytes_per_token:
         # Per token, losses of different tokenizers do not compare; per byte of text they do.

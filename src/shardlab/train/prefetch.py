@@ -60,6 +60,8 @@ class Prefetcher:
         if ahead is not None:
             (x, y), done = ahead.result()
             self.served_ahead += 1
+        elif self._stream is not None:
+            (x, y), done = self._load(key)  # not foreseen: made now, copied the same way (on the device as asked)
         else:
             (x, y), done = self.task.batch(*key), None
         nxt = (step + 1, *key[1:])

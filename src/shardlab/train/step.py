@@ -106,19 +106,54 @@ def lr_at(step: int, cfg: Config) -> float:
 
 @dataclass
 class StepResult:
-    loss: float
-    """This rank's mean loss over its rows of the global batch (average over ranks for the global loss)."""
-    grad_norm: float
-    """Global gradient norm before clipping."""
+    """What one step measured. The loss and gradient norm stay on the device as the step made them
+    (`loss_tensor`, `grad_norm_tensor`): the trainer's loop reads them at its logging steps, so a step
+    never waits for the device. `loss`, `grad_norm` and `skipped` read them back when asked (a host
+    synchronisation on a GPU), for callers that want numbers at once (verify, benchmarks, tests)."""
+
+    loss_tensor: torch.Tensor
+    """This rank's mean loss over its rows of the global batch, fp64 (average over ranks for the global loss)."""
+    grad_norm_tensor: torch.Tensor
+    """Global gradient norm before clipping, fp32, the same on every rank."""
     comm_wait_s: float
     """Time blocked on gradient communication this step (0 for a plain model)."""
     seconds: float
-    """Wall time of the whole step on this rank."""
-    skipped: bool = False
+    """Host time of the whole step on this rank (on a GPU: the time to queue it, unless something synchronised)."""
+    skipped_flag: bool | torch.Tensor = False
     """The update was skipped: fp16 gradients overflowed (and the loss scale was lowered), or the
-    gradient norm was not finite under on_nonfinite='skip'."""
+    gradient norm was not finite under on_nonfinite='skip'. A device flag where the device decided."""
     loss_scale: float = 1.0
     """The loss scale this step's backward used (1 unless fp16)."""
+    nonfinite: torch.Tensor | None = None
+    """With `check_now=False`: whether the gradient norm was not finite, a device flag for the caller to
+    read later (`raise_if_nonfinite`); None when the step decided on the host."""
+    update_applied: bool = True
+    """Whether a non-finite step's update was applied all the same (a deferred 'stop' over an optimizer
+    that cannot skip on the device: the run must stop before anything is saved)."""
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_tensor)
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.grad_norm_tensor)
+
+    @property
+    def skipped(self) -> bool:
+        return bool(self.skipped_flag)
+
+
+def device_skip(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer that can drop `optimizer`'s update on the device when told so by a flag (None:
+    none can): torch's fused Adam/AdamW take `found_inf` (what torch.amp.GradScaler hands them) and
+    leave parameters, moments and step count as they were when it is 1. A mixed-precision
+    optimizer's inner one steps its fp32 masters: skipped there, the compute copies it writes back
+    are the same values."""
+    inner = optimizer.optim if isinstance(optimizer, MixedPrecisionOptimizer) else optimizer
+    fused = (isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+             and all(g.get("fused") for g in inner.param_groups))
+    return inner if fused else None
 
 
 def train_step(
@@ -138,6 +173,7 @@ def train_step(
     after_backward: Callable[[], None] | None = None,
     on_nonfinite: str = "stop",
     precision: str = "fp32",
+    check_now: bool = True,
 ) -> StepResult:
     """Forward and backward over this rank's micro-batches, gradient sync, clip, AdamW update.
 
@@ -149,11 +185,18 @@ def train_step(
     STEP, in the same code. `after_backward` runs when the last backward has finished, before any
     synchronisation the wrapper leaves to `finish_gradient_sync` (where model-state memory peaks;
     `shardlab memory` measures it there); `before_update` runs after the gradients are final and
-    before the optimizer uses them (verify compares gradients there). A non-finite gradient norm
-    outside fp16 loss scaling raises NonFiniteError, or with on_nonfinite='skip' drops the update
-    ('apply', for verify only: steps as computed); the norm is the same on every rank, so every rank
-    decides alike. `precision` 'bf16-autocast' runs forward and backward under torch.autocast on
-    `device` (the other precisions are in the parameters' dtype already: apply_precision).
+    before the optimizer uses them (verify compares gradients there). `precision` 'bf16-autocast'
+    runs forward and backward under torch.autocast on `device` (the other precisions are in the
+    parameters' dtype already: apply_precision).
+
+    Non-finite gradients (outside fp16 loss scaling, which skips by itself): with `check_now` (the
+    default) the step reads the norm and raises NonFiniteError before the update, or with
+    on_nonfinite='skip' drops the update ('apply', for verify only: steps as computed); the norm is
+    the same on every rank, so every rank decides alike. With `check_now=False` (the trainer's loop)
+    nothing is read back: the step leaves `nonfinite` on the device, an optimizer that can skips the
+    update there (`device_skip`), and the caller calls `raise_if_nonfinite` when it reads the step's
+    numbers; 'skip' over an optimizer that cannot skip on the device still reads the norm (one host
+    synchronisation per step, the price of that choice).
     """
     start = time.perf_counter()
     for group in optimizer.param_groups:
@@ -167,7 +210,7 @@ def train_step(
     # fp16 loss scaling: gradients come out `scale` times larger; the optimizer divides it back out.
     scale = opt.loss_scale
     norms: list[torch.Tensor] = []
-    dropped: list[bool] = []
+    outcome: dict[str, object] = {}
     loss_scaling = opt.loss_scaling
 
     def update() -> None:
@@ -185,15 +228,14 @@ def train_step(
             # Every rank holds whole gradients after data-parallel sync; a tensor-parallel model's
             # are its shards and replicas, whose squares parallel/gradnorm.py sums over its tp group.
             norms.append(clip_grad_norm_(unique_trainable(inner), max_norm, tensor_sharding(inner)))
-        if not loss_scaling and on_nonfinite != "apply" and not math.isfinite(float(norms[-1])):
-            if on_nonfinite != "skip":
-                raise NonFiniteError(step, float(norms[-1]), nonfinite_gradients(inner))
-            optimizer.zero_grad(set_to_none=True)
-            dropped.append(True)
-            return
+        if not loss_scaling and on_nonfinite != "apply":
+            if not _decide_nonfinite(norms[-1], optimizer, inner, step, on_nonfinite, check_now, outcome):
+                return
         if before_update is not None:
             before_update()
         optimizer.step()
+        if "skipper" in outcome:
+            del outcome["skipper"].found_inf  # type: ignore[union-attr]  # this step's only
         optimizer.zero_grad(set_to_none=True)
 
     try:
@@ -205,18 +247,47 @@ def train_step(
             restore()
     if layout.pipeline is None:
         update()
+    if not isinstance(loss, torch.Tensor):  # a pipeline's schedule hands back its replica's loss as a number
+        loss = torch.tensor(loss, dtype=torch.float64, device=device)
+    skipped: bool | torch.Tensor = bool(outcome.get("dropped")) or opt.last_step_skipped
+    if "found_inf" in outcome and on_nonfinite == "skip":
+        skipped = outcome["found_inf"].bool()  # type: ignore[union-attr]
     return StepResult(
-        loss=loss,
-        grad_norm=float(norms[0]),
+        loss_tensor=loss,
+        grad_norm_tensor=norms[0],
         comm_wait_s=layout.comm_wait_s(),
         seconds=time.perf_counter() - start,
-        skipped=bool(dropped) or opt.last_step_skipped,
+        skipped_flag=skipped,
         loss_scale=scale,
+        nonfinite=outcome.get("nonfinite"),  # type: ignore[arg-type]
+        update_applied="found_inf" not in outcome,
     )
 
 
+def _decide_nonfinite(norm: torch.Tensor, optimizer: torch.optim.Optimizer, inner: nn.Module, step: int,
+                      on_nonfinite: str, check_now: bool, outcome: dict[str, object]) -> bool:
+    """Whether the update goes ahead, for a step whose norm may not be finite (see train_step)."""
+    if not check_now:
+        bad = ~torch.isfinite(norm)
+        outcome["nonfinite"] = bad
+        skipper = device_skip(optimizer)
+        if skipper is not None:  # the fused kernel leaves everything as it was when found_inf is 1
+            outcome["found_inf"] = skipper.found_inf = bad.float()  # type: ignore[attr-defined]
+            outcome["skipper"] = skipper
+            return True
+        if on_nonfinite == "stop":  # decided a step late by the caller, before anything is saved
+            return True
+    if math.isfinite(float(norm)):
+        return True
+    if on_nonfinite != "skip":
+        raise NonFiniteError(step, float(norm), nonfinite_gradients(inner))
+    optimizer.zero_grad(set_to_none=True)
+    outcome["dropped"] = True
+    return False
+
+
 def _forward_backward(layout: StepContract, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
-                      scale: float, device: torch.device | None, update: Callable[[], None]) -> float:
+                      scale: float, device: torch.device | None, update: Callable[[], None]) -> torch.Tensor:
     if layout.pipeline is not None:
         # Pipeline: every stage takes the same rows (the first reads the inputs, the last the
         # targets, the others their shapes); the executor splits them into the microbatches.
@@ -228,13 +299,21 @@ def _forward_backward(layout: StepContract, task: Task, step: int, dp_rank: int,
 
 
 class NonFiniteError(FloatingPointError):
-    """A step's gradients hold inf or nan (every rank raises it alike: the norm is global)."""
+    """A step's gradients hold inf or nan (every rank raises it alike: the norm is global). `names`
+    None: found after the step (the trainer reads its steps' numbers at logging steps), when the
+    gradients are gone; `stopped_at`: the step the run had reached then."""
 
-    def __init__(self, step: int, norm: float, names: list[str]) -> None:
-        where = (f"non-finite gradients on this rank in {', '.join(names[:5])}"
-                 + (f" and {len(names) - 5} more" if len(names) > 5 else "")) if names else \
-            "this rank's own gradients are finite (another rank's are not)"
-        super().__init__(f"step {step}: the gradient norm is {norm}; {where}. The update was not applied; "
+    def __init__(self, step: int, norm: float, names: list[str] | None, stopped_at: int | None = None,
+                 applied: bool = False) -> None:
+        if names is None:
+            where = (f"found at step {stopped_at} (the loop reads each step's norm at its logging steps: "
+                     f"train.log_every); nothing was saved after it")
+        else:
+            where = (f"non-finite gradients on this rank in {', '.join(names[:5])}"
+                     + (f" and {len(names) - 5} more" if len(names) > 5 else "")) if names else \
+                "this rank's own gradients are finite (another rank's are not)"
+        what = "The run stopped" if applied else "The update was not applied"
+        super().__init__(f"step {step}: the gradient norm is {norm}; {where}. {what}; "
                          f"set optim.on_nonfinite = 'skip' to drop such steps and go on, or resume from the "
                          f"last checkpoint with a lower optim.lr")
         self.step, self.norm, self.names = step, norm, names
@@ -248,10 +327,10 @@ def nonfinite_gradients(model: nn.Module) -> list[str]:
 
 
 def _accumulate(layout: StepContract, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
-                scale: float, device: torch.device | None) -> float:
+                scale: float, device: torch.device | None) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches, communicating only after the last; returns
     the mean loss over the rank's rows."""
-    total = torch.zeros((), dtype=torch.float64, device=device)  # one host sync per step, not per micro-batch
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for micro in range(micro_batches):
         x, y = task.batch(step, dp_rank, dp_size, micro_batches, micro)
         if device is not None:
@@ -264,4 +343,4 @@ def _accumulate(layout: StepContract, task: Task, step: int, dp_rank: int, dp_si
             loss = layout.model(x, y) / micro_batches
             (loss * scale if scale != 1.0 else loss).backward()
         total += loss.detach().double()
-    return total.item()
+    return total  # on the device: read when the caller wants the number

@@ -1,0 +1,149 @@
+"""The GPU hot path, held on CPU by proxies (issue 29): what a training step reads back to the host
+and how many operators it runs, beside a bare forward / backward / AdamW step (bench/hot_path.py),
+and nothing at world size 1 that a plain model would not do. On an H200 the trainer ran at half the
+speed of a 100-line step: a host synchronisation after every step, per-parameter kernels, a
+data-parallel wrapper around one rank (docs/gpu.md). These tests fail if any of it comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlab.bench.hot_path import counting_reads, hot_path_costs
+from shardlab.train.config import Config, load_config
+from shardlab.train.step import NonFiniteError, lr_at, make_optimizer, train_step
+from shardlab.train.task import build_task, prepare_model
+
+SMALL = {
+    "model": {"name": "gpt", "n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16},
+    "data": {"max_bytes": 65536},
+    "train": {"steps": 4, "warmup_steps": 1, "global_batch": 4},
+}
+
+
+def _loop_cfg(tmp_path) -> dict:
+    cfg = load_config(None, ['model.name="gpt"', "model.n_layer=2", "model.d_model=64", "model.seq_len=32",
+                             "train.global_batch=8", "train.warmup_steps=1", "train.log_every=100",
+                             "train.eval_every=0", "data.max_bytes=65536", "log.sample_tokens=0", "log.plot=false",
+                             "log.tensorboard=false", "log.memory=false", f'log.out_dir="{tmp_path}"'])
+    cfg.validate()
+    return cfg.to_dict()
+
+
+def test_trainer_steps_read_nothing_and_run_the_bare_steps_operators(pools, tmp_path):
+    """(a) Between logging steps the trainer's loop reads no more tensor values than nanoGPT's bare
+    step (which reads one per parameter in torch's per-tensor AdamW on CPU, and one converting its
+    batch); (b) it runs within 1.10x the bare step's top-level operators (the norm, clipping and the
+    loss's bookkeeping are a few multi-tensor calls). Before issue 29: 55 reads and 1.91x."""
+    costs = pools(1).run(hot_path_costs, _loop_cfg(tmp_path))[0]
+    assert costs["trainer_reads_per_step"] <= costs["bare_reads_per_step"], costs
+    assert costs["ops_ratio"] <= 1.10, costs
+
+
+def _setup(on_nonfinite: str = "stop"):
+    """A tiny GPT and its task, whose batches are made once: the data path's own host work (the
+    sampler's numpy offsets) is not the step's, and the prefetcher does it off the step on a GPU."""
+    cfg = Config.from_dict(SMALL)
+    cfg.set("optim.on_nonfinite", on_nonfinite)
+    model = prepare_model(cfg)
+    task = build_task(cfg, model)
+    batches = {s: task.batch(s, 0, 1) for s in range(3)}
+    task.batch = lambda step, dp_rank, dp_size, micro_batches=1, micro=0: batches[step]
+    return cfg, model, task
+
+
+def _poison(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model.blocks[1].mlp.fc.weight[0, 0] = float("nan")
+
+
+def test_a_deferred_step_reads_no_value_with_clipping():
+    """train_step(check_now=False) with clipping reads nothing back: the clip coefficient is formed
+    on the device (SGD: an optimizer that reads nothing itself)."""
+    cfg, model, task = _setup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, opt, task, 0, lr=0.1, grad_clip=1e-3, check_now=False)  # warm: nothing lazily made
+    with counting_reads() as reads:
+        res = train_step(model, opt, task, 1, lr=0.1, grad_clip=1e-3, check_now=False)
+    assert sum(reads.values()) == 0, reads
+    assert res.grad_norm > 1e-3  # the clip did engage (read after the count)
+
+
+def test_deferred_clipping_equals_the_immediate_step_bit_for_bit():
+    """The device-side clip coefficient is the host's double arithmetic: same parameters exactly."""
+    out = []
+    for check_now in (True, False):
+        torch.manual_seed(0)
+        cfg, model, task = _setup()
+        opt = make_optimizer(model, cfg.optim)
+        for step in range(3):
+            train_step(model, opt, task, step, lr=lr_at(step, cfg), grad_clip=0.05, check_now=check_now)
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    assert all(torch.equal(out[0][n], out[1][n]) for n in out[0])
+
+
+def test_fused_adamw_skips_a_nonfinite_step_on_the_device():
+    """'skip' over torch's fused AdamW: the flag goes to the optimizer's found_inf, nothing is read,
+    and weights, moments and step count stay as they were."""
+    cfg, model, task = _setup("skip")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    train_step(model, opt, task, 0, lr=1e-3, grad_clip=1.0, on_nonfinite="skip", check_now=False)
+    _poison(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {id(p): (s["exp_avg"].clone(), s["step"].clone()) for p, s in opt.state.items()}
+    with counting_reads() as reads:
+        res = train_step(model, opt, task, 1, lr=1e-3, grad_clip=1.0, on_nonfinite="skip", check_now=False)
+    assert sum(reads.values()) == 0, reads
+    assert res.skipped and not res.update_applied
+    for n, p in model.named_parameters():
+        assert torch.equal(p.isnan(), before[n].isnan()) and torch.equal(p.nan_to_num(), before[n].nan_to_num())
+    for p, s in opt.state.items():
+        assert torch.equal(s["exp_avg"], state[id(p)][0]) and torch.equal(s["step"], state[id(p)][1])
+    assert not hasattr(opt, "found_inf")  # that step's only
+
+
+def _deferred_stop() -> tuple[int, str]:
+    import torch.distributed as dist
+
+    from shardlab.train.window import StepWindow
+
+    cfg, model, task = _setup()
+    opt = make_optimizer(model, cfg.optim)
+    window = StepWindow(dist.get_world_size(), torch.device("cpu"), lr_of=lambda s: 0.0)
+    for step in range(3):
+        if step == 1:
+            _poison(model)
+        window.started()
+        window.add(step, train_step(model, opt, task, step, lr=1e-3, grad_clip=1.0, check_now=False), None)
+    try:
+        window.read([0], 64, lambda rate: {})
+    except NonFiniteError as err:
+        return err.step, str(err)
+    return -1, ""
+
+
+def test_a_nonfinite_step_stops_the_run_when_the_window_is_read(pools):
+    """'stop' (the default) without a per-step read: the window's read, before anything is saved,
+    raises naming the first non-finite step and the step the run had reached."""
+    step, message = pools(1).run(_deferred_stop)[0]
+    assert step == 1 and "step 1: the gradient norm is nan; found at step 2" in message
+    assert "The run stopped" in message
+
+
+def _wrapped(dp: int, tp: int) -> tuple[str, str]:
+    from shardlab.parallel.contract import step_contract
+    from shardlab.parallel.layout import apply_layout, build_mesh
+
+    cfg = Config.from_dict(SMALL)
+    cfg.set("layout.dp", dp)
+    cfg.set("layout.tp", tp)
+    model = apply_layout(prepare_model(cfg), cfg.layout, build_mesh(cfg.layout))
+    return type(model).__name__, type(step_contract(model).model).__name__
+
+
+@pytest.mark.parametrize("dp, tp, expected", [(1, 1, "GPT"), (1, 2, "TensorParallelGPT"), (2, 1, "DataParallel")])
+def test_one_replica_gets_no_data_parallel_wrapper(pools, dp, tp, expected):
+    """(c) A replica group of one rank (world size 1, or tp alone) is not wrapped: no hooks, buckets
+    or all-reduce; two replicas are."""
+    names = pools(dp * tp).run(_wrapped, dp, tp)
+    assert all(n == (expected, expected) for n in names), names
