@@ -9,7 +9,7 @@ MFU = model FLOPs per step (6N + attention over s/2, models/flops.py, GPT.flops_
 peak bf16 dense FLOP/s of the device. The stand-alone step is forward + backward + fused AdamW under bf16
 autocast with fp32 weights, the whole model compiled with --compile. `--step trainer` times what
 `shardlab train --config configs/gpt-350m-gpu.toml` runs per step: train/step.py's train_step (the
-global gradient norm and clipping, the loss read back to the host, the learning rate set) with the
+global gradient norm and clipping, nothing read back to the host, the learning rate set) with the
 trainer's optimizer (make_optimizer: fused AdamW with weight decay on matrices only), its precision
 (layout.precision bf16-autocast) and its compilation (train/compile.py: the blocks, not the whole
 model); the batch is a fixed random one as here, not the trainer's sampler. Within 5% of the
@@ -72,8 +72,9 @@ def trainer_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse.Na
     count = iter(range(1 << 62))
 
     def step() -> None:
+        # check_now=False: as the trainer's loop runs it, nothing read back (the loss and norm stay on the device)
         train_step(model, opt, task, next(count), lr=cfg.optim.lr, grad_clip=cfg.optim.grad_clip, device=x.device,
-                   precision=cfg.layout.precision)
+                   precision=cfg.layout.precision, check_now=False)
     return step
 
 

@@ -6,14 +6,18 @@ data-parallel wrapper around one rank (docs/gpu.md). These tests fail if any of 
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
-from shardlab.bench.hot_path import counting_reads, hot_path_costs
-from shardlab.train.config import Config, load_config
+from shardlab.bench.hot_path import counting_reads
+from shardlab.train.config import Config
 from shardlab.train.step import NonFiniteError, lr_at, make_optimizer, train_step
 from shardlab.train.task import build_task, prepare_model
 
+ROOT = Path(__file__).resolve().parent.parent
 SMALL = {
     "model": {"name": "gpt", "n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16},
     "data": {"max_bytes": 65536},
@@ -21,13 +25,11 @@ SMALL = {
 }
 
 
-def _loop_cfg(tmp_path) -> dict:
-    cfg = load_config(None, ['model.name="gpt"', "model.n_layer=2", "model.d_model=64", "model.seq_len=32",
-                             "train.global_batch=8", "train.warmup_steps=1", "train.log_every=100",
-                             "train.eval_every=0", "data.max_bytes=65536", "log.sample_tokens=0", "log.plot=false",
-                             "log.tensorboard=false", "log.memory=false", f'log.out_dir="{tmp_path}"'])
-    cfg.validate()
-    return cfg.to_dict()
+def _script():
+    spec = importlib.util.spec_from_file_location("hot_path_script", ROOT / "benchmarks" / "hot_path.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_trainer_steps_read_nothing_and_run_the_bare_steps_operators(pools, tmp_path):
@@ -35,7 +37,7 @@ def test_trainer_steps_read_nothing_and_run_the_bare_steps_operators(pools, tmp_
     step (which reads one per parameter in torch's per-tensor AdamW on CPU, and one converting its
     batch); (b) it runs within 1.10x the bare step's top-level operators (the norm, clipping and the
     loss's bookkeeping are a few multi-tensor calls). Before issue 29: 55 reads and 1.91x."""
-    costs = pools(1).run(hot_path_costs, _loop_cfg(tmp_path))[0]
+    costs = _script().measure(str(tmp_path), pools(1))  # benchmarks/hot_path.py's figures (its smoke test too)
     assert costs["trainer_reads_per_step"] <= costs["bare_reads_per_step"], costs
     assert costs["ops_ratio"] <= 1.10, costs
 

@@ -72,14 +72,25 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], d
             index += sum(bit.get(a, 0) for a in record.cut_axes(name))
         if g.numel():
             bins.setdefault((index, g.device, g.dtype), []).append(g)  # under no_grad: no detach needed
-    sq = torch.zeros(2 << len(axes), dtype=torch.float64, device=device)
+    parts: dict[int, torch.Tensor] = {}
     for (index, _, _), group in bins.items():
-        sq[index] += squares(group).to(sq.device)
-    if dp_size > 1:
-        _reduce_where(sq, 1, dp_group)
-    for a in axes:
-        _reduce_where(sq, bit[a.name], a.group)
-    total = sq.sum()
+        part = squares(group)
+        part = part if device is None or part.device == torch.device(device) else part.to(device)
+        parts[index] = part if index not in parts else parts[index] + part
+    if dp_size > 1 or axes:
+        sq = torch.zeros(2 << len(axes), dtype=torch.float64, device=device)
+        for index, part in parts.items():
+            sq[index] += part
+        if dp_size > 1:
+            _reduce_where(sq, 1, dp_group)
+        for a in axes:
+            _reduce_where(sq, bit[a.name], a.group)
+        total = sq.sum()
+    else:  # nothing to reduce: the sum itself, without an indexed buffer (the common one-process step)
+        values = list(parts.values())
+        total = values[0] if values else torch.zeros((), dtype=torch.float64, device=device)
+        for part in values[1:]:
+            total = total + part
     stages = None if pp is None else pp.axis(PIPELINE_AXIS)
     if stages is not None and stages.size > 1:
         # Last, on one number: the stages' sums are each already whole over dp and the other axes.
@@ -121,7 +132,7 @@ def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     an unclipped gradient exactly as it was (x * 1.0 == x)."""
     if not math.isfinite(max_norm):
         return None
-    norm = norm.double()
+    norm = norm if norm.dtype == torch.float64 else norm.double()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
 
@@ -184,7 +195,7 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float,
     grads = [_local(p.grad) for p in {id(p): p for p in params}.values() if p.grad is not None]
     if coef is not None and grads:
         for group in by_device_and_dtype(grads):
-            torch._foreach_mul_(group, coef.to(group[0].device))
+            torch._foreach_mul_(group, coef if group[0].device == coef.device else coef.to(group[0].device))
     return norm.float()
 
 

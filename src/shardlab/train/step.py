@@ -330,7 +330,7 @@ def _accumulate(layout: StepContract, task: Task, step: int, dp_rank: int, dp_si
                 scale: float, device: torch.device | None) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches, communicating only after the last; returns
     the mean loss over the rank's rows."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total: torch.Tensor | None = None
     for micro in range(micro_batches):
         x, y = task.batch(step, dp_rank, dp_size, micro_batches, micro)
         if device is not None:
@@ -340,7 +340,10 @@ def _accumulate(layout: StepContract, task: Task, step: int, dp_rank: int, dp_si
         with quiet:
             # Each micro-batch's loss is a mean over its rows; dividing by their count makes
             # the accumulated gradient the mean over the rank's rows, as one pass would give.
-            loss = layout.model(x, y) / micro_batches
+            loss = layout.model(x, y)
+            loss = loss / micro_batches if micro_batches > 1 else loss
             (loss * scale if scale != 1.0 else loss).backward()
-        total += loss.detach().double()
-    return total  # on the device: read when the caller wants the number
+        # Summed in fp64 on the device: read when the caller wants the number.
+        total = loss.detach().double() if total is None else total + loss.detach().double()
+    assert total is not None
+    return total
