@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from shardlab.data.sources import FILE_SEPARATOR, Unit, expand_sources, read_documents
-from shardlab.data.tokenfile import TokenFileHeader, encode_header, token_dtype
-from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from shardlab.data.tokenfile import TokenFileHeader, encode_header, is_token_file, read_header, token_dtype
+from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, file_digest, load_tokenizer, train_bpe
 
 _BATCH_DOCS = 256  # documents encoded per call: large enough for the Rust tokenizers to batch
 
@@ -142,9 +142,6 @@ def bpe_tokenizer_path(token_file: str | os.PathLike[str]) -> Path:
 def _ours_to_replace(tok_path: Path, token_file: Path) -> bool:
     """Whether the existing tokenizer `tok_path` belongs to the token file this run replaces: its
     header names that very file with that very digest. Anything else may be another file's tokenizer."""
-    from shardlab.data.tokenfile import is_token_file, read_header
-    from shardlab.data.tokenizer import file_digest
-
     if not is_token_file(token_file):
         return False
     try:
@@ -155,6 +152,15 @@ def _ours_to_replace(tok_path: Path, token_file: Path) -> bool:
     named = named if named.is_absolute() else token_file.parent / named
     return (spec.get("path") is not None and named.resolve() == tok_path.resolve()
             and spec.get("sha256") == file_digest(tok_path))
+
+
+def _trained_here(tok_path: Path, record: Path) -> bool:
+    """Whether `tok_path` is the BPE an interrupted run of this token file trained (on other inputs:
+    the record of what it trained on says so, with its digest)."""
+    try:
+        return record.exists() and json.loads(record.read_text()).get("sha256") == file_digest(tok_path)
+    except json.JSONDecodeError:
+        return False
 
 
 def _bpe_tokenizer(units: list[Unit], vocab: int, out: Path, field: str, parts_dir: Path,
@@ -168,7 +174,7 @@ def _bpe_tokenizer(units: list[Unit], vocab: int, out: Path, field: str, parts_d
         if tok.spec().get("sha256") == json.loads(record.read_text()).get("sha256"):
             log(f"reusing the BPE trained by an earlier run: {out}")
             return tok
-    if out.exists() and not _ours_to_replace(out, token_file):
+    if out.exists() and not _trained_here(out, record) and not _ours_to_replace(out, token_file):
         raise FileExistsError(f"{out} exists and is not the tokenizer of {token_file} (which this run replaces): "
                               f"training a BPE there would overwrite it, and a token file made with it would decode "
                               f"as other text. Give --tokenizer-out another file, or delete {out} if nothing uses it")
