@@ -244,3 +244,16 @@ def test_ids_in_the_padding_of_the_vocabulary_are_refused(tmp_path):
                                           r"\(its header's vocab_size = 50,257"):
         check_data_before_launch(cfg)
     assert cfg.model.vocab_size == 50304  # the model had a row for it
+
+
+def test_a_garbled_or_incomplete_header_is_named(tmp_path, capsys):
+    from shardlab.data.tokenfile import MAGIC
+
+    garbled = tmp_path / "garbled.tok"
+    garbled.write_bytes(MAGIC + b'{"vocab_size": \xff\xfe' + b"\0" * 4000)
+    assert main(["data", "inspect", str(garbled)]) == 2  # before: a codec error naming no file
+    assert "garbled.tok: token file header is not valid JSON" in capsys.readouterr().err
+    partial = tmp_path / "partial.tok"
+    partial.write_bytes(MAGIC + b'{"vocab_size": 256}' + b"\0" * 4069)
+    with pytest.raises(ValueError, match=r"partial.tok: token file header is not a token file's"):
+        read_header(partial)
