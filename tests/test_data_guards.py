@@ -257,3 +257,31 @@ def test_a_garbled_or_incomplete_header_is_named(tmp_path, capsys):
     partial.write_bytes(MAGIC + b'{"vocab_size": 256}' + b"\0" * 4069)
     with pytest.raises(ValueError, match=r"partial.tok: token file header is not a token file's"):
         read_header(partial)
+
+
+def test_a_bpe_left_by_an_interrupted_prepare_is_retrained_over(tmp_path, monkeypatch):
+    """The BPE an interrupted run of the same token file trained belongs to no finished file: a run on
+    other inputs trains over it (its record in OUT.parts/ holds its digest), and is not refused."""
+    import shardlab.data.prepare as prep
+
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "b.txt").write_text(TEXT.upper())
+    out = tmp_path / "d" / "c.tok"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(prep, "encode_unit", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            prepare([str(tmp_path / "a.txt")], out, train_bpe=300, workers=1, progress=False)
+    assert (tmp_path / "d" / "c.tokenizer.json").exists() and not out.exists()
+    r = prepare([str(tmp_path / "b.txt")], out, train_bpe=300, workers=1, progress=False)
+    tf = read_token_file(r.out)
+    assert _decoded(tf) == TEXT.upper()
+
+
+def _decoded(tf) -> str:
+    from shardlab.data.tokenizer import token_file_tokenizer
+
+    return token_file_tokenizer(tf.path).decode(tf.tokens[:-1].tolist())
