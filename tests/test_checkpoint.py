@@ -117,6 +117,28 @@ def test_resume_in_one_process_bf16_with_masters(tmp_path):
     assert meta.tensors["model/tok_emb.weight"].dtype == "bfloat16"
 
 
+def test_an_fp32_run_resumes_a_bf16_checkpoint_from_its_masters(tmp_path):
+    """The fp32 masters are the values a bf16 run trains; its bf16 parameters only their rounding (up to
+    2^-8 relative). An fp32 run resuming it starts from the masters, bit for bit, and the first step's
+    moments come across too."""
+    bf16 = ['layout.precision="bf16"', *MIXED_VERIFY_BASE]
+    run = _setup(bf16)
+    _train(run, 0, 2)
+    Checkpointer(str(tmp_path)).save(2, run[1], run[2], config=run[0].to_dict())
+    meta = read_metadata(tmp_path / "step_00000002")
+    saved = full_tensors(str(tmp_path), prefix="")
+    fp32 = _setup([*MIXED_VERIFY_BASE])
+    info = load_checkpoint(str(tmp_path), fp32[1], fp32[2])
+    got = {n: p.detach() for n, p in fp32[1].named_parameters()}
+    wrong = [n for n, p in got.items()
+             if f"optim/{n}/master" in meta.tensors and not torch.equal(p, saved[f"optim/{n}/master"])]
+    assert wrong == [], wrong
+    # The test can fail: the bf16 copies differ from the masters (rounding), by more than fp32's ulps.
+    rounded = [n for n in got if not torch.equal(saved[f"model/{n}"].float(), got[n])]
+    assert len(rounded) > len(got) // 2, rounded
+    assert any("restored from its float32 master" in note for note in info.notes), info.notes
+
+
 # ------------------------------------------------------------------------------ another layout
 # Another layout draws dropout masks for other rows: the comparison with one process needs none.
 NO_DROPOUT = ["model.dropout=0"]

@@ -91,7 +91,7 @@ def test_ids_past_the_vocabulary_are_refused_before_launch(tmp_path, capsys):
             "--set", "log.sample_tokens=0", "--set", f'log.out_dir="{tmp_path / "run"}"']
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "nanogpt-train.bin: token id 1500 at position 123" in err and "model.vocab_size = 1,024" in err
+    assert "nanogpt-train.bin: token id 1500 at position 123" in err and "data.vocab_size = 1,000" in err
     # Without a stated vocabulary a uint16 file is refused too: raw ids cannot say their vocabulary.
     assert main([*args[:3], "--set", 'data.token_dtype="uint16"', *args[5:]]) == 2
     assert "set data.vocab_size" in capsys.readouterr().err

@@ -74,7 +74,7 @@ def test_single_file_source(tmp_path):
 
 def test_bin_source_uint8_is_memmapped(tmp_path):
     ids = np.array([3, 1, 4, 1, 5, 9, 2, 6], dtype=np.uint8)
-    f = tmp_path / "train.bin"
+    f = tmp_path / "train.u8.bin"
     ids.tofile(f)
     tokens = load_tokens(f)
     assert isinstance(tokens, np.memmap)
@@ -93,8 +93,9 @@ def test_bin_source_uint16_by_name_and_by_argument(tmp_path):
     assert by_name.dtype == np.uint16 and np.array_equal(by_name, ids)
     by_arg = load_tokens(plain, token_dtype=np.uint16)
     assert by_arg.dtype == np.uint16 and np.array_equal(by_arg, ids)
-    # Without either hint the same file reads as twice as many bytes.
-    assert len(load_tokens(plain)) == 2 * len(ids)
+    # Without either the same file is refused: read as bytes it would be twice as many valid byte ids.
+    with pytest.raises(ValueError, match=r"corpus.bin: a raw id file .* nothing states"):
+        load_tokens(plain)
 
 
 def test_missing_path_errors_name_it(tmp_path):

@@ -47,8 +47,8 @@ def test_bytes_token_file_holds_every_document_and_its_offsets(tmp_path):
 def test_trained_bpe_is_saved_beside_and_round_trips(tmp_path):
     src = _text_dir(tmp_path, DOCS * 4)
     r = prepare([str(src)], tmp_path / "out" / "c.tok", train_bpe=300, workers=1, progress=False)
-    tok_path = tmp_path / "out" / "tokenizer.json"
-    assert tok_path.exists() and r.tokenizer["path"] == "tokenizer.json"  # relative: the pair moves together
+    tok_path = tmp_path / "out" / "c.tokenizer.json"  # named after the token file
+    assert tok_path.exists() and r.tokenizer["path"] == "c.tokenizer.json"  # relative: the pair moves together
     tf = read_token_file(r.out)
     tok = load_tokenizer(tok_path)
     assert tf.header.vocab_size == tok.vocab_size <= 300 and tok.eot == 0 == tf.header.eot

@@ -18,7 +18,8 @@ tensors and plain data (format.py). Each file a rank opens is checked once as ve
 (an fp32 checkpoint into a bf16 model): values are cast and `notes` says so.
 
 The optimizer: its fp32 masters are filled from the saved masters (or, when the checkpoint has
-none, from the saved parameters); its per-parameter state (exp_avg, exp_avg_sq, step, ...) is
+none, from the saved parameters); an fp32 model resuming a bf16 or fp16 run takes its parameters
+from those masters too, not from their 16-bit rounding; its per-parameter state (exp_avg, exp_avg_sq, step, ...) is
 rebuilt piece by piece and handed to the inner torch optimizer's load_state_dict with the saved
 group options; the loss scale is restored. Random-number streams are restored per rank when the
 world size is the one saved (a different layout draws differently anyway).
@@ -111,6 +112,7 @@ def _load_model_and_masters(files: Files, model: nn.Module, optimizer: torch.opt
         name = h.name
         if name not in meta.tensors and name.endswith("/master"):  # saved without masters: from the values
             name = "model/" + name.removeprefix("optim/").removesuffix("/master")
+        name = _finest_source(meta, name, h.tensor.dtype, notes)
         if name not in meta.tensors:
             if h.name.startswith("model/"):
                 missing.append(h.name)
@@ -121,11 +123,31 @@ def _load_model_and_masters(files: Files, model: nn.Module, optimizer: torch.opt
             notes.append(f"{h.name}: saved as {entry.dtype}, cast to {str(h.tensor.dtype).removeprefix('torch.')}")
         fill(h.tensor.view(-1), h.slice, files.sources(name), f"rank {rank}: {name}")
         taken.add(name)
+        taken.add(h.name)  # a parameter filled from its master has used its saved (rounded) copy too
     if missing and strict:
         raise CheckpointError(f"rank {rank}: {len(missing)} tensor(s) of this model are not in the checkpoint: "
                               f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     notes += [f"{n}: not in the checkpoint, left as it was" for n in missing]
     return taken
+
+
+def _finest_source(meta: Metadata, name: str, dtype: torch.dtype, notes: list[str]) -> str:
+    """The saved tensor a model tensor of `dtype` is best filled from: its fp32 master when the
+    checkpoint's copy of the parameter is in a coarser dtype (a bf16 or fp16 run) and the master is
+    in this tensor's own dtype (an fp32 run resuming it): the master is the value the run was
+    training, the 16-bit copy only its rounding for compute (bf16 keeps 8 bits: a relative error
+    up to 2^-8 per element). Otherwise `name` itself."""
+    if not name.startswith("model/") or name not in meta.tensors:
+        return name
+    master = "optim/" + name.removeprefix("model/") + "/master"
+    if master not in meta.tensors or parse_dtype(meta.tensors[master].dtype) != dtype:
+        return name
+    saved = parse_dtype(meta.tensors[name].dtype)
+    if saved == dtype or not saved.is_floating_point or torch.finfo(saved).eps <= torch.finfo(dtype).eps:
+        return name
+    notes.append(f"{name}: saved as {str(saved).removeprefix('torch.')}, restored from its "
+                 f"{str(dtype).removeprefix('torch.')} master")
+    return master
 
 
 def _piece_state(files: Files, pc: OptPiece, name: str, want: Slice, rank: int) -> dict[str, Any]:

@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="first train a byte-level BPE of VOCAB_SIZE ids on the sources (Hugging Face tokenizers), "
                            "save it as --tokenizer-out and encode with it (replaces --tokenizer)")
     prep.add_argument("--tokenizer-out", default=None, metavar="FILE",
-                      help="where --train-bpe saves its tokenizer (default: tokenizer.json beside --out)")
+                      help="where --train-bpe saves its tokenizer (default: beside --out, named after it: "
+                           "c.tok -> c.tokenizer.json); an existing file that is not --out's own tokenizer is refused")
     prep.add_argument("--jsonl-field", "--field", dest="field", default="text", metavar="NAME",
                       help="the text field of JSONL records and the text column of Parquet files (default: text)")
     prep.add_argument("--workers", type=int, default=0, metavar="N",
@@ -86,7 +87,7 @@ def inspect(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from shardlab.data.tokenfile import read_token_file
-    from shardlab.data.tokenizer import load_tokenizer
+    from shardlab.data.tokenizer import token_file_tokenizer
 
     tf = read_token_file(args.path)
     h = tf.header
@@ -101,8 +102,5 @@ def inspect(args: argparse.Namespace) -> int:
     if args.show and h.count:
         ids = [int(i) for i in tf.tokens[: args.show]]
         print(f"  first ids: {ids}")
-        spec = dict(h.tokenizer)
-        if spec.get("path"):
-            spec["path"] = str(tf.tokenizer_path())
-        print("  as text: " + repr(load_tokenizer(spec).decode(ids)))
+        print("  as text: " + repr(token_file_tokenizer(tf.path).decode(ids)))  # its digest checked
     return 0

@@ -5,7 +5,7 @@ of shardlab's own: numpy, Hugging Face `tokenizers`, and optionally tiktoken and
 """
 
 from shardlab.data.tokenfile import TokenFile, TokenFileHeader, is_token_file, read_header, read_token_file, token_dtype
-from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_file_tokenizer, train_bpe
 
 __all__ = ["ByteTokenizer", "TokenFile", "TokenFileHeader", "Tokenizer", "is_token_file", "load_tokenizer",
-           "read_header", "read_token_file", "token_dtype", "train_bpe"]
+           "read_header", "read_token_file", "token_dtype", "token_file_tokenizer", "train_bpe"]

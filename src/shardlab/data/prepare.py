@@ -1,7 +1,7 @@
 """`shardlab data prepare`: text to a token file, in parallel over files, resumable.
 
     result = prepare(["stdlib"], "runs/data/stdlib.tok", tokenizer="bytes")
-    result = prepare(["corpus/"], "out/c.tok", train_bpe=8192)      # BPE trained first, saved beside
+    result = prepare(["corpus/"], "out/c.tok", train_bpe=8192)      # BPE trained first, as out/c.tokenizer.json
     result = prepare(["shard-*.jsonl"], "out/w.tok", tokenizer="gpt2/tokenizer.json", workers=8)
 
 Each input file is one job for a process pool: its documents are encoded and written to
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from shardlab.data.sources import FILE_SEPARATOR, Unit, expand_sources, read_documents
-from shardlab.data.tokenfile import TokenFileHeader, encode_header, token_dtype
-from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, train_bpe
+from shardlab.data.tokenfile import TokenFileHeader, encode_header, is_token_file, read_header, token_dtype
+from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, file_digest, load_tokenizer, train_bpe
 
 _BATCH_DOCS = 256  # documents encoded per call: large enough for the Rust tokenizers to batch
 
@@ -133,9 +133,40 @@ def _reusable(parts_dir: Path, manifest: dict[str, Any]) -> set[int]:
             if i < len(old_units) and old_units[i] == u and (parts_dir / f"{i:06d}.npz").exists()}
 
 
+def bpe_tokenizer_path(token_file: str | os.PathLike[str]) -> Path:
+    """Where --train-bpe saves its tokenizer by default: named after the token file (`mine.tok` ->
+    `mine.tokenizer.json`), so two token files prepared into one directory keep their own."""
+    return Path(token_file).with_suffix(".tokenizer.json")
+
+
+def _ours_to_replace(tok_path: Path, token_file: Path) -> bool:
+    """Whether the existing tokenizer `tok_path` belongs to the token file this run replaces: its
+    header names that very file with that very digest. Anything else may be another file's tokenizer."""
+    if not is_token_file(token_file):
+        return False
+    try:
+        spec = read_header(token_file).tokenizer
+    except ValueError:
+        return False
+    named = Path(spec.get("path") or "")
+    named = named if named.is_absolute() else token_file.parent / named
+    return (spec.get("path") is not None and named.resolve() == tok_path.resolve()
+            and spec.get("sha256") == file_digest(tok_path))
+
+
+def _trained_here(tok_path: Path, record: Path) -> bool:
+    """Whether `tok_path` is the BPE an interrupted run of this token file trained (on other inputs:
+    the record of what it trained on says so, with its digest)."""
+    try:
+        return record.exists() and json.loads(record.read_text()).get("sha256") == file_digest(tok_path)
+    except json.JSONDecodeError:
+        return False
+
+
 def _bpe_tokenizer(units: list[Unit], vocab: int, out: Path, field: str, parts_dir: Path,
-                   log: Callable[[str], None]) -> Tokenizer:
-    """Train the BPE, or reuse the one an interrupted run trained on the same files."""
+                   log: Callable[[str], None], token_file: Path) -> Tokenizer:
+    """Train the BPE, or reuse the one an interrupted run trained on the same files. Never over
+    another token file's tokenizer: that file's ids would decode as other text."""
     record = parts_dir / "bpe.json"
     key = {"vocab": vocab, "field": field, "units": [asdict(u) for u in units]}
     if out.exists() and record.exists() and json.loads(record.read_text()).get("key") == key:
@@ -143,6 +174,10 @@ def _bpe_tokenizer(units: list[Unit], vocab: int, out: Path, field: str, parts_d
         if tok.spec().get("sha256") == json.loads(record.read_text()).get("sha256"):
             log(f"reusing the BPE trained by an earlier run: {out}")
             return tok
+    if out.exists() and not _trained_here(out, record) and not _ours_to_replace(out, token_file):
+        raise FileExistsError(f"{out} exists and is not the tokenizer of {token_file} (which this run replaces): "
+                              f"training a BPE there would overwrite it, and a token file made with it would decode "
+                              f"as other text. Give --tokenizer-out another file, or delete {out} if nothing uses it")
 
     def texts() -> Iterator[str]:
         for u in units:
@@ -163,7 +198,9 @@ def prepare(sources: list[str], out: str | os.PathLike[str], tokenizer: str = "b
     """Tokenize `sources` into the token file `out`; see the module docstring.
 
     train_bpe: train a byte-level BPE of this many ids on the sources first, saved as tokenizer_out
-    (default: tokenizer.json beside `out`), and encode with it (`tokenizer` is then ignored).
+    (default: beside `out`, named after it: `c.tok` -> `c.tokenizer.json`; an existing file that is
+    not `out`'s own tokenizer is refused, never overwritten), and encode with it (`tokenizer` is
+    then ignored).
     workers: processes encoding files at once (0: one per core, at most one per file; 1: in this process).
     max_bytes: take whole files, in order, until their sizes reach this many bytes.
     """
@@ -175,8 +212,8 @@ def prepare(sources: list[str], out: str | os.PathLike[str], tokenizer: str = "b
     out.parent.mkdir(parents=True, exist_ok=True)
     parts_dir = Path(str(out) + ".parts")
     if train_bpe:
-        tok = _bpe_tokenizer(units, train_bpe, Path(tokenizer_out or out.parent / "tokenizer.json"),
-                             field, parts_dir, say)
+        tok = _bpe_tokenizer(units, train_bpe, Path(tokenizer_out or bpe_tokenizer_path(out)),
+                             field, parts_dir, say, out)
     else:
         tok = load_tokenizer(tokenizer)
     spec = tok.spec()

@@ -106,10 +106,14 @@ def read_header(path: str | os.PathLike[str]) -> TokenFileHeader:
                          f"make one with `shardlab data prepare`")
     try:
         values = json.loads(raw[len(MAGIC):].rstrip(b"\0"))
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # garbled bytes fail UTF-8 before JSON
         raise ValueError(f"{path}: token file header is not valid JSON: {exc}") from exc
     known = set(TokenFileHeader.__dataclass_fields__)
-    header = TokenFileHeader(**{k: v for k, v in values.items() if k in known})
+    try:
+        header = TokenFileHeader(**{k: v for k, v in values.items() if k in known})
+        header.docs_offset  # noqa: B018 - a dtype or count of the wrong kind fails here, not later
+    except (AttributeError, TypeError) as exc:  # not an object, a field missing or of the wrong type
+        raise ValueError(f"{path}: token file header is not a token file's: {exc}") from exc
     if header.version > VERSION:
         raise ValueError(f"{path}: token file version {header.version} is newer than this shardlab reads ({VERSION})")
     expected = header.docs_offset + 8 * header.documents

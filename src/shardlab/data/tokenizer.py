@@ -165,6 +165,32 @@ def load_tokenizer(spec: str | os.PathLike[str] | dict[str, Any]) -> Tokenizer:
     raise ValueError(f"tokenizer {text!r}: neither a tokenizer.json (JSON) nor a tiktoken rank file")
 
 
+def token_file_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer the token file `path` was made with, as its header names it (a relative path
+    is relative to the file's directory), refused unless its sha256 is the one the header recorded:
+    a tokenizer replaced since (another `data prepare` into the same directory, an edit) would
+    decode the ids into other text without an error."""
+    from shardlab.data.tokenfile import read_header
+
+    path = Path(path)
+    spec = dict(read_header(path).tokenizer)
+    if spec.get("kind") == "bytes":
+        return ByteTokenizer()
+    if spec.get("path") and not Path(spec["path"]).expanduser().is_absolute():
+        spec["path"] = str(path.parent / spec["path"])
+    where = spec.get("path")
+    if where and not Path(where).expanduser().is_file():
+        raise FileNotFoundError(f"{path}: its tokenizer {where} (named in its header) does not exist")
+    tok = load_tokenizer(spec)
+    want, got = spec.get("sha256"), tok.spec().get("sha256")
+    if want and got and want != got:
+        raise ValueError(f"{path}: its header records tokenizer {where} with sha256 {want}, but that file now has "
+                         f"sha256 {got}: it was replaced after the token file was made (by another `shardlab data "
+                         f"prepare` into the same directory?), and would decode the ids as other text. Restore "
+                         f"the tokenizer it was made with, or prepare the token file again")
+    return tok
+
+
 def _looks_like_tiktoken(path: Path) -> bool:
     with open(path, "rb") as f:
         first = f.readline().split()

@@ -6,11 +6,16 @@
 
 Sources, by what they hold:
   text    'stdlib', a directory, a glob or a text file: bytes with data.tokenizer = 'bytes' (read
-          directly, as always); with 'bpe' or a tokenizer file, first turned into a token file under
-          data.cache_dir by `shardlab data prepare`'s code, once, and reused by later runs;
-  tokens  a token file (`shardlab data prepare`): its header gives the vocabulary and the tokenizer;
-  bin     a raw id file (nanoGPT's train.bin): uint8 unless named *.u16.bin, data.token_dtype says, or
-          data.vocab_size (the vocabulary it was made with, which a raw file cannot say) needs more.
+          directly, as always); with 'bpe' or a tokenizer file, or when it names JSONL or Parquet
+          files (records, not bytes, are the text: data.jsonl_field), first turned into a token file
+          under data.cache_dir by `shardlab data prepare`'s code, once, and reused by later runs;
+  tokens  a token file (`shardlab data prepare`): its header gives the vocabulary and the tokenizer
+          (whose sha256 must still be the one the header records);
+  bin     a raw id file (nanoGPT's train.bin): its id type as data.token_dtype, its name, a meta.pkl
+          beside it or a vocabulary (data.vocab_size, data.tokenizer's) state it, or refused
+          (data/rawbin.py).
+A model started from a Hugging Face checkpoint (model.init_from_hf) reads text through the
+checkpoint's tokenizer.json, and refuses data made with another vocabulary.
 
 model.vocab_size = 0 takes the data's vocabulary padded up to a multiple of 64 and of layout.tp, as
 Megatron-LM pads (`make-vocab-size-divisible-by`): the vocabulary-parallel embedding and head split
@@ -26,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from shardlab.data.rawbin import RawBinLayout, raw_bin_layout
 from shardlab.data.tokenfile import is_token_file, read_header, read_token_file
-from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_file_tokenizer
 from shardlab.train.config import Config
 
 BYTE_VOCAB = 256
@@ -57,17 +63,36 @@ def source_kind(cfg: Config) -> str:
     return "text"
 
 
-def bin_dtype(cfg: Config) -> np.dtype | None:
-    """The stored dtype of a raw .bin: data.token_dtype, else wide enough for data.vocab_size;
-    None leaves the file name to decide (uint8 unless *.u16.bin)."""
+def raw_layout(cfg: Config) -> RawBinLayout:
+    """A raw .bin's id type and vocabulary, from what the configuration, the file's name, a nanoGPT
+    meta.pkl beside it and data.tokenizer state (data/rawbin.py); ValueError naming the file and the
+    fields when nothing does or two disagree."""
     d = cfg.data
-    if d.token_dtype:
-        return np.dtype(d.token_dtype)
-    if d.vocab_size > 2**16:
-        return np.dtype(np.uint32)
-    if d.vocab_size > BYTE_VOCAB:
-        return np.dtype(np.uint16)
-    return None
+    tok_vocab = load_tokenizer(d.tokenizer).vocab_size if d.tokenizer not in ("", "bytes", "bpe") else 0
+    return raw_bin_layout(_source_path(cfg), token_dtype=d.token_dtype or None, vocab_size=d.vocab_size,
+                          tokenizer_vocab=tok_vocab,
+                          names={"token_dtype": "data.token_dtype", "vocab_size": "data.vocab_size",
+                                 "tokenizer": f"data.tokenizer = {d.tokenizer!r}"})
+
+
+def bin_dtype(cfg: Config) -> np.dtype:
+    """The stored dtype of a raw .bin (raw_layout)."""
+    return raw_layout(cfg).dtype
+
+
+def has_containers(cfg: Config) -> bool:
+    """Whether a text source names JSONL or Parquet files: their records, not their bytes, are the
+    text, so they are prepared (parsed) as `shardlab data prepare` does, whatever the tokenizer."""
+    from shardlab.data.sources import expand_sources
+
+    if cfg.data.source in ("", "stdlib") or source_kind(cfg) != "text":
+        return False
+    return any(u.kind != "text" for u in expand_sources([cfg.data.source], cfg.data.max_bytes or None))
+
+
+def needs_preparing(cfg: Config) -> bool:
+    """A text source the ranks cannot read as bytes: a tokenizer other than bytes, or containers."""
+    return source_kind(cfg) == "text" and (cfg.data.tokenizer not in ("", "bytes") or has_containers(cfg))
 
 
 def data_vocab(cfg: Config) -> int:
@@ -76,16 +101,11 @@ def data_vocab(cfg: Config) -> int:
     if kind == "tokens":
         return read_header(_source_path(cfg)).vocab_size
     if kind == "bin":
-        if d.vocab_size:
-            return d.vocab_size
-        if d.tokenizer not in ("", "bytes"):
-            return load_tokenizer(d.tokenizer).vocab_size
-        path = _source_path(cfg)
-        dtype = bin_dtype(cfg) or (np.dtype(np.uint16) if path.name.endswith(".u16.bin") else np.dtype(np.uint8))
-        if dtype.itemsize > 1:
-            raise ValueError(f"data.source = {d.source!r} holds raw {dtype.name} ids but no vocabulary: set "
+        layout = raw_layout(cfg)
+        if not layout.vocab_size:
+            raise ValueError(f"data.source = {d.source!r} holds raw {layout.dtype.name} ids but no vocabulary: set "
                              f"data.vocab_size (e.g. 50257 for GPT-2's) or make a token file with `shardlab data prepare`")
-        return BYTE_VOCAB
+        return layout.vocab_size
     if d.tokenizer in ("", "bytes"):
         return BYTE_VOCAB
     if d.tokenizer == "bpe":
@@ -104,9 +124,16 @@ def prepared_path(cfg: Config) -> Path:
 
     d = cfg.data
     units = expand_sources([d.source or "stdlib"], d.max_bytes or None)
-    tok = f"bpe{d.bpe_vocab}" if d.tokenizer == "bpe" else Path(d.tokenizer).name
-    key = json.dumps({"units": [(u.path, u.size, u.mtime_ns) for u in units], "tokenizer": d.tokenizer,
-                      "bpe_vocab": d.bpe_vocab if d.tokenizer == "bpe" else 0}, sort_keys=True)
+    tok = f"bpe{d.bpe_vocab}" if d.tokenizer == "bpe" else Path(d.tokenizer or "bytes").name
+    key = {"units": [(u.path, u.size, u.mtime_ns) for u in units], "tokenizer": d.tokenizer,
+           "bpe_vocab": d.bpe_vocab if d.tokenizer == "bpe" else 0}
+    if any(u.kind != "text" for u in units):
+        key["field"] = d.jsonl_field  # another field is another text
+    if d.tokenizer not in ("", "bytes", "bpe"):
+        from shardlab.data.tokenizer import file_digest
+
+        key["sha256"] = file_digest(Path(d.tokenizer).expanduser())  # another file under the same name
+    key = json.dumps(key, sort_keys=True)
     stem = Path(d.source).stem if d.source not in ("", "stdlib") else "stdlib"
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return Path(d.cache_dir).expanduser() / f"{stem or 'corpus'}-{tok}-{digest}.tok"
@@ -117,7 +144,8 @@ def resolve_data(cfg: Config, progress: bool = True) -> None:
     a token file (once; later runs find it under data.cache_dir) and becomes data.source; then
     model.vocab_size is set from the data when 0. The ranks then all read the same file."""
     d = cfg.data
-    if source_kind(cfg) == "text" and d.tokenizer not in ("", "bytes"):
+    adopt_hf_tokenizer(cfg)
+    if needs_preparing(cfg):
         import fcntl
 
         out = prepared_path(cfg)
@@ -129,13 +157,79 @@ def resolve_data(cfg: Config, progress: bool = True) -> None:
                 from shardlab.data.prepare import prepare
 
                 bpe = d.bpe_vocab if d.tokenizer == "bpe" else 0
-                prepare([d.source or "stdlib"], out, "bytes" if bpe else d.tokenizer, train_bpe=bpe,
-                        tokenizer_out=out.with_suffix(".tokenizer.json"), max_bytes=d.max_bytes or None,
-                        progress=progress)
+                try:
+                    prepare([d.source or "stdlib"], out, "bytes" if bpe else (d.tokenizer or "bytes"), train_bpe=bpe,
+                            tokenizer_out=out.with_suffix(".tokenizer.json"), field=d.jsonl_field,
+                            max_bytes=d.max_bytes or None, progress=progress)
+                except ValueError as exc:  # a record without the field: name the trainer's key, not the flag
+                    raise ValueError(str(exc).replace("--jsonl-field", "data.jsonl_field")) from exc
         print(f"data: {d.source or 'stdlib'} with tokenizer {d.tokenizer!r} -> {out}", flush=True)
         d.source, d.tokenizer, d.max_bytes = str(out), "", 0
     if not cfg.model.vocab_size:
         cfg.model.vocab_size = model_vocab(cfg)
+    check_hf_vocabulary(cfg)
+
+
+def _hf_tokenizer_file(cfg: Config) -> Path | None:
+    """The tokenizer.json beside the Hugging Face checkpoint model.init_from_hf names, if it has one."""
+    if not cfg.model.init_from_hf:
+        return None
+    f = Path(cfg.model.init_from_hf).expanduser() / "tokenizer.json"
+    return f if f.is_file() else None
+
+
+def adopt_hf_tokenizer(cfg: Config) -> None:
+    """A model started from a Hugging Face checkpoint reads its data through the checkpoint's own
+    tokenizer.json: its embedding rows mean that tokenizer's ids, and nothing else's. Text left at
+    data.tokenizer = 'bytes' (the default) is encoded with it, said in one line; a tokenizer file
+    named that is another file (by digest), or 'bpe', is refused; so are a token file or a raw .bin
+    made with another tokenizer (check_hf_vocabulary)."""
+    from shardlab.data.tokenizer import file_digest
+
+    hf_tok, d = _hf_tokenizer_file(cfg), cfg.data
+    if hf_tok is None or source_kind(cfg) == "tokens":
+        return
+    if d.tokenizer in ("", "bytes"):
+        print(f"data: data.tokenizer = {d.tokenizer!r} -> {hf_tok} (the tokenizer of model.init_from_hf = "
+              f"{cfg.model.init_from_hf!r}: its embedding rows are that tokenizer's ids)", flush=True)
+        d.tokenizer = str(hf_tok)
+    elif d.tokenizer == "bpe" or file_digest(Path(d.tokenizer).expanduser()) != file_digest(hf_tok):
+        raise ValueError(f"data.tokenizer = {d.tokenizer!r} is not the tokenizer of model.init_from_hf = "
+                         f"{cfg.model.init_from_hf!r} ({hf_tok}): the checkpoint's embedding rows are its ids. Leave "
+                         f"data.tokenizer at 'bytes' (then {hf_tok.name} is used) or set it to {hf_tok}")
+
+
+_PAD_MULTIPLES = (64, 128)  # shardlab's padding and Megatron-LM's default
+
+
+def check_hf_vocabulary(cfg: Config) -> None:
+    """After resolve_data: the data of a model started from a Hugging Face checkpoint must be made
+    with the checkpoint's tokenizer: a token file's header must record the digest of the checkpoint's
+    tokenizer.json; without one, the data's vocabulary must be the model's, or padded to it (a
+    multiple of 64 or 128 and of a tp degree, as shardlab and Megatron-LM pad). ValueError otherwise:
+    bytes fed to GPT-2's 50,257-id embedding train it on nonsense, without an error."""
+    if not cfg.model.init_from_hf or cfg.model.name != "gpt":
+        return
+    from shardlab.data.tokenizer import file_digest
+
+    hf_tok, d, src = _hf_tokenizer_file(cfg), cfg.data, cfg.model.init_from_hf
+    if hf_tok is not None and source_kind(cfg) == "tokens":
+        spec = read_header(_source_path(cfg)).tokenizer
+        if spec.get("sha256") != file_digest(hf_tok):
+            raise ValueError(f"data.source = {d.source!r} was made with tokenizer {spec.get('name')!r} (sha256 "
+                             f"{spec.get('sha256')}), not with model.init_from_hf = {src!r}'s {hf_tok} (sha256 "
+                             f"{file_digest(hf_tok)}): the checkpoint's embedding rows are its ids. Prepare the data "
+                             f"with --tokenizer {hf_tok}")
+        return
+    own, model = data_vocab(cfg), cfg.model.vocab_size
+    padded = {padded_vocab(own, tp, m) for tp in range(1, 65) for m in _PAD_MULTIPLES} | {own}
+    if model not in padded:
+        what = f"made with tokenizer {hf_tok}" if hf_tok is not None else "no tokenizer.json"
+        raise ValueError(f"data.source = {d.source!r} has a vocabulary of {own:,} ids (data.tokenizer = "
+                         f"{d.tokenizer!r}), but the model of model.init_from_hf = {src!r} ({what}) has "
+                         f"{model:,}: its embedding rows are another tokenizer's ids. Give the data made with the "
+                         f"checkpoint's tokenizer (data.tokenizer = its tokenizer.json, or a token file prepared "
+                         f"with it)")
 
 
 def _first_past(tokens: np.ndarray, vocab: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
@@ -169,16 +263,24 @@ def check_token_ids(cfg: Config, tokens: np.ndarray | None = None, scan: bool = 
         if not scan:
             return
         tokens = read_token_file(path).tokens if tokens is None else tokens
-    elif tokens is None:
-        from shardlab.train.task import load_corpus
+        own, said = header_vocab, f"its header's vocab_size = {header_vocab:,}"
+    else:
+        own = data_vocab(cfg)
+        said = f"data.vocab_size = {own:,}" if cfg.data.vocab_size else f"{own:,} ids, from {raw_layout(cfg).how}"
+        if tokens is None:
+            from shardlab.train.task import load_corpus
 
-        tokens = load_corpus(cfg)
-    bad = _first_past(tokens, vocab)
+            tokens = load_corpus(cfg)
+    # The data's own vocabulary, not the model's padded one: an id in the padding (50300 of GPT-2's
+    # 50,257 padded to 50,304) has a row but no token, and would decode to nothing.
+    limit = min(vocab, own)
+    bad = _first_past(tokens, limit)
     if bad is not None:
         pos, tid = bad
-        raise ValueError(f"{path or cfg.data.source}: token id {tid} at position {pos:,} is past the model's "
-                         f"vocabulary (model.vocab_size = {vocab:,}: ids 0..{vocab - 1}); set data.vocab_size "
-                         f"to the vocabulary the file was made with, or fix the file")
+        whose = (f"the data's vocabulary ({said}: ids 0..{own - 1})" if own <= vocab else
+                 f"the model's vocabulary (model.vocab_size = {vocab:,}: ids 0..{vocab - 1})")
+        raise ValueError(f"{path or cfg.data.source}: token id {tid} at position {pos:,} is past {whose}; "
+                         f"set data.vocab_size to the vocabulary the file was made with, or fix the file")
 
 
 def corpus_tokenizer(cfg: Config) -> Tokenizer | None:
@@ -186,11 +288,7 @@ def corpus_tokenizer(cfg: Config) -> Tokenizer | None:
     raw id file names none (data.tokenizer)."""
     kind = source_kind(cfg)
     if kind == "tokens":
-        tf_path = _source_path(cfg)
-        spec = dict(read_header(tf_path).tokenizer)
-        if spec.get("path") and not Path(spec["path"]).is_absolute():
-            spec["path"] = str(tf_path.parent / spec["path"])
-        return load_tokenizer(spec)
+        return token_file_tokenizer(_source_path(cfg))  # refused if it is not the one the header records
     if cfg.data.tokenizer not in ("", "bytes", "bpe"):
         return load_tokenizer(cfg.data.tokenizer)
     if kind == "bin" and data_vocab(cfg) > BYTE_VOCAB:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardlab.data.rawbin import raw_bin_layout
 from shardlab.data.sources import FILE_SEPARATOR, TEXT_EXTENSIONS, stdlib_files
 from shardlab.data.tokenfile import is_token_file, read_token_file
 
@@ -54,12 +55,6 @@ def _concat_files(paths: Iterable[Path], max_bytes: int | None) -> np.ndarray:
 
 def _is_glob(source: str) -> bool:
     return any(c in source for c in "*?[")
-
-
-def _bin_dtype(path: Path, token_dtype: np.dtype | None) -> np.dtype:
-    if token_dtype is not None:
-        return token_dtype
-    return np.dtype(np.uint16) if path.name.endswith(".u16.bin") else np.dtype(np.uint8)
 
 
 def _load_bin(path: Path, max_bytes: int | None, dtype: np.dtype) -> np.ndarray:
@@ -96,8 +91,9 @@ def load_tokens(
       * a directory: its files with a TEXT_EXTENSIONS suffix, recursively, in sorted order;
       * a glob pattern (`~` expanded, `**` recursive): every file it matches, sorted;
       * a token file (`shardlab data prepare`): its ids, memory-mapped, in the header's dtype;
-      * a `.bin` file: raw token ids, memory-mapped; uint8 unless named `*.u16.bin` or
-        token_dtype says otherwise;
+      * a `.bin` file: raw token ids, memory-mapped, of the type token_dtype states, or its name
+        (`*.u8.bin`, `*.u16.bin`, `*.u32.bin`) or a nanoGPT meta.pkl beside it; refused when
+        nothing does (data/rawbin.py);
       * any other file: its bytes.
     max_bytes caps the bytes read (None: no cap; by default 64 MiB of text, memory-mapped files
     whole); for token and `.bin` files it caps bytes, not tokens.
@@ -140,7 +136,7 @@ def load_tokens(
                     tokens = tokens[: mapped_cap // tokens.dtype.itemsize]
                 dtype = None  # already in its stored dtype
             elif path.suffix == ".bin":
-                tokens = _load_bin(path, mapped_cap, _bin_dtype(path, dtype))
+                tokens = _load_bin(path, mapped_cap, raw_bin_layout(path, token_dtype=dtype).dtype)
                 dtype = None  # already in its stored dtype
             else:
                 tokens = _concat_files([path], max_bytes)

@@ -93,11 +93,17 @@ class DataSection:
     cache_dir: str = "runs/data"
     """Where text encoded for data.tokenizer (other than bytes) is kept, named by source and tokenizer."""
     vocab_size: int = 0
-    """A raw .bin's vocabulary (e.g. 50257 for GPT-2's ids), which the file cannot say; also picks its
-    dtype: uint16 above 256 ids, uint32 above 65,536. 0: a byte-level (uint8) file."""
+    """A raw .bin's vocabulary (e.g. 50257 for GPT-2's ids), which the file cannot say; above 256 it
+    also states its id type: uint16 up to 65,536 ids, uint32 beyond. 0: from a nanoGPT meta.pkl
+    beside it, data.tokenizer's vocabulary, or 256 for uint8 ids."""
     token_dtype: str = ""
-    """A raw .bin's id type ('uint8', 'uint16', 'uint32'); '': from data.vocab_size, or uint16 for a
-    file named *.u16.bin, else uint8."""
+    """A raw .bin's id type ('uint8', 'uint16', 'uint32'); '': stated by data.vocab_size above 256,
+    data.tokenizer's vocabulary, the name (*.u8.bin, *.u16.bin, *.u32.bin) or a nanoGPT meta.pkl
+    beside it (uint16); a raw .bin that nothing states is refused."""
+    jsonl_field: str = "text"
+    """The text field of JSONL records and the text column of Parquet files (`data prepare
+    --jsonl-field`): a source naming such files is parsed, record by record, into a token file under
+    data.cache_dir before launch, whatever data.tokenizer (their bytes are not text)."""
     max_bytes: int = 0
     """Read at most this many bytes of text (for a token file or .bin: of ids); 0: 64 MiB of text,
     token files whole."""

@@ -212,12 +212,13 @@ def build_task(cfg: Config, model: nn.Module, tokens: np.ndarray | None = None) 
         train = RegressionSampler(cfg.model.d_model, t.global_batch, t.seed)
         val = RegressionSampler(cfg.model.d_model, t.global_batch, t.seed + 1_000_000, teacher_seed=t.seed)
         return Task(train, val, tokens_per_row=1, flops_per_token=model.flops_per_sample())
-    from shardlab.train.corpus import bytes_per_token, check_token_ids, corpus_tokenizer, source_kind
+    from shardlab.train.corpus import bytes_per_token, check_token_ids, corpus_tokenizer, needs_preparing
 
-    if source_kind(cfg) == "text" and cfg.data.tokenizer not in ("", "bytes"):
+    if needs_preparing(cfg):
         raise ValueError(f"data.source = {cfg.data.source!r} with data.tokenizer = {cfg.data.tokenizer!r} must be "
-                         f"encoded first: shardlab train does it before launch (train.corpus.resolve_data), or "
-                         f"make a token file with `shardlab data prepare`")
+                         f"encoded first (a tokenizer other than bytes, or JSONL/Parquet records): shardlab train "
+                         f"does it before launch (train.corpus.resolve_data), or make a token file with "
+                         f"`shardlab data prepare`")
     if tokens is None:
         tokens = load_corpus(cfg)
     check_token_ids(cfg, tokens, scan=False)  # a token file's header; raw ids are scanned (they have none)
