@@ -140,6 +140,7 @@ def _wrapped(dp: int, tp: int) -> tuple[str, str]:
     cfg.set("layout.dp", dp)
     cfg.set("layout.tp", tp)
     model = apply_layout(prepare_model(cfg), cfg.layout, build_mesh(cfg.layout))
+    model.finish_gradient_sync()  # apply_layout's contract holds unwrapped too (nothing to do)
     return type(model).__name__, type(step_contract(model).model).__name__
 
 

@@ -248,9 +248,16 @@ def apply_data_parallel(model: nn.Module, layout: "LayoutSection", group: dist.P
         return ZeroDataParallel(model, group, stage=layout.zero, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
     if size == 1:
         # One replica: nothing to average. No wrapper, hooks, buckets or collectives: the step is the
-        # plain model's (what a 100-line script does at world size 1).
+        # plain model's (what a 100-line script does at world size 1). The contract above still holds:
+        # finish_gradient_sync() is there, and has nothing to do.
+        if not hasattr(model, "finish_gradient_sync"):
+            model.finish_gradient_sync = _nothing_to_sync
         return model
     return DataParallel(model, group, mode=layout.dp_mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl)
+
+
+def _nothing_to_sync() -> None:
+    """finish_gradient_sync of a model with one replica: its gradients are final after backward."""
 
 
 def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, record: Placement) -> nn.Module:
