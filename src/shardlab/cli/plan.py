@@ -125,6 +125,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lay.add_argument("--tp-comm-overlap", action="store_true",
                      help="hide tensor-parallel all-gathers/reduce-scatters behind their GEMMs (Megatron-LM's "
                           "--tp-comm-overlap)")
+    lay.add_argument("--no-tp-overlap", action="store_true",
+                     help="tensor-parallel collectives block (plain PyTorch tp, shardlab's own): none hides behind "
+                          "compute; the default hides the backward's behind the weight-gradient GEMMs (Megatron-LM's "
+                          "asynchronous all-reduce), --tp-comm-overlap hides all (async TP)")
     lay.add_argument("--param-gather-overlap", action="store_true",
                      help="ZeRO 1-2: hide the parameter all-gather behind the next forward (--overlap-param-gather)")
     lay.add_argument("--stage-layers", default=None, metavar="N,N,...",
@@ -239,7 +243,11 @@ def run(args: argparse.Namespace) -> int:
         base, config_batch = trainer_layout(config), config.train.global_batch
         given.setdefault("dp", base.dp)
     base = replace(base, **given, grad_fp32=args.grad_fp32 or base.grad_fp32, stage_layers=stage_layers,
-                   tp_comm_overlap=args.tp_comm_overlap, param_gather_overlap=args.param_gather_overlap)
+                   tp_comm_overlap=args.tp_comm_overlap, param_gather_overlap=args.param_gather_overlap,
+                   **({"tp_overlap": False} if args.no_tp_overlap else {}))
+    if args.no_tp_overlap and args.tp_comm_overlap:
+        print("shardlab plan: --no-tp-overlap and --tp-comm-overlap contradict each other", file=sys.stderr)
+        return 2
     single = any(k in given for k in ("dp", "tp", "pp"))
     gpus = args.gpus
     if single:

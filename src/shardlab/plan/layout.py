@@ -33,7 +33,14 @@ RECOMPUTE = ("none", "selective", "full")
 # fp8: the linear layers' matmuls at the fp8 rate (Transformer Engine's recipe); weights, activations
 # and gradients stay 16-bit in memory, attention and the optimizer as under bf16. The trainer has no
 # fp8 (its rules refuse it), so a search asked for trainable layouts never ranks one.
-PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+# bf16-autocast (the trainer's torch.autocast recipe): fp32 parameters, gradients and AdamW state (no
+# separate master), activations and matmuls in bf16.
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "bf16-autocast")
+
+
+def compute_precision(precision: str) -> str:
+    """The tensor-core rate a layout's matmuls run at: bf16-autocast's are bf16."""
+    return "bf16" if precision == "bf16-autocast" else precision
 
 
 class LayoutError(ValueError):
@@ -56,6 +63,7 @@ class PlanLayout(LayoutSection):
                                     # --tp-comm-overlap, userbuffers), forward and backward
     param_gather_overlap: bool = False  # ZeRO >= 1: the next step's parameter all-gather hidden behind the
                                         # forward (Megatron-LM's --overlap-param-gather)
+    grad_clip: bool = True       # the optimizer step reads every gradient once more for the global norm
 
     @classmethod
     def from_section(cls, section: LayoutSection, micro_batch: int = 1, **knobs) -> PlanLayout:
@@ -99,16 +107,16 @@ class PlanLayout(LayoutSection):
 
     @property
     def param_bytes(self) -> int:
-        return 4 if self.precision == "fp32" else 2
+        return 4 if self.precision in ("fp32", "bf16-autocast") else 2
 
     @property
     def grad_bytes(self) -> int:
-        return 4 if (self.precision == "fp32" or self.grad_fp32) else 2
+        return 4 if (self.precision in ("fp32", "bf16-autocast") or self.grad_fp32) else 2
 
     @property
     def optim_bytes(self) -> int:
         """AdamW state per parameter: two fp32 moments, plus an fp32 master copy under 16-bit."""
-        return 8 if self.precision == "fp32" else 12
+        return 8 if self.precision in ("fp32", "bf16-autocast") else 12
 
     def layers_on(self, layers: int, stage: int) -> int:
         """Transformer layers on pipeline stage `stage`: the explicit `stage_layers` (per chunk), or
@@ -138,8 +146,8 @@ class PlanLayout(LayoutSection):
             text += f" {self.schedule}" + (f"/v{self.virtual}" if self.schedule == "interleaved" else "")
         if self.recompute != "none":
             text += f" rc-{self.recompute[:3]}"
-        if self.precision == "fp8":
-            text += " fp8"
+        if self.precision in ("fp8", "bf16-autocast"):
+            text += f" {self.precision}"
         return text + f" mb{self.micro_batch}"
 
     def to_dict(self) -> dict:

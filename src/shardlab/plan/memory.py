@@ -33,6 +33,7 @@ PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
     "bf16": (2, 2, 12),  # bf16 weights and gradients; fp32 master, momentum and variance
     "fp16": (2, 2, 12),
     "fp8": (2, 2, 12),   # Transformer Engine keeps bf16 weights and gradients; fp8 copies are transient
+    "bf16-autocast": (4, 4, 8),  # fp32 weights, gradients and moments; bf16 only in the activations
 }
 
 

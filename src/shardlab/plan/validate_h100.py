@@ -20,6 +20,26 @@ from shardlab.plan.published_h100 import LLAMA3_405B, NEMO_H100, H100Run, llama3
 from shardlab.plan.steptime import step_time
 
 BOUNDS = {"fp8_eff": (0.3, 0.95), "attn_eff": (0.1, 0.9)}
+# With a kernel model (kernels.py): fp8 GEMMs' share of the fp8 peak, and the stack's attention
+# relative to the profiled one.
+KERNEL_BOUNDS = {"fp8_frac": (0.3, 0.95), "attn_scale": (0.3, 1.5)}
+
+
+def with_param(hw: Hardware, name: str, value: float) -> Hardware:
+    """`hw` with one fitted number set: a Hardware field, or a field of its kernel model."""
+    if name in KERNEL_BOUNDS:
+        return replace(hw, kernels=replace(hw.kernels, **{name: value}))
+    return replace(hw, **{name: value})
+
+
+def fitted_names(hw: Hardware) -> tuple[str, str]:
+    return tuple(KERNEL_BOUNDS) if hw.kernels is not None else ("fp8_eff", "attn_eff")
+
+
+def fitted_values(hw: Hardware) -> tuple[float, float]:
+    if hw.kernels is not None:
+        return hw.kernels.fp8_frac, hw.kernels.attn_scale
+    return hw.fp8_eff, hw.attn_eff
 
 
 def _predict(hw: Hardware, run: H100Run):
@@ -83,14 +103,19 @@ def _golden(f, lo: float, hi: float, steps: int = 14) -> float:
 
 
 def calibrate(hw: Hardware, runs: list[H100Run] | None = None, rounds: int = 2) -> tuple[Hardware, tuple[float, float]]:
-    """Fit (fp8_eff, attn_eff) to the runs: alternate golden-section searches on each."""
+    """Fit the two Hopper numbers to the runs (fp8 GEMMs' share of the fp8 peak, and attention's:
+    kernels.fp8_frac and kernels.attn_scale with a kernel model, else fp8_eff and attn_eff):
+    alternate golden-section searches on each."""
     runs = runs if runs is not None else NEMO_H100
-    cur = replace(hw, fp8_eff=hw.fp8_eff or 0.6, attn_eff=hw.attn_eff or 0.4)
+    names = fitted_names(hw)
+    bounds = KERNEL_BOUNDS if hw.kernels is not None else BOUNDS
+    start = fitted_values(hw)
+    cur = with_param(with_param(hw, names[0], start[0] or 0.6), names[1], start[1] or 0.4)
     for _ in range(rounds):
-        for name in ("fp8_eff", "attn_eff"):
-            best = _golden(lambda x: _mae(replace(cur, **{name: x}), runs), *BOUNDS[name])
-            cur = replace(cur, **{name: best})
-    return cur, (cur.fp8_eff, cur.attn_eff)
+        for name in names:
+            best = _golden(lambda x: _mae(with_param(cur, name, x), runs), *bounds[name])
+            cur = with_param(cur, name, best)
+    return cur, fitted_values(cur)
 
 
 def leave_one_out(hw: Hardware, runs: list[H100Run] | None = None) -> list[dict]:
