@@ -125,7 +125,8 @@ def head_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
     return [
         Saved("final norm input", sb * h * e / rs),
         Saved("head input (final norm output)", sb * h * e / rs),
-        Saved("log-softmax (fp32)", sb * spec.vocab / lay.tp * 4),
+        Saved("logits and log-sum-exp (fused loss)", sb * (spec.vocab / lay.tp * e + 4)) if spec.fused_loss
+        else Saved("log-softmax (fp32)", sb * spec.vocab / lay.tp * 4),
     ]
 
 

@@ -176,8 +176,9 @@ def head_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
     return [
         _memory("final norm", 2 * tok * h * e / (lay.tp if lay.sp else 1)),
         _matmul("output projection", tok, h, v, e, lay.param_bytes),
-        # logits read, fp32 log-softmax written; max, sum and target gathers across the tp slice are tiny
-        _memory("cross-entropy", tok * v * (e + 4) + tok * v * 4),
+        # logits read, fp32 log-softmax written; max, sum and target gathers across the tp slice are tiny;
+        # a fused loss reads the logits once (its backward, 1.5x, writes their gradient over them)
+        _memory("cross-entropy", tok * v * e if spec.fused_loss else tok * v * (e + 4) + tok * v * 4),
     ]
 
 

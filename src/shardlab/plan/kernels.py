@@ -56,6 +56,7 @@ class Kernels:
     launch_s: float = 0.0      # per kernel: the gap between back-to-back kernels
     fp8_frac: float = 0.0      # fp8 GEMMs' share of the fp8 peak (0: gemm_frac)
     attn_scale: float = 1.0    # another software stack's attention relative to the fitted one
+    gemm_scale: float = 1.0    # another software stack's GEMMs relative to the fitted ones
     source: str = ""
 
     def to_dict(self) -> dict:
@@ -88,7 +89,7 @@ def wave_efficiency(m: float, n: float, k: float, sms: int) -> float:
 def gemm_rate(k: Kernels, peak: float, sms: int, m: float, kdim: float, n: float, fp8: bool = False) -> float:
     """FLOP/s of an (m x kdim) @ (kdim x n) GEMM on a device of `peak` FLOP/s and `sms` SMs."""
     frac = k.fp8_frac if (fp8 and k.fp8_frac) else k.gemm_frac
-    return peak * frac * wave_efficiency(m, n, kdim, sms) * kdim / (kdim + k.gemm_k0)
+    return peak * frac * k.gemm_scale * wave_efficiency(m, n, kdim, sms) * kdim / (kdim + k.gemm_k0)
 
 
 def gemm_time(k: Kernels, peak: float, sms: int, bandwidth: float, m: float, kdim: float, n: float,

@@ -188,7 +188,7 @@ def buffer_bytes(spec: ModelSpec, lay: PlanLayout, b: int, last: bool) -> float:
     h, e = spec.hidden, lay.act_bytes
     total = act.recompute_peak_bytes(spec, lay, b)
     if last:
-        total += sb * spec.vocab / lay.tp * 4
+        total += sb * spec.vocab / lay.tp * (lay.act_bytes if spec.fused_loss else 4)
     if lay.pp > 1:
         total += 2 * sb * h * e / (lay.tp if lay.sp else 1)
     if lay.zero == 3:
