@@ -47,6 +47,8 @@ examples:
   shardlab plan --validate-comm                   # collectives vs nccl-tests and TPU all-gathers
   shardlab plan --validate-local                  # this machine: predicted vs measured memory and step time
   shardlab plan --calibrate cal.json              # measure this machine (matmuls, copies, collectives)
+  shardlab plan --calibrate-gpu h200.json         # measure this GPU's kernels (about a minute)
+  shardlab plan --config configs/gpt-350m-gpu.toml --hardware h200 --calibration h200.json --gpus 1
   shardlab plan --config configs/gpt-small.toml --hardware this-cpu --calibration cal.json --gpus 2 --dp 2
   shardlab plan --layers 4 --hidden 64 --heads 4 --seq 32 --vocab 256 --gpus 4 --global-batch 8 \
       --emit-config plan.toml && shardlab train --config plan.toml --dry-run   # the fastest layout, runnable
@@ -94,8 +96,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--devices-per-node", type=int, default=None,
                    help="devices sharing the fast intra-node links (default: the preset's, 8 for the GPUs)")
     c.add_argument("--calibration", default=None, metavar="PATH",
-                   help="this-cpu's measured rates, written by --calibrate (default: $SHARDLAB_PLAN_CALIBRATION or "
-                        "docs/results/plan_calibration.json); with --validate-local: use it instead of calibrating")
+                   help="measured rates: with --hardware this-cpu, written by --calibrate (default: "
+                        "$SHARDLAB_PLAN_CALIBRATION or docs/results/plan_calibration.json; with --validate-local: used "
+                        "instead of calibrating); with a GPU preset, a --calibrate-gpu file of that GPU, whose fitted "
+                        "kernel constants replace the preset's")
     c.add_argument("--bench-comm", default=None, metavar="PATH",
                    help="a `shardlab bench comm --json` file: its fitted alpha-beta per collective and group size "
                         "replace the link model (a measured cluster)")
@@ -172,6 +176,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--calibrate", default=None, metavar="PATH",
                    help="measure this machine (matmul grid, copy bandwidth, op cost, collective fits) on "
                         "--world-size ranks and write the calibration to PATH")
+    o.add_argument("--calibrate-gpu", default=None, metavar="PATH",
+                   help="measure this GPU (bf16 GEMMs of transformer-layer shapes, fused attention 1k-32k, GELU, "
+                        "LayerNorm, fused AdamW; about a minute on an H100) and write PATH, which --calibration reads; "
+                        "without CUDA a tiny fp32 sweep on the CPU (a smoke test whose file no preset accepts)")
     o.add_argument("--world-size", type=int, default=2, help="ranks for --calibrate (default 2)")
     o.add_argument("--threads", type=int, default=1,
                    help="threads per rank for --calibrate and --validate-local (default 1)")
@@ -202,6 +210,8 @@ def _bench_comm_fits(path: str) -> tuple:
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(args)
+    if args.calibrate_gpu:
+        return _calibrate_gpu(args)
     if args.validate_local:
         from shardlab.bench.plan_local import print_local_validation
 
@@ -372,4 +382,28 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"{cal['copy_bandwidth'] / 1e9:.1f} GB/s, {cal['op_overhead_s'] * 1e6:.0f} us per op, "
           f"{len(cal.get('fits', []))} collective fits, overlap cost {cal.get('overlap_cost', 1.0):.2f}")
     print(f"wrote {args.calibrate}")
+    return 0
+
+
+def _calibrate_gpu(args: argparse.Namespace) -> int:
+    from shardlab.bench.gpu_calibrate import calibrate_gpu
+    from shardlab.plan.calibrate import save_calibration
+    from shardlab.plan.devices import match_device
+    from shardlab.plan.gpu_calibration import fit_calibration
+    from shardlab.plan.hardware import PRESETS
+
+    cal = calibrate_gpu()
+    spec = match_device(cal["device"]) if not cal["smoke"] else None
+    preset = PRESETS.get(spec.key) if spec else None
+    if preset is not None and preset.kernels is not None:
+        k = fit_calibration(cal, preset.kernels, preset.peak("bf16"), preset.sms, preset.memory_bw)
+        cal["kernels"] = k.to_dict()
+        print("fitted (preset): " + ", ".join(f"{f} {getattr(k, f):.4g} ({getattr(preset.kernels, f):.4g})" for f in
+                                              ("gemm_frac", "gemm_k0", "attn_fwd", "attn_bwd", "attn_span0", "mem_frac",
+                                               "opt_frac")))
+    else:
+        print("note: " + ("a CPU smoke test: " if cal["smoke"] else f"{cal['device']!r} has no preset with a kernel "
+                          "model: ") + "the file is written; no preset reads it")
+    save_calibration(cal, args.calibrate_gpu)
+    print(f"wrote {args.calibrate_gpu}")
     return 0
