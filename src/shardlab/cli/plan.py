@@ -133,6 +133,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="tensor-parallel collectives block (plain PyTorch tp, shardlab's own): none hides behind "
                           "compute; the default hides the backward's behind the weight-gradient GEMMs (Megatron-LM's "
                           "asynchronous all-reduce), --tp-comm-overlap hides all (async TP)")
+    lay.add_argument("--step-overhead-ms", type=float, default=None, metavar="MS",
+                     help="host time per step the GPU waits for (a training loop's own overhead, measured: "
+                          "docs/planner.md gives shardlab train's on one H200), added to every step")
     lay.add_argument("--param-gather-overlap", action="store_true",
                      help="ZeRO 1-2: hide the parameter all-gather behind the next forward (--overlap-param-gather)")
     lay.add_argument("--stage-layers", default=None, metavar="N,N,...",
@@ -254,7 +257,11 @@ def run(args: argparse.Namespace) -> int:
         given.setdefault("dp", base.dp)
     base = replace(base, **given, grad_fp32=args.grad_fp32 or base.grad_fp32, stage_layers=stage_layers,
                    tp_comm_overlap=args.tp_comm_overlap, param_gather_overlap=args.param_gather_overlap,
-                   **({"tp_overlap": False} if args.no_tp_overlap else {}))
+                   **({"tp_overlap": False} if args.no_tp_overlap else {}),
+                   **({"step_overhead_s": args.step_overhead_ms / 1e3} if args.step_overhead_ms is not None else {}))
+    if args.step_overhead_ms is not None and args.step_overhead_ms < 0:
+        print(f"shardlab plan: --step-overhead-ms must not be negative, got {args.step_overhead_ms}", file=sys.stderr)
+        return 2
     if args.no_tp_overlap and args.tp_comm_overlap:
         print("shardlab plan: --no-tp-overlap and --tp-comm-overlap contradict each other", file=sys.stderr)
         return 2

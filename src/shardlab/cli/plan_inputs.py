@@ -46,6 +46,10 @@ def build_hardware(args: argparse.Namespace, gpus: int | None = None):
     if args.calibration and args.hardware != "this-cpu":
         from shardlab.plan.gpu_calibration import is_gpu_calibration, load_gpu_calibration
 
+        from pathlib import Path
+
+        if not Path(args.calibration).is_file():
+            raise ValueError(f"--calibration {args.calibration}: cannot read it (no such file)")
         if not is_gpu_calibration(args.calibration):  # it would be ignored: the preset has its own rates
             raise ValueError(f"--calibration {args.calibration}: with --hardware {args.hardware} (a preset) the file "
                              f"must be a GPU calibration (`shardlab plan --calibrate-gpu`); a this-cpu calibration "

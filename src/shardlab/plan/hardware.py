@@ -135,7 +135,7 @@ _HOPPER = ("fp8_eff and attn_eff fitted to NeMo's DGX-H100 table (fp8); bf16 mm_
 # H100 SXM and H200 share the SMs and clocks; their memory bandwidths differ and are the data sheets'.
 HOPPER_KERNELS = Kernels(
     gemm_frac=0.8538, gemm_k0=298.7, attn_fwd=0.7097, attn_bwd=0.5451, mem_frac=0.5951, opt_frac=0.7222,
-    launch_s=4.183e-06, fp8_frac=0.561,
+    launch_s=4.183e-06, fp8_frac=0.737,
     source="gemm/attention/memory constants fitted to a profiled compiled GPT-2-medium step on one H200 "
            "(torch 2.11, 2026-11-28; plan/validate_gpu.py); tile, split-K and ramp shapes assumed (kernels.py)")
 

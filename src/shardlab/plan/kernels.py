@@ -57,6 +57,7 @@ class Kernels:
     fp8_frac: float = 0.0      # fp8 GEMMs' share of the fp8 peak (0: gemm_frac)
     attn_scale: float = 1.0    # another software stack's attention relative to the fitted one
     gemm_scale: float = 1.0    # another software stack's GEMMs relative to the fitted ones
+    mem_scale: float = 1.0     # another software stack's memory-bound kernels relative to the fitted ones
     source: str = ""
 
     def to_dict(self) -> dict:
@@ -112,7 +113,7 @@ def attention_time(k: Kernels, peak16: float, bandwidth: float, flops: float, nb
 
 
 def memory_time(k: Kernels, bandwidth: float, nbytes: float, kernels: int = 1) -> float:
-    return nbytes / (bandwidth * k.mem_frac) + kernels * k.launch_s
+    return nbytes / (bandwidth * k.mem_frac * k.mem_scale) + kernels * k.launch_s
 
 
 # ---- fitting the constants to measurements (a calibration file, or published figures) ----

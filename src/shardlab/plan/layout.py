@@ -64,6 +64,8 @@ class PlanLayout(LayoutSection):
     param_gather_overlap: bool = False  # ZeRO >= 1: the next step's parameter all-gather hidden behind the
                                         # forward (Megatron-LM's --overlap-param-gather)
     grad_clip: bool = True       # the optimizer step reads every gradient once more for the global norm
+    step_overhead_s: float = 0.0  # host time per optimizer step the GPU waits for (a framework's own loop,
+                                  # measured: plan/validate_gpu.py), added to the step
 
     @classmethod
     def from_section(cls, section: LayoutSection, micro_batch: int = 1, **knobs) -> PlanLayout:

@@ -190,12 +190,13 @@ class StepTime:
     stage_s: list[float] = field(default_factory=list)   # t_f + t_b per micro-batch, by stage
     mfu_causal: float = 0.0          # vs the 16-bit peak, causal attention counted as s/2 keys per query
     mfu_full_attention: float = 0.0  # vs the 16-bit peak, attention counted as the whole s x s square
+    host_s: float = 0.0              # the layout's step_overhead_s: host time the GPU waits for
 
     def breakdown(self) -> dict[str, float]:
         """Shares of the step: they sum to 1."""
         parts = {"compute": self.compute_s, "tp/cp/ep comm": self.comm_exposed_s, "pipeline p2p": self.p2p_s,
                  "bubble": self.bubble_s, "dp comm": self.dp_comm_s, "optimizer": self.optimizer_s,
-                 "stragglers": self.stragglers_s}
+                 "stragglers": self.stragglers_s, "host overhead": self.host_s}
         parts["other"] = self.total_s - sum(parts.values())
         return {k: v / self.total_s for k, v in parts.items()}
 
@@ -317,7 +318,7 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
     # `jitter` of each rank's compute, a step costs the expected maximum over the ranks.
     compute = m * (layers * (fwd.compute + bwd.compute) + extra[slow].compute)
     stragglers = hw.jitter * expected_max_normal(lay.world) * compute
-    total = pipeline + dp_exposed + optimizer + stragglers
+    total = pipeline + dp_exposed + optimizer + stragglers + lay.step_overhead_s
 
     tokens = global_batch * spec.seq
     model_flops = spec.flops_per_token() * tokens
@@ -340,5 +341,5 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
         tokens_per_s=tokens / total, mfu=model_flops / (total * lay.world * peak),
         hfu=hw_flops_rank / (total * peak), micro_batches=m, stage_s=stages,
         mfu_causal=spec.flops_per_token(causal=True) * tokens / per_rank_s,
-        mfu_full_attention=spec.flops_per_token(causal=False) * tokens / per_rank_s,
+        mfu_full_attention=spec.flops_per_token(causal=False) * tokens / per_rank_s, host_s=lay.step_overhead_s,
     )

@@ -127,3 +127,31 @@ def fit_hopper(profile: dict | None = None) -> Kernels:
     return replace(k, mem_frac=round(mem_bytes / (bw * rest), 4), opt_frac=round(opt_bytes / (bw * prof["optimizer_s"]), 4),
                    launch_s=round((prof["step_s"] - prof["busy_s"]) / n_ops, 9),
                    source=f"fitted to the profile of a compiled GPT-2-medium step on {H200_RUN} (plan/validate_gpu.py)")
+
+
+def config_layout(lay: PlanLayout | None = None) -> PlanLayout:
+    """configs/gpt-350m-gpu.toml as `shardlab train` runs it (plan/validate_local.trainer_layout's view:
+    bf16 autocast, gradient clipping, persistent gradient buffers)."""
+    return lay or PlanLayout(precision="bf16-autocast", micro_batch=BATCH, grad_clip=True, grads_persist=True)
+
+
+def gpu_rows(hw) -> list[dict]:
+    """Every measured way of running the model beside the planner's kernel-time step: what the
+    kernels cost, and what each run paid beyond them (its host overhead, unfused kernels)."""
+    from shardlab.plan.steptime import step_time
+
+    alone = step_time(GPT_350M, standalone_layout(), hw, BATCH)
+    trainer = step_time(GPT_350M, config_layout(), hw, BATCH)
+    rows = []
+    for case, measured in MEASURED.items():
+        st = alone if case.startswith("stand-alone") else trainer
+        rows.append({"case": case, "measured_s": measured, "predicted_s": st.total_s,
+                     "error": st.total_s / measured - 1, "beyond_kernels_s": measured - st.total_s,
+                     "predicted_mfu_causal": st.mfu_causal})
+    return rows
+
+
+def trainer_overhead_s(hw) -> float:
+    """`shardlab train`'s own time per step on that H200 beyond the kernels the planner times: to pass
+    as --step-overhead-ms until the trainer changes (issue 29), then measure again."""
+    return next(r["beyond_kernels_s"] for r in gpu_rows(hw) if r["case"].startswith("shardlab train"))
