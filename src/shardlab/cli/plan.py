@@ -123,6 +123,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="sequence parallelism with tp (default in a search: on when tp > 1)")
     lay.add_argument("--recompute", choices=RECOMPUTE, default=None,
                      help="activation recomputation (default: none for one layout; searched)")
+    lay.add_argument("--recompute-keep", default=None, metavar="OPS",
+                     help="per-op selective recomputation (torchtitan's op-level policy): the comma-separated ops of a "
+                          "layer whose outputs are kept, every other one redone in backward: norm1, qkv, attention, "
+                          "out_proj, residual1, norm2, fc1, activation; or torchtitan-op (qkv,attention,fc1). Sets "
+                          "--recompute selective")
     lay.add_argument("--precision", choices=PRECISIONS, default=None,
                      help="weights and activations (default bf16, or the configuration's)")
     lay.add_argument("--grad-fp32", action="store_true", help="accumulate and reduce gradients in fp32 (Megatron-LM)")
@@ -255,6 +260,16 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, [])
         base, config_batch = trainer_layout(config), config.train.global_batch
         given.setdefault("dp", base.dp)
+    if args.recompute_keep:
+        from shardlab.plan.layout import TORCHTITAN_OP
+
+        keep = TORCHTITAN_OP if args.recompute_keep == "torchtitan-op" else tuple(
+            k.strip() for k in args.recompute_keep.split(",") if k.strip())
+        if given.get("recompute", "selective") != "selective":
+            print(f"shardlab plan: --recompute-keep is selective recomputation per op; --recompute {given['recompute']} "
+                  f"contradicts it", file=sys.stderr)
+            return 2
+        given.update(recompute="selective", recompute_keep=keep)
     base = replace(base, **given, grad_fp32=args.grad_fp32 or base.grad_fp32, stage_layers=stage_layers,
                    tp_comm_overlap=args.tp_comm_overlap, param_gather_overlap=args.param_gather_overlap,
                    **({"tp_overlap": False} if args.no_tp_overlap else {}),
@@ -289,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
           f"global batch {gb} x {spec.seq} tokens, {base.precision}")
     if hw.network:
         print("network: " + "; ".join(lv.describe() for lv in hw.network))
-    if base.recompute == "selective" and spec.attention == "flash":
+    if base.recompute == "selective" and spec.attention == "flash" and not base.recompute_keep:
         print("note: --recompute selective changes nothing here: with flash attention no s x s tensors are kept "
               "(the fused kernel already recomputes them in its backward); memory and time are as without it")
     try:
@@ -366,6 +381,9 @@ def _emit(spec, lay, gb, path: str, config=None) -> int:
         print(f"shardlab plan: --emit-config {path}: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {path} (shardlab train --config {path})")
+    if lay.recompute_keep:
+        refused = list(refused or []) + [f"--recompute-keep {','.join(lay.recompute_keep)}: the trainer has no per-op "
+                                         f"policy; the configuration says recompute = \"selective\", its own rule"]
     if refused:
         print("note: the trainer refuses this layout as it stands:\n  - " + "\n  - ".join(refused))
     return 0

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shardlab.plan.activations import local_kv_dim
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.layout import OP_KEYS, TORCHTITAN_OP, PlanLayout  # noqa: F401 (OP_KEYS, TORCHTITAN_OP: re-exported)
 from shardlab.plan.models import ModelSpec
 
 BWD_MEMORY_FACTOR = 1.5
@@ -146,9 +146,37 @@ def backward(ops: list[Op]) -> list[Op]:
     return out
 
 
+def op_key(name: str, position: int) -> str:
+    """The OP_KEYS entry of a forward op of layer_forward (its name; `position` tells the two residual
+    adds apart), or "" for one that is never redone."""
+    base = name.removesuffix(" fp8 cast")
+    if base == "weight casts (autocast)":
+        return "qkv"            # cast again on the way (autocast keeps no cache across the recomputation)
+    for key, prefixes in (("norm1", ("norm1",)), ("qkv", ("qkv",)), ("out_proj", ("out projection",)),
+                          ("norm2", ("norm2", "router", "dispatch")), ("fc1", ("fc1",)),
+                          ("activation", ("activation",)),
+                          ("attention", ("fused attention", "scores", "scale, mask", "attention dropout",
+                                         "probs @ v"))):
+        if base.startswith(prefixes):
+            return key
+    if base.startswith("bias, dropout, residual add") and position == 0:
+        return "residual1"
+    return ""
+
+
 def recompute(ops: list[Op], lay: PlanLayout) -> list[Op]:
     """Forward ops the backward redoes: all of them (full), the attention core (selective: only
-    eager attention has one worth redoing; a fused kernel already recomputes inside its backward)."""
+    eager attention has one worth redoing; a fused kernel already recomputes inside its backward),
+    or, per op (lay.recompute_keep), every op up to the MLP whose output is not kept."""
+    if lay.recompute_keep:
+        out, residual = [], 0
+        for op in ops:
+            key = op_key(op.name, residual)
+            if op.name.startswith("bias, dropout, residual add"):
+                residual += 1
+            if key and key not in lay.recompute_keep:
+                out.append(replace(op, name=op.name + " (recompute)"))
+        return out
     if lay.recompute == "full":
         return [replace(op, name=op.name + " (recompute)") for op in ops]
     if lay.recompute == "selective":

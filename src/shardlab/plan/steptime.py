@@ -150,7 +150,7 @@ def layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase,
     """(forward, backward incl. recomputation) of one layer on one rank, per micro-batch. Cached:
     a search times thousands of layouts that differ only in ZeRO stage or schedule."""
     key = (id(spec), id(hw), lay.tp, lay.cp, lay.ep, lay.sp, lay.recompute, lay.micro_batch, lay.precision,
-           lay.tp_overlap, lay.tp_comm_overlap)
+           lay.tp_overlap, lay.tp_comm_overlap, lay.recompute_keep)
     hit = _PHASES.get(key)
     if hit is not None and hit[0] is spec and hit[1] is hw:
         return hit[2]
