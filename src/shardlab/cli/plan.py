@@ -300,13 +300,18 @@ def run(args: argparse.Namespace) -> int:
         return print_comparison(spec, gpus, gb, base, set(given) | ({"stage_layers"} if stage_layers else set()),
                                 args.mem_fraction, args.compare_networks, args.json, args.plot)
     print(spec.summary())
-    print(f"{gpus} x {hw.name} ({hw.memory_bytes / 1e9:.0f} GB, {hw.devices_per_node} per node), "
+    print(f"{gpus} x {hw.name} ({hw.memory_bytes / 2 ** 30:,.1f} GiB = {hw.memory_bytes / 1e9:.1f} GB, "
+          f"{hw.devices_per_node} per node), "
           f"global batch {gb} x {spec.seq} tokens, {base.precision}")
     if hw.network:
         print("network: " + "; ".join(lv.describe() for lv in hw.network))
     if base.recompute == "selective" and spec.attention == "flash" and not base.recompute_keep:
         print("note: --recompute selective changes nothing here: with flash attention no s x s tensors are kept "
               "(the fused kernel already recomputes them in its backward); memory and time are as without it")
+    if args.config and hw.kernels is not None and base.step_overhead_s == 0:
+        print("note: the step below is the GPU's kernels (a compiled stand-alone step); shardlab train's own loop "
+              "measured on one H200 (2026-11-28) added 85 ms per step beyond them: --step-overhead-ms 85 includes it "
+              "(docs/planner.md, 'One GPU')")
     try:
         if single:
             return _one(spec, base, hw, gpus, gb, args, config)
