@@ -2,7 +2,7 @@
 by the planner: the kernel constants of plan/kernels.py fitted to its measurements, in place of the
 preset's.
 
-    cal = load_gpu_calibration("docs/results/gpu_calibration_h200.json")
+    cal = load_gpu_calibration("h200.json")                   # shardlab plan --calibrate-gpu h200.json
     hw = apply_gpu_calibration(get_hardware("h200"), cal)      # hw.kernels fitted to the file
 
 Fitted from the file: gemm_frac and gemm_k0 (all GEMMs, kernels.fit_gemm), the attention levels and

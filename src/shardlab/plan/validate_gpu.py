@@ -4,9 +4,10 @@ and the planner's step beside every measured way of running that model.
     kernels = fit_hopper()               # the constants hardware.HOPPER_KERNELS holds (tested)
     rows = gpu_rows(get_hardware("h200"))  # predicted vs measured: stand-alone step, eager, trainer
 
-The measurement (shared/gpu/README.md of the session that ran it; docs/gpu.md): one H200, torch
+The measurement (the README and log of the session that ran it): one H200, torch
 2.11 + CUDA 13, GPT-2 medium's shape (configs/gpt-350m-gpu.toml: 24 layers, width 1024, 16 heads,
-sequence 1024, batch 16, 354 M parameters, bf16 autocast, fused AdamW), 2026-11-28.
+sequence 1024, batch 16, 354 M parameters, bf16 autocast, fused AdamW), 2026-11-28; the figures are
+repeated in docs/planner.md ("One GPU").
 `benchmarks/gpt_mfu.py --compile` ran the whole model compiled at 87.5 ms a step; its profile (three
 steps, torch.profiler) splits the GPU's time by kernel class: the GEMMs (cuBLAS nvjet kernels under
 aten::mm and aten::addmm), cuDNN's fused attention forward and backward, the fused AdamW, and the rest
@@ -37,7 +38,7 @@ from shardlab.plan.kernels import Kernels
 from shardlab.plan.layout import PlanLayout
 from shardlab.plan.models import ModelSpec
 
-H200_RUN = "one H200 (141 GB), torch 2.11.0+cu130, driver 580.159.04, 2026-11-28 (docs/gpu.md)"
+H200_RUN = "one H200 (141 GB), torch 2.11.0+cu130, driver 580.159.04, 2026-11-28 (docs/planner.md, One GPU)"
 
 # GPT-2 medium's shape as configs/gpt-350m-gpu.toml builds it (what plan.models.spec_from_config gives).
 GPT_350M = ModelSpec("shardlab-gpt-24x1024", layers=24, hidden=1024, heads=16, vocab=50304, seq=1024, bias=True,
