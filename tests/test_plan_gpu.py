@@ -110,3 +110,14 @@ def test_calibrate_gpu_smoke_runs_on_the_cpu_and_writes_what_the_planner_reads(t
     bw = max(r["bytes_per_s"] for r in loaded["elementwise"])
     k = fit_calibration(loaded, HOPPER_KERNELS, best, 1, bw)
     assert all(getattr(k, f.name) > 0 for f in fields(k) if f.name in ("gemm_frac", "attn_fwd", "attn_bwd", "mem_frac"))
+
+
+def test_memory_is_what_the_device_reports():
+    """Issue 33: an H100 80GB HBM3 reports 81,559 MiB (85.5e9 bytes), an H200 143,771 MiB; a layout
+    may use --mem-fraction (0.9) of that."""
+    from shardlab.plan.search import evaluate
+
+    assert get_hardware("h100-sxm").memory_bytes == 81559 * 2 ** 20
+    assert H200.memory_bytes == 143771 * 2 ** 20
+    e = evaluate(GPT_350M, standalone_layout(), H200, BATCH)
+    assert e.capacity == pytest.approx(0.9 * 143771 * 2 ** 20) and e.fits

@@ -92,6 +92,7 @@ class Hardware:
             "mm_eff": self.mm_eff, "mem_eff": self.mem_eff, "link_eff": self.link_eff,
             "kernel_overhead_us": self.kernel_overhead_s * 1e6, "measured_fits": len(self.fits),
             "attn_eff": self.attn_eff, "network": [lv.describe() for lv in self.network],
+            "kernels": self.kernels.to_dict() if self.kernels is not None else None,
             "source": self.source,
         }
 
