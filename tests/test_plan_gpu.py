@@ -94,14 +94,13 @@ def test_calibration_of_another_device_or_a_smoke_test_is_refused():
         apply_gpu_calibration(get_hardware("a100-80gb"), cal)
 
 
-def test_calibrate_gpu_smoke_runs_on_the_cpu_and_writes_what_the_planner_reads(tmp_path):
-    from shardlab.bench.gpu_calibrate import calibrate_gpu
+def test_calibrate_gpu_smoke_runs_on_the_cpu_and_writes_what_the_planner_reads(tmp_path, capsys):
+    from shardlab.cli.main import main
     from shardlab.plan.gpu_calibration import fit_calibration, is_gpu_calibration, load_gpu_calibration
-    from shardlab.plan.calibrate import save_calibration
 
-    cal = calibrate_gpu(smoke=True, log=lambda *_: None)
     path = tmp_path / "cal.json"
-    save_calibration(cal, path)
+    assert main(["plan", "--calibrate-gpu", str(path)]) == 0      # no CUDA here: the tiny CPU sweep
+    assert "a CPU smoke test" in capsys.readouterr().out
     assert is_gpu_calibration(path)
     loaded = load_gpu_calibration(path)
     assert loaded["smoke"] and loaded["gemm"] and loaded["attention"] and loaded["optimizer"]["bytes_per_s"] > 0
@@ -110,6 +109,9 @@ def test_calibrate_gpu_smoke_runs_on_the_cpu_and_writes_what_the_planner_reads(t
     bw = max(r["bytes_per_s"] for r in loaded["elementwise"])
     k = fit_calibration(loaded, HOPPER_KERNELS, best, 1, bw)
     assert all(getattr(k, f.name) > 0 for f in fields(k) if f.name in ("gemm_frac", "attn_fwd", "attn_bwd", "mem_frac"))
+    # A GPU preset refuses it, naming why (exit 2, no traceback).
+    assert main(["plan", "--hardware", "h200", "--calibration", str(path), "--gpus", "1", "--dp", "1"]) == 2
+    assert "smoke-test calibration" in capsys.readouterr().err
 
 
 def test_memory_is_what_the_device_reports():

@@ -43,7 +43,7 @@ examples:
   shardlab plan --hardware h100-sxm --link nvl:size=8,kind=switch,gbps=450,us=5 \
       --link roce:kind=fat-tree,gbps=50,us=12,oversub=2 --model llama3-70b --gpus 512 --global-batch 1024
   shardlab plan --validate                        # Korthikanti et al. 2022 Tables 4-5, predicted vs published
-  shardlab plan --validate-h100                   # NeMo's DGX-H100 table and Llama 3 405B
+  shardlab plan --validate-h100                   # NeMo's DGX-H100 table, H100 bf16 runs, one H200
   shardlab plan --validate-comm                   # collectives vs nccl-tests and TPU all-gathers
   shardlab plan --validate-local                  # this machine: predicted vs measured memory and step time
   shardlab plan --calibrate cal.json              # measure this machine (matmuls, copies, collectives)
@@ -165,8 +165,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="compare with Korthikanti et al. 2022: Table 5 iteration times with mm_eff refitted, "
                         "leave-one-out and sensitivity, Table 4 layer times, Figure 1 memory (about 20 s)")
     o.add_argument("--validate-h100", action="store_true",
-                   help="compare with NeMo Framework's published DGX-H100 table (fit, leave-one-out) and Llama 3 "
-                        "405B (held out), MFU both ways (about 6 s)")
+                   help="compare with NeMo Framework's published DGX-H100 fp8 table (fit, leave-one-out), Llama 3 "
+                        "405B (held out), llm-foundry's H100 bf16 table (leave-one-out), Llama 3's Table 4, and the "
+                        "runs measured on one H200 (about 30 s)")
     o.add_argument("--validate-comm", action="store_true",
                    help="compare predicted collective times with published nccl-tests bus bandwidths and the TPU "
                         "all-gathers of How to Scale Your Model")
