@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 
 # Output tiles a Hopper/Ampere GEMM library chooses among, with the share of a full tile's rate each
 # reaches (a 128 x 128 tile issues half the math per operand byte loaded: assumed 0.9 of it).
@@ -72,6 +73,7 @@ class Kernels:
         return cls(**d)
 
 
+@lru_cache(maxsize=65536)      # a search times the same shapes for thousands of layouts
 def wave_efficiency(m: float, n: float, k: float, sms: int) -> float:
     """Useful work / issued work of the best (tile, split-K) choice for an m x n output over k."""
     best = 0.0
