@@ -88,7 +88,7 @@ def bf16_report() -> tuple[str, dict]:
 
 
 def gpu_report() -> tuple[str, dict]:
-    from shardlab.plan.validate_gpu import H200_RUN, gpu_rows, trainer_overhead_s
+    from shardlab.plan.validate_gpu import H100_RUN, H200_RUN, MEASURED_H100, gpu_rows, trainer_overhead_s
 
     hw = get_hardware("h200")
     rows = gpu_rows(hw)
@@ -100,7 +100,12 @@ def gpu_report() -> tuple[str, dict]:
                      f"{r['error'] * 100:>+7.1f}%{r['beyond_kernels_s'] * 1e3:>17.1f} ms")
     lines.append(f"shardlab train's own overhead on that GPU: {trainer_overhead_s(hw) * 1e3:.0f} ms per step "
                  f"(--step-overhead-ms to include it)")
-    return "\n".join(lines), {"rows": rows}
+    h100 = gpu_rows(get_hardware("h100-sxm"), MEASURED_H100)
+    lines.append(f"held out: the same stand-alone step on {H100_RUN}, nothing of it fitted:")
+    for r in h100:
+        lines.append(f"{r['case']:<32}{r['measured_s'] * 1e3:>12.1f}{r['predicted_s'] * 1e3:>12.1f}"
+                     f"{r['error'] * 100:>+7.1f}%{r['beyond_kernels_s'] * 1e3:>17.1f} ms")
+    return "\n".join(lines), {"rows": rows, "h100_held_out": h100}
 
 
 def print_h100_validation(json_path: str | None = None, plot_path: str | None = None) -> int:
