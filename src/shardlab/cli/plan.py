@@ -267,8 +267,8 @@ def run(args: argparse.Namespace) -> int:
         keep = TORCHTITAN_OP if args.recompute_keep == "torchtitan-op" else tuple(
             k.strip() for k in args.recompute_keep.split(",") if k.strip())
         if given.get("recompute", "selective") != "selective":
-            print(f"shardlab plan: --recompute-keep is selective recomputation per op; --recompute {given['recompute']} "
-                  f"contradicts it", file=sys.stderr)
+            print(f"shardlab plan: --recompute-keep is selective recomputation per op; "
+                  f"--recompute {given['recompute']} contradicts it", file=sys.stderr)
             return 2
         given.update(recompute="selective", recompute_keep=keep)
     base = replace(base, **given, grad_fp32=args.grad_fp32 or base.grad_fp32, stage_layers=stage_layers,

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shardlab.plan.activations import local_kv_dim
-from shardlab.plan.layout import OP_KEYS, TORCHTITAN_OP, PlanLayout  # noqa: F401 (OP_KEYS, TORCHTITAN_OP: re-exported)
+from shardlab.plan.layout import PlanLayout
 from shardlab.plan.models import ModelSpec
 
 BWD_MEMORY_FACTOR = 1.5

@@ -69,7 +69,8 @@ class Kernels:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"kernel constants: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(f"kernel constants: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
         return cls(**d)
 
 

@@ -14,8 +14,8 @@ and learned positions (the parameter counts NumParams grow by seq x d with the s
 tests/test_plan_bf16.py), tied embeddings, gradient clipping; the activation checkpointing it names is
 full (the whole block); the loss is flash-attn's fused cross-entropy (ComposerMPTCausalLM's default
 loss_fn 'fused_crossentropy', llmfoundry/models/mpt/modeling_mpt.py: no fp32 log-softmax kept); the
-attention output is used in place (no copy). Its MFU convention (the README's formula): 6 N + 12 L d s FLOPs per token with
-N every parameter, attention counted as the whole square, against 989 TFLOP/s.
+attention output is used in place (no copy). Its MFU convention (the README's formula): 6 N + 12 L d s
+FLOPs per token with N every parameter, attention counted as the whole square, against 989 TFLOP/s.
 
 Llama 3 (Llama Team, AI @ Meta, "The Llama 3 Herd of Models", arXiv 2407.21783, Table 4): three
 405B configurations on H100 80GB, bf16: 8,192 GPUs (TP8 CP1 PP16 DP64, sequence 8,192, 430 TFLOP/s

@@ -132,7 +132,8 @@ def fit_hopper(profile: dict | None = None) -> Kernels:
     # momentum and variance read and written).
     opt_bytes = 28 * GPT_350M.params()
     n_ops = sum(n * op.kernels for n, op in ops) + 4
-    return replace(k, mem_frac=round(mem_bytes / (bw * rest), 4), opt_frac=round(opt_bytes / (bw * prof["optimizer_s"]), 4),
+    return replace(k, mem_frac=round(mem_bytes / (bw * rest), 4),
+                   opt_frac=round(opt_bytes / (bw * prof["optimizer_s"]), 4),
                    launch_s=round((prof["step_s"] - prof["busy_s"]) / n_ops, 9),
                    source=f"fitted to the profile of a compiled GPT-2-medium step on {H200_RUN} (plan/validate_gpu.py)")
 
