@@ -153,3 +153,14 @@ def test_per_op_selective_recomputation_keeps_what_it_names():
         replace(lay, recompute="selective", recompute_keep=("mlp",)).check(spec)
     with pytest.raises(LayoutError, match="needs recompute 'selective'"):
         replace(lay, recompute_keep=("qkv",)).check(spec)
+
+
+def test_bf16_autocast_keeps_fp32_weights_and_an_fp32_residual_stream():
+    """The trainer's bf16-autocast: fp32 weights, gradients and moments (16 bytes a parameter, no
+    master), bf16 matmul inputs, and the norms' fp32 inputs (the residual stream stays fp32)."""
+    spec = get_model("shardlab-small")
+    bf16, auto = PlanLayout(micro_batch=2), PlanLayout(micro_batch=2, precision="bf16-autocast")
+    tokens_h = spec.seq * 2 * spec.hidden
+    assert layer_activation_bytes(spec, auto, 2) - layer_activation_bytes(spec, bf16, 2) == 2 * 2 * tokens_h
+    assert (auto.param_bytes, auto.grad_bytes, auto.optim_bytes) == (4, 4, 8)
+    assert (bf16.param_bytes, bf16.grad_bytes, bf16.optim_bytes) == (2, 2, 12)

@@ -47,6 +47,9 @@ def layer_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
     s = spec.seq / lay.cp                     # tokens of a sequence on this rank
     sb, h, e, t = s * b, spec.hidden, lay.act_bytes, lay.tp
     rs = t if lay.sp else 1                   # residual-stream tensors: split by tp only under sp
+    # Under bf16 autocast the residual stream stays fp32 (fp32 weights; layer_norm runs in fp32), so the
+    # norms keep fp32 inputs; the matmuls keep the bf16 casts of theirs.
+    er = 4 if lay.precision == "bf16-autocast" else e
     a_loc = spec.heads / t
     stats = 8 if spec.norm == "layernorm" else 4   # fp32 mean and 1/std (rmsnorm: 1/rms) per token
     out: list[Saved] = []
@@ -55,7 +58,7 @@ def layer_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
         out.append(Saved(name, nbytes, selective, op))
 
     # Attention block.
-    add("norm1 input", sb * h * e / rs, "input")
+    add("norm1 input", sb * h * er / rs, "input")
     add("norm1 statistics", sb * stats / rs, "input")
     add("qkv input (norm1 output)", sb * h * e / rs, "norm1")   # under sp the shard is kept and re-gathered
     add("query", sb * spec.q_dim / t * e, "qkv")
@@ -80,7 +83,7 @@ def layer_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
     # MLP block. A mixture of experts processes each token top_k times, spread over the ep ranks.
     k = spec.top_k if spec.experts > 1 else 1
     f = spec.d_ff / t
-    add("norm2 input", sb * h * e / rs, "residual1")
+    add("norm2 input", sb * h * er / rs, "residual1")
     add("norm2 statistics", sb * stats / rs, "input")
     add("fc1 input (norm2 output)", sb * h * e / rs, "norm2")
     if spec.experts > 1:
@@ -103,7 +106,8 @@ def layer_activation_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
     """Bytes one layer holds for backward per micro-batch, after the layout's recomputation."""
     if lay.recompute == "full":
         # Only the layer's input is checkpointed; under sp it is the rank's shard of the sequence.
-        return spec.seq / lay.cp * b * spec.hidden * lay.act_bytes / (lay.tp if lay.sp else 1)
+        e = 4 if lay.precision == "bf16-autocast" else lay.act_bytes   # the fp32 residual stream under autocast
+        return spec.seq / lay.cp * b * spec.hidden * e / (lay.tp if lay.sp else 1)
     if lay.recompute_keep:
         return sum(x.bytes for x in layer_tensors(spec, lay, b) if kept(lay, x))
     keep = [x for x in layer_tensors(spec, lay, b) if not (lay.recompute == "selective" and x.recomputed_by_selective)]
@@ -134,7 +138,7 @@ def head_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
     sb, h, e = spec.seq / lay.cp * b, spec.hidden, lay.act_bytes
     rs = lay.tp if lay.sp else 1
     return [
-        Saved("final norm input", sb * h * e / rs),
+        Saved("final norm input", sb * h * (4 if lay.precision == "bf16-autocast" else e) / rs),
         Saved("head input (final norm output)", sb * h * e / rs),
         Saved("logits and log-sum-exp (fused loss)", sb * (spec.vocab / lay.tp * e + 4)) if spec.fused_loss
         else Saved("log-softmax (fp32)", sb * spec.vocab / lay.tp * 4),
