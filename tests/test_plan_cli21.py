@@ -77,8 +77,12 @@ def test_a_calibration_or_bench_comm_file_that_would_be_ignored_or_unreadable_is
     a --bench-comm file that is not JSON, or not bench comm's, ended in a traceback."""
     from shardlab.cli.main import main
 
-    with pytest.raises(ValueError, match="only --hardware this-cpu .* reads a calibration; --hardware h100-sxm"):
+    with pytest.raises(ValueError, match="cal.json: cannot read it"):
         build_hardware(_args("--hardware", "h100-sxm", "--calibration", str(tmp_path / "cal.json")))
+    # A this-cpu calibration given to a GPU preset would be ignored: named, with what reads it.
+    (tmp_path / "cpu.json").write_text('{"matmul_flops": 1e9, "copy_bandwidth": 1e9}')
+    with pytest.raises(ValueError, match="must be a GPU calibration .* read by --hardware this-cpu"):
+        build_hardware(_args("--hardware", "h100-sxm", "--calibration", str(tmp_path / "cpu.json")))
     bad = tmp_path / "comm.json"
     for text, why in (("{", "JSONDecodeError"), ('{"rows": []}', "KeyError: 'fits'")):
         bad.write_text(text)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from shardlab.plan.hardware import H100_FP8_EFF, HOPPER_ATTN_EFF, get_hardware
+from shardlab.plan.hardware import HOPPER_KERNELS, get_hardware
 from shardlab.plan.published_h100 import LLAMA3_405B, NEMO_H100
 from shardlab.plan.validate_h100 import calibrate, h100_rows, leave_one_out, summary
 
@@ -28,9 +28,11 @@ def test_published_tflops_follow_the_full_attention_model_flop_convention():
 
 
 def test_fitted_numbers_are_the_presets(fitted):
-    _, (fp8_eff, attn_eff) = fitted
-    assert fp8_eff == pytest.approx(H100_FP8_EFF, abs=0.01), "hardware.H100_FP8_EFF is stale: refit it"
-    assert attn_eff == pytest.approx(HOPPER_ATTN_EFF, abs=0.02), "hardware.HOPPER_ATTN_EFF is stale: refit it"
+    # fp8 GEMMs' share of the fp8 peak is the preset's; the attention and memory-bound scales are NeMo's
+    # stack relative to the profiled H200 step (properties of the source, reported, not in the preset).
+    _, (fp8_frac, attn_scale, mem_scale) = fitted
+    assert fp8_frac == pytest.approx(HOPPER_KERNELS.fp8_frac, abs=0.01), "hardware.HOPPER_KERNELS.fp8_frac is stale"
+    assert 0.3 < attn_scale <= 1.5 and 0.3 < mem_scale <= 1.5, (attn_scale, mem_scale)
 
 
 def test_fit_and_leave_one_out_within_the_issues_bar(fitted):
@@ -43,9 +45,10 @@ def test_fit_and_leave_one_out_within_the_issues_bar(fitted):
     assert all(r["fits"] for r in rows), [(r["case"], r["memory_gb"]) for r in rows if not r["fits"]]
     loo = leave_one_out(get_hardware("h100-sxm"))
     errs = [abs(r["error"]) for r in loo]
-    assert sum(errs) / len(errs) <= 0.10 and max(errs) <= 0.20, loo
-    # Not flat: 10% off on the fp8 efficiency moves the error well past the fit's.
-    off = summary(h100_rows(replace(hw, fp8_eff=hw.fp8_eff * 1.1)))
+    # Issue 33: every existing validation at least as good as before (leave-one-out mean 4.8%, largest 10.5%).
+    assert sum(errs) / len(errs) <= 0.05 and max(errs) <= 0.12, loo
+    # Not flat: 20% off on the fp8 GEMMs' share moves the error well past the fit's.
+    off = summary(h100_rows(replace(hw, kernels=replace(hw.kernels, fp8_frac=hw.kernels.fp8_frac * 1.2))))
     assert off["mae"] > s["mae"] + 0.02
 
 

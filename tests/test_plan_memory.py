@@ -121,3 +121,46 @@ def test_uneven_stages_split_as_evenly_as_possible_lighter_at_the_edges():
     # The fuller stage holds more parameters and is the one the memory report picks.
     assert stage_params(spec, explicit, 1)[0] > stage_params(spec, explicit, 0)[0] * 1.3
     assert rank_memory(spec, explicit, 8).stage == 1
+
+
+def test_per_op_selective_recomputation_keeps_what_it_names():
+    """torchtitan-style per-op recomputation (issue 33): the kept ops' outputs stay, the rest are redone."""
+    from shardlab.plan import flops
+    from shardlab.plan.layout import OP_KEYS, TORCHTITAN_OP
+
+    spec = replace(get_model("llama2-7b"), seq=2048)
+    lay = PlanLayout(tp=2, sp=True, micro_batch=1)
+    none = layer_activation_bytes(spec, lay, 1)
+    full = layer_activation_bytes(spec, replace(lay, recompute="full"), 1)
+    fwd = flops.layer_forward(spec, lay, 1)
+
+    def at(keep):
+        k = replace(lay, recompute="selective", recompute_keep=keep)
+        k.check(spec)
+        return layer_activation_bytes(spec, k, 1), [op.name for op in flops.recompute(fwd, k)]
+
+    everything, redo = at(OP_KEYS)
+    assert everything == pytest.approx(none) and redo == []
+    little, redo_little = at(("norm1",))
+    assert full < little < 0.3 * none
+    assert any("fused attention" in n for n in redo_little) and any(n.startswith("fc1") for n in redo_little)
+    assert not any(n.startswith("fc2") for n in redo_little)           # nothing needs its output
+    tt, redo_tt = at(TORCHTITAN_OP)
+    assert little < tt < none
+    assert sorted(redo_tt) == sorted(f"{n} (recompute)" for n in ("norm1", "out projection", "norm2",
+                                                                  "bias, dropout, residual add", "activation x gate"))
+    with pytest.raises(LayoutError, match="not ops of a layer"):
+        replace(lay, recompute="selective", recompute_keep=("mlp",)).check(spec)
+    with pytest.raises(LayoutError, match="needs recompute 'selective'"):
+        replace(lay, recompute_keep=("qkv",)).check(spec)
+
+
+def test_bf16_autocast_keeps_fp32_weights_and_an_fp32_residual_stream():
+    """The trainer's bf16-autocast: fp32 weights, gradients and moments (16 bytes a parameter, no
+    master), bf16 matmul inputs, and the norms' fp32 inputs (the residual stream stays fp32)."""
+    spec = get_model("shardlab-small")
+    bf16, auto = PlanLayout(micro_batch=2), PlanLayout(micro_batch=2, precision="bf16-autocast")
+    tokens_h = spec.seq * 2 * spec.hidden
+    assert layer_activation_bytes(spec, auto, 2) - layer_activation_bytes(spec, bf16, 2) == 2 * 2 * tokens_h
+    assert (auto.param_bytes, auto.grad_bytes, auto.optim_bytes) == (4, 4, 8)
+    assert (bf16.param_bytes, bf16.grad_bytes, bf16.optim_bytes) == (2, 2, 12)

@@ -125,3 +125,31 @@ def test_plan_cli_one_layout_reports_a_layout_that_does_not_fit(capsys):
     code = main([*base, "--sp", "--recompute", "selective"])
     stdout, stderr = capsys.readouterr()
     assert code == 0 and "fits" in stdout, stdout + stderr
+
+
+def test_hfu_is_the_average_rank_with_uneven_stages():
+    """Issue 33: HFU counts each stage's own layers (and the head on the last stage only), so HFU x
+    time x peak x ranks is the step's executed FLOPs whatever the split; the slowest stage's layers
+    counted for every rank would overstate it."""
+    from shardlab.plan import flops
+
+    spec = replace(get_model("llama2-7b"), layers=8)
+    for split in ((4, 4), (6, 2)):
+        lay = PlanLayout(pp=2, micro_batch=1, stage_layers=split)
+        st = step_time(spec, lay, A100, 8)
+        fwd = layer_forward(spec, lay, 1)
+        head = flops.head_forward(spec, lay, 1)
+        executed = st.micro_batches * (spec.layers * flops.flops_of(fwd + recompute(fwd, lay) + backward(fwd))
+                                       + flops.flops_of(head + backward(head)))
+        assert st.hfu * st.total_s * A100.peak("bf16") * lay.world == pytest.approx(executed, rel=1e-9), split
+
+
+def test_tp_overlap_switch_orders_the_exposed_communication():
+    """--no-tp-overlap (every collective blocks) >= the default (backward's behind the weight
+    gradients) >= --tp-comm-overlap (all behind their GEMMs), on a Hopper preset's kernel model too."""
+    spec = get_model("llama2-70b")
+    for hw in (A100, get_hardware("h100-sxm")):
+        base = PlanLayout(tp=8, sp=True, micro_batch=1)
+        times = [step_time(spec, replace(base, **kw), hw, 8).comm_exposed_s
+                 for kw in ({"tp_overlap": False}, {}, {"tp_comm_overlap": True})]
+        assert times[0] > times[1] > times[2] >= 0, (hw.name, times)

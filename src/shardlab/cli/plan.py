@@ -43,10 +43,12 @@ examples:
   shardlab plan --hardware h100-sxm --link nvl:size=8,kind=switch,gbps=450,us=5 \
       --link roce:kind=fat-tree,gbps=50,us=12,oversub=2 --model llama3-70b --gpus 512 --global-batch 1024
   shardlab plan --validate                        # Korthikanti et al. 2022 Tables 4-5, predicted vs published
-  shardlab plan --validate-h100                   # NeMo's DGX-H100 table and Llama 3 405B
+  shardlab plan --validate-h100                   # NeMo's DGX-H100 table, H100 bf16 runs, one H200
   shardlab plan --validate-comm                   # collectives vs nccl-tests and TPU all-gathers
   shardlab plan --validate-local                  # this machine: predicted vs measured memory and step time
   shardlab plan --calibrate cal.json              # measure this machine (matmuls, copies, collectives)
+  shardlab plan --calibrate-gpu h200.json         # measure this GPU's kernels (about a minute)
+  shardlab plan --config configs/gpt-350m-gpu.toml --hardware h200 --calibration h200.json --gpus 1
   shardlab plan --config configs/gpt-small.toml --hardware this-cpu --calibration cal.json --gpus 2 --dp 2
   shardlab plan --layers 4 --hidden 64 --heads 4 --seq 32 --vocab 256 --gpus 4 --global-batch 8 \
       --emit-config plan.toml && shardlab train --config plan.toml --dry-run   # the fastest layout, runnable
@@ -94,8 +96,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--devices-per-node", type=int, default=None,
                    help="devices sharing the fast intra-node links (default: the preset's, 8 for the GPUs)")
     c.add_argument("--calibration", default=None, metavar="PATH",
-                   help="this-cpu's measured rates, written by --calibrate (default: $SHARDLAB_PLAN_CALIBRATION or "
-                        "docs/results/plan_calibration.json); with --validate-local: use it instead of calibrating")
+                   help="measured rates: with --hardware this-cpu, written by --calibrate (default: "
+                        "$SHARDLAB_PLAN_CALIBRATION or docs/results/plan_calibration.json; with --validate-local: used "
+                        "instead of calibrating); with a GPU preset, a --calibrate-gpu file of that GPU, whose fitted "
+                        "kernel constants replace the preset's")
     c.add_argument("--bench-comm", default=None, metavar="PATH",
                    help="a `shardlab bench comm --json` file: its fitted alpha-beta per collective and group size "
                         "replace the link model (a measured cluster)")
@@ -119,12 +123,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="sequence parallelism with tp (default in a search: on when tp > 1)")
     lay.add_argument("--recompute", choices=RECOMPUTE, default=None,
                      help="activation recomputation (default: none for one layout; searched)")
+    lay.add_argument("--recompute-keep", default=None, metavar="OPS",
+                     help="per-op selective recomputation (torchtitan's op-level policy): the comma-separated ops of a "
+                          "layer whose outputs are kept, every other one redone in backward: norm1, qkv, attention, "
+                          "out_proj, residual1, norm2, fc1, activation; or torchtitan-op (qkv,attention,fc1). Sets "
+                          "--recompute selective")
     lay.add_argument("--precision", choices=PRECISIONS, default=None,
                      help="weights and activations (default bf16, or the configuration's)")
     lay.add_argument("--grad-fp32", action="store_true", help="accumulate and reduce gradients in fp32 (Megatron-LM)")
     lay.add_argument("--tp-comm-overlap", action="store_true",
                      help="hide tensor-parallel all-gathers/reduce-scatters behind their GEMMs (Megatron-LM's "
                           "--tp-comm-overlap)")
+    lay.add_argument("--no-tp-overlap", action="store_true",
+                     help="tensor-parallel collectives block (plain PyTorch tp, shardlab's own): none hides behind "
+                          "compute; the default hides the backward's behind the weight-gradient GEMMs (Megatron-LM's "
+                          "asynchronous all-reduce), --tp-comm-overlap hides all (async TP)")
+    lay.add_argument("--step-overhead-ms", type=float, default=None, metavar="MS",
+                     help="host time per step the GPU waits for (a training loop's own overhead, measured: "
+                          "docs/planner.md gives shardlab train's on one H200), added to every step")
     lay.add_argument("--param-gather-overlap", action="store_true",
                      help="ZeRO 1-2: hide the parameter all-gather behind the next forward (--overlap-param-gather)")
     lay.add_argument("--stage-layers", default=None, metavar="N,N,...",
@@ -149,8 +165,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="compare with Korthikanti et al. 2022: Table 5 iteration times with mm_eff refitted, "
                         "leave-one-out and sensitivity, Table 4 layer times, Figure 1 memory (about 20 s)")
     o.add_argument("--validate-h100", action="store_true",
-                   help="compare with NeMo Framework's published DGX-H100 table (fit, leave-one-out) and Llama 3 "
-                        "405B (held out), MFU both ways (about 6 s)")
+                   help="compare with NeMo Framework's published DGX-H100 fp8 table (fit, leave-one-out), Llama 3 "
+                        "405B (held out), llm-foundry's H100 bf16 table (leave-one-out), Llama 3's Table 4, and the "
+                        "runs measured on one H200 (about 30 s)")
     o.add_argument("--validate-comm", action="store_true",
                    help="compare predicted collective times with published nccl-tests bus bandwidths and the TPU "
                         "all-gathers of How to Scale Your Model")
@@ -168,6 +185,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--calibrate", default=None, metavar="PATH",
                    help="measure this machine (matmul grid, copy bandwidth, op cost, collective fits) on "
                         "--world-size ranks and write the calibration to PATH")
+    o.add_argument("--calibrate-gpu", default=None, metavar="PATH",
+                   help="measure this GPU (bf16 GEMMs of transformer-layer shapes, fused attention 1k-32k, GELU, "
+                        "LayerNorm, fused AdamW; about a minute on an H100) and write PATH, which --calibration reads; "
+                        "without CUDA a tiny fp32 sweep on the CPU (a smoke test whose file no preset accepts)")
     o.add_argument("--world-size", type=int, default=2, help="ranks for --calibrate (default 2)")
     o.add_argument("--threads", type=int, default=1,
                    help="threads per rank for --calibrate and --validate-local (default 1)")
@@ -198,6 +219,8 @@ def _bench_comm_fits(path: str) -> tuple:
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(args)
+    if args.calibrate_gpu:
+        return _calibrate_gpu(args)
     if args.validate_local:
         from shardlab.bench.plan_local import print_local_validation
 
@@ -238,8 +261,26 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, [])
         base, config_batch = trainer_layout(config), config.train.global_batch
         given.setdefault("dp", base.dp)
+    if args.recompute_keep:
+        from shardlab.plan.layout import TORCHTITAN_OP
+
+        keep = TORCHTITAN_OP if args.recompute_keep == "torchtitan-op" else tuple(
+            k.strip() for k in args.recompute_keep.split(",") if k.strip())
+        if given.get("recompute", "selective") != "selective":
+            print(f"shardlab plan: --recompute-keep is selective recomputation per op; "
+                  f"--recompute {given['recompute']} contradicts it", file=sys.stderr)
+            return 2
+        given.update(recompute="selective", recompute_keep=keep)
     base = replace(base, **given, grad_fp32=args.grad_fp32 or base.grad_fp32, stage_layers=stage_layers,
-                   tp_comm_overlap=args.tp_comm_overlap, param_gather_overlap=args.param_gather_overlap)
+                   tp_comm_overlap=args.tp_comm_overlap, param_gather_overlap=args.param_gather_overlap,
+                   **({"tp_overlap": False} if args.no_tp_overlap else {}),
+                   **({"step_overhead_s": args.step_overhead_ms / 1e3} if args.step_overhead_ms is not None else {}))
+    if args.step_overhead_ms is not None and args.step_overhead_ms < 0:
+        print(f"shardlab plan: --step-overhead-ms must not be negative, got {args.step_overhead_ms}", file=sys.stderr)
+        return 2
+    if args.no_tp_overlap and args.tp_comm_overlap:
+        print("shardlab plan: --no-tp-overlap and --tp-comm-overlap contradict each other", file=sys.stderr)
+        return 2
     single = any(k in given for k in ("dp", "tp", "pp"))
     gpus = args.gpus
     if single:
@@ -260,13 +301,18 @@ def run(args: argparse.Namespace) -> int:
         return print_comparison(spec, gpus, gb, base, set(given) | ({"stage_layers"} if stage_layers else set()),
                                 args.mem_fraction, args.compare_networks, args.json, args.plot)
     print(spec.summary())
-    print(f"{gpus} x {hw.name} ({hw.memory_bytes / 1e9:.0f} GB, {hw.devices_per_node} per node), "
+    print(f"{gpus} x {hw.name} ({hw.memory_bytes / 2 ** 30:,.1f} GiB = {hw.memory_bytes / 1e9:.1f} GB, "
+          f"{hw.devices_per_node} per node), "
           f"global batch {gb} x {spec.seq} tokens, {base.precision}")
     if hw.network:
         print("network: " + "; ".join(lv.describe() for lv in hw.network))
-    if base.recompute == "selective" and spec.attention == "flash":
+    if base.recompute == "selective" and spec.attention == "flash" and not base.recompute_keep:
         print("note: --recompute selective changes nothing here: with flash attention no s x s tensors are kept "
               "(the fused kernel already recomputes them in its backward); memory and time are as without it")
+    if args.config and hw.kernels is not None and base.step_overhead_s == 0:
+        print("note: the step below is the GPU's kernels (a compiled stand-alone step); shardlab train's own loop "
+              "measured on one H200 (2026-11-28) added 85 ms per step beyond them: --step-overhead-ms 85 includes it "
+              "(docs/planner.md, 'One GPU')")
     try:
         if single:
             return _one(spec, base, hw, gpus, gb, args, config)
@@ -341,6 +387,9 @@ def _emit(spec, lay, gb, path: str, config=None) -> int:
         print(f"shardlab plan: --emit-config {path}: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {path} (shardlab train --config {path})")
+    if lay.recompute_keep:
+        refused = list(refused or []) + [f"--recompute-keep {','.join(lay.recompute_keep)}: the trainer has no per-op "
+                                         f"policy; the configuration says recompute = \"selective\", its own rule"]
     if refused:
         print("note: the trainer refuses this layout as it stands:\n  - " + "\n  - ".join(refused))
     return 0
@@ -364,4 +413,28 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"{cal['copy_bandwidth'] / 1e9:.1f} GB/s, {cal['op_overhead_s'] * 1e6:.0f} us per op, "
           f"{len(cal.get('fits', []))} collective fits, overlap cost {cal.get('overlap_cost', 1.0):.2f}")
     print(f"wrote {args.calibrate}")
+    return 0
+
+
+def _calibrate_gpu(args: argparse.Namespace) -> int:
+    from shardlab.bench.gpu_calibrate import calibrate_gpu
+    from shardlab.plan.calibrate import save_calibration
+    from shardlab.plan.devices import match_device
+    from shardlab.plan.gpu_calibration import fit_calibration
+    from shardlab.plan.hardware import PRESETS
+
+    cal = calibrate_gpu()
+    spec = match_device(cal["device"]) if not cal["smoke"] else None
+    preset = PRESETS.get(spec.key) if spec else None
+    if preset is not None and preset.kernels is not None:
+        k = fit_calibration(cal, preset.kernels, preset.peak("bf16"), preset.sms, preset.memory_bw)
+        cal["kernels"] = k.to_dict()
+        print("fitted (preset): " + ", ".join(f"{f} {getattr(k, f):.4g} ({getattr(preset.kernels, f):.4g})" for f in
+                                              ("gemm_frac", "gemm_k0", "attn_fwd", "attn_bwd", "attn_span0", "mem_frac",
+                                               "opt_frac")))
+    else:
+        print("note: " + ("a CPU smoke test: " if cal["smoke"] else f"{cal['device']!r} has no preset with a kernel "
+                          "model: ") + "the file is written; no preset reads it")
+    save_calibration(cal, args.calibrate_gpu)
+    print(f"wrote {args.calibrate_gpu}")
     return 0

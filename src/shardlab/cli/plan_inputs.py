@@ -42,10 +42,24 @@ def build_hardware(args: argparse.Namespace, gpus: int | None = None):
     from shardlab.plan.hardware import get_hardware
     from shardlab.plan.network import parse_link
 
-    if args.calibration and args.hardware != "this-cpu":  # it would be ignored: the preset has its own rates
-        raise ValueError(f"--calibration {args.calibration}: only --hardware this-cpu (and --validate-local) reads "
-                         f"a calibration; --hardware {args.hardware} is a preset with its own rates")
-    hw = get_hardware(args.hardware, args.calibration)
+    gpu_cal = None
+    if args.calibration and args.hardware != "this-cpu":
+        from shardlab.plan.gpu_calibration import is_gpu_calibration, load_gpu_calibration
+
+        from pathlib import Path
+
+        if not Path(args.calibration).is_file():
+            raise ValueError(f"--calibration {args.calibration}: cannot read it (no such file)")
+        if not is_gpu_calibration(args.calibration):  # it would be ignored: the preset has its own rates
+            raise ValueError(f"--calibration {args.calibration}: with --hardware {args.hardware} (a preset) the file "
+                             f"must be a GPU calibration (`shardlab plan --calibrate-gpu`); a this-cpu calibration "
+                             f"is read by --hardware this-cpu (and --validate-local)")
+        gpu_cal = load_gpu_calibration(args.calibration)
+    hw = get_hardware(args.hardware, None if gpu_cal else args.calibration)
+    if gpu_cal is not None:
+        from shardlab.plan.gpu_calibration import apply_gpu_calibration
+
+        hw = apply_gpu_calibration(hw, gpu_cal, args.calibration)
     if args.peak_tflops is not None:
         if args.peak_tflops <= 0:
             raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")

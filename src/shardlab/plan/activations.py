@@ -31,6 +31,8 @@ class Saved:
     name: str
     bytes: float
     recomputed_by_selective: bool = False  # the s x s tensors selective recomputation drops
+    op: str = ""               # the op whose output it is (flops.OP_KEYS; "input": the layer's input and
+                               # the norms' statistics, kept by every policy)
 
 
 def local_kv_dim(spec: ModelSpec, tp: int) -> int:
@@ -45,58 +47,69 @@ def layer_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
     s = spec.seq / lay.cp                     # tokens of a sequence on this rank
     sb, h, e, t = s * b, spec.hidden, lay.act_bytes, lay.tp
     rs = t if lay.sp else 1                   # residual-stream tensors: split by tp only under sp
+    # Under bf16 autocast the residual stream stays fp32 (fp32 weights; layer_norm runs in fp32), so the
+    # norms keep fp32 inputs; the matmuls keep the bf16 casts of theirs.
+    er = 4 if lay.precision == "bf16-autocast" else e
     a_loc = spec.heads / t
     stats = 8 if spec.norm == "layernorm" else 4   # fp32 mean and 1/std (rmsnorm: 1/rms) per token
     out: list[Saved] = []
 
-    def add(name: str, nbytes: float, selective: bool = False) -> None:
-        out.append(Saved(name, nbytes, selective))
+    def add(name: str, nbytes: float, op: str, selective: bool = False) -> None:
+        out.append(Saved(name, nbytes, selective, op))
 
     # Attention block.
-    add("norm1 input", sb * h * e / rs)
-    add("norm1 statistics", sb * stats / rs)
-    add("qkv input (norm1 output)", sb * h * e / rs)   # under sp the shard is kept and re-gathered
-    add("query", sb * spec.q_dim / t * e)
-    add("key", sb * local_kv_dim(spec, t) * e)
-    add("value", sb * local_kv_dim(spec, t) * e)
+    add("norm1 input", sb * h * er / rs, "input")
+    add("norm1 statistics", sb * stats / rs, "input")
+    add("qkv input (norm1 output)", sb * h * e / rs, "norm1")   # under sp the shard is kept and re-gathered
+    add("query", sb * spec.q_dim / t * e, "qkv")
+    add("key", sb * local_kv_dim(spec, t) * e, "qkv")
+    add("value", sb * local_kv_dim(spec, t) * e, "qkv")
     if spec.attention == "eager":
         probs = a_loc * s * s * b
-        add("softmax output", probs * e, True)
+        add("softmax output", probs * e, "attention", True)
         if spec.dropout:
-            add("attention dropout mask", probs * 1, True)
-            add("attention dropout output", probs * e, True)
-        add("projection input", sb * spec.q_dim / t * e)
+            add("attention dropout mask", probs * 1, "attention", True)
+            add("attention dropout output", probs * e, "attention", True)
+        add("projection input", sb * spec.q_dim / t * e, "attention")
     else:
         # The fused kernel's output is the projection's input: one tensor, saved once, unless the
         # model copies it into another layout first (then the projection keeps the copy).
-        add("attention output (fused kernel)", sb * spec.q_dim / t * e)
-        add("attention log-sum-exp", sb * a_loc * 4)
+        add("attention output (fused kernel)", sb * spec.q_dim / t * e, "attention")
+        add("attention log-sum-exp", sb * a_loc * 4, "attention")
         if spec.attention_output_copied:
-            add("projection input (a copy of the output)", sb * spec.q_dim / t * e)
+            add("projection input (a copy of the output)", sb * spec.q_dim / t * e, "attention")
     if spec.dropout:
-        add("attention residual dropout mask", sb * h / rs)
+        add("attention residual dropout mask", sb * h / rs, "residual1")
     # MLP block. A mixture of experts processes each token top_k times, spread over the ep ranks.
     k = spec.top_k if spec.experts > 1 else 1
     f = spec.d_ff / t
-    add("norm2 input", sb * h * e / rs)
-    add("norm2 statistics", sb * stats / rs)
-    add("fc1 input (norm2 output)", sb * h * e / rs)
+    add("norm2 input", sb * h * er / rs, "residual1")
+    add("norm2 statistics", sb * stats / rs, "input")
+    add("fc1 input (norm2 output)", sb * h * e / rs, "norm2")
     if spec.experts > 1:
-        add("router logits", sb * spec.experts * 4 / rs)
-        add("dispatched tokens (expert fc1 input)", k * sb * h * e / rs)
+        add("router logits", sb * spec.experts * 4 / rs, "norm2")
+        add("dispatched tokens (expert fc1 input)", k * sb * h * e / rs, "norm2")
     add("activation input" + (" (gate and up)" if spec.gated_mlp else ""),
-        k * sb * f * e * (2 if spec.gated_mlp else 1))
-    add("fc2 input", k * sb * f * e)
+        k * sb * f * e * (2 if spec.gated_mlp else 1), "fc1")
+    add("fc2 input", k * sb * f * e, "activation")
     if spec.dropout:
-        add("MLP residual dropout mask", sb * h / rs)
+        add("MLP residual dropout mask", sb * h / rs, "fc2")
     return out
+
+
+def kept(lay: PlanLayout, x: Saved) -> bool:
+    """Whether per-op selective recomputation (lay.recompute_keep) keeps tensor `x`."""
+    return x.op == "input" or x.op in lay.recompute_keep
 
 
 def layer_activation_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
     """Bytes one layer holds for backward per micro-batch, after the layout's recomputation."""
     if lay.recompute == "full":
         # Only the layer's input is checkpointed; under sp it is the rank's shard of the sequence.
-        return spec.seq / lay.cp * b * spec.hidden * lay.act_bytes / (lay.tp if lay.sp else 1)
+        e = 4 if lay.precision == "bf16-autocast" else lay.act_bytes   # the fp32 residual stream under autocast
+        return spec.seq / lay.cp * b * spec.hidden * e / (lay.tp if lay.sp else 1)
+    if lay.recompute_keep:
+        return sum(x.bytes for x in layer_tensors(spec, lay, b) if kept(lay, x))
     keep = [x for x in layer_tensors(spec, lay, b) if not (lay.recompute == "selective" and x.recomputed_by_selective)]
     return sum(x.bytes for x in keep)
 
@@ -104,6 +117,8 @@ def layer_activation_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
 def recompute_peak_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
     """Full recomputation rebuilds one layer's tensors at a time during backward: that layer's
     full set is live on top of the checkpoints."""
+    if lay.recompute_keep:   # the tensors not kept are rebuilt, one layer at a time
+        return sum(x.bytes for x in layer_tensors(spec, lay, b) if not kept(lay, x))
     if lay.recompute != "full":
         return 0.0
     return sum(x.bytes for x in layer_tensors(spec, lay, b))
@@ -123,9 +138,10 @@ def head_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
     sb, h, e = spec.seq / lay.cp * b, spec.hidden, lay.act_bytes
     rs = lay.tp if lay.sp else 1
     return [
-        Saved("final norm input", sb * h * e / rs),
+        Saved("final norm input", sb * h * (4 if lay.precision == "bf16-autocast" else e) / rs),
         Saved("head input (final norm output)", sb * h * e / rs),
-        Saved("log-softmax (fp32)", sb * spec.vocab / lay.tp * 4),
+        Saved("logits and log-sum-exp (fused loss)", sb * (spec.vocab / lay.tp * e + 4)) if spec.fused_loss
+        else Saved("log-softmax (fp32)", sb * spec.vocab / lay.tp * 4),
     ]
 
 

@@ -14,6 +14,13 @@ as large, in the same row):
 - ``bf16``, ``fp16``: 16-bit tensor-core rates with fp32 accumulation;
 - ``fp8``: 8-bit tensor-core rates (Hopper and later).
 
+Memory is counted as the device reports it (``nvidia-smi``'s total, ``torch.cuda.get_device_properties
+().total_memory``), not as the data sheet's decimal gigabytes: an "H100 80GB HBM3" reports 81,559 MiB
+(85.5e9 bytes), an H200 143,771 MiB (150.8e9), an A100 80GB 81,920 MiB (85.9e9): the figures of
+nvidia-smi listings published in public repositories (found with the session's code search, 2026-11-28;
+several listings agree on each). For the other devices no listing was checked: their memory is the
+data sheet's GB x 1e9 (for HBM parts that undercounts by up to 7%).
+
 Sources: NVIDIA's data sheets (V100 2017; A100 2020/2021; A10, L4, L40S 2022-2023; H100 SXM5/PCIe
 2022; H100 NVL 2023; H200 2023; B200 and GB200 NVL72 2024), AMD's MI300X data sheet (2023, dense
 matrix rates), Google Cloud's TPU system-architecture pages (v4, v5e, v5p: bf16 per chip).
@@ -41,6 +48,7 @@ class DeviceSpec:
     memory_bw: float                # bytes/s
     sms: int = 0                    # streaming multiprocessors (compute units), 0 where not meaningful
     notes: tuple[str, ...] = field(default=())
+    reported: bool = False          # memory_bytes is what the device reports (MiB), not the data sheet's GB
 
     def peak(self, precision: str) -> float | None:
         """Dense FLOP/s at `precision`, or None where the device has no such rate."""
@@ -49,9 +57,16 @@ class DeviceSpec:
         return self.peak_flops.get(precision)
 
 
+MIB = 2 ** 20
+# Total memory as the driver reports it (nvidia-smi, MiB), where a published listing was checked.
+REPORTED_MIB = {"a100-80gb": 81920, "h100-sxm": 81559, "h200": 143771}
+
+
 def _spec(key: str, names: tuple[str, ...], mem_gb: float, bw_gbps: float, sms: int = 0,
           **tflops: float) -> DeviceSpec:
-    return DeviceSpec(key, names, {p: v * TFLOPS for p, v in tflops.items()}, mem_gb * GB, bw_gbps * GB, sms)
+    mib = REPORTED_MIB.get(key)
+    return DeviceSpec(key, names, {p: v * TFLOPS for p, v in tflops.items()}, mib * MIB if mib else mem_gb * GB,
+                      bw_gbps * GB, sms, reported=bool(mib))
 
 
 DEVICES: dict[str, DeviceSpec] = {d.key: d for d in [

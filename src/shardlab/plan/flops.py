@@ -27,6 +27,7 @@ from shardlab.plan.models import ModelSpec
 
 BWD_MEMORY_FACTOR = 1.5
 FLASH_BWD_FACTOR = 2.5
+FP8_CAST_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Op:
     attention_core: bool = False  # what selective recomputation redoes
     shape: tuple[float, float, float] = ()  # a matmul's (m, k, n): its output is m x n
     kind: str = ""              # "attention" or "activation": kernels a measured machine times by class
+    span: float = 0.0           # fused attention: keys per query (s, or s/2 causal; per cp chunk)
+    head_dim: int = 0           # fused attention: the head size
+    backward: bool = False      # an op of the backward pass (fused attention's backward runs at its own rate)
 
 
 def tiles_efficiency(m: float, n: float, sms: int, tile: tuple[int, int]) -> float:
@@ -85,7 +89,7 @@ def layer_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
     else:
         span = spec.attention_span()        # a causal fused kernel skips the masked half
         ops.append(Op("fused attention", 4 * tok * span * q, (2 * tok * q + 2 * seq * b * kv) * e,
-                      attention_core=True, kind="attention"))
+                      attention_core=True, kind="attention", span=span / lay.cp, head_dim=spec.head_dim))
     ops += [
         _matmul("out projection", tok, q, h, e, w),
         _memory("bias, dropout, residual add", 3 * res + mask),
@@ -103,6 +107,10 @@ def layer_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
     if spec.experts > 1:
         ops.append(_memory("combine permute", 2 * k * tok * h * e))
     ops.append(_memory("bias, dropout, residual add", 3 * res + mask))
+    if lay.precision == "bf16-autocast":
+        # torch.autocast casts each fp32 weight to bf16 once per forward (read 4 bytes, write 2); the
+        # backward reuses the cast.
+        ops.insert(0, _memory("weight casts (autocast)", 6 * spec.layer_params() / t))
     return fp8_casts(ops) if lay.precision == "fp8" else ops
 
 
@@ -115,7 +123,7 @@ def fp8_casts(ops: list[Op]) -> list[Op]:
     for op in ops:
         if op.shape and not op.attention_core:
             m, k, _ = op.shape
-            out.append(_memory(f"{op.name} fp8 cast", 3 * m * k))
+            out.append(_memory(f"{op.name} fp8 cast", FP8_CAST_BYTES * m * k))
         out.append(op)
     return out
 
@@ -126,21 +134,49 @@ def backward(ops: list[Op]) -> list[Op]:
     for op in ops:
         if op.flops and op.name == "fused attention":
             out.append(replace(op, name=op.name + " bwd", flops=FLASH_BWD_FACTOR * op.flops,
-                               bytes=2 * op.bytes, kernels=1))
+                               bytes=2 * op.bytes, kernels=1, backward=True))
         elif op.flops:
             m, k, n = op.shape or (0, 0, 0)
             # Input gradient (m x n) @ (n x k) -> m x k; weight gradient (k x m) @ (m x n) -> k x n.
-            out.append(replace(op, name=op.name + " dgrad", shape=(m, n, k) if op.shape else ()))
+            out.append(replace(op, name=op.name + " dgrad", shape=(m, n, k) if op.shape else (), backward=True))
             out.append(replace(op, name=op.name + " wgrad", weight_grad=not op.attention_core,
-                               shape=(k, m, n) if op.shape else ()))
+                               shape=(k, m, n) if op.shape else (), backward=True))
         else:
-            out.append(replace(op, name=op.name + " bwd", bytes=BWD_MEMORY_FACTOR * op.bytes))
+            out.append(replace(op, name=op.name + " bwd", bytes=BWD_MEMORY_FACTOR * op.bytes, backward=True))
     return out
+
+
+def op_key(name: str, position: int) -> str:
+    """The OP_KEYS entry of a forward op of layer_forward (its name; `position` tells the two residual
+    adds apart), or "" for one that is never redone."""
+    base = name.removesuffix(" fp8 cast")
+    if base == "weight casts (autocast)":
+        return "qkv"            # cast again on the way (autocast keeps no cache across the recomputation)
+    for key, prefixes in (("norm1", ("norm1",)), ("qkv", ("qkv",)), ("out_proj", ("out projection",)),
+                          ("norm2", ("norm2", "router", "dispatch")), ("fc1", ("fc1",)),
+                          ("activation", ("activation",)),
+                          ("attention", ("fused attention", "scores", "scale, mask", "attention dropout",
+                                         "probs @ v"))):
+        if base.startswith(prefixes):
+            return key
+    if base.startswith("bias, dropout, residual add") and position == 0:
+        return "residual1"
+    return ""
 
 
 def recompute(ops: list[Op], lay: PlanLayout) -> list[Op]:
     """Forward ops the backward redoes: all of them (full), the attention core (selective: only
-    eager attention has one worth redoing; a fused kernel already recomputes inside its backward)."""
+    eager attention has one worth redoing; a fused kernel already recomputes inside its backward),
+    or, per op (lay.recompute_keep), every op up to the MLP whose output is not kept."""
+    if lay.recompute_keep:
+        out, residual = [], 0
+        for op in ops:
+            key = op_key(op.name, residual)
+            if op.name.startswith("bias, dropout, residual add"):
+                residual += 1
+            if key and key not in lay.recompute_keep:
+                out.append(replace(op, name=op.name + " (recompute)"))
+        return out
     if lay.recompute == "full":
         return [replace(op, name=op.name + " (recompute)") for op in ops]
     if lay.recompute == "selective":
@@ -168,8 +204,9 @@ def head_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
     return [
         _memory("final norm", 2 * tok * h * e / (lay.tp if lay.sp else 1)),
         _matmul("output projection", tok, h, v, e, lay.param_bytes),
-        # logits read, fp32 log-softmax written; max, sum and target gathers across the tp slice are tiny
-        _memory("cross-entropy", tok * v * (e + 4) + tok * v * 4),
+        # logits read, fp32 log-softmax written; max, sum and target gathers across the tp slice are tiny;
+        # a fused loss reads the logits once (its backward, 1.5x, writes their gradient over them)
+        _memory("cross-entropy", tok * v * e if spec.fused_loss else tok * v * (e + 4) + tok * v * 4),
     ]
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from shardlab.plan.alphabeta import AlphaBeta, load_fits
 from shardlab.plan.devices import device_spec
+from shardlab.plan.kernels import Kernels
 from shardlab.plan.network import Level, resolve
 
 GB = 1e9
@@ -60,6 +61,7 @@ class Hardware:
     fp8_eff: float = 0.0                # fp8 GEMMs' share of the fp8 peak (0: mm_eff)
     network: tuple[Level, ...] = ()     # the cluster as levels (network.py); () = the intra/inter two-link model
     activation_bandwidth: float = 0.0   # measured bytes/s of activation functions (0: roofline)
+    kernels: Kernels | None = None      # a GPU's kernel model (kernels.py): every op timed from its shape
     source: str = ""
     notes: tuple[str, ...] = field(default=())
 
@@ -90,6 +92,7 @@ class Hardware:
             "mm_eff": self.mm_eff, "mem_eff": self.mem_eff, "link_eff": self.link_eff,
             "kernel_overhead_us": self.kernel_overhead_s * 1e6, "measured_fits": len(self.fits),
             "attn_eff": self.attn_eff, "network": [lv.describe() for lv in self.network],
+            "kernels": self.kernels.to_dict() if self.kernels is not None else None,
             "source": self.source,
         }
 
@@ -127,6 +130,17 @@ _HOPPER = ("fp8_eff and attn_eff fitted to NeMo's DGX-H100 table (fp8); bf16 mm_
            "fit, checked against Llama 3 405B")
 
 
+# Hopper's kernel model (kernels.py), fitted by validate_gpu.fit_hopper() to a profiled compiled step
+# of GPT-2 medium on one H200 and its 8192^3 matmul (tests/test_plan_gpu.py refits and checks these);
+# fp8_frac fitted with the attention scale to NeMo's DGX-H100 fp8 table (validate_h100.calibrate).
+# H100 SXM and H200 share the SMs and clocks; their memory bandwidths differ and are the data sheets'.
+HOPPER_KERNELS = Kernels(
+    gemm_frac=0.8538, gemm_k0=298.7, attn_fwd=0.7097, attn_bwd=0.5451, mem_frac=0.5951, opt_frac=0.7222,
+    launch_s=4.183e-06, fp8_frac=0.737,
+    source="gemm/attention/memory constants fitted to a profiled compiled GPT-2-medium step on one H200 "
+           "(torch 2.11, 2026-11-28; plan/validate_gpu.py); tile, split-K and ramp shapes assumed (kernels.py)")
+
+
 def _node_network(nvlink_gbps: float, ib_gbps: float, per_node: int = 8) -> tuple[Level, ...]:
     """A DGX-style node on a non-blocking InfiniBand fat-tree: NVSwitch inside, one NIC per GPU."""
     return (Level("nvswitch", per_node, "switch", nvlink_gbps * GB, 5e-6),
@@ -135,7 +149,7 @@ def _node_network(nvlink_gbps: float, ib_gbps: float, per_node: int = 8) -> tupl
 
 def _gpu(name: str, nvlink_gbps: float, ib_gbps: float, mm_eff: float, extra: str = "", *, key: str = "",
          attn_eff: float = 0.0, network: tuple[Level, ...] = (), per_node: int = 8,
-         fp8_eff: float = 0.0) -> Hardware:
+         fp8_eff: float = 0.0, kernels: Kernels | None = None) -> Hardware:
     """A cluster of `key`'s GPUs (default: `name`) whose peaks, memory and SMs are plan/devices.py's
     data sheet, on `network` (default: DGX nodes on a fat-tree)."""
     spec = device_spec(key or name)
@@ -144,7 +158,7 @@ def _gpu(name: str, nvlink_gbps: float, ib_gbps: float, mm_eff: float, extra: st
     return Hardware(
         name, peaks, spec.memory_bytes, spec.memory_bw, per_node,
         intra=Link(nvlink_gbps * GB, 5e-6), inter=Link(ib_gbps * GB, 10e-6), mm_eff=mm_eff, sms=spec.sms,
-        overlap_cost=GPU_OVERLAP_COST, attn_eff=attn_eff, fp8_eff=fp8_eff,
+        overlap_cost=GPU_OVERLAP_COST, attn_eff=attn_eff, fp8_eff=fp8_eff, kernels=kernels,
         network=network or _node_network(nvlink_gbps, ib_gbps, per_node),
         source=f"{_NVIDIA}; {_LINKS}", notes=(_ASSUMED,) + ((extra,) if extra else ()),
     )
@@ -172,10 +186,13 @@ PRESETS: dict[str, Hardware] = {h.name: h for h in [
     _gpu("a100-40gb", 300, 25, A100_MM_EFF),
     _gpu("a100-80gb", 300, 25, A100_MM_EFF),       # DGX A100 SuperPOD: HDR 200 Gb/s per GPU, fat-tree 1:1
     # DGX H100 nodes on an NDR 400 Gb/s fat-tree
-    _gpu("h100-sxm", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF),
-    _gpu("h200", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF),
+    _gpu("h100-sxm", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF,
+         kernels=HOPPER_KERNELS),
+    _gpu("h200", 450, 50, H100_MM_EFF, _HOPPER, attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF,
+         kernels=HOPPER_KERNELS),
     # H100 NVLink Switch System: 256 GPUs in one NVLink domain (57,600 GB/s bisection), NDR beyond.
     _gpu("h100-nvl256", 450, 50, H100_MM_EFF, _HOPPER, key="h100-sxm", attn_eff=HOPPER_ATTN_EFF, fp8_eff=H100_FP8_EFF,
+         kernels=HOPPER_KERNELS,
          network=(Level("nvlink-switch", 256, "nvlink-switch", 450 * GB, 5e-6),
                   Level("infiniband", 0, "fat-tree", 50 * GB, 10e-6))),
     # GB200 NVL72: 72 GPUs on NVLink 5 (900 GB/s per direction); 400 Gb/s NICs between racks (assumed).

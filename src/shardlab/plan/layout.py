@@ -30,10 +30,26 @@ from shardlab.parallel.pipeline.partition import even_layers
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb1")
 SCHEDULE_ALIASES = {"zb-h1": "zb1"}
 RECOMPUTE = ("none", "selective", "full")
+# Per-op selective recomputation (torchtitan's "op" policy, Korthikanti's selective generalised): the
+# ops of a layer whose outputs may be kept (PlanLayout.recompute_keep), in order. The MLP's down
+# projection and the residual add after it are never redone (nothing in the layer's backward needs
+# their outputs).
+OP_KEYS = ("norm1", "qkv", "attention", "out_proj", "residual1", "norm2", "fc1", "activation")
+# torchtitan's op-level policy keeps matmul outputs (every other one) and the attention kernel's and
+# redoes the norms and elementwise ops: as kept ops here, the qkv projection, attention and the MLP's
+# up projection (an approximation of "every other matmul").
+TORCHTITAN_OP = ("qkv", "attention", "fc1")
 # fp8: the linear layers' matmuls at the fp8 rate (Transformer Engine's recipe); weights, activations
 # and gradients stay 16-bit in memory, attention and the optimizer as under bf16. The trainer has no
 # fp8 (its rules refuse it), so a search asked for trainable layouts never ranks one.
-PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+# bf16-autocast (the trainer's torch.autocast recipe): fp32 parameters, gradients and AdamW state (no
+# separate master), activations and matmuls in bf16.
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "bf16-autocast")
+
+
+def compute_precision(precision: str) -> str:
+    """The tensor-core rate a layout's matmuls run at: bf16-autocast's are bf16."""
+    return "bf16" if precision == "bf16-autocast" else precision
 
 
 class LayoutError(ValueError):
@@ -56,6 +72,11 @@ class PlanLayout(LayoutSection):
                                     # --tp-comm-overlap, userbuffers), forward and backward
     param_gather_overlap: bool = False  # ZeRO >= 1: the next step's parameter all-gather hidden behind the
                                         # forward (Megatron-LM's --overlap-param-gather)
+    grad_clip: bool = True       # the optimizer step reads every gradient once more for the global norm
+    step_overhead_s: float = 0.0  # host time per optimizer step the GPU waits for (a framework's own loop,
+                                  # measured: plan/validate_gpu.py), added to the step
+    recompute_keep: tuple[str, ...] = ()  # per-op selective recomputation (recompute "selective"): the ops whose
+                                          # outputs are kept (flops.OP_KEYS); every other one is redone in backward
 
     @classmethod
     def from_section(cls, section: LayoutSection, micro_batch: int = 1, **knobs) -> PlanLayout:
@@ -71,6 +92,7 @@ class PlanLayout(LayoutSection):
     def __post_init__(self) -> None:
         self.schedule = SCHEDULE_ALIASES.get(self.schedule, self.schedule)
         self.stage_layers = tuple(self.stage_layers)
+        self.recompute_keep = tuple(self.recompute_keep)
 
     @property
     def virtual(self) -> int:
@@ -99,16 +121,16 @@ class PlanLayout(LayoutSection):
 
     @property
     def param_bytes(self) -> int:
-        return 4 if self.precision == "fp32" else 2
+        return 4 if self.precision in ("fp32", "bf16-autocast") else 2
 
     @property
     def grad_bytes(self) -> int:
-        return 4 if (self.precision == "fp32" or self.grad_fp32) else 2
+        return 4 if (self.precision in ("fp32", "bf16-autocast") or self.grad_fp32) else 2
 
     @property
     def optim_bytes(self) -> int:
         """AdamW state per parameter: two fp32 moments, plus an fp32 master copy under 16-bit."""
-        return 8 if self.precision == "fp32" else 12
+        return 8 if self.precision in ("fp32", "bf16-autocast") else 12
 
     def layers_on(self, layers: int, stage: int) -> int:
         """Transformer layers on pipeline stage `stage`: the explicit `stage_layers` (per chunk), or
@@ -136,10 +158,12 @@ class PlanLayout(LayoutSection):
             text += f" {self.dp_mode}"
         if self.pp > 1:
             text += f" {self.schedule}" + (f"/v{self.virtual}" if self.schedule == "interleaved" else "")
-        if self.recompute != "none":
+        if self.recompute_keep:
+            text += " rc-keep:" + "+".join(self.recompute_keep)
+        elif self.recompute != "none":
             text += f" rc-{self.recompute[:3]}"
-        if self.precision == "fp8":
-            text += " fp8"
+        if self.precision in ("fp8", "bf16-autocast"):
+            text += f" {self.precision}"
         return text + f" mb{self.micro_batch}"
 
     def to_dict(self) -> dict:
@@ -162,6 +186,13 @@ class PlanLayout(LayoutSection):
             bad.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             bad.append(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if self.recompute_keep:
+            unknown = [k for k in self.recompute_keep if k not in OP_KEYS]
+            if unknown:
+                bad.append(f"recompute_keep {', '.join(unknown)}: not ops of a layer ({', '.join(OP_KEYS)})")
+            if self.recompute != "selective":
+                bad.append(f"recompute_keep (per-op selective recomputation) needs recompute 'selective', "
+                           f"not {self.recompute!r}")
         if self.precision not in PRECISIONS:
             bad.append(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if spec.heads % self.tp:

@@ -33,6 +33,7 @@ PRECISION_BYTES: dict[str, tuple[int, int, int]] = {
     "bf16": (2, 2, 12),  # bf16 weights and gradients; fp32 master, momentum and variance
     "fp16": (2, 2, 12),
     "fp8": (2, 2, 12),   # Transformer Engine keeps bf16 weights and gradients; fp8 copies are transient
+    "bf16-autocast": (4, 4, 8),  # fp32 weights, gradients and moments; bf16 only in the activations
 }
 
 
@@ -187,7 +188,7 @@ def buffer_bytes(spec: ModelSpec, lay: PlanLayout, b: int, last: bool) -> float:
     h, e = spec.hidden, lay.act_bytes
     total = act.recompute_peak_bytes(spec, lay, b)
     if last:
-        total += sb * spec.vocab / lay.tp * 4
+        total += sb * spec.vocab / lay.tp * (lay.act_bytes if spec.fused_loss else 4)
     if lay.pp > 1:
         total += 2 * sb * h * e / (lay.tp if lay.sp else 1)
     if lay.zero == 3:

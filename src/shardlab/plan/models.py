@@ -42,6 +42,8 @@ class ModelSpec:
     attention: str = "eager"     # "eager" stores the s x s probabilities; "flash" does not
     dropout: bool = True         # dropout layers present (their masks are saved for backward)
     attention_output_copied: bool = False  # flash: the kernel's (b, heads, s, d) output is copied to (b, s, h)
+    fused_loss: bool = False   # a fused cross-entropy kernel (flash-attn's, Megatron's): no fp32 log-softmax is
+                               # kept; the 16-bit logits are, and their gradient is written over them
                                            # before the projection, which keeps the copy (shardlab's GPT): two
                                            # tensors; False: the projection keeps the kernel's own output (Megatron)
     source: str = ""

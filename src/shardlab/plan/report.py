@@ -19,7 +19,7 @@ GB = 1e9
 def _gb(n: float) -> str:
     """Bytes as GB, or MB below 1 GB (shardlab's own models on this machine)."""
     return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
-_PARTS = ("compute", "tp/cp/ep comm", "pipeline p2p", "bubble", "dp comm", "optimizer", "stragglers")
+_PARTS = ("compute", "tp/cp/ep comm", "pipeline p2p", "bubble", "dp comm", "optimizer", "stragglers", "host overhead")
 
 
 def _row(i: int | str, e: Evaluation) -> str:
@@ -56,7 +56,7 @@ def format_one(e: Evaluation) -> str:
         shares = t.breakdown()
         lines += [f"time per step {t.total_s:.4g} s ({t.micro_batches} micro-batches; MFU {t.mfu * 100:.1f}%, "
                   f"HFU {t.hfu * 100:.1f}%):",
-                  "  " + "   ".join(f"{k} {shares[k] * 100:.1f}%" for k in _PARTS),
+                  "  " + "   ".join(f"{k} {shares[k] * 100:.1f}%" for k in _PARTS if k != "host overhead" or t.host_s),
                   f"  communication hidden behind compute: {t.comm_hidden_s:.3g} s tp/cp/ep, "
                   f"{t.dp_comm_total_s - t.dp_comm_s:.3g} s data-parallel"]
     return "\n".join(lines)
@@ -70,7 +70,8 @@ def _shape(e: Evaluation) -> tuple:
 def _components(e: Evaluation) -> dict[str, float]:
     t = e.time
     return {"compute": t.compute_s, "tp/cp/ep comm": t.comm_exposed_s, "pipeline p2p": t.p2p_s,
-            "bubble": t.bubble_s, "dp comm": t.dp_comm_s, "optimizer": t.optimizer_s, "stragglers": t.stragglers_s}
+            "bubble": t.bubble_s, "dp comm": t.dp_comm_s, "optimizer": t.optimizer_s, "stragglers": t.stragglers_s,
+            "host overhead": t.host_s}
 
 
 def explain(result: SearchResult, spec: ModelSpec, gpus: int, alternatives: int = 3) -> list[str]:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from shardlab.plan import comm, flops
+from shardlab.plan import comm, flops, kernels
 from shardlab.plan.hardware import Hardware, grid_rate
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.layout import PlanLayout, compute_precision
 from shardlab.plan.memory import stage_params
 from shardlab.plan.models import ModelSpec
 
@@ -46,15 +46,33 @@ def expected_max_normal(n: int) -> float:
 
 def matmul_precision(precision: str, linear: bool) -> str:
     """The rate a matmul runs at: fp8 layouts run the linear layers' GEMMs (ops with a shape) at
-    the fp8 rate and everything else (attention's batched matmuls) at bf16."""
+    the fp8 rate and everything else (attention's batched matmuls) at bf16; bf16-autocast runs at bf16."""
     if precision == "fp8":
         return "fp8" if linear else "bf16"
-    return precision
+    return compute_precision(precision)
+
+
+def _kernel_time(hw: Hardware, precision: str, op: flops.Op) -> float:
+    """A GPU with a kernel model (kernels.py): each op timed from its shape."""
+    k = hw.kernels
+    if op.shape:
+        rate = matmul_precision(precision, True)
+        return kernels.gemm_time(k, hw.peak(rate), hw.sms, hw.memory_bw, *op.shape, op.bytes, fp8=rate == "fp8")
+    if op.kind == "attention" and op.span:
+        return kernels.attention_time(k, hw.peak(matmul_precision(precision, False)), hw.memory_bw, op.flops,
+                                      op.bytes, op.span, op.head_dim, op.backward)
+    if op.flops:   # eager attention's batched matmuls: a GEMM's share, or memory-bound
+        compute = op.flops / (k.gemm_frac * hw.peak(matmul_precision(precision, False)))
+        return max(compute, op.bytes / (hw.memory_bw * k.mem_frac)) + op.kernels * k.launch_s
+    return kernels.memory_time(k, hw.memory_bw, op.bytes, op.kernels)
 
 
 def op_time(hw: Hardware, precision: str, op: flops.Op) -> float:
     """Roofline: the op is bound by its matmul FLOPs or by its memory traffic, whichever is slower.
-    A matmul's rate is the achievable fraction of peak times its wave-quantization efficiency."""
+    A matmul's rate is the achievable fraction of peak times its wave-quantization efficiency; a GPU
+    with a kernel model (hw.kernels) times each op from its shape instead (kernels.py)."""
+    if hw.kernels is not None and not hw.matmul_grid:
+        return _kernel_time(hw, precision, op)
     # A measured machine (calibrate.py): kernels timed alone, scaled by mm_eff / mem_eff, the share of
     # those rates a whole training step reaches.
     if op.kind == "attention" and hw.attention_flops:
@@ -132,7 +150,7 @@ def layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase,
     """(forward, backward incl. recomputation) of one layer on one rank, per micro-batch. Cached:
     a search times thousands of layouts that differ only in ZeRO stage or schedule."""
     key = (id(spec), id(hw), lay.tp, lay.cp, lay.ep, lay.sp, lay.recompute, lay.micro_batch, lay.precision,
-           lay.tp_overlap, lay.tp_comm_overlap)
+           lay.tp_overlap, lay.tp_comm_overlap, lay.recompute_keep)
     hit = _PHASES.get(key)
     if hit is not None and hit[0] is spec and hit[1] is hw:
         return hit[2]
@@ -172,12 +190,13 @@ class StepTime:
     stage_s: list[float] = field(default_factory=list)   # t_f + t_b per micro-batch, by stage
     mfu_causal: float = 0.0          # vs the 16-bit peak, causal attention counted as s/2 keys per query
     mfu_full_attention: float = 0.0  # vs the 16-bit peak, attention counted as the whole s x s square
+    host_s: float = 0.0              # the layout's step_overhead_s: host time the GPU waits for
 
     def breakdown(self) -> dict[str, float]:
         """Shares of the step: they sum to 1."""
         parts = {"compute": self.compute_s, "tp/cp/ep comm": self.comm_exposed_s, "pipeline p2p": self.p2p_s,
                  "bubble": self.bubble_s, "dp comm": self.dp_comm_s, "optimizer": self.optimizer_s,
-                 "stragglers": self.stragglers_s}
+                 "stragglers": self.stragglers_s, "host overhead": self.host_s}
         parts["other"] = self.total_s - sum(parts.values())
         return {k: v / self.total_s for k, v in parts.items()}
 
@@ -188,12 +207,16 @@ class StepTime:
 
 
 def _optimizer_time(hw: Hardware, lay: PlanLayout, n_params: float, n_tensors: int) -> float:
-    """AdamW's bytes per parameter: gradient-norm read, the update (gradient read; parameter or fp32
-    master, momentum and variance read and written), the 16-bit copy written back from the master,
-    the gradients zeroed. ZeRO >= 1 updates this rank's 1/dp shard."""
+    """AdamW's bytes per parameter: the update (gradient read; parameter or fp32 master, momentum and
+    variance read and written), the 16-bit copy written back from the master (16-bit weights), the
+    gradient-norm read (when clipping), the gradients zeroed (when their buffers persist; otherwise
+    they are set to None). ZeRO >= 1 updates this rank's 1/dp shard."""
     g, p = lay.grad_bytes, lay.param_bytes
-    per = 3 * g + 24 + ((4 + p) if lay.precision != "fp32" else 0)
+    per = g * (1 + lay.grad_clip + lay.grads_persist) + 24 + ((4 + p) if lay.param_bytes == 2 else 0)
     shard = n_params / lay.replicas if lay.zero >= 1 else n_params
+    if hw.kernels is not None:
+        # A GPU's fused multi-tensor AdamW: a few launches over all tensors, at its own share of bandwidth.
+        return shard * per / (hw.kernels.opt_frac * hw.memory_bw) + 4 * hw.kernels.launch_s
     # Eager per-tensor AdamW launches about ten ops per parameter tensor (CPU torch does not default to foreach).
     return shard * per / (hw.mem_eff * hw.memory_bw) + 10 * n_tensors * hw.kernel_overhead_s
 
@@ -295,12 +318,14 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
     # `jitter` of each rank's compute, a step costs the expected maximum over the ranks.
     compute = m * (layers * (fwd.compute + bwd.compute) + extra[slow].compute)
     stragglers = hw.jitter * expected_max_normal(lay.world) * compute
-    total = pipeline + dp_exposed + optimizer + stragglers
+    total = pipeline + dp_exposed + optimizer + stragglers + lay.step_overhead_s
 
     tokens = global_batch * spec.seq
     model_flops = spec.flops_per_token() * tokens
-    hw_flops_rank = m * (layers * (fwd.flops + bwd.flops) + 3 * flops.flops_of(head))
-    peak = hw.peak(lay.precision)
+    # Executed FLOPs per rank, averaged over the pipeline stages (uneven stages: each its own layers;
+    # the head on the last stage only), not the slowest stage's for every rank.
+    hw_flops_rank = m * (sum(counts) / p * (fwd.flops + bwd.flops) + 3 * flops.flops_of(head) / p)
+    peak = hw.peak(compute_precision(lay.precision))
     # The published conventions side by side, against the dense 16-bit peak (what papers call "BF16
     # MFU", and what NeMo's TFLOP/s/GPU and Llama 3's 38-43% are quoted against): causal attention
     # counted as the half a causal kernel computes, or as the whole s x s square (Megatron-LM, NeMo).
@@ -316,5 +341,5 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
         tokens_per_s=tokens / total, mfu=model_flops / (total * lay.world * peak),
         hfu=hw_flops_rank / (total * peak), micro_batches=m, stage_s=stages,
         mfu_causal=spec.flops_per_token(causal=True) * tokens / per_rank_s,
-        mfu_full_attention=spec.flops_per_token(causal=False) * tokens / per_rank_s,
+        mfu_full_attention=spec.flops_per_token(causal=False) * tokens / per_rank_s, host_s=lay.step_overhead_s,
     )

@@ -17,9 +17,34 @@ from dataclasses import replace
 from shardlab.plan.hardware import Hardware
 from shardlab.plan.memory import rank_memory
 from shardlab.plan.published_h100 import LLAMA3_405B, NEMO_H100, H100Run, llama3_405b_layout
+from shardlab.plan.stackfit import decompose, fit, with_kernel_values
 from shardlab.plan.steptime import step_time
 
 BOUNDS = {"fp8_eff": (0.3, 0.95), "attn_eff": (0.1, 0.9)}
+# With a kernel model (kernels.py): fp8 GEMMs' share of the fp8 peak, and the stack's attention and
+# memory-bound kernels relative to the profiled ones (stackfit.py).
+KERNEL_BOUNDS = {"fp8_frac": (0.3, 0.95), "attn_scale": (0.3, 1.5), "mem_scale": (0.3, 1.5)}
+
+
+def with_param(hw: Hardware, name: str, value: float) -> Hardware:
+    """`hw` with one fitted number set: a Hardware field, or a field of its kernel model."""
+    if name in KERNEL_BOUNDS:
+        return replace(hw, kernels=replace(hw.kernels, **{name: value}))
+    return replace(hw, **{name: value})
+
+
+def fitted_names(hw: Hardware) -> tuple[str, ...]:
+    return tuple(KERNEL_BOUNDS) if hw.kernels is not None else ("fp8_eff", "attn_eff")
+
+
+def fitted_values(hw: Hardware) -> tuple[float, ...]:
+    if hw.kernels is not None:
+        return tuple(getattr(hw.kernels, n) for n in KERNEL_BOUNDS)
+    return hw.fp8_eff, hw.attn_eff
+
+
+def _step_of(run: H100Run):
+    return lambda hw: _predict(hw, run)[1].total_s
 
 
 def _predict(hw: Hardware, run: H100Run):
@@ -82,24 +107,42 @@ def _golden(f, lo: float, hi: float, steps: int = 14) -> float:
     return round((a + b) / 2, 3)
 
 
-def calibrate(hw: Hardware, runs: list[H100Run] | None = None, rounds: int = 2) -> tuple[Hardware, tuple[float, float]]:
-    """Fit (fp8_eff, attn_eff) to the runs: alternate golden-section searches on each."""
+def calibrate(hw: Hardware, runs: list[H100Run] | None = None, rounds: int = 2) -> tuple[Hardware, tuple[float, ...]]:
+    """Fit the Hopper numbers to the runs. With a kernel model: fp8 GEMMs' share of the fp8 peak and
+    the stack's attention and memory-bound scales (stackfit.py; decomposed at the preset, fitted,
+    decomposed again at the fit and refitted). Without: fp8_eff and attn_eff by alternating
+    golden-section searches."""
     runs = runs if runs is not None else NEMO_H100
-    cur = replace(hw, fp8_eff=hw.fp8_eff or 0.6, attn_eff=hw.attn_eff or 0.4)
+    if hw.kernels is not None:
+        cur = hw
+        for _ in range(rounds):
+            parts = [decompose(cur, tuple(KERNEL_BOUNDS), _step_of(r)) for r in runs]
+            cur = with_kernel_values(hw, fit(parts, [r.step_s for r in runs], KERNEL_BOUNDS))
+        return cur, fitted_values(cur)
+    names = fitted_names(hw)
+    start = fitted_values(hw)
+    cur = with_param(with_param(hw, names[0], start[0] or 0.6), names[1], start[1] or 0.4)
     for _ in range(rounds):
-        for name in ("fp8_eff", "attn_eff"):
-            best = _golden(lambda x: _mae(replace(cur, **{name: x}), runs), *BOUNDS[name])
-            cur = replace(cur, **{name: best})
-    return cur, (cur.fp8_eff, cur.attn_eff)
+        for name in names:
+            best = _golden(lambda x: _mae(with_param(cur, name, x), runs), *BOUNDS[name])
+            cur = with_param(cur, name, best)
+    return cur, fitted_values(cur)
 
 
 def leave_one_out(hw: Hardware, runs: list[H100Run] | None = None) -> list[dict]:
-    """Each run predicted by the two numbers fitted to the others."""
+    """Each run predicted by the numbers fitted to the others (with a kernel model: decomposed once at
+    the preset, so that no run's own time enters its prediction)."""
     runs = runs if runs is not None else NEMO_H100
     out = []
+    parts = [decompose(hw, tuple(KERNEL_BOUNDS), _step_of(r)) for r in runs] if hw.kernels is not None else None
     for i, run in enumerate(runs):
-        fitted, (f8, at) = calibrate(hw, runs[:i] + runs[i + 1:])
+        others = runs[:i] + runs[i + 1:]
+        if parts is not None:
+            vals = fit(parts[:i] + parts[i + 1:], [r.step_s for r in others], KERNEL_BOUNDS)
+            fitted, values = with_kernel_values(hw, vals), tuple(vals.values())
+        else:
+            fitted, values = calibrate(hw, others)
         row = h100_rows(fitted, [run])[0]
-        out.append({"case": run.case, "fp8_eff": f8, "attn_eff": at, "error": row["error"],
+        out.append({"case": run.case, "fitted": dict(zip(fitted_names(hw), values)), "error": row["error"],
                     "predicted_s": row["predicted_s"], "published_s": row["published_s"]})
     return out

@@ -34,7 +34,8 @@ def trainer_layout(cfg) -> PlanLayout:
         lay, micro_batch=max(1, t.global_batch // (lay.dp * lay.ep * t.micro_batches)),
         # shardlab overlaps gradient reduction with backward in dp_mode "overlap" and in ZeRO-2/3.
         dp_overlap=(lay.zero == 0 and lay.dp_mode == "overlap") or lay.zero in (2, 3),
-        tp_overlap=False, grads_persist=lay.zero == 0,
+        # The trainer computes the global gradient norm every step (it logs it even when not clipping).
+        tp_overlap=False, grads_persist=lay.zero == 0, grad_clip=True,
     )
 
 
