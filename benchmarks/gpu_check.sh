@@ -72,7 +72,10 @@ step mfu_trainer_compiled 80 $PY benchmarks/gpt_mfu.py --step trainer $COMPILE $
 train train_eager 60 configs/gpt-350m-gpu.toml --set train.compile=false
 train train_bf16_masters 100 configs/gpt-350m-gpu.toml --precision bf16
 train train_llama_1b 120 configs/llama-1b-gpu.toml
-step plan_350m 30 $PY -m shardlab plan --config configs/gpt-350m-gpu.toml --hardware h100-sxm --precision bf16 \
+HW=h100-sxm  # the planner's preset for the device (an H200 has an H100 SXM's compute and more memory)
+[ -z "$GPU_CHECK_DRY" ] && $PY -c "import torch, sys; sys.exit(0 if 'H200' in torch.cuda.get_device_name() else 1)" \
+    2> /dev/null && HW=h200
+step plan_350m 30 $PY -m shardlab plan --config configs/gpt-350m-gpu.toml --hardware $HW --gpus 1 --dp 1 \
     --json "$OUT/plan_350m.json"
 [ -n "$GPU_CHECK_DRY" ] && exit 0
 [ -f "$OUT/profile_trainer/trace.json" ] && gzip -f "$OUT/profile_trainer/trace.json"
