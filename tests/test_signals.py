@@ -80,7 +80,7 @@ def assert_stopped_run(out_dir: Path, name: str) -> dict:
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["stopped_by"] == name and 3 <= summary["steps"] < 500 == summary["steps_planned"]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(summary["steps"]))  # every step done, no other
+    assert [r["step"] for r in rows] == list(range(1, summary["steps"] + 1))  # every step done, no other
     assert (out_dir / "loss.png").stat().st_size > 0
     return summary
 

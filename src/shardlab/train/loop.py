@@ -123,8 +123,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     # After the seeding above: a checkpoint restores every rank's random streams over it. The step
     # is also the data position (the samplers are keyed by (seed, step)).
     checkpointer, start_step, resumed = open_checkpoints(cfg, model, optimizer)
-    writer = MetricsWriter(out_dir, cfg.log.tensorboard, resume_step=start_step if resumed else None) \
-        if rank == 0 else None
+    writer = MetricsWriter.for_run(cfg, resume_step=start_step if resumed else None) if rank == 0 else None
     if rank == 0:
         (out_dir / "config.toml").write_text(cfg.to_toml())
         print(f"{cfg.model.name}: {n_params:,} parameters | {world} rank(s), {layout_name(cfg)} | "
@@ -183,7 +182,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         if window:
             shown_s = sorted(window)[len(window) // 2]
         rec: dict[str, Any] = {
-            "step": step,
+            "step": step + 1,  # steps done, from 1: one numbering everywhere (train/metrics.py)
             "loss": stats[dp_leaders, 0].mean().item(),
             "lr": lr_at(step, cfg),
             "grad_norm": res.grad_norm,

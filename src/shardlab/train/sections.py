@@ -102,7 +102,10 @@ class DataSection:
     """Read at most this many bytes of text (for a token file or .bin: of ids); 0: 64 MiB of text,
     token files whole."""
     val_fraction: float = 0.05
-    """Fraction of the corpus held out (its tail) for validation loss."""
+    """Fraction of the corpus held out (its tail) for validation loss (unused with data.val_source)."""
+    val_source: str = ""
+    """A separate validation file (nanoGPT's val.bin, or a token file), read as data.source is (the
+    same kind, dtype and tokenizer); then data.source is trained on whole. '': the tail of data.source."""
 
 
 @dataclass
