@@ -69,6 +69,18 @@ def step_line(rec: dict[str, Any], steps: int) -> str:
     return " | ".join(parts)
 
 
+def scalars(rec: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers as TensorBoard and the trackers name them: train/KEY, validation as val/KEY
+    (val_loss -> val/loss), the peak memory of the most loaded rank as train/peak_mem_bytes_max."""
+    out = {}
+    for key, value in rec.items():
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out["val/" + key.removeprefix("val_") if key.startswith("val_") else f"train/{key}"] = float(value)
+        elif key == "peak_mem_bytes" and value:
+            out["train/peak_mem_bytes_max"] = float(max(value))
+    return out
+
+
 class MetricsWriter:
     """Appends records to out_dir/metrics.jsonl and scalars to TensorBoard (rank 0 only).
 
@@ -78,9 +90,11 @@ class MetricsWriter:
     keep the dead run's steps after the checkpoint beside the new run's)."""
 
     def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None = None,
-                 config_toml: str | None = None) -> None:
+                 config_toml: str | None = None, trackers: list[Any] | None = None) -> None:
         """resume_step: the run continues from a checkpoint at that step; the records up to it are
-        kept (those of later steps, written after the checkpoint by the run that died, are dropped)."""
+        kept (those of later steps, written after the checkpoint by the run that died, are dropped).
+        trackers: train/trackers.py's, each handed the scalars TensorBoard gets, at the same steps."""
+        self.trackers = trackers or []
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
         kept: list[str] = []
@@ -110,16 +124,15 @@ class MetricsWriter:
     @classmethod
     def for_run(cls, cfg: Any, resume_step: int | None = None) -> "MetricsWriter":
         """The writer of a run of the configuration `cfg` (train/config.py's Config): log.*."""
-        return cls(Path(cfg.log.out_dir), cfg.log.tensorboard, resume_step=resume_step, config_toml=cfg.to_toml())
+        from shardlab.train.trackers import open_trackers
+
+        return cls(Path(cfg.log.out_dir), cfg.log.tensorboard, resume_step=resume_step, config_toml=cfg.to_toml(),
+                   trackers=open_trackers(cfg))
 
     def _tb_scalars(self, rec: dict[str, Any]) -> None:
         assert self._tb is not None
-        for key, value in rec.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                name = "val/" + key.removeprefix("val_") if key.startswith("val_") else f"train/{key}"
-                self._tb.add_scalar(name, float(value), rec["step"])
-            elif key == "peak_mem_bytes" and value:
-                self._tb.add_scalar("train/peak_mem_bytes_max", float(max(value)), rec["step"])
+        for name, value in scalars(rec).items():
+            self._tb.add_scalar(name, value, rec["step"])
 
     def write(self, rec: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(rec) + "\n")
@@ -127,8 +140,14 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb_scalars(rec)
             self._tb.flush()  # a live TensorBoard sees every step; a crash loses none
+        if self.trackers:
+            values = scalars(rec)
+            for tracker in self.trackers:
+                tracker.log(values, rec["step"])
 
     def close(self) -> None:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()

@@ -190,6 +190,22 @@ class LogSection:
     """Peak throughput per rank for MFU; 0: from the device table (known GPUs), else MFU is not shown."""
     memory: bool = True
     """Measure peak tensor memory per rank on logged steps (on CPU this traces every op of those steps)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (pip install 'shardlab[wandb]'): TensorBoard's scalars, names and steps,
+    and the configuration as the run's config (train/trackers.py)."""
+    wandb_project: str = "shardlab"
+    """The W&B project; the run is named and grouped after log.out_dir."""
+    wandb_mode: str = ""
+    """'online', 'offline' (written under out_dir/wandb with no network; `wandb sync` uploads it later) or
+    'disabled'; '': wandb's own default (WANDB_MODE, else online)."""
+    mlflow: bool = False
+    """Also log to MLflow (pip install 'shardlab[mlflow]'): TensorBoard's scalars, names and steps, the
+    configuration as parameters and config.toml as an artifact."""
+    mlflow_uri: str = ""
+    """The MLflow tracking URI ('http://host:5000', 'sqlite:///mlflow.db' with the full mlflow package); '':
+    a local file store, out_dir/mlruns (`mlflow ui --backend-store-uri file:OUT/mlruns` shows it)."""
+    mlflow_experiment: str = "shardlab"
+    """The MLflow experiment the run goes into."""
 
 
 @dataclass
