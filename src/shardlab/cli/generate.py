@@ -52,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"# {loaded.source}: {sum(p.numel() for p in loaded.model.parameters()):,} parameters, context "
           f"{loaded.seq_len} tokens", file=sys.stderr)
+    for note in loaded.notes[:3]:  # what loading changed (a bf16 checkpoint cast to fp32, ...)
+        print(f"# {note}", file=sys.stderr)
+    if len(loaded.notes) > 3:
+        print(f"# ... and {len(loaded.notes) - 3} more like it", file=sys.stderr)
     if len(ids) + args.tokens > loaded.seq_len:
         print(f"# the prompt ({len(ids)} tokens) and {args.tokens} new ones exceed the context: each token sees the "
               f"last {loaded.seq_len} only", file=sys.stderr)

@@ -219,7 +219,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             checkpointer.save(step + 1, model, optimizer, config=cfg.to_dict())
         if stopped_by:
             if rank == 0:
-                print(f"{signals.signal_name(stopped_by)}: stopping after step {step} of {t.steps}"
+                print(f"{signals.signal_name(stopped_by)}: stopping after step {step + 1} of {t.steps}"
                       + (f", checkpoint of step {step + 1} saved" if cfg.checkpoint.save_on_signal else ""),
                       flush=True)
             break
