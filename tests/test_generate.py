@@ -92,3 +92,30 @@ def test_generate_refuses_with_the_reason(tmp_path, capsys):
     with pytest.raises(GenerateError, match="raw ids .* name no tokenizer: give --tokenizer"):
         load_for_generation(tmp_path / "run")
     assert isinstance(load_for_generation(tmp_path / "run", tokenizer="bytes").tokenizer, ByteTokenizer)
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_generate_under_tensor_or_pipeline_parallelism_continues_alike(pools, tmp_path, layout):
+    """The checkpoint resharded into tp 2 or pp 2 over 2 ranks continues a prompt greedily as one
+    process does. The ranks sum the same products in another order (tp) or the same order (pp): the
+    logits differ by ~1e-6 at most, so the argmax can differ only where the two best logits are that
+    close; the reference's smallest gap on this path is checked to be far above it."""
+    from shardlab.train.generate import generate_rank, layout_plan
+
+    _, model = _saved_run(tmp_path, ["model.n_layer=4"])
+    prompt = list(b"def f(x):")
+    want = _greedy(model, prompt, 12, 256, 24)
+    with torch.no_grad():
+        gaps = [torch.topk(model(torch.tensor([want[:i][-24:]]))[0, -1, :256], 2).values for i in
+                range(len(prompt), len(want))]
+    assert min(float(g[0] - g[1]) for g in gaps) > 1e-3
+    ckpt, cfg, tok, _ = layout_plan(tmp_path / "run", None, *layout)
+    assert (cfg.layout.tp, cfg.layout.pp) == layout
+    got = pools(2).run(generate_rank, ckpt, cfg.to_dict(), prompt, 12, tok.vocab_size, 0.0, 0, 1.0, 0)
+    assert got[0] == want and got[1] is None
+
+
+def test_a_layout_the_model_cannot_take_is_refused(tmp_path, capsys):
+    _saved_run(tmp_path)  # 4 heads, 2 layers
+    assert main(["generate", str(tmp_path / "run"), "--tp", "3"]) == 2
+    assert "--tp 3 --pp 1: invalid configuration" in capsys.readouterr().err

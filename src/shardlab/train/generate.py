@@ -88,11 +88,10 @@ def _tokenizer(spec: str, what: str) -> Tokenizer:
         raise GenerateError(f"{what}: {exc}") from exc
 
 
-def _load_checkpoint(p: Path, tokenizer: str | None) -> Loaded:
-    from shardlab.checkpoint import CheckpointError, load_checkpoint, read_metadata
+def _checkpoint(p: Path):
+    """(the checkpoint directory, its metadata, the run's Config) for a run, root or step_N directory."""
+    from shardlab.checkpoint import CheckpointError, read_metadata
     from shardlab.checkpoint.format import resolve_checkpoint
-    from shardlab.train.corpus import corpus_tokenizer
-    from shardlab.train.task import build_model
 
     root = p / "checkpoints" if (p / "checkpoints").is_dir() and not (p / "metadata.json").is_file() else p
     try:
@@ -105,23 +104,83 @@ def _load_checkpoint(p: Path, tokenizer: str | None) -> Loaded:
         raise GenerateError(f"{ckpt}: the checkpoint is not of a GPT (model.name "
                             f"{(saved.get('model') or {}).get('name')!r}); only a language model generates text")
     cfg = Config.from_dict(saved, origin=f"{ckpt}/metadata.json")
-    vocab = meta.tensors["model/tok_emb.weight"].shape[0]  # the saved table is the truth
-    model = build_model(cfg.model, vocab)
+    cfg.model.vocab_size = meta.tensors["model/tok_emb.weight"].shape[0]  # the saved table is the truth
+    return ckpt, meta, cfg
+
+
+def _run_tokenizer(ckpt: Path, cfg: Config, tokenizer: str | None) -> Tokenizer:
+    from shardlab.train.corpus import corpus_tokenizer
+
+    if tokenizer:
+        return _tokenizer(tokenizer, "--tokenizer")
+    try:
+        tok = corpus_tokenizer(cfg)
+    except (OSError, ValueError, ImportError) as exc:
+        raise GenerateError(f"{ckpt}: the run's tokenizer (data.source = {cfg.data.source!r}, data.tokenizer = "
+                            f"{cfg.data.tokenizer!r}) cannot be loaded: {exc}; give --tokenizer FILE") from exc
+    if tok is None:
+        raise GenerateError(f"{ckpt}: the run trained on raw ids ({cfg.data.source}) that name no tokenizer: "
+                            f"give --tokenizer FILE (the one the ids were made with)")
+    return tok
+
+
+def _load_checkpoint(p: Path, tokenizer: str | None) -> Loaded:
+    from shardlab.checkpoint import load_checkpoint
+    from shardlab.train.task import build_model
+
+    ckpt, meta, cfg = _checkpoint(p)
+    model = build_model(cfg.model)
     if not isinstance(model, GPT):
         raise GenerateError(f"{ckpt}: model.name {cfg.model.name!r} is not a language model")
     info = load_checkpoint(ckpt, model, None, restore_rng=False)
-    if tokenizer:
-        tok = _tokenizer(tokenizer, "--tokenizer")
-    else:
-        try:
-            tok = corpus_tokenizer(cfg)
-        except (OSError, ValueError, ImportError) as exc:
-            raise GenerateError(f"{ckpt}: the run's tokenizer (data.source = {cfg.data.source!r}, data.tokenizer = "
-                                f"{cfg.data.tokenizer!r}) cannot be loaded: {exc}; give --tokenizer FILE") from exc
-        if tok is None:
-            raise GenerateError(f"{ckpt}: the run trained on raw ids ({cfg.data.source}) that name no tokenizer: "
-                                f"give --tokenizer FILE (the one the ids were made with)")
-    return Loaded(model, tok, f"checkpoint {ckpt} (step {meta.step})", info.notes)
+    return Loaded(model, _run_tokenizer(ckpt, cfg, tokenizer), f"checkpoint {ckpt} (step {meta.step})", info.notes)
+
+
+# ------------------------------------------------------------------------------ under a layout
+def layout_plan(path: str | os.PathLike, tokenizer: str | None, tp: int = 1, pp: int = 1,
+                world: int | None = None) -> tuple[str, Config, Tokenizer, str]:
+    """For generating under tensor and/or pipeline parallelism: the checkpoint, the configuration the
+    ranks build (the run's model; only the layout's degrees set, everything else of the layout,
+    data, logging and checkpointing at its defaults, so that nothing of the training run is needed),
+    the tokenizer, and a description. ConfigError names what the model cannot be split by, or a
+    world (torchrun's) that is not tp x pp ranks."""
+    from shardlab.parallel.layout_section import LayoutSection
+    from shardlab.parallel.sharding.section import ShardingSection
+    from shardlab.train.sections import CheckpointSection, DataSection, LogSection
+
+    p = Path(path).expanduser()
+    if is_hf_directory(p):
+        raise GenerateError(f"{p}: a Hugging Face directory generates in one process; --tp and --pp read a "
+                            f"shardlab checkpoint")
+    if not p.exists():
+        raise GenerateError(f"{p}: no such file or directory")
+    ckpt, meta, run = _checkpoint(p)
+    tok = _run_tokenizer(ckpt, run, tokenizer)
+    cfg = Config.from_dict(run.to_dict())
+    cfg.layout, cfg.sharding = LayoutSection(tp=tp, pp=pp), ShardingSection()
+    cfg.data, cfg.log, cfg.checkpoint = DataSection(), LogSection(out_dir=str(ckpt)), CheckpointSection()
+    cfg.train.micro_batches, cfg.train.global_batch, cfg.model.dropout = 1, 1, 0.0
+    cfg.validate(tp * pp if world is None else world)
+    return str(ckpt), cfg, tok, f"checkpoint {ckpt} (step {meta.step}), tp {tp} x pp {pp}"
+
+
+def generate_rank(ckpt: str, cfg_dict: dict, ids: list[int], n_tokens: int, vocab: int, temperature: float,
+                  top_k: int, top_p: float, seed: int) -> list[int] | None:
+    """Every rank: the run's model under cfg_dict's layout, the checkpoint resharded into it, the
+    prompt continued (every rank alike: each forward needs them all); rank 0 returns the ids."""
+    import torch.distributed as dist
+
+    from shardlab.checkpoint import load_checkpoint
+    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.train.loop import rank_device
+    from shardlab.train.task import build_model
+
+    cfg = Config.from_dict(cfg_dict)
+    device = rank_device()
+    model = apply_layout(build_model(cfg.model).to(device), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+    load_checkpoint(ckpt, model, None, restore_rng=False)
+    out = sample_ids(model, cfg.model.seq_len, ids, n_tokens, vocab, temperature, top_k, top_p, seed, device)
+    return out if dist.get_rank() == 0 else None
 
 
 def _load_hf(p: Path, tokenizer: str | None) -> Loaded:
