@@ -68,6 +68,11 @@ def test_the_rendered_command_takes_the_rendezvous_from_slurm(tmp_path):
     run = get_args_parser().parse_args(cmd[6:])
     assert (run.nproc_per_node, run.rdzv_endpoint) == ("2", "gpu01:29600")
     assert build_parser().parse_args(run.training_script_args).save_every == 200
+    # A long node list: the first host, and no failure from a pipe closed on scontrol (pipefail).
+    out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, **SLURM, "DRY_RUN": "1",
+                              **_fake_bin(tmp_path, hosts=" ".join(f"n{i:05d}" for i in range(20000)))})
+    assert out.returncode == 0 and " --rdzv-endpoint n00000:21234 " in out.stdout, out.stderr
 
 
 def test_outside_a_slurm_job_it_says_so(tmp_path):
