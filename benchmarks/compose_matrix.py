@@ -147,7 +147,7 @@ def _losses(out_dir: Path) -> dict[int, float]:
 
 def run_resume(label: str, partner: str, workdir: Path, timeout: float) -> dict:
     """Train 4 steps under the partner's layout, saving at step 2; resume that checkpoint on a single
-    process (another layout) in another directory; its steps 2 and 3 against the first run's."""
+    process (another layout) in another directory; its steps 3 and 4 (counted from 1) against the first run's."""
     flags = FEATURES[partner][1]  # the trainer takes verify's flags
     ref, part = workdir / f"{label}-ref", workdir / f"{label}-part"
     start = time.perf_counter()
@@ -161,8 +161,8 @@ def run_resume(label: str, partner: str, workdir: Path, timeout: float) -> dict:
     # The same model and precision (a MoE stays a MoE), on one process: only the layout changes.
     resumed = _train(_model_flags(flags), part, ["--set", f"checkpoint.resume={json.dumps(str(step2))}"], timeout)
     a, b = _losses(ref), _losses(part)
-    worst = max((abs(b[s] - a[s]) / abs(a[s]) for s in (2, 3) if s in a and s in b), default=float("inf"))
-    ok = first.returncode == 0 and resumed.returncode == 0 and sorted(b) == [2, 3] and worst <= 1e-5
+    worst = max((abs(b[s] - a[s]) / abs(a[s]) for s in (3, 4) if s in a and s in b), default=float("inf"))
+    ok = first.returncode == 0 and resumed.returncode == 0 and sorted(b) == [3, 4] and worst <= 1e-5
     row.update(outcome="pass" if ok else "FAIL", exit=resumed.returncode, loss=worst,
                seconds=round(time.perf_counter() - start, 1))
     if not ok:

@@ -62,11 +62,19 @@ def test_trained_checkpoint_exports_to_transformers_and_dcp(pools, tmp_path, fam
         torch.testing.assert_close(theirs(idx).logits, ours(idx), rtol=0, atol=1e-5)
 
     # DCP reads what we wrote with no process group, into tensors it is given (as torchtitan does).
-    loaded = {"model": {n: torch.zeros_like(t) for n, t in ours.state_dict().items() if n != "head.weight"
-                        or not cfg.model.tie_embeddings}}
+    loaded = {"model": {n: torch.zeros_like(t) for n, t in ours.state_dict().items()}}  # tied head included
     dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     for n, t in loaded["model"].items():
         assert torch.equal(t, whole[n]), n
+
+    # `shardlab generate` on the sharded checkpoint (read into one process) and transformers' greedy
+    # generate on the export continue a prompt alike.
+    from shardlab.train.generate import load_for_generation
+
+    prompt = list(b"def f(")
+    with torch.no_grad():
+        hf_ids = theirs.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
+    assert load_for_generation(ckpt).generate_ids(prompt, 8, temperature=0) == hf_ids
 
 
 def test_shapes_neither_family_has_are_refused():
@@ -142,3 +150,114 @@ def test_training_starts_from_a_transformers_checkpoint(pools, tmp_path, family)
     stored.write_bytes(stored.read_bytes()[:100])
     with pytest.raises(ConfigError, match="model.init_from_hf = "):
         check_before_launch(cfg, make_out_dir=False)
+
+
+def _bpe_run(tmp_path, family="gpt2"):
+    """A GPT with random weights saved as a checkpoint of a run on a token file made with a BPE of at
+    most 300 ids (the model's vocabulary padded to 320): what an export must carry whole."""
+    from shardlab.checkpoint import save_checkpoint
+    from shardlab.data.prepare import prepare
+    from shardlab.train.task import build_model
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 40)
+    prepare([str(text)], tmp_path / "corpus.tok", train_bpe=300, workers=1, progress=False, log=lambda m: None)
+    cfg = load_config(None, [*FAMILIES[family], *SHAPE, "model.seq_len=32", f'data.source="{tmp_path / "corpus.tok"}"',
+                             f'log.out_dir="{tmp_path / "run"}"'])
+    from shardlab.train.corpus import model_vocab
+
+    cfg.model.vocab_size = model_vocab(cfg)
+    torch.manual_seed(5)
+    model = build_model(cfg.model)
+    with torch.no_grad():  # no two logits alike, the padded rows' too
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    save_checkpoint(tmp_path / "run" / "checkpoints", 7, model, config=cfg.to_dict())
+    return cfg, model
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_export_travels_with_its_tokenizer_and_generates_as_shardlab_does(tmp_path, capsys, family):
+    from shardlab.train.generate import load_for_generation
+
+    from shardlab.train.corpus import data_vocab
+
+    cfg, _ = _bpe_run(tmp_path, family)
+    vocab = data_vocab(cfg)  # what the BPE learned of its 300 on this small text
+    assert 256 < vocab <= 300 and cfg.model.vocab_size == 320
+    out = tmp_path / "hf"
+    assert main(["checkpoint", "export", str(tmp_path / "run" / "checkpoints"), "--hf", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"ids {vocab}-319 suppressed" in printed and "eos_token_id 0 ('<|endoftext|>')" in printed
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert (tok.eos_token, tok.eos_token_id, model.config.eos_token_id, model.config.bos_token_id) == \
+        ("<|endoftext|>", 0, 0, 0)
+    ours = load_for_generation(tmp_path / "run")
+    prompt = "def f(x):\n"
+    ids = tok(prompt).input_ids
+    assert ids == ours.encode(prompt)  # the same tokenizer, no special token added
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0].tolist()
+    mine = ours.generate_ids(ids, 12, temperature=0)
+    assert theirs == mine and max(mine) < vocab
+    assert tok.decode(theirs) == ours.tokenizer.decode(mine)
+    # `shardlab generate` on the export (its own tokenizer.json) prints the same text.
+    assert main(["generate", str(out), "--prompt", prompt, "--tokens", "12", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == tok.decode(theirs) + "\n"
+
+
+def test_export_keeps_the_source_models_positions_and_dropout(tmp_path, capsys):
+    from shardlab.checkpoint import save_checkpoint
+
+    theirs = _hf_model("gpt2", tmp_path / "src")  # 64 positions, dropout 0.1 (GPT-2's defaults)
+    args = build_parser().parse_args(["train", "--init-from-hf", str(tmp_path / "src"), "--set", "model.seq_len=16",
+                                      "--set", f'log.out_dir="{tmp_path / "run"}"'])
+    from shardlab.cli.train import resolve_config
+
+    cfg = resolve_config(args)
+    model = prepare_model(cfg)
+    with torch.no_grad():
+        model.pos_emb.weight.add_(1.0)  # "trained": the 16 rows differ from the source's
+    save_checkpoint(tmp_path / "run" / "checkpoints", 3, model, config=cfg.to_dict())
+    assert main(["checkpoint", "export", str(tmp_path / "run" / "checkpoints"), "--hf", str(tmp_path / "hf")]) == 0
+    printed = capsys.readouterr().out
+    assert "n_positions 16 -> 64" in printed and "resid_pdrop 0.1" in printed
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    c = exported.config
+    assert (c.n_positions, c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) == (64, 0.1, 0.1, 0.1)
+    wpe, source = exported.transformer.wpe.weight, theirs.transformer.wpe.weight
+    assert torch.equal(wpe[:16], model.pos_emb.weight) and torch.equal(wpe[16:], source[16:])
+
+
+@pytest.mark.filterwarnings("ignore:.*single process.*:UserWarning")
+def test_the_documented_dcp_snippet_loads_into_the_models_own_state_dict(tmp_path, monkeypatch):
+    """docs/models.md's DCP example, run as written (its paths pointed at this test's files), on a
+    model with a tied head: every key of state_dict() is found, the values are the checkpoint's."""
+    import re
+    from pathlib import Path
+
+    from shardlab.checkpoint import save_checkpoint
+    from shardlab.train.task import build_model
+
+    cfg = load_config(None, [*FAMILIES["gpt2"], *SHAPE, "model.vocab_size=256", f'log.out_dir="{tmp_path / "run"}"'])
+    assert cfg.model.tie_embeddings
+    torch.manual_seed(2)
+    saved = build_model(cfg.model)
+    save_checkpoint(tmp_path / "run" / "checkpoints", 4, saved, config=cfg.to_dict())
+    (tmp_path / "run" / "config.toml").write_text(cfg.to_toml())  # as the trainer writes it
+    assert main(["checkpoint", "export", str(tmp_path / "run" / "checkpoints"), "--dcp", str(tmp_path / "dcp")]) == 0
+    page = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
+    section = page.split("## torch.distributed.checkpoint")[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)  # the snippet's paths: runs/x/config.toml and dcp-ckpt
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "run").rename(tmp_path / "runs" / "x")
+    (tmp_path / "dcp").rename(tmp_path / "dcp-ckpt")
+    scope: dict = {}
+    exec(compile(code, "docs/models.md", "exec"), scope)
+    model = scope["model"]
+    for name, t in saved.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    assert model.head.weight is model.tok_emb.weight  # still tied after loading

@@ -80,7 +80,7 @@ def assert_stopped_run(out_dir: Path, name: str) -> dict:
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["stopped_by"] == name and 3 <= summary["steps"] < 500 == summary["steps_planned"]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(summary["steps"]))  # every step done, no other
+    assert [r["step"] for r in rows] == list(range(1, summary["steps"] + 1))  # every step done, no other
     assert (out_dir / "loss.png").stat().st_size > 0
     return summary
 
@@ -107,7 +107,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_saves(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
     summary = assert_stopped_run(out_dir, "SIGTERM")
     n = summary["steps"]
-    assert f"SIGTERM: stopping after step {n - 1} of 500, checkpoint of step {n} saved" in proc.stdout
+    assert f"SIGTERM: stopping after step {n} of 500, checkpoint of step {n} saved" in proc.stdout
     assert f"shardlab train: terminated by SIGTERM: stopped after {n} of 500 steps" in proc.stderr
     assert len(ranks) >= 2  # the two ranks (and multiprocessing's resource tracker)
     assert_no_leftovers(tmp_path, ranks)
@@ -135,7 +135,7 @@ def test_sigterm_to_torchrun_stops_every_rank(tmp_path):
     proc, ranks = run_and_signal(cmd, tmp_path, signal.SIGTERM)
     assert proc.returncode != 0
     summary = assert_stopped_run(out_dir, "SIGTERM")
-    assert f"SIGTERM: stopping after step {summary['steps'] - 1} of 500" in proc.stdout
+    assert f"SIGTERM: stopping after step {summary['steps']} of 500" in proc.stdout
     assert f"shardlab train: terminated by SIGTERM: stopped after {summary['steps']} of 500 steps" in proc.stderr
     assert proc.stderr.count("shardlab train: terminated by SIGTERM") == 2, proc.stderr[-3000:]  # each rank
     assert len(ranks) >= 2

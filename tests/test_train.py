@@ -98,11 +98,11 @@ def test_training_writes_metrics_events_plot_and_samples(pools, tmp_path):
 
     summary = pools(2).run(train_rank, _train_cfg(tmp_path, 2, "train.micro_batches=2"))[0]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(6))
+    assert [r["step"] for r in records] == list(range(1, 7))  # steps done, from 1
     for r in records:
         assert r["loss"] > 0 and r["tokens_per_s"] > 0 and 0 <= r["comm_wait_share"] <= 1 and r["mfu"] is None
     logged = [r for r in records if r["peak_mem_bytes"]]
-    assert [r["step"] for r in logged] == [0, 2, 4, 5] and all(len(r["peak_mem_bytes"]) == 2 for r in logged)
+    assert [r["step"] for r in logged] == [1, 3, 5, 6] and all(len(r["peak_mem_bytes"]) == 2 for r in logged)
     # Peak tensor memory holds at least the parameters, their gradients and AdamW's two moments.
     from shardlab.train.config import Config
     from shardlab.train.task import build_model
@@ -110,13 +110,13 @@ def test_training_writes_metrics_events_plot_and_samples(pools, tmp_path):
     cfg = Config.from_dict(_train_cfg(tmp_path, 2))
     param_bytes = 4 * sum(p.numel() for p in build_model(cfg.model).parameters())
     assert all(min(r["peak_mem_bytes"]) >= 4 * param_bytes for r in logged[1:])
-    assert [r["step"] for r in records if "val_loss" in r] == [2, 5]
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert records[-1]["loss"] < records[0]["loss"]
     # Read back by TensorBoard's own reader: the events are what TensorBoard shows.
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     losses = events.Scalars("train/loss")
-    assert [e.step for e in losses] == list(range(6))
+    assert [e.step for e in losses] == list(range(1, 7))
     assert losses[0].value == pytest.approx(records[0]["loss"], rel=1e-6)
     assert "train/peak_mem_bytes_max" in events.Tags()["scalars"]
     assert (tmp_path / "loss.png").stat().st_size > 10_000

@@ -58,7 +58,7 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, uninterrupted, po
     cfg.set("checkpoint.resume", "latest")
     summary = pools(2).run(train_rank, cfg.to_dict())[0]  # the resume needs no fresh ranks: the pool's
     assert summary["resumed_from"].endswith("step_00000004")
-    # Steps 0-3 from the killed run, 4-5 from the resumed one: the uninterrupted run's, exactly.
+    # Steps 1-4 from the killed run, 5-6 from the resumed one: the uninterrupted run's, exactly.
     assert losses(tmp_path) == uninterrupted
 
 
@@ -77,11 +77,11 @@ def test_resume_under_another_layout(tmp_path, pools):
     summary = pools(2).run(train_rank, loading.to_dict())[0]
     assert summary["resumed_from"].endswith("step_00000004")
     ref, got = losses(ref_dir), losses(part_dir)
-    assert sorted(got) == [4, 5]
-    for step in (4, 5):
+    assert sorted(got) == [5, 6]  # the steps after the checkpoint of 4 steps, from 1
+    for step in (5, 6):
         assert got[step][0] == pytest.approx(ref[step][0], rel=1e-6), step
-    assert got[5][1] == pytest.approx(ref[5][1], rel=1e-6)  # the validation loss at the end
-    # (A run that silently started afresh would be off at step 4 by four steps of training.)
+    assert got[6][1] == pytest.approx(ref[6][1], rel=1e-6)  # the validation loss at the end
+    # (A run that silently started afresh would be off at step 5 by four steps of training.)
 
 
 @pytest.mark.long

@@ -5,7 +5,9 @@
     torch.distributed.checkpoint.load(sd, checkpoint_id="runs/x/dcp")   # no process group needed
 
 The DCP state dict is {"model": {plain name: tensor}, "optimizer": {plain name: {state key: tensor}},
-"step": N} with the plain model's parameter names (tied names once, as saved); DCP flattens it to
+"step": N} with the plain model's parameter names, every name of its state_dict() (a tied head's
+name too, as its own copy: so `dcp.load({"model": model.state_dict()}, ...)` finds every key it asks
+for, docs/models.md); DCP flattens it to
 keys such as "model.tok_emb.weight". It is written by one process from the whole tensors
 (consolidate.py's `full_tensors`), so it loads into any layout DCP can describe; the names are
 shardlab's, not torchtitan's Llama names (a renaming table would be the next step for those).
@@ -27,7 +29,8 @@ def dcp_state(path: str | os.PathLike, optimizer: bool = True) -> dict:
     """The checkpoint at `path` (or the newest under it) as the nested state dict export_dcp writes."""
     path = resolve_checkpoint(path)
     meta = read_metadata(path)
-    state: dict = {"model": {n: t for n, t in full_tensors(path, "model/").items() if n not in meta.aliases}}
+    # A tied name gets its own copy: DCP writes each entry's storage, and a loader asks for every name.
+    state: dict = {"model": {n: t.clone() if n in meta.aliases else t for n, t in full_tensors(path, "model/").items()}}
     if optimizer:
         by_param: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in full_tensors(path, "optim/").items():

@@ -68,7 +68,9 @@ def hf_config(cfg: GPTConfig, dtype: torch.dtype = torch.float32) -> dict[str, A
                 "n_inner": cfg.d_ff, "layer_norm_epsilon": cfg.norm_eps,
                 "activation_function": "gelu_new" if cfg.mlp == "gelu_tanh" else "gelu",
                 "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+                # Stated, not left to transformers' GPT-2 default (50256, past a small vocabulary).
+                "bos_token_id": None, "eos_token_id": None}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "head_dim": cfg.head_dim,
@@ -129,8 +131,10 @@ def to_hf_tensors(cfg: GPTConfig, state: dict[str, torch.Tensor]) -> dict[str, t
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-def save_hf(cfg: GPTConfig, state: dict[str, torch.Tensor], out: str | os.PathLike) -> Path:
-    """Write `out`/model.safetensors and `out`/config.json (the directory is created)."""
+def save_hf(cfg: GPTConfig, state: dict[str, torch.Tensor], out: str | os.PathLike,
+            extra: dict[str, Any] | None = None) -> Path:
+    """Write `out`/model.safetensors and `out`/config.json (the directory is created); `extra`:
+    config.json fields that replace hf_config's (bos/eos ids, a source model's dropout)."""
     from safetensors.torch import save_file
 
     tensors = to_hf_tensors(cfg, state)
@@ -138,8 +142,22 @@ def save_hf(cfg: GPTConfig, state: dict[str, torch.Tensor], out: str | os.PathLi
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "producer": "shardlab"})
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps({**hf_config(cfg, dtype), **(extra or {})}, indent=2) + "\n")
     return out
+
+
+def read_hf_tensor(path: str | os.PathLike, name: str) -> torch.Tensor | None:
+    """One tensor of the Hugging Face checkpoint in `path` (with or without the base model's prefix),
+    read alone; None when no file holds it."""
+    from safetensors import safe_open
+
+    short = name.split(".", 1)[1] if name.startswith(("transformer.", "model.")) else name
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as opened:
+            for key in (name, short):
+                if key in opened.keys():
+                    return opened.get_tensor(key)
+    return None
 
 
 # ------------------------------------------------------------------------------------------- import

@@ -4,7 +4,7 @@
     shardlab checkpoint inspect runs/gpt-small/checkpoints/step_00000200 --json -
     shardlab checkpoint consolidate runs/gpt-small/checkpoints --out model.pt
     python -c "import torch; m.load_state_dict(torch.load('model.pt', weights_only=True))"
-    shardlab checkpoint export runs/gpt-small/checkpoints --hf hf-model    # transformers: GPT-2 or Llama
+    shardlab checkpoint export runs/gpt-small/checkpoints --hf hf-model    # transformers: GPT-2 or Llama, tokenizer
     python -c "import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf-model')"
     shardlab checkpoint export runs/gpt-small/checkpoints --dcp dcp-ckpt   # torch.distributed.checkpoint
 
@@ -44,8 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                             "(safetensors + config.json) or torch.distributed.checkpoint")
     exp.add_argument("path", help="a checkpoint directory, or a root holding checkpoints (its newest is used)")
     exp.add_argument("--hf", metavar="OUT",
-                     help="write OUT/model.safetensors and OUT/config.json, loadable with transformers' "
-                          "AutoModelForCausalLM.from_pretrained(OUT) as GPT2LMHeadModel (layernorm, gelu, learned "
+                     help="write OUT/model.safetensors, config.json, generation_config.json and the run's tokenizer "
+                          "(tokenizer.json, tokenizer_config.json: AutoTokenizer.from_pretrained(OUT)), loadable "
+                          "with transformers' AutoModelForCausalLM.from_pretrained(OUT) as GPT2LMHeadModel (layernorm, gelu, learned "
                           "positions) or LlamaForCausalLM (rmsnorm, swiglu, rotary); other shapes are refused with "
                           "the reason (checkpoint/hf.py)")
     exp.add_argument("--dcp", metavar="OUT",
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     """`shardlab checkpoint export PATH --hf OUT | --dcp OUT`."""
-    from shardlab.checkpoint import CheckpointError, full_tensors, read_metadata
+    from shardlab.checkpoint import read_metadata
     from shardlab.checkpoint.format import resolve_checkpoint
 
     if not (args.hf or args.dcp):  # a usage error (exit 2), not a fault of the checkpoint
@@ -142,18 +143,8 @@ def export(args: argparse.Namespace) -> int:
         out = export_dcp(path, args.dcp, optimizer=not args.no_optimizer)
         print(f"wrote {out} (torch.distributed.checkpoint, step {read_metadata(path).step})")
     if args.hf:
-        from shardlab.checkpoint.hf import hf_family, save_hf
-        from shardlab.train.config import Config
-        from shardlab.train.task import gpt_config
+        from shardlab.train.export import export_hf
 
-        saved = read_metadata(path).config
-        if not saved or (saved.get("model") or {}).get("name", "gpt") != "gpt":
-            raise CheckpointError(f"{path}: the checkpoint's configuration does not describe a GPT "
-                                  f"(model.name {((saved or {}).get('model') or {}).get('name')!r}); only the GPT "
-                                  f"exports to Hugging Face")
-        cfg = gpt_config(Config.from_dict(saved).model)
-        tensors = full_tensors(path, "model/")
-        cfg.vocab_size = tensors["tok_emb.weight"].shape[0]  # the saved table is the truth
-        out = save_hf(cfg, tensors, args.hf)
-        print(f"wrote {out}/model.safetensors and config.json ({hf_family(cfg)}, step {read_metadata(path).step})")
+        for line in export_hf(path, args.hf):
+            print(line)
     return 0

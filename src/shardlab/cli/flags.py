@@ -44,11 +44,16 @@ NON_NEGATIVE = {
     "data workers": "0: one process per core",
     "max_bytes": "0: every byte of the sources",
     "show": "0: decode no ids",
+    "generate temperature": "0: greedy, the most likely token each time",
+    "generate top_k": "0: no limit",
+    "generate tokens": "0: the prompt alone",
+    "generate seed": "any seed",
 }
 # Flags with a bounded range: dest -> (low, high, inclusive low, what the bounds mean).
 RANGES = {
     "master_port": (0, 65535, True, "a TCP port; 0: any free port"),
     "mem_fraction": (0.0, 1.0, False, "a fraction of device memory"),
+    "top_p": (0.0, 1.0, False, "a probability mass; 1: no limit"),
 }
 # Files a command writes ('-' is standard output where a command documents it) and directories it writes into.
 OUTPUT_FILES = ("json", "csv", "plot", "markdown", "out", "trace", "raw", "calibrate", "gantt")

@@ -4,6 +4,7 @@
     shardlab collectives --world-size 4 --impl ring  # the same with our ring algorithms
     shardlab bench comm --world-size 2 --ops all_reduce --impl torch,ring --sizes 16M
     shardlab topo                                    # CPUs, memory, GPUs, links, backends
+    shardlab generate runs/gpt-small --prompt "def " # text from a trained model
     torchrun --standalone --nproc-per-node 4 -m shardlab collectives
 """
 
@@ -16,7 +17,7 @@ import signal
 import sys
 
 # Sub-commands, each a module in shardlab.cli with add_parser(subparsers) and run(args) -> int.
-COMMANDS = ["train", "verify", "explain", "memory", "collectives", "bench", "topo", "viz", "checkpoint", "plan", "data", "doctor"]
+COMMANDS = ["train", "verify", "explain", "memory", "collectives", "bench", "topo", "viz", "checkpoint", "generate", "plan", "data", "doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `shardlab COMMAND --help` for each command's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"shardlab {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -36,6 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module.add_parser(sub)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version (its metadata), else the source tree's __version__."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("shardlab")
+    except PackageNotFoundError:  # run from a source checkout that was never installed
+        from shardlab import __version__
+
+        return __version__
 
 
 def main(argv: list[str] | None = None) -> int:

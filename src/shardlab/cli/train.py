@@ -20,7 +20,8 @@ shortcut flags (--model, --dp, ...). It is validated before any rank starts; err
 Every logged step prints loss, learning rate, tokens/s, MFU (where the device's peak is known),
 step time, the share of it spent waiting on communication, and peak tensor memory per rank.
 Outputs in log.out_dir: config.toml, metrics.jsonl (every step), tb/ (TensorBoard), loss.png,
-samples.txt (GPT) and summary.json.
+samples.txt (GPT) and summary.json. Steps are counted from 1 everywhere (step N: N optimizer steps done,
+as checkpoint step_N holds).
 
 examples:
   shardlab train --config configs/gpt-small.toml --dp 2
@@ -28,7 +29,7 @@ examples:
   shardlab train --model mlp --set model.d_model=512 --dp 2 --dp-mode naive
   shardlab train --config configs/gpt-small.toml --dp 2 --tp 2 --sp       # 4 ranks: dp 2 x tp 2
   shardlab train --config configs/gpt-small.toml --pp 2 --schedule 1f1b --microbatches 4
-  shardlab train --config configs/gpt-small.toml --pp 2 --dp 2 --schedule interleaved \
+  shardlab train --config configs/gpt-small.toml --pp 2 --dp 2 --schedule interleaved \\
       --virtual-stages 2 --microbatches 4                                    # 4 ranks: pp 2 x dp 2
   shardlab train --config configs/gpt-small.toml --dp 2 --zero 3 --save-every 50   # sharded checkpoints
   shardlab train --config configs/gpt-small.toml --tp 2 --resume    # continue under another layout
@@ -37,9 +38,11 @@ examples:
   shardlab train --init-from-hf ./hf-model --set model.seq_len=128   # from a local GPT-2 or Llama checkpoint
   shardlab train --config configs/gpt-bpe.toml              # a BPE trained on the stdlib first (cached)
   shardlab train --config configs/gpt-small.toml --set data.source=runs/data/owt.tok   # a token file
+  shardlab train --set data.source=train.bin --set data.val_source=val.bin --set data.vocab_size=50257  # nanoGPT's
+  shardlab train --config configs/gpt-small.toml --steps 10       # a short try: the warm-up is capped to it
   shardlab train --help-config                      # every configuration field, documented
   torchrun --standalone --nproc-per-node 2 -m shardlab train --config configs/gpt-small.toml --dp 2
-  torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m shardlab train --config \
+  torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m shardlab train --config \\
       configs/gpt-small.toml --dp 2 --save-every 20 --resume        # a restarted job resumes itself
 """
 
@@ -175,6 +178,19 @@ def pipeline_adjustments(cfg) -> list[tuple[str, str]]:
     return out
 
 
+def warmup_capped(cfg, args: argparse.Namespace) -> str | None:
+    """A short try (`--steps N` below the configured warm-up) gets its warm-up capped to the run,
+    and the note saying so, rather than a refusal. A warm-up given explicitly (--set
+    train.warmup_steps=...) is the user's word and still checked by validate()."""
+    t = cfg.train
+    explicit = any(o.split("=")[0].strip() == "train.warmup_steps" for o in args.overrides)
+    if getattr(args, "steps", None) is None or explicit or not 0 < t.steps < t.warmup_steps:
+        return None
+    old, t.warmup_steps = t.warmup_steps, t.steps
+    return (f"train.warmup_steps {old} -> {t.steps}: capped to --steps {t.steps}, the whole run warms up "
+            f"(--set train.warmup_steps=N chooses another)")
+
+
 def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags."""
     from shardlab.train.config import ConfigError, load_config
@@ -204,6 +220,9 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
         elif value is not None:
             flags.append(f'{key}="{value}"' if isinstance(value, str) else f"{key}={value}")
     cfg = load_config(args.config, [*family, *args.overrides, *flags], base=base)
+    note = warmup_capped(cfg, args)
+    if note:
+        print(f"shardlab {getattr(args, 'command', 'train')}: {note}", file=sys.stderr)
     ignored = ignored_flags(args, cfg)
     if ignored:
         raise ConfigError("flags this layout would ignore:\n  - " + "\n  - ".join(ignored))

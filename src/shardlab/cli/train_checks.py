@@ -112,6 +112,11 @@ def check_data_before_launch(cfg) -> None:
         # As the ranks will read it (a token file is memory-mapped, not read): a corpus too small for
         # the model's windows is refused here, not by every rank after the launch.
         check_token_ids(cfg, load_corpus(cfg))
+        if cfg.data.val_source:  # every id of the validation file too, before any rank reads it
+            from shardlab.train.corpus import val_config
+            from shardlab.train.task import load_val_corpus
+
+            check_token_ids(val_config(cfg), load_val_corpus(cfg))
         tokenizer = corpus_tokenizer(cfg)
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(str(exc)) from exc

@@ -104,6 +104,9 @@ def problems(cfg: Config) -> list[str]:
         )
     if cfg.log.sample_temperature <= 0:
         out.append(f"log.sample_temperature = {cfg.log.sample_temperature} must be positive")
+    from shardlab.train.trackers import tracker_problems
+
+    out += tracker_problems(cfg.log)
     positive("layout.tp", lay.tp)
     one_of("layout.tp_plan", lay.tp_plan, PLAN_NAMES)
     model_ok = not any(p.startswith("model.") for p in out)

@@ -24,6 +24,7 @@ evenly over the tp ranks and the matrices keep GPU-friendly shapes. The padded r
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -308,6 +309,42 @@ def bytes_per_token(cfg: Config) -> float | None:
     return None
 
 
+def val_config(cfg: Config) -> Config:
+    """A copy of `cfg` whose data.source is data.val_source: the validation file is read exactly as
+    the training source is (its kind, data.token_dtype, data.vocab_size, tokenizer)."""
+    v = copy.deepcopy(cfg)
+    v.data.source, v.data.val_source = cfg.data.val_source, ""
+    return v
+
+
+def val_source_problems(cfg: Config) -> list[str]:
+    """Why data.val_source cannot stand beside data.source (empty: it can, or none is set)."""
+    d = cfg.data
+    if not d.val_source:
+        return []
+    path = Path(d.val_source).expanduser()
+    if not path.is_file():
+        return [f"data.val_source = {d.val_source!r}: no such file (a token file, a raw .bin like nanoGPT's "
+                f"val.bin, or a text file)"]
+    v = val_config(cfg)
+    kind, vkind = source_kind(cfg), source_kind(v)
+    if kind == "text" and d.tokenizer not in ("", "bytes"):
+        return [f"data.val_source = {d.val_source!r} with data.tokenizer = {d.tokenizer!r}: encode both files "
+                f"with `shardlab data prepare --tokenizer ...` and give the two token files"]
+    if vkind != kind:
+        return [f"data.val_source = {d.val_source!r} is a {vkind} file but data.source = {d.source!r} a {kind} "
+                f"source: they must be of one kind (both token files, both .bin, or both text)"]
+    if kind == "tokens":
+        mine, theirs = read_header(_source_path(cfg)), read_header(path)
+        # The tokenizer's record without its path: the same file may sit beside each token file.
+        ours, its = ({k: v for k, v in h.tokenizer.items() if k != "path"} for h in (mine, theirs))
+        if mine.vocab_size != theirs.vocab_size or ours != its:
+            return [f"data.val_source = {d.val_source!r} was made with tokenizer {its} ({theirs.vocab_size:,} "
+                    f"ids), data.source = {d.source!r} with {ours} ({mine.vocab_size:,} ids): validation "
+                    f"must use the training tokenizer"]
+    return []
+
+
 def data_problems(cfg: Config) -> list[str]:
     """The vocabulary and tokenizer fields (train/corpus.py reads them)."""
     m, d = cfg.model, cfg.data
@@ -319,6 +356,8 @@ def data_problems(cfg: Config) -> list[str]:
         out.append(f"data.token_dtype = {d.token_dtype!r} must be one of '', 'uint8', 'uint16', 'uint32'")
     if d.tokenizer == "bpe" and d.bpe_vocab <= 257:
         out.append(f"data.bpe_vocab = {d.bpe_vocab} must be above 257 (256 byte symbols and <|endoftext|>)")
+    if m.name == "gpt" and not out:
+        out += val_source_problems(cfg)
     if m.name == "gpt" and not out:
         try:
             vocab = data_vocab(cfg)

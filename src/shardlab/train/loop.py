@@ -125,8 +125,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     # After the seeding above: a checkpoint restores every rank's random streams over it. The step
     # is also the data position (the samplers are keyed by (seed, step)).
     checkpointer, start_step, resumed = open_checkpoints(cfg, model, optimizer)
-    writer = MetricsWriter(out_dir, cfg.log.tensorboard, resume_step=start_step if resumed else None) \
-        if rank == 0 else None
+    writer = MetricsWriter.for_run(cfg, resume_step=start_step if resumed else None) if rank == 0 else None
     if rank == 0:
         (out_dir / "config.toml").write_text(cfg.to_toml())
         print(f"{cfg.model.name}: {n_params:,} parameters | {world} rank(s), {layout_name(cfg)} | "
@@ -187,12 +186,13 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
                 rec.update(loss_scale=scale, skipped=skipped)
             elif skipped:  # a non-finite gradient norm under optim.on_nonfinite = 'skip'
                 rec["skipped"] = True
-            if rec["step"] == step and evaluating:
+            done = rec["step"] - 1  # the loop's index of the step (records count steps done, from 1)
+            if done == step and evaluating:
                 # Through the wrapper, not the plain module: a layout that shards parameters gathers them in forward.
                 with autocast_context(lay.precision, device):
                     rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
             records.append(rec)
-            rec_logged = rec["step"] % t.log_every == 0 or rec["step"] == t.steps - 1
+            rec_logged = done % t.log_every == 0 or done == t.steps - 1
             if writer is not None:
                 writer.write(rec)
                 if rec_logged or "val_loss" in rec:
@@ -203,7 +203,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             checkpointer.save(step + 1, model, optimizer, config=cfg.to_dict())
         if stopped_by:
             if rank == 0:
-                print(f"{signals.signal_name(stopped_by)}: stopping after step {step} of {t.steps}"
+                print(f"{signals.signal_name(stopped_by)}: stopping after step {step + 1} of {t.steps}"
                       + (f", checkpoint of step {step + 1} saved" if cfg.checkpoint.save_on_signal else ""),
                       flush=True)
             break

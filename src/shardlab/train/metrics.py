@@ -1,5 +1,9 @@
 """What a training run records: per-step metrics to the console, a JSONL file and TensorBoard.
 
+Step numbers count optimizer steps done, from 1, everywhere: the console's "step 100/300", loss.png's
+x axis, metrics.jsonl's "step", TensorBoard's step, and the checkpoint step_00000100/ saved after it
+(so validation with train.eval_every = 100 is logged at step 100, on the weights that checkpoint holds).
+
 MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM appendix B) = the model's FLOPs per
 second (flops_per_token x tokens/s) over the peak of the devices the job uses, at the precision the
 matmuls run in (train/flops.py picks it and states the FLOP convention). It is shown only
@@ -40,7 +44,7 @@ def step_line(rec: dict[str, Any], steps: int) -> str:
     step_s = rec.get("window_step_s") or rec["step_s"]
     speedup = rec["step_s"] / step_s  # the record's own figures are for its (maybe traced) step
     parts = [
-        f"step {rec['step'] + 1:>{len(str(steps))}}/{steps}",
+        f"step {rec['step']:>{len(str(steps))}}/{steps}",
         f"loss {rec['loss']:.4f}",
         f"lr {rec['lr']:.2e}",
         f"{rec['tokens_per_s'] * speedup:,.0f} tok/s",
@@ -65,18 +69,38 @@ def step_line(rec: dict[str, Any], steps: int) -> str:
     return " | ".join(parts)
 
 
-class MetricsWriter:
-    """Appends records to out_dir/metrics.jsonl and scalars to TensorBoard (rank 0 only)."""
+def scalars(rec: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers as TensorBoard and the trackers name them: train/KEY, validation as val/KEY
+    (val_loss -> val/loss), the peak memory of the most loaded rank as train/peak_mem_bytes_max."""
+    out = {}
+    for key, value in rec.items():
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out["val/" + key.removeprefix("val_") if key.startswith("val_") else f"train/{key}"] = float(value)
+        elif key == "peak_mem_bytes" and value:
+            out["train/peak_mem_bytes_max"] = float(max(value))
+    return out
 
-    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None = None) -> None:
-        """resume_step: the run continues from a checkpoint at that step; earlier records are kept
-        (those of later steps, written after the checkpoint by the run that died, are dropped)."""
+
+class MetricsWriter:
+    """Appends records to out_dir/metrics.jsonl and scalars to TensorBoard (rank 0 only).
+
+    TensorBoard: training scalars under train/, validation under val/ (val/loss), the resolved
+    configuration as text (config). Its events are always made from the records: a resumed run
+    rewrites them from the records it keeps, so no step is held twice (TensorBoard would otherwise
+    keep the dead run's steps after the checkpoint beside the new run's)."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None = None,
+                 config_toml: str | None = None, trackers: list[Any] | None = None) -> None:
+        """resume_step: the run continues from a checkpoint at that step; the records up to it are
+        kept (those of later steps, written after the checkpoint by the run that died, are dropped).
+        trackers: train/trackers.py's, each handed the scalars TensorBoard gets, at the same steps."""
+        self.trackers = trackers or []
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
-        kept = []
+        kept: list[str] = []
         if resume_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", -1) < resume_step]
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
         self._jsonl = self.path.open("w")
         self._jsonl.writelines(line + "\n" for line in kept)
         self._tb = None
@@ -85,25 +109,45 @@ class MetricsWriter:
             # log.tensorboard needs it).
             from torch.utils.tensorboard import SummaryWriter
 
-            # A rerun into the same directory starts a fresh curve rather than zig-zagging over the old
-            # one; a resumed run adds a new event file (TensorBoard shows the latest value per step).
-            if resume_step is None:
-                for old in (out_dir / "tb").glob("events.out.tfevents.*"):
-                    old.unlink()
+            # Fresh events every time: a rerun starts a fresh curve rather than zig-zagging over the old
+            # one, and a resumed run replays the records it kept.
+            for old in (out_dir / "tb").glob("events.out.tfevents.*"):
+                old.unlink()
             self._tb = SummaryWriter(str(out_dir / "tb"))
+            if config_toml:
+                # Markdown: indented four spaces, TensorBoard's text tab shows it as a code block.
+                self._tb.add_text("config", "\n".join("    " + line for line in config_toml.splitlines()), 0)
+            for line in kept:
+                self._tb_scalars(json.loads(line))
+            self._tb.flush()
+
+    @classmethod
+    def for_run(cls, cfg: Any, resume_step: int | None = None) -> "MetricsWriter":
+        """The writer of a run of the configuration `cfg` (train/config.py's Config): log.*."""
+        from shardlab.train.trackers import open_trackers
+
+        return cls(Path(cfg.log.out_dir), cfg.log.tensorboard, resume_step=resume_step, config_toml=cfg.to_toml(),
+                   trackers=open_trackers(cfg))
+
+    def _tb_scalars(self, rec: dict[str, Any]) -> None:
+        assert self._tb is not None
+        for name, value in scalars(rec).items():
+            self._tb.add_scalar(name, value, rec["step"])
 
     def write(self, rec: dict[str, Any]) -> None:
         self._jsonl.write(json.dumps(rec) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            for key, value in rec.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"train/{key}", float(value), rec["step"])
-                elif key == "peak_mem_bytes" and value:
-                    self._tb.add_scalar("train/peak_mem_bytes_max", float(max(value)), rec["step"])
+            self._tb_scalars(rec)
             self._tb.flush()  # a live TensorBoard sees every step; a crash loses none
+        if self.trackers:
+            values = scalars(rec)
+            for tracker in self.trackers:
+                tracker.log(values, rec["step"])
 
     def close(self) -> None:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()

@@ -12,7 +12,7 @@ def plot_loss(records: list[dict[str, Any]], path: Path, title: str = "") -> Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] + 1 for r in records]
+    steps = [r["step"] for r in records]  # steps done, from 1 (train/metrics.py)
     losses = [r["loss"] for r in records]
     smooth, ema = [], 0.0
     for i, loss in enumerate(losses, 1):
@@ -20,7 +20,7 @@ def plot_loss(records: list[dict[str, Any]], path: Path, title: str = "") -> Pat
         # dragged towards the first value.
         ema = 0.9 * ema + 0.1 * loss
         smooth.append(ema / (1 - 0.9**i))
-    val = [(r["step"] + 1, r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="train (per step)")
     ax.plot(steps, smooth, color="tab:blue", linewidth=1.6, label="train (smoothed)")

@@ -108,7 +108,10 @@ class DataSection:
     """Read at most this many bytes of text (for a token file or .bin: of ids); 0: 64 MiB of text,
     token files whole."""
     val_fraction: float = 0.05
-    """Fraction of the corpus held out (its tail) for validation loss."""
+    """Fraction of the corpus held out (its tail) for validation loss (unused with data.val_source)."""
+    val_source: str = ""
+    """A separate validation file (nanoGPT's val.bin, or a token file), read as data.source is (the
+    same kind, dtype and tokenizer); then data.source is trained on whole. '': the tail of data.source."""
 
 
 @dataclass
@@ -193,6 +196,22 @@ class LogSection:
     """Peak throughput per rank for MFU; 0: from the device table (known GPUs), else MFU is not shown."""
     memory: bool = True
     """Measure peak tensor memory per rank on logged steps (on CPU this traces every op of those steps)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (pip install 'shardlab[wandb]'): TensorBoard's scalars, names and steps,
+    and the configuration as the run's config (train/trackers.py)."""
+    wandb_project: str = "shardlab"
+    """The W&B project; the run is named and grouped after log.out_dir."""
+    wandb_mode: str = ""
+    """'online', 'offline' (written under out_dir/wandb with no network; `wandb sync` uploads it later) or
+    'disabled'; '': wandb's own default (WANDB_MODE, else online)."""
+    mlflow: bool = False
+    """Also log to MLflow (pip install 'shardlab[mlflow]'): TensorBoard's scalars, names and steps, the
+    configuration as parameters and config.toml as an artifact."""
+    mlflow_uri: str = ""
+    """The MLflow tracking URI ('http://host:5000', 'sqlite:///mlflow.db' with the full mlflow package); '':
+    a local file store, out_dir/mlruns (`mlflow ui --backend-store-uri file:OUT/mlruns` shows it)."""
+    mlflow_experiment: str = "shardlab"
+    """The MLflow experiment the run goes into."""
 
 
 @dataclass

@@ -222,7 +222,10 @@ def build_task(cfg: Config, model: nn.Module, tokens: np.ndarray | None = None) 
     if tokens is None:
         tokens = load_corpus(cfg)
     check_token_ids(cfg, tokens, scan=False)  # a token file's header; raw ids are scanned (they have none)
-    train_tokens, val_tokens = split_tokens(tokens, cfg.data.val_fraction)
+    if cfg.data.val_source:  # a separate validation file: the training source is used whole
+        train_tokens, val_tokens = tokens, load_val_corpus(cfg)
+    else:
+        train_tokens, val_tokens = split_tokens(tokens, cfg.data.val_fraction)
     seq = cfg.model.seq_len
     return Task(
         BatchSampler(train_tokens, seq, t.global_batch, seed=t.seed),
@@ -234,12 +237,23 @@ def build_task(cfg: Config, model: nn.Module, tokens: np.ndarray | None = None) 
     )
 
 
-def load_corpus(cfg: Config) -> np.ndarray:
+def load_val_corpus(cfg: Config) -> np.ndarray:
+    """The ids of data.val_source, read as data.source is (train/corpus.py's val_config)."""
+    from shardlab.train.corpus import val_config
+
+    return load_corpus(val_config(cfg), split=False, field="data.val_source")
+
+
+def load_corpus(cfg: Config, split: bool | None = None, field: str = "data.source") -> np.ndarray:
+    """The ids of data.source. split (default: unless data.val_source is set): the validation
+    split is this corpus's tail, so both parts need a window."""
     from shardlab.train.corpus import bin_dtype, source_kind
 
     source = None if cfg.data.source in ("", "stdlib") else cfg.data.source
-    # Enough tokens that both splits hold at least one window.
-    min_tokens = int((cfg.model.seq_len + 2) / min(cfg.data.val_fraction, 1 - cfg.data.val_fraction)) + 1
+    split = not cfg.data.val_source if split is None else split
+    # Enough tokens that both splits (or the one corpus) hold at least one window.
+    min_tokens = int((cfg.model.seq_len + 2) / min(cfg.data.val_fraction, 1 - cfg.data.val_fraction)) + 1 \
+        if split else cfg.model.seq_len + 2
     dtype = bin_dtype(cfg) if source_kind(cfg) == "bin" else None
     if cfg.data.max_bytes:
         tokens = load_tokens(source, max_bytes=cfg.data.max_bytes, token_dtype=dtype, min_tokens=0)
@@ -247,8 +261,9 @@ def load_corpus(cfg: Config) -> np.ndarray:
         tokens = load_tokens(source, token_dtype=dtype, min_tokens=0)
     if len(tokens) < min_tokens:  # named in the fields that set both numbers, not in load_tokens' terms
         capped = f" (read up to data.max_bytes = {cfg.data.max_bytes:,})" if 0 < cfg.data.max_bytes <= tokens.nbytes else ""
-        raise ValueError(f"data.source = {cfg.data.source!r} holds {len(tokens):,} tokens{capped}, fewer than the "
+        where = (f"in both the training and the validation split (data.val_fraction = {cfg.data.val_fraction})"
+                 if split else "")
+        raise ValueError(f"{field} = {cfg.data.source!r} holds {len(tokens):,} tokens{capped}, fewer than the "
                          f"{min_tokens:,} needed for a window of model.seq_len = {cfg.model.seq_len} tokens and its "
-                         f"targets in both the training and the validation split (data.val_fraction = "
-                         f"{cfg.data.val_fraction}): use more data or a shorter model.seq_len")
+                         f"targets {where}: use more data or a shorter model.seq_len".replace(" :", ":"))
     return tokens

@@ -139,7 +139,7 @@ class StepWindow:
             self.shown_s = sorted(self.untraced)[len(self.untraced) // 2]
         shares = [r[col["comm_wait"]] / r[col["seconds"]] for r in ranks]
         rec: dict[str, Any] = {
-            "step": p.step,
+            "step": p.step + 1,  # steps done, from 1: one numbering everywhere (train/metrics.py)
             "loss": sum(ranks[i][col["loss"]] for i in leaders) / len(leaders),
             "lr": self.lr_of(p.step),
             "grad_norm": ranks[0][col["grad_norm"]],
