@@ -104,15 +104,19 @@ def read_header(path: str | os.PathLike[str]) -> TokenFileHeader:
     if raw[: len(MAGIC)] != MAGIC:
         raise ValueError(f"{path}: not a shardlab token file (it does not start with {MAGIC!r}); "
                          f"make one with `shardlab data prepare`")
-    try:
-        values = json.loads(raw[len(MAGIC):].rstrip(b"\0"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: token file header is not valid JSON: {exc}") from exc
-    known = set(TokenFileHeader.__dataclass_fields__)
-    header = TokenFileHeader(**{k: v for k, v in values.items() if k in known})
-    if header.version > VERSION:
-        raise ValueError(f"{path}: token file version {header.version} is newer than this shardlab reads ({VERSION})")
-    expected = header.docs_offset + 8 * header.documents
+    try:  # a garbled header: bytes that are not UTF-8 or not JSON, or JSON that is not a header
+        values = json.loads(raw[len(MAGIC):].rstrip(b"\0").decode("utf-8"))
+        if not isinstance(values, dict):
+            raise ValueError(f"a JSON {type(values).__name__}, not an object")
+        known = set(TokenFileHeader.__dataclass_fields__)
+        header = TokenFileHeader(**{k: v for k, v in values.items() if k in known})
+        if header.version > VERSION:
+            raise ValueError(f"{path}: token file version {header.version} is newer than this shardlab reads ({VERSION})")
+        expected = header.docs_offset + 8 * header.documents
+    except (ValueError, TypeError, AttributeError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        if str(exc).startswith(f"{path}: "):
+            raise
+        raise ValueError(f"{path}: token file header is not valid: {exc}") from exc
     size = path.stat().st_size
     if size != expected:
         raise ValueError(f"{path}: {size} bytes, but its header ({header.count} {header.dtype} ids, "

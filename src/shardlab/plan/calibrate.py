@@ -29,7 +29,14 @@ def load_calibration(path: str | Path) -> dict:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no calibration at {p}: run `shardlab plan --calibrate {p}` on this machine first")
-    return json.loads(p.read_text())
+    try:
+        cal = json.loads(p.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{p}: not a calibration (`shardlab plan --calibrate` writes one): {exc}") from exc
+    if not isinstance(cal, dict):
+        raise ValueError(f"{p}: not a calibration (`shardlab plan --calibrate` writes one): a JSON "
+                         f"{type(cal).__name__}, not an object")
+    return cal
 
 
 # The reference step: a GPT of another shape than any the local validation runs (validate_local.py).
