@@ -40,7 +40,9 @@ from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import build_task, prepare_model
+from shardlab.parallel.gradnorm import clip_coefficient
 from shardlab.train.verify_noise import AdamBound, bound_report, compare, format_bars, merge, table_worst
+from shardlab.train.verify_terms import TermMass, chain_length, mass_floors
 
 # A command's own defaults: models small enough that 4 ranks on 2 cores verify in seconds, and a
 # global batch of 12 that divides by 1, 2, 3 and 4 ranks.
@@ -95,17 +97,19 @@ def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float]
 
 
 def _worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], atol: float,
-           rtol: float, rtol_extra: dict[str, float] | None = None) -> tuple[float, float, float, str]:
+           rtol: float, rtol_extra: dict[str, float] | None = None,
+           floor: dict[str, float] | None = None) -> tuple[float, float, float, str]:
     """Over named pairs: the largest absolute difference, the largest difference relative to its
-    tensor's scale, the largest share of the allowance atol + (rtol + rtol_extra[name]) x scale used
-    (<= 1 passes), and the name of the tensor that used the most."""
+    tensor's scale, the largest share of the allowance max(atol + (rtol + rtol_extra[name]) x scale,
+    floor[name]) used (<= 1 passes; floor: the gradients' noise floor, absolute), and the name of the
+    tensor that used the most."""
     abs_max = rel_max = used_max = 0.0
     name_max = ""
     for name, a, b in pairs:
         d, scale = _diff(a, b)
         abs_max = max(abs_max, d)
         rel_max = max(rel_max, d / scale if scale > 0 else (0.0 if d == 0 else float("inf")))
-        allowed = atol + (rtol + (rtol_extra or {}).get(name, 0.0)) * scale
+        allowed = max(atol + (rtol + (rtol_extra or {}).get(name, 0.0)) * scale, (floor or {}).get(name, 0.0))
         used = d / allowed if allowed > 0 else (0.0 if d == 0 else float("inf"))
         if used > used_max or not name_max:
             used_max, name_max = used, name
@@ -156,8 +160,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     whole size, far more than a precision's rounding.
 
     noise_floor (fp32), for configurations whose AdamW magnifies rounding (train/verify_noise.py):
-    every step after the first starts the reference from the layout's parameters, the loss, gradients
-    and norm keep the strict bars, and each parameter element is allowed, on top of its strict bar,
+    every step after the first starts the reference from the layout's parameters, the loss and norm
+    keep the strict bars, a gradient from the second step on is allowed max(its strict bar, the a
+    priori rounding bound on its term mass) (train/verify_terms.py), and each parameter element, on top of its strict bar,
     what AdamW's arithmetic makes of the two runs' gradient differences (AdamBound).
 
     ref_micro_batches, ref_noise_ulps: the reference's rounding perturbed, to check that verdicts do
@@ -185,6 +190,11 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     # bf16 autocast rounds like bf16 parameters do: allowances from the same comparison with fp32.
     mixed = get_precision(cfg.layout.precision).mixed or get_precision(cfg.layout.precision).autocast is not None
     bound = AdamBound() if noise_floor and not mixed else None
+    terms = TermMass(reference) if bound is not None else None  # the gradients' bar (verify_terms.py)
+    gpt = cfg.model.name == "gpt"
+    chain = chain_length(reference, t.global_batch * (cfg.model.seq_len if gpt else 1),
+                         cfg.model.n_layer * cfg.model.seq_len if gpt else 0)
+    grad_floor_top = (0.0, "")
     bound_table: dict[str, dict[str, float]] = {}
     if mixed:
         cfg32 = copy.deepcopy(cfg)
@@ -214,9 +224,24 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                 _perturb(reference, ref_noise_ulps, step)
             captured.update(ref=_unscaled(_grads(reference), scales[1]))
 
+        if terms is not None:
+            terms.reset()
+            terms.enabled = True
         ref = train_step(reference, ref_opt, task, step, lr=lr_at(step, cfg), micro_batches=ref_micro_batches,
                          before_update=ref_grads, **common)
         ref_params = dict(reference.named_parameters())
+        floors = None
+        if terms is not None:
+            terms.enabled = False
+            # From the second step: the first, from the initial weights, keeps the strict bars (nothing
+            # has trained into cancellation yet; a fault in the gradients shows there at full strength).
+            floors = mass_floors(terms.mass, clip_coefficient(ref.grad_norm, cfg.optim.grad_clip or math.inf),
+                                 chain) if step > 0 else {}
+            for n, f in floors.items():
+                g = captured["ref"].get(n)
+                scale = 0.0 if g is None else g.detach().double().abs().max().item()
+                if scale > 0 and f / scale > grad_floor_top[0]:
+                    grad_floor_top = (f / scale, n)
         # What the precision itself costs (0 in fp32): the reference against the same single
         # process in fp32, the largest so far (one step's figure can be near zero by coincidence,
         # two errors cancelling). Gradients per tensor, relative to its scale: a layout bug shows in
@@ -247,7 +272,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         loss_par = loss.item() / dist.get_world_size(dp_group)
         grad_abs, grad_rel, grad_used, grad_name = _worst(
             [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]], 0.0, grad_tol,
-            {n: mp_factor * g for n, g in grad_gap.items()})
+            {n: mp_factor * g for n, g in grad_gap.items()}, floors)
         # Sharded parameters (ZeRO-3, tensor parallelism) gathered whole, by their original names.
         held = full_parameters(model)
         missing = sorted(set(ref_params) - set(held))
@@ -294,7 +319,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         })
         if bound is not None:  # this step's largest element allowance from AdamW, and who needed it
             rows[-1].update(anchored=step > 0, adam_bound_max=max((b["bound"] for b in table.values()), default=0.0),
-                            adam_bound_needed=sorted(n for n, b in table.items() if b["above_strict"]))
+                            adam_bound_needed=sorted(n for n, b in table.items() if b["above_strict"]),
+                            grad_floor_rel=grad_floor_top[0], grad_floor_from=grad_floor_top[1])
         r = rows[-1]
         if mixed:
             r.update(precision_loss_gap=gap["loss"], precision_rel_grad_gap=max(grad_gap.values(), default=0.0),
@@ -304,7 +330,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                            and r["grad_norm_allowance_used"] <= 1.0 and res.skipped == ref.skipped)
     bars = None
     if noise_floor:  # per parameter, its step closest to the allowance (each tensor's worst rank)
-        bars = bound_report(bound_table, t.steps) if bound is not None else {
+        bars = bound_report(bound_table, t.steps, chain, *grad_floor_top) if bound is not None else {
             "measured": False, "why": "mixed precision: the precision's own error, measured against fp32, is the allowance"}
     if rank != 0:
         return None

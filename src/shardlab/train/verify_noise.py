@@ -20,12 +20,17 @@ Two changes make the bound derivable, both in verify_rank with `noise_floor` on 
 1. **Each step from the layout's own state.** Before every step after the first, the reference's
    parameters are set to the layout's (gathered whole). Both then compute the gradient at the same
    weights, so a correct layout's gradients, loss and gradient norm differ from the reference's by
-   the rounding of a reordered sum only, every step: they keep the strict bars throughout (no floor,
-   no growth). The reference keeps its own optimizer state (a layout whose state is wrong is not
-   copied into the reference), so a step checks: the layout's update, from its state and its
-   gradient, is the single process's update from its state and its gradient, up to what the
-   gradients' (checked) differences can make of it. By induction over the steps that is the same
-   training as one process, without trajectories that rounding alone makes part.
+   the rounding of one forward and backward summed in another order, every step: nothing Adam
+   magnified carries over. The loss and the gradient norm keep the strict bars; the gradients too at
+   the first step, and from the second on max(their strict bar, gamma_n x their largest term mass)
+   (train/verify_terms.py): where a gradient's terms cancel (a norm's bias, late in training) its
+   rounding lives on the scale of the terms, not of the cancelled result; gamma_n = n u / (1 - n u)
+   is the a priori bound on a sum of n terms in any order, n the batch's tokens plus the reductions a
+   term passes through. The reference keeps its own optimizer state (a layout
+   whose state is wrong is not copied into the reference), so a step checks: the layout's update,
+   from its state and its gradient, is the single process's update from its state and its gradient,
+   up to what the gradients' (checked) differences can make of it. By induction over the steps that
+   is the same training as one process, without trajectories that rounding alone makes part.
 
 2. **The parameter bar, element by element, from AdamW's arithmetic** (AdamBound). For each element,
    with the reference's gradient g_r and the layout's g_l (both gathered, both checked), the first
@@ -52,7 +57,9 @@ widens that element's allowance by exactly what AdamW makes of it. It is tight w
 sensitive (an element whose gradient is far above its difference gets an allowance of about lr x
 |g_l - g_r| / sqrt(v)), so a fault in the optimizer (a shard stepped with a wrong lr, weight decay
 lost on one rank, state mixed up) still fails on the elements that carry it; a fault in the
-gradients fails on the strict gradient bar at the step it happens. tests/test_verify_noise.py checks
+gradients fails on the gradient bar at the step it happens (a wrong shard or a lost reduction
+moves a gradient by its own size; the gradient bar is at most 1e-4 of a gradient's scale on
+verify's small model with gpt-small's optimizer). tests/test_verify_noise.py checks
 both, and that the verdicts hold with the reference's rounding perturbed (it sums over 2 micro-
 batches and its gradients move by a few ulps of their scale: what another CPU could do).
 
@@ -192,10 +199,12 @@ def merge(into: dict[str, dict[str, float]], table: dict[str, dict[str, float]],
             into[n] = step
 
 
-def bound_report(table: dict[str, dict[str, float]], steps: int) -> dict[str, Any]:
-    """The report's `noise_floor` entry: how the bar was formed and, per parameter, the step it was
-    closest to its allowance."""
-    return {"measured": True, "kind": "adamw bound", "anchored": steps > 1,
+def bound_report(table: dict[str, dict[str, float]], steps: int, chain: int, grad_floor_rel: float,
+                 grad_floor_from: str) -> dict[str, Any]:
+    """The report's `noise_floor` entry: how the bars were formed, the gradients' largest floor
+    relative to its scale and, per parameter, the step it was closest to its allowance."""
+    return {"measured": True, "kind": "adamw bound", "anchored": steps > 1, "chain": chain,
+            "grad_floor_rel": grad_floor_rel, "grad_floor_from": grad_floor_from,
             "parameters": {n: {"bar": "adamw bound" if t["above_strict"] else "strict", **t} for n, t in table.items()}}
 
 
@@ -208,10 +217,12 @@ def format_bars(report: dict[str, Any]) -> list[str]:
         return [f"noise floor: not used ({nf['why']})"]
     table = nf["parameters"]
     needed = sorted((n for n, t in table.items() if t["above_strict"]), key=lambda n: -table[n]["used"])
-    lines = ["noise floor (derived: AdamW bound): every step from the layout's own parameters (the reference is set to "
-             "them before each step), loss, gradients and gradient norm on the strict bars; each parameter element "
-             "within its strict bar + what AdamW makes of the two runs' gradient differences (moments within "
-             "their EMA of |g_l - g_r|, capped by the largest update AdamW can make)",
+    lines = ["noise floor: every step from the layout's own parameters (the reference is set to them before each "
+             "step); loss and gradient norm on the strict bars; each parameter element within its strict bar + "
+             "the AdamW bound (what AdamW makes of the two runs' gradient differences: moments within their EMA of "
+             "|g_l - g_r|, capped by the largest update AdamW can make)",
+             f"  gradients: step 1 strict, then max(strict bar, gamma_n x the largest term mass, n = {nf['chain']}); the "
+             f"widest relative to its scale {nf['grad_floor_rel']:.2e} ({nf['grad_floor_from'] or '-'})",
              f"  parameters: {len(needed)} of {len(table)} had elements above their strict bar, within the bound"
              + (":" if needed else "")]
     for n in needed:
