@@ -56,3 +56,18 @@ def test_a_garbled_hugging_face_config_is_named(tmp_path):
     (tmp_path / "config.json").write_bytes(GARBLED)
     with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / 'config.json'}: cannot read it as JSON")):
         _read_config(tmp_path)
+
+
+def test_nan_in_a_calibration_or_bench_comm_file_is_refused_naming_file_and_key(tmp_path):
+    """JSON reads NaN and Infinity; a nan rate would rank layouts by nan step times."""
+    from shardlab.plan.alphabeta import load_fits
+    from shardlab.plan.calibrate import load_calibration
+
+    cal = tmp_path / "cal.json"
+    cal.write_text('{"host": "h", "matmul_grid": [{"m": 1, "k": 1, "n": 1, "flops_per_s": NaN}]}')
+    with pytest.raises(ValueError, match=re.escape(f"{cal}: matmul_grid[0].flops_per_s = nan is not a finite number")):
+        load_calibration(cal)
+    fits = tmp_path / "bench.json"
+    fits.write_text('{"fits": [{"op": "all_reduce", "alpha": Infinity}]}')
+    with pytest.raises(ValueError, match=re.escape(f"{fits}: fits[0].alpha = inf is not a finite number")):
+        load_fits(fits)

@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from shardlab.plan.alphabeta import first_nonfinite
+
 
 def default_calibration_path() -> Path:
     return Path(os.environ.get("SHARDLAB_PLAN_CALIBRATION", "docs/results/plan_calibration.json"))
@@ -36,6 +38,9 @@ def load_calibration(path: str | Path) -> dict:
     if not isinstance(cal, dict):
         raise ValueError(f"{p}: not a calibration (`shardlab plan --calibrate` writes one): a JSON "
                          f"{type(cal).__name__}, not an object")
+    bad = first_nonfinite(cal)
+    if bad:
+        raise ValueError(f"{p}: {bad} is not a finite number; calibrate again (`shardlab plan --calibrate {p}`)")
     return cal
 
 
