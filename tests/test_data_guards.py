@@ -255,7 +255,7 @@ def test_a_garbled_or_incomplete_header_is_named(tmp_path, capsys):
     assert "garbled.tok: token file header is not valid JSON" in capsys.readouterr().err
     partial = tmp_path / "partial.tok"
     partial.write_bytes(MAGIC + b'{"vocab_size": 256}' + b"\0" * 4069)
-    with pytest.raises(ValueError, match=r"partial.tok: token file header is not a token file's"):
+    with pytest.raises(ValueError, match=r"partial.tok: token file header is not valid: not a token file's"):
         read_header(partial)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -90,3 +91,15 @@ def test_collective_validation_rows_and_their_errors():
     tpu = [r for r in listed if r["hardware"] == "tpu-v5e"]
     assert abs(tpu[0]["error"]) < 0.1 and abs(tpu[1]["error"]) < 0.15
     assert tpu[2]["predicted"] < 8     # latency-bound: our 1 us per hop underestimates it
+
+
+@pytest.mark.parametrize("item", ["gbps=nan", "gbps=inf", "us=nan", "eff=nan", "oversub=inf"])
+def test_link_flag_refuses_nan_and_inf_naming_the_key(item):
+    """gbps=nan passed every `<= 0` check and ranked layouts by nan step times."""
+    text = "x:size=8,gbps=100," + item if not item.startswith("gbps") else "x:size=8," + item
+    with pytest.raises(ValueError, match=f"{item.split('=')[0]}={item.split('=')[1]} is not a finite number"):
+        parse_link(text)
+    with pytest.raises(ValueError, match="all finite"):
+        Level("x", 8, "switch", math.nan, 1e-6)
+    with pytest.raises(ValueError, match="oversubscription > 0"):
+        Level("x", 8, "fat-tree", 1e9, 1e-6, oversubscription=0.0)

@@ -153,3 +153,19 @@ def test_tp_overlap_switch_orders_the_exposed_communication():
         times = [step_time(spec, replace(base, **kw), hw, 8).comm_exposed_s
                  for kw in ({"tp_overlap": False}, {}, {"tp_comm_overlap": True})]
         assert times[0] > times[1] > times[2] >= 0, (hw.name, times)
+
+
+def test_search_over_a_billion_gpus_returns_bounded():
+    """`plan --gpus 1000000000` never returned: the pipeline degrees were every divisor found by
+    counting to a billion. Divisors now come from the factorisation, and pp above the layers is not
+    built (a stage holds a layer at least): a 4-layer model over 10^9 GPUs tries pp 1, 2 and 4."""
+    from shardlab.plan.search import _divisors
+
+    assert _divisors(10**9)[:8] == [1, 2, 4, 5, 8, 10, 16, 20] and len(_divisors(10**9)) == 100
+    assert _divisors(999999937) == [1, 999999937]  # a prime: trial division to its square root only
+    assert all(_divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 200))
+    spec = replace(get_model("llama2-7b"), layers=4)
+    result = search(spec, get_hardware("h100-sxm"), gpus=10**9, global_batch=2 * 10**9)
+    assert result.ranked and {e.layout.pp for e in result.ranked} <= {1, 2, 4}
+    assert all(e.layout.dp * e.layout.tp * e.layout.pp * e.layout.cp * e.layout.ep == 10**9 for e in result.ranked)
+    assert result.rejected["pp above the 4 layers"] > 0

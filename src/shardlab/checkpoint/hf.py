@@ -166,7 +166,13 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not f.is_file():
         raise CheckpointError(f"{path}: no config.json; a Hugging Face model directory holds config.json and "
                               f"*.safetensors (save_pretrained writes both)")
-    return json.loads(f.read_text())
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{f}: cannot read it as JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{f}: a JSON {type(data).__name__}, not a Hugging Face config (an object)")
+    return data
 
 
 def hf_model_fields(path: str | os.PathLike) -> dict[str, Any]:

@@ -21,7 +21,9 @@ Every logged step prints loss, learning rate, tokens/s, MFU (where the device's 
 step time, the share of it spent waiting on communication, and peak tensor memory per rank.
 Outputs in log.out_dir: config.toml, metrics.jsonl (every step), tb/ (TensorBoard), loss.png,
 samples.txt (GPT) and summary.json. Steps are counted from 1 everywhere (step N: N optimizer steps done,
-as checkpoint step_N holds).
+as checkpoint step_N holds). One run at a time: a second run into a log.out_dir in use is refused,
+naming the first's pid and host; a directory that holds a run (metrics.jsonl, checkpoints) needs
+--resume (continue it) or --overwrite (start afresh, deleting its checkpoints).
 
 examples:
   shardlab train --config configs/gpt-small.toml --dp 2
@@ -160,6 +162,10 @@ def add_checkpoint_options(p: argparse.ArgumentParser) -> None:
                         "given (refused if damaged): same losses and parameters as an uninterrupted run; any "
                         "layout loads any other's. 'latest' starts afresh when there is none, so a job restarted "
                         "by torchrun --max-restarts resumes by itself (checkpoint.resume)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a log.out_dir that holds a run (metrics.jsonl or checkpoints): its "
+                        "checkpoints and TensorBoard events are deleted first (without it, or --resume, such a "
+                        "directory is refused; train/run_dir.py)")
     g.add_argument("--save-on-signal", action="store_true", default=None,
                    help="on SIGTERM, SIGHUP or Ctrl-C, stop at the next step boundary and save a checkpoint of the "
                         "steps done before exiting, as preemptible clusters need (without it the run still stops "
@@ -282,13 +288,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from shardlab.dist.signals import Terminated
     from shardlab.train.loop import train_rank
+    from shardlab.train.run_dir import RunDirError
 
+    try:
+        lock = claim_run_dir(cfg, bool(cfg.checkpoint.resume), args.overwrite)
+    except RunDirError as exc:
+        print(f"shardlab train: {exc}", file=sys.stderr)
+        return 2
     try:
         summary = launch(train_rank, None if under_torchrun() else cfg.world_size, cfg.to_dict(),
                          **launch_kwargs(args))[0]
     except Terminated:
         discard_partial_save(cfg)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
     if summary is None:  # a torchrun rank other than 0
         return 0
     if not summary["steps"]:
@@ -329,6 +344,31 @@ def run(args: argparse.Namespace) -> int:
         return signals.exit_code(signum)
     return 0
 
+
+
+def claim_run_dir(cfg, resume: bool, overwrite: bool):
+    """Lock log.out_dir for this run and refuse one that holds a run unless resumed or overwritten
+    (train/run_dir.py); under torchrun only global rank 0 does (the others write nothing there
+    first). Returns the lock to release, or None."""
+    from shardlab.dist import under_torchrun
+    from shardlab.dist.env import read_torchrun_env
+    from shardlab.train.loop import checkpoint_dir
+    from shardlab.train.run_dir import RunLock, check_run_dir
+
+    if under_torchrun() and read_torchrun_env().rank != 0:
+        return None
+    lock = RunLock(cfg.log.out_dir).acquire()
+    if lock.note:
+        print(f"shardlab train: {lock.note}", file=sys.stderr)
+    try:
+        removed = check_run_dir(cfg.log.out_dir, str(checkpoint_dir(cfg)), resume, overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    if removed:
+        print(f"shardlab train: --overwrite: deleted {len(removed)} item(s) of the previous run: "
+              + ", ".join(removed[:4]) + (" ..." if len(removed) > 4 else ""), file=sys.stderr)
+    return lock
 
 
 def discard_partial_save(cfg) -> None:

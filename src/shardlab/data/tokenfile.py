@@ -113,7 +113,7 @@ def read_header(path: str | os.PathLike[str]) -> TokenFileHeader:
         header = TokenFileHeader(**{k: v for k, v in values.items() if k in known})
         header.docs_offset  # noqa: B018 - a dtype or count of the wrong kind fails here, not later
     except (AttributeError, TypeError) as exc:  # not an object, a field missing or of the wrong type
-        raise ValueError(f"{path}: token file header is not a token file's: {exc}") from exc
+        raise ValueError(f"{path}: token file header is not valid: not a token file's ({exc})") from exc
     if header.version > VERSION:
         raise ValueError(f"{path}: token file version {header.version} is newer than this shardlab reads ({VERSION})")
     expected = header.docs_offset + 8 * header.documents

@@ -49,12 +49,15 @@ def load_dumps(directory: str | Path) -> dict[int, dict]:
     for path in sorted(folder.glob("rank*.json")):
         try:
             data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, and UnicodeDecodeError for garbled bytes
             raise DoctorError(f"{path}: not a readable flight record: {exc}") from exc
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise DoctorError(f"{path}: not a shardlab flight record (format {data.get('format')!r}, "
                               f"expected {FORMAT!r})" if isinstance(data, dict) else f"{path}: not a JSON object")
-        dumps[int(data["rank"])] = data
+        try:
+            dumps[int(data["rank"])] = data
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DoctorError(f"{path}: a flight record without a rank number ({exc!r})") from exc
     if not dumps:
         raise DoctorError(f"{folder} holds no flight records (rank*.json)")
     return dumps

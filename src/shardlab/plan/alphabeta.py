@@ -182,9 +182,25 @@ def save_fits(fits: Sequence[AlphaBeta], path: str | Path) -> None:
     Path(path).write_text(json.dumps({"fits": [f.to_dict() for f in fits]}, indent=2) + "\n")
 
 
+def first_nonfinite(value: object, where: str = "") -> str | None:
+    """The JSON path of the first nan or inf number in `value` (JSON reads NaN and Infinity), or None:
+    a measured rate that is nan would rank layouts by nan times."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where or 'the value'} = {value}"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = first_nonfinite(item, f"{where}[{key!r}]" if isinstance(key, int) else f"{where}.{key}".lstrip("."))
+        if found:
+            return found
+    return None
+
+
 def load_fits(path: str | Path) -> list[AlphaBeta]:
     """Fits from a file written by save_fits or by `shardlab bench comm --json` (its "fits" key)."""
     data = json.loads(Path(path).read_text())
+    bad = first_nonfinite(data)
+    if bad:
+        raise ValueError(f"{path}: {bad} is not a finite number")
     items = data["fits"] if isinstance(data, dict) else data
     return [AlphaBeta.from_dict(d) for d in items]
 

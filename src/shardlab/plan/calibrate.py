@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from shardlab.plan.alphabeta import first_nonfinite
+
 
 def default_calibration_path() -> Path:
     return Path(os.environ.get("SHARDLAB_PLAN_CALIBRATION", "docs/results/plan_calibration.json"))
@@ -29,7 +31,17 @@ def load_calibration(path: str | Path) -> dict:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no calibration at {p}: run `shardlab plan --calibrate {p}` on this machine first")
-    return json.loads(p.read_text())
+    try:
+        cal = json.loads(p.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{p}: not a calibration (`shardlab plan --calibrate` writes one): {exc}") from exc
+    if not isinstance(cal, dict):
+        raise ValueError(f"{p}: not a calibration (`shardlab plan --calibrate` writes one): a JSON "
+                         f"{type(cal).__name__}, not an object")
+    bad = first_nonfinite(cal)
+    if bad:
+        raise ValueError(f"{p}: {bad} is not a finite number; calibrate again (`shardlab plan --calibrate {p}`)")
+    return cal
 
 
 # The reference step: a GPT of another shape than any the local validation runs (validate_local.py).

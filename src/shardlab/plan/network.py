@@ -51,9 +51,11 @@ class Level:
             return                      # shaped later by resolve(), when the device count is known
         if self.kind not in KINDS:
             raise ValueError(f"level {self.name}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if self.bandwidth <= 0 or self.latency < 0 or not 0 <= self.efficiency <= 1:
+        if not (0 < self.bandwidth < math.inf and 0 <= self.latency < math.inf and 0 <= self.efficiency <= 1
+                and 0 < self.oversubscription < math.inf):
             raise ValueError(f"level {self.name}: bandwidth must be > 0, latency >= 0, efficiency in [0, 1] "
-                             f"(0: the hardware's), got {self.bandwidth}, {self.latency}, {self.efficiency}")
+                             f"(0: the hardware's), oversubscription > 0, all finite; got {self.bandwidth}, "
+                             f"{self.latency}, {self.efficiency}, {self.oversubscription}")
         if self.kind == "torus" and (len(self.dims) != len(self.wrap) or math.prod(self.dims) != self.size):
             raise ValueError(f"level {self.name}: a torus needs dims multiplying to its size {self.size} "
                              f"and a wrap flag per axis, got {self.dims} and {self.wrap}")
@@ -218,12 +220,19 @@ def parse_link(text: str) -> Level:
     known = {"size", "kind", "gbps", "us", "eff", "oversub", "dims", "wrap", "sharp"}
     if set(kv) - known:
         raise ValueError(f"--link {text!r}: unknown key(s) {sorted(set(kv) - known)}; known: {sorted(known)}")
+    def number(key: str, default: str | None = None) -> float:
+        # nan passes every `<= 0` test and would rank layouts by nan times; inf is no bandwidth either.
+        value = float(kv[key] if default is None else kv.get(key, default))
+        if not math.isfinite(value):
+            raise ValueError(f"{key}={kv[key]} is not a finite number")
+        return value
+
     try:
         dims = tuple(int(d) for d in kv["dims"].split("x")) if "dims" in kv else ()
         wrap = tuple(c == "y" for c in kv.get("wrap", "y" * len(dims)))
         size = math.prod(dims) if dims else int(kv.get("size", "0"))
-        return Level(name, size, kv.get("kind", "torus" if dims else "switch"), float(kv["gbps"]) * 1e9,
-                     float(kv.get("us", "5")) * 1e-6, float(kv.get("eff", "0")), float(kv.get("oversub", "1")),
+        return Level(name, size, kv.get("kind", "torus" if dims else "switch"), number("gbps") * 1e9,
+                     number("us", "5") * 1e-6, number("eff", "0"), number("oversub", "1"),
                      dims, wrap, kv.get("sharp", "0") in ("1", "y", "yes", "true"))
     except KeyError as exc:
         raise ValueError(f"--link {text!r}: missing {exc.args[0]}=") from None

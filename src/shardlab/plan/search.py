@@ -84,7 +84,22 @@ def _pow2_upto(n: int) -> list[int]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending, from its prime factorisation: trial division up to sqrt(n) (31,623
+    candidates for a billion), where counting up to n would never return for a large --gpus. There
+    are few of them (at most 1,344 below 10^9)."""
+    factors: dict[int, int] = {}
+    rest, p = n, 2
+    while p * p <= rest:
+        while rest % p == 0:
+            factors[p] = factors.get(p, 0) + 1
+            rest //= p
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        factors[rest] = factors.get(rest, 0) + 1
+    out = [1]
+    for prime, power in factors.items():
+        out = [d * prime ** k for d in out for k in range(power + 1)]
+    return sorted(out)
 
 
 def candidates(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, base: PlanLayout,
@@ -96,13 +111,20 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, base
     out = []
     for tp in choices("tp", _pow2_upto(min(gpus, hw.devices_per_node))):
         for cp in choices("cp", [c for c in _pow2_upto(8) if c * tp <= gpus]):
-            for pp in choices("pp", [p for p in _divisors(gpus // (tp * cp)) if gpus % (tp * cp) == 0]):
+            # pp at most the layers (a stage holds at least one): a layout checks that too, but over a
+            # billion GPUs the divisors above it would each be built and refused, variant by variant.
+            pps = [p for p in _divisors(gpus // (tp * cp)) if gpus % (tp * cp) == 0]
+            if "pp" not in pinned and any(p > spec.layers for p in pps):
+                rejected[f"pp above the {spec.layers} layers"] += sum(p > spec.layers for p in pps)
+                pps = [p for p in pps if p <= spec.layers]
+            for pp in choices("pp", pps):
                 if gpus % (tp * cp * pp):
                     rejected["tp x cp x pp does not divide the GPUs"] += 1
                     continue
                 rest = gpus // (tp * cp * pp)   # dp x ep: ep is its own axis, as in the trainer's mesh
-                eps = _divisors(rest) if spec.experts > 1 else [1]
-                for ep in choices("ep", [e for e in eps if spec.experts % e == 0]):
+                # ep divides both the experts and dp x ep: the experts' divisors, not rest's (few, bounded)
+                eps = [e for e in _divisors(spec.experts) if rest % e == 0] if spec.experts > 1 else [1]
+                for ep in choices("ep", eps):
                     if rest % ep or ("dp" in pinned and rest // ep != base.dp):
                         continue
                     shape = replace(base, dp=rest // ep, tp=tp, pp=pp, cp=cp, ep=ep)

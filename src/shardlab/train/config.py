@@ -192,8 +192,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found")
         try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8: other bytes are no config
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
         for section, values in data.items():
             if section not in SECTIONS or not isinstance(values, dict):

@@ -40,7 +40,9 @@ from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import build_task, prepare_model
-from shardlab.train.verify_noise import NOISE_FACTOR, NoiseFloor, format_bars, noise_report
+from shardlab.parallel.gradnorm import clip_coefficient
+from shardlab.train.verify_noise import AdamBound, bound_report, compare, format_bars, merge, table_worst
+from shardlab.train.verify_terms import TermMass, chain_length, mass_floors
 
 # A command's own defaults: models small enough that 4 ranks on 2 cores verify in seconds, and a
 # global batch of 12 that divides by 1, 2, 3 and 4 ranks.
@@ -99,8 +101,8 @@ def _worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], at
            floor: dict[str, float] | None = None) -> tuple[float, float, float, str]:
     """Over named pairs: the largest absolute difference, the largest difference relative to its
     tensor's scale, the largest share of the allowance max(atol + (rtol + rtol_extra[name]) x scale,
-    floor[name]) used (<= 1 passes; floor: the noise floor, absolute), and the name of the tensor
-    that used the most."""
+    floor[name]) used (<= 1 passes; floor: the gradients' noise floor, absolute), and the name of the
+    tensor that used the most."""
     abs_max = rel_max = used_max = 0.0
     name_max = ""
     for name, a, b in pairs:
@@ -126,12 +128,26 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
             if p.requires_grad}
 
 
+def _perturb(model: nn.Module, ulps: float, step: int) -> None:
+    """Move each nonzero gradient element by `ulps` fp32 units of its tensor's scale, sign drawn from a
+    generator seeded by the step: a model of another CPU's rounding of the same sums (an exact zero,
+    a row no token reached, stays zero, as under any reordering)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    for _, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            sign = torch.randint(0, 2, g.shape, generator=gen).to(g) * 2 - 1
+            unit = torch.finfo(g.dtype).eps / 2 * g.abs().max()
+            g.add_(torch.where(g != 0, sign * ulps * unit, torch.zeros_like(g)))
+
+
 def _unscaled(grads: dict[str, torch.Tensor | None], scale: float) -> dict[str, torch.Tensor | None]:
     return grads if scale == 1.0 else {n: None if g is None else g.double() / scale for n, g in grads.items()}
 
 
 def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: float = 1e-7,
-                mp_factor: float = 2.0, noise_floor: bool = False) -> dict[str, Any] | None:
+                mp_factor: float = 2.0, noise_floor: bool = False, ref_micro_batches: int = 1,
+                ref_noise_ulps: float = 0.0) -> dict[str, Any] | None:
     """Run the layout and the reference side by side; rank 0 returns the report.
 
     Under mixed precision (layout.precision bf16 or fp16) the reference runs in that precision too,
@@ -143,9 +159,16 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     triangle inequality); a layout bug (a wrong shard, a missing reduction) moves tensors by their
     whole size, far more than a precision's rounding.
 
-    noise_floor (fp32): a second reference sums each batch in another order, and from the first
-    update on a tensor is held to max(its fp32 bar, NOISE_FACTOR x that reference's distance from the
-    first), for configurations whose optimizer magnifies rounding (train/verify_noise.py).
+    noise_floor (fp32), for configurations whose AdamW magnifies rounding (train/verify_noise.py):
+    every step after the first starts the reference from the layout's parameters, the loss and norm
+    keep the strict bars, a gradient from the second step on is allowed max(its strict bar, the a
+    priori rounding bound on its term mass) (train/verify_terms.py), and each parameter element, on top of its strict bar,
+    what AdamW's arithmetic makes of the two runs' gradient differences (AdamBound).
+
+    ref_micro_batches, ref_noise_ulps: the reference's rounding perturbed, to check that verdicts do
+    not depend on it (tests/test_verify_noise.py): it sums each batch over that many micro-batches,
+    and each nonzero gradient element moves by that many fp32 units of its tensor's scale, with a
+    sign drawn from a generator seeded by the step (the same on every rank).
     """
     cfg = Config.from_dict(cfg_dict)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -160,13 +183,19 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     model = apply_layout(plain, cfg.layout, mesh, cfg.sharding)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     ref_opt = make_optimizer(reference, cfg.optim, cfg.layout.precision)
-    floor = NoiseFloor(reference, cfg.optim, t.global_batch, cfg.layout.precision, make_optimizer) if noise_floor else None
     # on_nonfinite "apply": a layout that produces nan is compared as it is (nan fails every bound,
     # step by step) rather than stopped at its first nan, so the report shows where it went wrong.
     common = dict(grad_clip=cfg.optim.grad_clip, skip_layer_every=cfg.model.skip_layer_every, device=device,
                   on_nonfinite="apply", precision=cfg.layout.precision)
     # bf16 autocast rounds like bf16 parameters do: allowances from the same comparison with fp32.
     mixed = get_precision(cfg.layout.precision).mixed or get_precision(cfg.layout.precision).autocast is not None
+    bound = AdamBound() if noise_floor and not mixed else None
+    terms = TermMass(reference) if bound is not None else None  # the gradients' bar (verify_terms.py)
+    gpt = cfg.model.name == "gpt"
+    chain = chain_length(reference, t.global_batch * (cfg.model.seq_len if gpt else 1),
+                         cfg.model.n_layer * cfg.model.seq_len if gpt else 0)
+    grad_floor_top = (0.0, "")
+    bound_table: dict[str, dict[str, float]] = {}
     if mixed:
         cfg32 = copy.deepcopy(cfg)
         cfg32.layout.precision = "fp32"
@@ -178,6 +207,10 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     grad_gap: dict[str, float] = {}
     for step in range(t.steps):
         captured: dict[str, dict[str, torch.Tensor | None]] = {}
+        if bound is not None and step > 0:  # from the layout's own state (AdamW's bound, verify_noise.py)
+            with torch.no_grad():
+                for n, p in reference.named_parameters():
+                    p.copy_(held[n])
         # fp16: gradients are held multiplied by the loss scale; they are compared divided by it.
         scales = (getattr(opt, "loss_scale", 1.0), getattr(ref_opt, "loss_scale", 1.0))
         res = train_step(model, opt, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=dp_size,
@@ -185,14 +218,30 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                          # Sharded gradients are gathered whole for the comparison.
                          before_update=lambda: captured.update(par=_unscaled(full_gradients(model), scales[0])),
                          **common)
-        ref = train_step(reference, ref_opt, task, step, lr=lr_at(step, cfg),
-                         before_update=lambda: captured.update(ref=_unscaled(_grads(reference), scales[1])), **common)
+
+        def ref_grads() -> None:
+            if ref_noise_ulps:
+                _perturb(reference, ref_noise_ulps, step)
+            captured.update(ref=_unscaled(_grads(reference), scales[1]))
+
+        if terms is not None:
+            terms.reset()
+            terms.enabled = True
+        ref = train_step(reference, ref_opt, task, step, lr=lr_at(step, cfg), micro_batches=ref_micro_batches,
+                         before_update=ref_grads, **common)
         ref_params = dict(reference.named_parameters())
-        if floor is not None and not mixed:  # under mixed precision the precision's error covers it
-            floor.update(lambda m, o, k, grab: train_step(m, o, task, step, lr=lr_at(step, cfg), micro_batches=k,
-                                                          before_update=grab, **common),
-                         captured["ref"], ref.loss, ref.grad_norm, reference)
-        nf = floor if floor is not None and not mixed else None
+        floors = None
+        if terms is not None:
+            terms.enabled = False
+            # From the second step: the first, from the initial weights, keeps the strict bars (nothing
+            # has trained into cancellation yet; a fault in the gradients shows there at full strength).
+            floors = mass_floors(terms.mass, clip_coefficient(ref.grad_norm, cfg.optim.grad_clip or math.inf),
+                                 chain) if step > 0 else {}
+            for n, f in floors.items():
+                g = captured["ref"].get(n)
+                scale = 0.0 if g is None else g.detach().double().abs().max().item()
+                if scale > 0 and f / scale > grad_floor_top[0]:
+                    grad_floor_top = (f / scale, n)
         # What the precision itself costs (0 in fp32): the reference against the same single
         # process in fp32, the largest so far (one step's figure can be near zero by coincidence,
         # two errors cancelling). Gradients per tensor, relative to its scale: a layout bug shows in
@@ -223,20 +272,23 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         loss_par = loss.item() / dist.get_world_size(dp_group)
         grad_abs, grad_rel, grad_used, grad_name = _worst(
             [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]], 0.0, grad_tol,
-            {n: mp_factor * g for n, g in grad_gap.items()}, nf.grad_floor(captured["ref"]) if nf else None)
+            {n: mp_factor * g for n, g in grad_gap.items()}, floors)
         # Sharded parameters (ZeRO-3, tensor parallelism) gathered whole, by their original names.
         held = full_parameters(model)
         missing = sorted(set(ref_params) - set(held))
         if missing:
             raise RuntimeError(f"the layout does not hold parameters {missing[:5]} of the reference")
-        param_abs, param_rel, param_used, param_name = _worst(
-            [(n, held[n], ref_params[n]) for n in ref_params], atol, tol + mp_factor * gap["param"],
-            floor=nf.param_floor() if nf else None)
+        pairs = [(n, held[n], ref_params[n]) for n in ref_params]
+        if bound is None:
+            param_abs, param_rel, param_used, param_name = _worst(pairs, atol, tol + mp_factor * gap["param"])
+        else:  # each element within its strict bar + AdamW's bound for it (verify_noise.py)
+            table = compare(pairs, bound.allowances(reference, ref_opt, captured["ref"], captured["par"]), atol, tol)
+            param_abs, param_rel, param_used, param_name = table_worst(table)
+            merge(bound_table, table, device)
         # The gradient norm the step clipped with and logged: a sharded layout sums it over its groups
         # (parallel/gradnorm.py), so a group left out shows here. Allowed: what the gradients are.
         norm_allowed = ((grad_tol + mp_factor * max(grad_gap.values(), default=0.0)) * abs(ref.grad_norm)
                         + mp_factor * gap["norm"])
-        norm_allowed = max(norm_allowed, nf.norm_floor() if nf else 0.0)
         norm_used = _norm_diff(res.grad_norm, ref.grad_norm) / norm_allowed if norm_allowed > 0 else 0.0
         # The worst over ranks: every replica must match, not just rank 0's.
         worst = torch.tensor([grad_abs, grad_rel, grad_used, param_abs, param_rel, param_used, norm_used],
@@ -261,14 +313,14 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
             "grad_norm": res.grad_norm,
             "ref_grad_norm": ref.grad_norm,
             "grad_norm_allowance_used": worst[6].item(),
-            "loss_allowance": max(tol * abs(ref.loss) + mp_factor * max(gap["loss"], loss_floor),
-                                  nf.loss_floor() if nf else 0.0),
+            "loss_allowance": tol * abs(ref.loss) + mp_factor * max(gap["loss"], loss_floor),
             "skipped": res.skipped,
             "ref_skipped": ref.skipped,
         })
-        if nf is not None and nf.measured:  # the floors this step was held to (0: strict)
-            rows[-1].update(noise_floor_rel_grad=NOISE_FACTOR * max(nf.grad.values(), default=0.0) if step else 0.0,
-                            noise_floor_abs_param=NOISE_FACTOR * max(nf.param.values(), default=0.0))
+        if bound is not None:  # this step's largest element allowance from AdamW, and who needed it
+            rows[-1].update(anchored=step > 0, adam_bound_max=max((b["bound"] for b in table.values()), default=0.0),
+                            adam_bound_needed=sorted(n for n, b in table.items() if b["above_strict"]),
+                            grad_floor_rel=grad_floor_top[0], grad_floor_from=grad_floor_top[1])
         r = rows[-1]
         if mixed:
             r.update(precision_loss_gap=gap["loss"], precision_rel_grad_gap=max(grad_gap.values(), default=0.0),
@@ -277,10 +329,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                            and r["param_allowance_used"] <= 1.0 and r["grad_allowance_used"] <= 1.0
                            and r["grad_norm_allowance_used"] <= 1.0 and res.skipped == ref.skipped)
     bars = None
-    if floor is not None:  # the last step's bars (the floors only grow), each tensor's worst rank
-        bars = noise_report(floor, mixed, [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]],
-                            [(n, held[n], ref_params[n]) for n in ref_params], tol, grad_tol, atol, device)
-        bars["loss_floor_used"] = bool(rows and bars["loss_floor"] > tol * abs(rows[-1]["ref_loss"]))
+    if noise_floor:  # per parameter, its step closest to the allowance (each tensor's worst rank)
+        bars = bound_report(bound_table, t.steps, chain, *grad_floor_top) if bound is not None else {
+            "measured": False, "why": "mixed precision: the precision's own error, measured against fp32, is the allowance"}
     if rank != 0:
         return None
     max_rel_loss = max(abs(r["loss_diff"]) / max(abs(r["ref_loss"]), 1e-30) for r in rows)
