@@ -82,8 +82,9 @@ def test_val_source_is_a_separate_validation_file(tmp_path):
     from shardlab.cli.train_checks import check_data_before_launch
     from shardlab.train.task import build_task, build_model
 
-    train = _bin(tmp_path / "train.bin", np.arange(1000) % 100)  # ids 0..99
-    val = _bin(tmp_path / "val.bin", 200 + np.arange(300) % 50)  # ids 200..249: told apart from training's
+    # Named .u8.bin: a raw id file must state its id type (docs/data.md).
+    train = _bin(tmp_path / "train.u8.bin", np.arange(1000) % 100)  # ids 0..99
+    val = _bin(tmp_path / "val.u8.bin", 200 + np.arange(300) % 50)  # ids 200..249: told apart from training's
     cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=16",
                              "train.global_batch=4", f'data.source="{train}"', f'data.val_source="{val}"'])
     cfg.validate()
@@ -96,7 +97,7 @@ def test_val_source_is_a_separate_validation_file(tmp_path):
     # Refusals name the field: a missing file, a file of another kind, too short for one window.
     for source, why in ((str(tmp_path / "nope.bin"), "no such file"),
                         (str(tmp_path / "val.txt"), "is a text file but data.source"),
-                        (_bin(tmp_path / "short.bin", range(10)), "data.val_source = .* holds 10 tokens")):
+                        (_bin(tmp_path / "short.u8.bin", range(10)), "data.val_source = .* holds 10 tokens")):
         (tmp_path / "val.txt").write_text("hello")
         bad = load_config(None, ["model.seq_len=16", f'data.source="{train}"', f'data.val_source="{source}"'])
         with pytest.raises((ConfigError, ValueError), match=why):

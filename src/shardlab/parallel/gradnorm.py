@@ -109,10 +109,22 @@ def squares(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def _reduce_where(sq: torch.Tensor, bit: int, group: Group) -> None:
     """Sum over `group` the entries of `sq` whose index has `bit` set (those cut over it)."""
-    idx = torch.tensor([i for i in range(sq.numel()) if i & bit], device=sq.device)
+    idx = _indices(sq.numel(), bit, sq.device)
     cut = sq[idx]
     comm.all_reduce(cut, "sum", group)
     sq[idx] = cut
+
+
+_INDICES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _indices(n: int, bit: int, device: torch.device) -> torch.Tensor:
+    """The indices below n with `bit` set, made on the device once: a host-to-device copy every step
+    would wait for the device's queue."""
+    key = (n, bit, device)
+    if key not in _INDICES:
+        _INDICES[key] = torch.tensor([i for i in range(n) if i & bit], device=device)
+    return _INDICES[key]
 
 
 def clip_coefficient(norm: float | torch.Tensor, max_norm: float) -> float:
@@ -195,8 +207,16 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float,
     grads = [_local(p.grad) for p in {id(p): p for p in params}.values() if p.grad is not None]
     if coef is not None and grads:
         for group in by_device_and_dtype(grads):
-            torch._foreach_mul_(group, coef if group[0].device == coef.device else coef.to(group[0].device))
+            torch._foreach_mul_(group, scalar_for(coef, group[0]))
     return norm.float()
+
+
+def scalar_for(coef: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A device scalar (fp64) as a multi-tensor multiply of tensors like `like` wants it: on their
+    device, and in fp32 for fp32 tensors, since CUDA's foreach kernels take a scalar tensor of
+    another dtype one tensor at a time. Exact: the product rounds the factor to fp32 either way."""
+    dtype = torch.float32 if like.dtype == torch.float32 else coef.dtype
+    return coef if (coef.device, coef.dtype) == (like.device, dtype) else coef.to(like.device, dtype)
 
 
 def by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
-from shardlab.parallel.gradnorm import by_device_and_dtype, clip_factor, global_grad_norm
+from shardlab.parallel.gradnorm import by_device_and_dtype, clip_factor, global_grad_norm, scalar_for
 from shardlab.parallel.placement import Placement
 from shardlab.parallel.precision import LossScaler, master_from_source, set_fp32_source
 
@@ -172,13 +172,14 @@ class PieceOptimizer(torch.optim.Optimizer):
         """Scale the gradients so that their global norm is at most `max_norm`; return the norm before.
         fp32 pieces are scaled in place now; low-precision ones when step() casts them to fp32."""
         norm = self.grad_norm()
-        coef = clip_factor(self._norm, max_norm)  # on the device: the step never reads the norm back
+        # On the device (the step never reads the norm back), from the fp32 norm as it always was.
+        coef = clip_factor(norm, max_norm)
         if coef is not None:
             self._coef = coef
             own = [pc.tensor.grad for pc, master in zip(self.pieces, self.masters)
                    if master is pc.tensor and pc.tensor.grad is not None]
             for group in by_device_and_dtype(own):
-                torch._foreach_mul_(group, coef.to(group[0].device))
+                torch._foreach_mul_(group, scalar_for(coef, group[0]))
         return norm
 
     @torch.no_grad()
@@ -225,7 +226,7 @@ class PieceOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(fp32, [g for _, g in low])
             # One factor, formed in fp64 as before (coefficient / loss scale), one rounding.
             if self._coef is not None:
-                torch._foreach_mul_(fp32, (self._coef / self.loss_scale).to(fp32[0].device))
+                torch._foreach_mul_(fp32, scalar_for(self._coef / self.loss_scale, fp32[0]))
             elif self.loss_scale != 1.0:
                 torch._foreach_mul_(fp32, 1.0 / self.loss_scale)
         if own and self.loss_scale != 1.0:

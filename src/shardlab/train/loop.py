@@ -177,7 +177,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         if not (logged or evaluating or saving or stopped_by):
             continue
         # Read the window: one synchronisation and one gather for the steps since the last read; a
-        # non-finite gradient norm under on_nonfinite 'stop' raises here, before anything is saved.
+        # non-finite gradient norm under on_nonfinite 'stop' raises below, before anything is saved.
         for rec in window.read(dp_leaders, tokens_per_step, lambda rate: flops.rates(rate, world),
                                cfg.optim.on_nonfinite):
             rec.pop("_nonfinite", None)
@@ -199,6 +199,8 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
                     print(step_line(rec, t.steps), flush=True)
             if rec_logged:
                 window.logged()
+        if window.error is not None:  # the steps before it are written; nothing after it is saved
+            raise window.error
         if saving:
             checkpointer.save(step + 1, model, optimizer, config=cfg.to_dict())
         if stopped_by:

@@ -58,6 +58,8 @@ class StepWindow:
     steady: list[float] = field(default_factory=list)
     """Every untraced step time of the run, for the summary's median."""
     shown_s: float = 0.0
+    error: NonFiniteError | None = None
+    """Set by `read` when a step's gradients were not finite under 'stop': raise it after writing."""
     _start: Any = None
 
     @property
@@ -80,8 +82,9 @@ class StepWindow:
     def read(self, leaders: list[int], tokens_per_step: int,
              rates: Callable[[float], dict[str, float]], on_nonfinite: str = "stop") -> list[dict[str, Any]]:
         """The pending steps' records, in order: one synchronisation and one all_gather of every
-        rank's rows (a collective: every rank calls it at the same step). Raises NonFiniteError, on
-        every rank alike, when a step's gradient norm was not finite under on_nonfinite 'stop'."""
+        rank's rows (a collective: every rank calls it at the same step). When a step's gradient norm
+        was not finite under on_nonfinite 'stop', the records end before it and `error` holds the
+        NonFiniteError (every rank alike) for the caller to raise once it has written them."""
         if not self.pending:
             return []
         seconds = self._seconds()
@@ -90,18 +93,19 @@ class StepWindow:
         # named as the one its peers wait on here.
         gathered = comm.all_gather(rows.unsqueeze(0), out=torch.empty(self.world, *rows.shape, dtype=rows.dtype,
                                                                       device=rows.device))
-        stats = gathered.transpose(0, 1).tolist()  # [steps][ranks][columns], read once
+        col = {name: i for i, name in enumerate(COLUMNS)}
+        # The means as torch forms them, for every step at once (the digits the loop always wrote).
+        losses = gathered[leaders, :, col["loss"]].mean(0)
+        shares = gathered[:, :, col["comm_wait"]] / gathered[:, :, col["seconds"]]
+        means = torch.stack([losses, shares.mean(0)], dim=1)
+        stats, means = gathered.transpose(0, 1).tolist(), means.tolist()  # [steps][ranks][columns], read once
         pending, self.pending = self.pending, []
-        records = [self._record(p, stats[i], leaders, tokens_per_step, rates) for i, p in enumerate(pending)]
-        if on_nonfinite == "stop":
-            bad = [(p, r) for p, r in zip(pending, records) if r.pop("_nonfinite")]
-            if bad:
-                p, r = bad[0]
-                raise NonFiniteError(p.step, r["grad_norm"], None, stopped_at=pending[-1].step,
-                                     applied=p.res.update_applied)
-        else:
-            for r in records:
-                r.pop("_nonfinite")
+        records = [self._record(p, stats[i], means[i], tokens_per_step, rates) for i, p in enumerate(pending)]
+        for i, (p, r) in enumerate(zip(pending, records)):
+            if r.pop("_nonfinite") and on_nonfinite == "stop" and self.error is None:
+                self.error = NonFiniteError(p.step, r["grad_norm"], None, stopped_at=pending[-1].step,
+                                            applied=p.res.update_applied)
+                records = records[:i]
         return records
 
     def _seconds(self) -> list[float]:
@@ -124,10 +128,11 @@ class StepWindow:
         return torch.stack([v.to(self.device, torch.float64).reshape(()) if isinstance(v, torch.Tensor)
                             else torch.tensor(float(v), dtype=torch.float64, device=self.device) for v in values])
 
-    def _record(self, p: _Pending, ranks: list[list[float]], leaders: list[int], tokens_per_step: int,
+    def _record(self, p: _Pending, ranks: list[list[float]], means: list[float], tokens_per_step: int,
                 rates: Callable[[float], dict[str, float]]) -> dict[str, Any]:
-        """The record of one step from every rank's row (`ranks[r]`: rank r's COLUMNS, as numbers).
-        Keys starting with '_' are for the loop: the non-finite and skipped flags and the loss scale."""
+        """The record of one step from every rank's row (`ranks[r]`: rank r's COLUMNS, as numbers) and
+        its means (the leaders' loss, the ranks' communication share). Keys starting with '_' are for
+        the loop: the non-finite and skipped flags and the loss scale."""
         col = {name: i for i, name in enumerate(COLUMNS)}
         traced = p.peak is not None
         step_s = max(r[col["seconds"]] for r in ranks)
@@ -140,12 +145,12 @@ class StepWindow:
         shares = [r[col["comm_wait"]] / r[col["seconds"]] for r in ranks]
         rec: dict[str, Any] = {
             "step": p.step + 1,  # steps done, from 1: one numbering everywhere (train/metrics.py)
-            "loss": sum(ranks[i][col["loss"]] for i in leaders) / len(leaders),
+            "loss": means[0],
             "lr": self.lr_of(p.step),
             "grad_norm": ranks[0][col["grad_norm"]],
             "step_s": step_s,
             "tokens_per_s": tokens_per_step / step_s,
-            "comm_wait_share": sum(shares) / len(shares),
+            "comm_wait_share": means[1],
             "comm_wait_share_per_rank": shares,
             "memory_traced": traced,
             "peak_mem_bytes": [int(r[col["peak"]]) for r in ranks] if traced else None,
