@@ -47,6 +47,38 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+def _chunk(h: torch.Tensor, targets: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype,
+           n: int, vocab_start: int, combine: Combine | None,
+           grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None, start: int) -> torch.Tensor:
+    """One chunk's per-token losses; with `grads` (dL/dh, dL/dW, dL/db of all N tokens) its gradients
+    written into them. A function of its own so that its logits are freed when it returns, before
+    the next chunk's are made (a loop body's locals would live on into the next iteration)."""
+    rows = w.shape[0]
+    hc = h.to(dtype)
+    z = F.linear(hc, w, b).float()  # a fresh tensor (float() of an fp32 result is the result itself)
+    peak = z.amax(dim=-1)  # any shift common to a token's logits is exact; its max keeps exp() <= 1
+    if combine is not None:
+        peak = combine(peak, "max")
+    z.sub_(peak.unsqueeze(-1))
+    mine = (targets >= vocab_start) & (targets < vocab_start + rows)  # this slice holds the target's row
+    local_t = (targets - vocab_start).masked_fill(~mine, 0)
+    target_z = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+    z.exp_()
+    sum_exp = z.sum(dim=-1)
+    if combine is not None:  # one call for the two per-token numbers
+        sum_exp, target_z = combine(torch.stack([sum_exp, target_z]), "sum").unbind(0)
+    if grads is not None:
+        grad_h, grad_w, grad_b = grads
+        z.div_(sum_exp.unsqueeze(-1))  # the softmax
+        z.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(z.dtype).unsqueeze(-1))
+        g = z.mul_(1.0 / n).to(dtype)  # dL/dz, in the dtype the plain backward's matmuls take it
+        grad_h[start:start + h.shape[0]] = g @ w
+        grad_w.add_(g.t() @ hc)
+        if grad_b is not None:
+            grad_b.add_(g.sum(dim=0, dtype=torch.float32))
+    return sum_exp.log() - target_z
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # noqa: ANN001
@@ -56,36 +88,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         w = weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
-        if need_grad:
-            grad_h = torch.empty_like(h)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            grad_b = torch.zeros(rows, dtype=torch.float32, device=weight.device) if bias is not None else None
+        grads = None
+        if need_grad:  # dL/dh, dL/dW and dL/db, filled chunk by chunk (the weight's summed in fp32)
+            grads = (torch.empty_like(h), torch.zeros(weight.shape, dtype=torch.float32, device=weight.device),
+                     torch.zeros(rows, dtype=torch.float32, device=weight.device) if bias is not None else None)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
-            hc, tc = h[start:stop].to(dtype), targets[start:stop]
-            z = F.linear(hc, w, b).float()  # a fresh tensor (float() of an fp32 result is the result itself)
-            peak = z.amax(dim=-1)  # any shift common to a token's logits is exact; its max keeps exp() <= 1
-            if combine is not None:
-                peak = combine(peak, "max")
-            z.sub_(peak.unsqueeze(-1))
-            mine = (tc >= vocab_start) & (tc < vocab_start + rows)  # this slice holds the target's row
-            local_t = (tc - vocab_start).masked_fill(~mine, 0)
-            target_z = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-            z.exp_()
-            sum_exp = z.sum(dim=-1)
-            if combine is not None:  # one call for the two per-token numbers
-                sum_exp, target_z = combine(torch.stack([sum_exp, target_z]), "sum").unbind(0)
-            losses[start:stop] = sum_exp.log() - target_z
-            if need_grad:
-                z.div_(sum_exp.unsqueeze(-1))  # the softmax
-                z.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(z.dtype).unsqueeze(-1))
-                g = z.mul_(1.0 / n).to(dtype)
-                grad_h[start:stop] = g @ w
-                grad_w.add_(g.t() @ hc)
-                if grad_b is not None:
-                    grad_b.add_(g.sum(dim=0, dtype=torch.float32))
-        if need_grad:
-            ctx.save_for_backward(grad_h, grad_w, grad_b)
+            losses[start:stop] = _chunk(h[start:stop], targets[start:stop], w, b, dtype, n, vocab_start, combine,
+                                        grads, start)
+        if grads is not None:
+            ctx.save_for_backward(*grads)
             ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return losses.sum() / n
 
