@@ -168,8 +168,9 @@ class TrainSection:
     eval_batches: int = 4
     """Global batches of held-out data per validation."""
     compile: bool = False
-    """torch.compile every transformer block (train/compile.py): faster steps on a GPU after a
-    compilation of some seconds to a minute; refused with tensor, context or expert parallelism,
+    """torch.compile the whole GPT (embedding, blocks, head and loss) where the layout leaves its modules
+    as they are (data parallelism, ZeRO-1/2), else every transformer block (train/compile.py): faster
+    steps on a GPU after a compilation of some seconds to a minute; refused with tensor, context or expert parallelism,
     ZeRO-3 and pipelines (`--compile`)."""
 
 
