@@ -68,6 +68,29 @@ def test_chunked_loss_under_bf16_autocast_rounds_as_the_plain_head():
         _close(a, c, (chunks + 1) * 2 ** -8)
 
 
+def test_chunked_loss_in_fp16_keeps_small_probabilities_from_underflowing():
+    # fp16 weights (layout.precision fp16): the loss scale S multiplies dL/dz before the plain
+    # backward casts it to fp16. Here every token puts 0.97 on its target and 3e-5 on each of the
+    # other 1023 ids: over N = 512 tokens 3e-5 / N is below fp16's smallest subnormal (6e-8), so a
+    # 1/N folded in at forward would flush them, and with them the second feature of
+    # dL/dh = sum_v p_v w_v - w_target (0.03: the other ids' weights all have it 1, the target's 0).
+    # The chunked loss applies 1/N in backward, with S. fp16's unit roundoff is 2^-11: the bounds
+    # are bf16's (above) with 2^-11 for 2^-8.
+    n, v, scale, chunks = 512, 1024, 1024.0, 4
+    w = torch.zeros(v, 2)
+    w[0, 0], w[1:, 1] = 10.4, 1.0  # logit 10.4 for id 0, 0 for the rest: p = 0.97 and 3e-5
+    h = torch.tensor([[1.0, 0.0]]).repeat(n, 1)
+    h, w, t = h.half().requires_grad_(), w.half().requires_grad_(), torch.zeros(n, dtype=torch.long)
+    plain = F.cross_entropy(F.linear(h, w).float(), t)
+    fused = chunked_linear_cross_entropy(h, w, None, t, n // chunks)
+    pg = torch.autograd.grad(plain * scale, (h, w))
+    fg = torch.autograd.grad(fused * scale, (h, w))
+    assert pg[0][0, 1].item() == pytest.approx(0.03 * scale / n, rel=0.05)  # the case in point
+    _close(plain, fused, 2 ** -10)
+    _close(pg[0].float(), fg[0].float(), 2 ** -9)
+    _close(pg[1].float(), fg[1].float(), (chunks + 1) * 2 ** -11)
+
+
 def test_no_grad_and_vocabulary_slices():
     h, w, b, t = _inputs()
     with torch.no_grad():  # evaluation: the loss alone, no gradient made

@@ -8,16 +8,19 @@ autograd keeps for backward, and in backward the gradient of each (for a 50,304-
 `chunk` rows; for each chunk the logits are made (a matmul in the compute dtype), their
 log-sum-exp taken in fp32, and, when a backward will follow, the gradient right away:
 
-    p = softmax(z)                 dL/dz = (p - onehot(target)) / N     (L: the mean over N tokens)
-    dL/dh_chunk = dL/dz W           dL/dW += dL/dz^T h_chunk              (dL/db += column sums)
+    p = softmax(z)                 g = (p - onehot(target)) / N          (= dL/dz, L: the mean)
+    G_h[chunk] = g W                G_W += g^T h_chunk                    (G_b += column sums of g)
 
-so that only dL/dh (N x d, the hidden states' size) and dL/dW (V x d, fp32, the weight's) live until
+so that only G_h (N x d, the hidden states' size) and G_W (V x d, fp32, the weight's) live until
 backward, which multiplies them by the incoming gradient (a scalar: the loss is the step's last op).
+Under fp16 the 1/N waits for backward instead: folded in at forward, small probabilities over N would
+underflow in fp16 where the plain backward's dL/dz, multiplied by the loss scale first, does not.
 That is the three matmuls of the plain head's forward and backward, none recomputed; at any time one
 chunk's logits exist (chunk x V, plus its fp32 copy). Rounding follows the plain path: matmuls in the
 compute dtype (autocast's, else the inputs'), softmax and log-sum-exp in fp32, dL/dz cast to the
-compute dtype before its two matmuls, as the plain backward casts it; only dL/dW is summed over chunks
-in fp32 (the plain backward sums over all tokens inside one matmul).
+compute dtype before its two matmuls, as the plain backward casts it; only G_W is summed over chunks
+in fp32 (the plain backward sums over all tokens inside one matmul), and under fp16 its matmul runs in
+fp32 (a sum over a chunk's tokens of g h could pass fp16's 65,504, and no loss scale could help it).
 
 The weight may be a slice of the vocabulary, rows [vocab_start, vocab_start + rows): `combine` then
 makes each token's statistics whole (the max logit; the sum of exponentials and the target's logit),
@@ -48,10 +51,10 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _chunk(h: torch.Tensor, targets: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype,
-           n: int, vocab_start: int, combine: Combine | None,
+           vocab_start: int, combine: Combine | None, pre: float,
            grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None, start: int) -> torch.Tensor:
-    """One chunk's per-token losses; with `grads` (dL/dh, dL/dW, dL/db of all N tokens) its gradients
-    written into them. A function of its own so that its logits are freed when it returns, before
+    """One chunk's per-token losses; with `grads` (G_h, G_W, G_b of all N tokens) its part of them
+    written in. A function of its own so that its logits are freed when it returns, before
     the next chunk's are made (a loop body's locals would live on into the next iteration)."""
     rows = w.shape[0]
     hc = h.to(dtype)
@@ -71,9 +74,9 @@ def _chunk(h: torch.Tensor, targets: torch.Tensor, w: torch.Tensor, b: torch.Ten
         grad_h, grad_w, grad_b = grads
         z.div_(sum_exp.unsqueeze(-1))  # the softmax
         z.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(z.dtype).unsqueeze(-1))
-        g = z.mul_(1.0 / n).to(dtype)  # dL/dz, in the dtype the plain backward's matmuls take it
+        g = z.mul_(pre).to(dtype)  # dL/dz (fp16: N dL/dz), in the dtype the plain backward's matmuls take
         grad_h[start:start + h.shape[0]] = g @ w
-        grad_w.add_(g.t() @ hc)
+        grad_w.add_(z.t() @ hc.float() if dtype == torch.float16 else g.t() @ hc)
         if grad_b is not None:
             grad_b.add_(g.sum(dim=0, dtype=torch.float32))
     return sum_exp.log() - target_z
@@ -88,26 +91,29 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         w = weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
+        pre = 1.0 if dtype == torch.float16 else 1.0 / n  # the mean's 1/N, at forward or (fp16) backward
         grads = None
-        if need_grad:  # dL/dh, dL/dW and dL/db, filled chunk by chunk (the weight's summed in fp32)
+        if need_grad:  # G_h, G_W and G_b, filled chunk by chunk (the weight's summed in fp32)
             grads = (torch.empty_like(h), torch.zeros(weight.shape, dtype=torch.float32, device=weight.device),
                      torch.zeros(rows, dtype=torch.float32, device=weight.device) if bias is not None else None)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
-            losses[start:stop] = _chunk(h[start:stop], targets[start:stop], w, b, dtype, n, vocab_start, combine,
+            losses[start:stop] = _chunk(h[start:stop], targets[start:stop], w, b, dtype, vocab_start, combine, pre,
                                         grads, start)
         if grads is not None:
             ctx.save_for_backward(*grads)
-            ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+            ctx.dtypes, ctx.post = (weight.dtype, bias.dtype if bias is not None else None), 1.0 / n / pre
         return losses.sum() / n
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         grad_h, grad_w, grad_b = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
-        dw = (grad_w * grad).to(w_dtype)
-        db = (grad_b * grad).to(b_dtype) if grad_b is not None else None
-        return grad_h * grad.to(grad_h.dtype), dw, db, None, None, None, None, None, None
+        scale = grad.float() * ctx.post
+        dh = grad_h * scale if grad_h.dtype == torch.float32 else (grad_h.float() * scale).to(grad_h.dtype)
+        dw = (grad_w * scale).to(w_dtype)
+        db = (grad_b * scale).to(b_dtype) if grad_b is not None else None
+        return dh, dw, db, None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
