@@ -4,6 +4,7 @@ the trainer's own step (`shardlab train`'s train_step) on the same model and bat
     python benchmarks/gpt_mfu.py --json out.json            # GPT-2 medium-like shape, seq 1024
     python benchmarks/gpt_mfu.py --d-model 2048 --layers 24 --heads 16 --compile
     python benchmarks/gpt_mfu.py --step trainer [--compile]  # the trainer's step, same model and batch
+    python benchmarks/gpt_mfu.py --step trainer --compile --loss chunked   # head and loss fused in chunks
 
 MFU = model FLOPs per step (6N + attention over s/2, models/flops.py, GPT.flops_per_token) / step time /
 peak bf16 dense FLOP/s of the device. The stand-alone step is forward + backward + fused AdamW under bf16
@@ -11,8 +12,9 @@ autocast with fp32 weights, the whole model compiled with --compile. `--step tra
 `shardlab train --config configs/gpt-350m-gpu.toml` runs per step: train/step.py's train_step (the
 global gradient norm and clipping, nothing read back to the host, the learning rate set) with the
 trainer's optimizer (make_optimizer: fused AdamW with weight decay on matrices only), its precision
-(layout.precision bf16-autocast) and its compilation (train/compile.py: the blocks, not the whole
-model); the batch is a fixed random one as here, not the trainer's sampler. Within 5% of the
+(layout.precision bf16-autocast) and its compilation (train/compile.py: at one rank the whole model);
+`--loss chunked` fuses the head and the cross-entropy over chunks of tokens in either step
+(models/fused_loss.py, model.loss); the batch is a fixed random one as here, not the trainer's sampler. Within 5% of the
 stand-alone step is the bar of issue 22 (not yet measured: docs/gpu.md). The median of the timed steps
 is reported, after warm-up.
 """
@@ -58,14 +60,14 @@ def standalone_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse
 def trainer_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> Callable[[], None]:
     """`shardlab train`'s step on the same model and batch: configs/gpt-350m-gpu.toml's optimizer,
     clipping and precision, train/compile.py's compilation, train/step.py's train_step."""
-    from shardlab.train.compile import compile_blocks
+    from shardlab.train.compile import compile_model
     from shardlab.train.config import load_config
     from shardlab.train.step import make_optimizer, train_step
     from shardlab.train.task import Task
 
     cfg = load_config(CONFIG)
     if args.compile:
-        compile_blocks(model)
+        compile_model(model)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     task = Task(train=None, val=None, tokens_per_row=args.seq, flops_per_token=model.flops_per_token(args.seq))
     task.batch = lambda step, dp_rank, dp_size, micro_batches=1, micro=0: (x, y)
@@ -103,7 +105,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 3 warm-up steps)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (trainer: its blocks)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (trainer: train/compile.py's)")
+    p.add_argument("--loss", choices=["full", "chunked"], default="full",
+                   help="full: the head's whole logits, then the cross-entropy; chunked: the two fused over "
+                        "--loss-chunk tokens at a time (model.loss)")
+    p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per chunk of the chunked loss")
     p.add_argument("--step", choices=["standalone", "trainer"], default="standalone",
                    help="standalone: this script's own step; trainer: shardlab train's train_step")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
@@ -118,7 +124,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
-                    d_model=args.d_model, tie_embeddings=True)
+                    d_model=args.d_model, tie_embeddings=True, loss=args.loss, loss_chunk=args.loss_chunk)
     model = GPT(cfg).to(device)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     y = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)

@@ -107,6 +107,16 @@ def test_gpt_mfu_says_it_needs_a_gpu(monkeypatch):
         module.main()
 
 
+def test_fused_loss_bench(monkeypatch, tmp_path):
+    out = tmp_path / "fused.json"
+    _run(monkeypatch, "fused_loss", "--vocab", "4096", "--seq", "32", "--batch", "4", "--layers", "1",
+         "--d-model", "16", "--heads", "2", "--chunk", "48", "--repeat", "1", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["tokens"] == 128 and r["full"]["loss"] == pytest.approx(r["chunked"]["loss"], rel=1e-6)
+    # The whole logits (3 x 128 x 4096 floats) against one chunk's (48 x 4096) and the head's gradient.
+    assert r["full"]["peak_mib"] >= r["full"]["predicted_loss_mib"] > 3 * r["chunked"]["peak_mib"]
+
+
 def test_compose_matrix(monkeypatch, tmp_path, capsys):
     """A resume pair (a recomputed run's checkpoint resumed by a plain single process) through the
     trainer, a case the configuration check refuses (its reason recorded, nothing launched), then

@@ -113,6 +113,30 @@ def test_inductor_compiled_blocks_equal_eager_on_cuda():
         assert torch.allclose(a.grad, b.grad, rtol=5e-2, atol=1e-3)
 
 
+def test_inductor_whole_model_with_the_chunked_loss_equals_eager_on_cuda():
+    # train.compile at one rank (the whole GPT) with model.loss = "chunked": the chunk loop and the
+    # autograd.Function under inductor, bf16 autocast, against the eager full loss; bounds as above.
+    import copy
+
+    from shardlab.models import GPT, GPTConfig
+    from shardlab.train.compile import compile_model
+
+    torch.manual_seed(0)
+    eager = GPT(GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=32)).cuda()
+    chunked = GPT(GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=32, loss="chunked", loss_chunk=48)).cuda()
+    chunked.load_state_dict(eager.state_dict())
+    compiled = compile_model(copy.deepcopy(chunked))
+    assert compiled._compiled_call_impl is not None
+    x, y = (torch.randint(0, 256, (4, 32), device="cuda") for _ in range(2))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        losses = [m(x, y) for m in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert torch.allclose(losses[0], losses[1], rtol=2e-2)
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=5e-2, atol=1e-3)
+
+
 def test_fused_adamw_and_prefetched_batches_on_cuda():
     import numpy as np
 

@@ -63,6 +63,10 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
                         "tied head), or a planner preset at full size: " + ", ".join(model_names()[4:])
                         + " (train/presets.py); expands to --set model.* assignments that --set can still change")
     g.add_argument("--steps", type=int, default=None, help="shortcut for --set train.steps=...")
+    g.add_argument("--loss", choices=["full", "chunked"], default=None,
+                   help="GPT: full (the head's whole tokens x vocab logits, then the cross-entropy) or chunked "
+                        "(head and cross-entropy fused over model.loss_chunk tokens at a time: the logits never "
+                        "exist whole; same loss and gradients up to rounding, less memory) (model.loss)")
     lay = p.add_argument_group("layout")
     lay.add_argument("--dp", type=int, default=None, help="data-parallel degree (ranks); layout.dp")
     lay.add_argument("--tp", type=int, default=None,
@@ -219,7 +223,7 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
                       ("save_on_signal", "checkpoint.save_on_signal"), ("recompute", "layout.recompute"),
                       ("cp", "layout.cp"), ("mesh_order", "layout.mesh_order"), ("nodes", "layout.nodes"),
                       ("ep", "layout.ep"), ("experts", "model.experts"), ("top_k", "model.top_k"),
-                      ("compile", "train.compile")):
+                      ("compile", "train.compile"), ("loss", "model.loss")):
         value = getattr(args, attr, None)
         if isinstance(value, bool):  # TOML spells them lower-case
             flags.append(f"{key}={str(value).lower()}")
@@ -252,7 +256,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_pipeline_options(p)
     add_checkpoint_options(p)
     p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile every transformer block (faster GPU steps after a compilation; not with "
+                   help="torch.compile the whole GPT where the layout leaves it plain (dp, ZeRO-1/2), else every transformer "
+                        "block (faster GPU steps after a compilation; not with "
                         "tp, cp, experts, ZeRO-3 or pp) (train.compile)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate, print the resolved configuration, parameter count and FLOPs per token, and stop")

@@ -45,6 +45,8 @@ class GPTConfig:
     mlp: str = "gelu"              # exact GELU; "gelu_tanh" (GPT-2's approximation); "swiglu" (Llama)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0    # rotary base: 10000 (RoFormer, Llama 2), 500000 (Llama 3)
+    loss: str = "full"             # "chunked": head and cross-entropy fused over chunks of tokens (fused_loss.py)
+    loss_chunk: int = 1024         # tokens per chunk of the chunked loss
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -59,6 +61,9 @@ class GPTConfig:
             raise ValueError(f"norm {self.norm!r} / mlp {self.mlp!r}: norm is one of {NORMS}, mlp one of {MLPS}")
         if self.rotary and (self.d_model // self.n_head) % 2:
             raise ValueError(f"rotary needs an even head size, got {self.d_model // self.n_head}")
+        if self.loss not in LOSSES or self.loss_chunk <= 0:
+            raise ValueError(f"loss {self.loss!r} / loss_chunk {self.loss_chunk}: loss is one of {LOSSES}, "
+                             f"loss_chunk a positive number of tokens")
 
     @property
     def head_dim(self) -> int:
@@ -100,6 +105,7 @@ class CausalSelfAttention(nn.Module):
         )
 
 
+LOSSES = ("full", "chunked")
 MLP = GeluMLP  # the GPT-2 family's MLP (models/layers.py has both families')
 
 
@@ -173,12 +179,27 @@ class Embedding(nn.Module):
 
 class CrossEntropy(nn.Module):
     """Swap point: the loss from the head's output, the mean cross-entropy over the tokens; without
-    targets, the logits themselves (a vocabulary-parallel head replaces it: parallel/tensor)."""
+    targets, the logits themselves (a vocabulary-parallel head replaces it: parallel/tensor).
+    `from_hidden` is where the model asks for the loss: from the final norm's output and the head,
+    which this one runs whole; the chunked loss (fused_loss.py) fuses the two instead."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def from_hidden(self, h: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of the hidden states `h` (b, t, d) through `head` against `targets` (b, t)."""
+        return self(head(h), targets)
+
+
+def make_loss(cfg: GPTConfig) -> CrossEntropy:
+    """The loss swap point's module for `cfg.loss`."""
+    if cfg.loss == "chunked":
+        from shardlab.models.fused_loss import ChunkedCrossEntropy
+
+        return ChunkedCrossEntropy(cfg.loss_chunk)
+    return CrossEntropy()
 
 
 class GPT(nn.Module):
@@ -191,7 +212,8 @@ class GPT(nn.Module):
                   rows; sp: the rank's share of the tokens)
       blocks.*.attn, blocks.*.attn.attend, blocks.*.mlp   attention (heads), its core (the ring,
                   recomputation), the MLP (columns and rows, experts)
-      head, loss  the output projection; CrossEntropy (the vocabulary-parallel loss)
+      head, loss  the output projection; CrossEntropy (the vocabulary-parallel loss; ChunkedCrossEntropy,
+                  the head and loss fused over chunks of tokens, fused_loss.py)
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -204,7 +226,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
-        self.tokens, self.embedding, self.loss = Tokens(), Embedding(), CrossEntropy()
+        self.tokens, self.embedding, self.loss = Tokens(), Embedding(), make_loss(cfg)
         self.apply(self._init)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat in depth.
         for name, p in self.named_parameters():
@@ -259,10 +281,10 @@ class GPT(nn.Module):
             x = block(x, rope)
         if self.head is None:  # the blocks' load-balancing terms ride on x to the backward (models/moe.py)
             return with_aux_losses(x, blocks, is_loss=False)
-        logits = self.head(self.ln_f(x))
+        h = self.ln_f(x)
         if targets is None:
-            return self.tokens.whole_logits(self.loss(logits).reshape(b, t_local, -1), t)
-        loss = self.loss(logits, self.tokens.local(targets))
+            return self.tokens.whole_logits(self.loss(self.head(h)).reshape(b, t_local, -1), t)
+        loss = self.loss.from_hidden(h, self.head, self.tokens.local(targets))
         # Mixture-of-experts blocks leave their load-balancing terms on the module (models/moe.py).
         return self.tokens.whole_loss(with_aux_losses(loss, blocks, is_loss=True))
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 def problems(cfg: Config) -> list[str]:
     """Every reason `cfg` cannot run, each naming its fields and values (empty: it can)."""
     from shardlab.comm.algorithms import ALGORITHMS
+    from shardlab.models.gpt import LOSSES
     from shardlab.models.layers import MLPS, NORMS
     from shardlab.parallel.data import MODES
     from shardlab.parallel.layout import uses_tensor_parallel
@@ -53,6 +54,12 @@ def problems(cfg: Config) -> list[str]:
     one_of("model.mlp", m.mlp, MLPS)
     positive("model.norm_eps", m.norm_eps)
     positive("model.rope_theta", m.rope_theta)
+    one_of("model.loss", m.loss, LOSSES)
+    if m.loss_chunk <= 0:
+        out.append(f"model.loss_chunk = {m.loss_chunk} must be a positive number of tokens")
+    if m.loss != "full" and m.name != "gpt":
+        out.append(f"model.loss = {m.loss!r} is the GPT's head and cross-entropy; model.name = {m.name!r} "
+                   f"has a squared-error loss: use model.loss = 'full'")
     if m.vocab_size < 0:
         out.append(f"model.vocab_size = {m.vocab_size} must be >= 0 (0: the corpus's vocabulary)")
     if not 0.0 < d.val_fraction < 1.0:
@@ -114,6 +121,10 @@ def problems(cfg: Config) -> list[str]:
         from shardlab.train.sharding_check import sharding_problems
 
         out += sharding_problems(cfg, model_ok)
+        if m.loss == "chunked":
+            out.append("model.loss = 'chunked' with [sharding] rules: the derived head runs its own collectives "
+                       "(its input's, the logits' gather), which a loss fused with the head would skip; use "
+                       "model.loss = 'full', or layout.tp without [sharding] (its vocabulary-parallel loss is chunked)")
     elif lay.tp > 0 and uses_tensor_parallel(lay):
         out += tensor_parallel_problems(cfg, model_ok)
     positive("layout.pp", lay.pp)

@@ -31,7 +31,7 @@ from shardlab import comm
 from shardlab.dist import signals
 from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, replica_group, uses_pipeline
 from shardlab.parallel.precision import autocast_context, get_precision
-from shardlab.train.compile import compile_blocks
+from shardlab.train.compile import compile_model
 from shardlab.train.config import Config
 from shardlab.train.flops import FlopsAccounting, run_flops
 from shardlab.train.memory import MemoryTracker
@@ -111,7 +111,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     flops = run_flops(plain, cfg, device)  # MFU's FLOPs and peak, of the whole model (train/flops.py)
     model = apply_layout(plain, lay, mesh, cfg.sharding)
     if t.compile:
-        compile_blocks(model)
+        compile_model(model)
     split = model.stage.plan.describe() if uses_pipeline(lay) else None
     del plain  # a pipeline stage holds copies of its layers: the whole model is not kept
     optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)

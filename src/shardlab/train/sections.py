@@ -65,6 +65,13 @@ class ModelSection:
     """GPT: epsilon of every norm (GPT-2 and Llama 3 use 1e-5)."""
     rope_theta: float = 10000.0
     """GPT with model.rotary: the rotary base (10000: RoFormer, Llama 2; 500000: Llama 3)."""
+    loss: str = "full"
+    """GPT: how the head and the cross-entropy run. 'full': the head's logits for every token (tokens x
+    vocab, and their fp32 copy), then the cross-entropy; 'chunked': the two fused over model.loss_chunk
+    tokens at a time, the gradients made in the same pass, so the whole logits never exist (the same
+    loss and gradients up to rounding; less memory, models/fused_loss.py; `--loss`)."""
+    loss_chunk: int = 1024
+    """GPT with model.loss = 'chunked': tokens per chunk (one chunk's logits, chunk x vocab, exist at a time)."""
     init_from_hf: str = ""
     """GPT: start from the weights of a local Hugging Face GPT-2 or Llama checkpoint (a directory with
     config.json and *.safetensors, as save_pretrained writes; nothing is downloaded). `shardlab train
@@ -170,8 +177,9 @@ class TrainSection:
     eval_batches: int = 4
     """Global batches of held-out data per validation."""
     compile: bool = False
-    """torch.compile every transformer block (train/compile.py): faster steps on a GPU after a
-    compilation of some seconds to a minute; refused with tensor, context or expert parallelism,
+    """torch.compile the whole GPT (embedding, blocks, head and loss) where the layout leaves its modules
+    as they are (data parallelism, ZeRO-1/2), else every transformer block (train/compile.py): faster
+    steps on a GPU after a compilation of some seconds to a minute; refused with tensor, context or expert parallelism,
     ZeRO-3 and pipelines (`--compile`)."""
 
 

@@ -97,7 +97,7 @@ def gpt_config(m: ModelSection, vocab_size: int = 0) -> GPTConfig:
         n_kv_head=m.n_kv_head or None, d_model=m.d_model, d_ff=m.d_ff or None, rotary=m.rotary,
         tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias, n_experts=m.experts, top_k=m.top_k,
         capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef, norm=m.norm, mlp=m.mlp,
-        norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+        norm_eps=m.norm_eps, rope_theta=m.rope_theta, loss=m.loss, loss_chunk=m.loss_chunk,
     )
 
 

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardlab.comm.autograd import gather_from_group
+from shardlab.comm.autograd import copy_to_group, gather_from_group, gather_from_sequence
 from shardlab.comm.dispatch import Group
-from shardlab.models.gpt import GPT, Embedding
+from shardlab.models.fused_loss import ChunkedCrossEntropy
+from shardlab.models.gpt import GPT, CrossEntropy, Embedding
 from shardlab.models.layers import SwiGLU
 from shardlab.models.moe import MoE
 from shardlab.parallel.tensor.attention import shard_attention
@@ -45,7 +46,9 @@ from shardlab.parallel.tensor.sequence import (
 )
 from shardlab.parallel.tensor.shards import SharesGroups, TensorParallelModel
 from shardlab.parallel.tensor.swiglu import shard_swiglu
-from shardlab.parallel.tensor.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from shardlab.parallel.tensor.vocab import (
+    VocabParallelEmbedding, vocab_parallel_chunked_cross_entropy, vocab_parallel_cross_entropy,
+)
 
 GPT_PLAN: dict[str, str] = {
     "tok_emb": "vocab",
@@ -185,7 +188,7 @@ class TensorParallelGPT(TensorParallelModel, GPT):
     the whole-model views (TensorParallelModel); `model(idx, targets) -> loss`, `model(idx) -> logits`."""
 
 
-class VocabParallelLoss(SharesGroups, nn.Module):
+class VocabParallelLoss(SharesGroups, CrossEntropy):
     """The GPT's loss swap point for a head split by vocabulary: the vocabulary-parallel
     cross-entropy of this rank's logit columns (vocab.py); without targets, the logits gathered whole."""
 
@@ -199,6 +202,30 @@ class VocabParallelLoss(SharesGroups, nn.Module):
         losses = vocab_parallel_cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                                               self.group)
         return losses.mean()
+
+
+class VocabParallelChunkedLoss(VocabParallelLoss):
+    """The chunked loss (model.loss = "chunked") for a head split by vocabulary: the head's input
+    collective (f: copy, or the sequence shards gathered), then vocab.py's chunked cross-entropy over
+    this rank's rows of the head, whose logits never exist whole; without targets, as VocabParallelLoss."""
+
+    def __init__(self, group: Group, chunk: int) -> None:
+        super().__init__(group)
+        self.chunk = chunk
+
+    def from_hidden(self, h: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+        if not isinstance(head, ColumnParallelLinear) or head.output_op != "none":
+            raise TypeError(f"the vocabulary-parallel chunked loss needs the head column-parallel over the "
+                            f"vocabulary with its output kept sharded, not {head!r}")
+        if head.input_op == "gather_seq":
+            h = gather_from_sequence(h, self.group, head.seq_dim)
+        elif head.input_op == "copy":
+            h = copy_to_group(h, self.group)
+        weight, bias = head.local_params()
+        return vocab_parallel_chunked_cross_entropy(h, weight, bias, targets, self.group, self.chunk)
+
+    def extra_repr(self) -> str:
+        return f"chunk={self.chunk}"
 
 
 class SequenceParallelEmbedding(SharesGroups, Embedding):
@@ -275,7 +302,8 @@ def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_paral
                                                       **edge)
         if tied:  # the same rows of the same table: one Parameter, as in the plain model
             model.head.weight = model.tok_emb.weight
-        model.loss = VocabParallelLoss(group)
+        chunked = isinstance(model.loss, ChunkedCrossEntropy)
+        model.loss = VocabParallelChunkedLoss(group, model.loss.chunk) if chunked else VocabParallelLoss(group)
     model.__class__ = TensorParallelGPT
     model.tp_group, model.sequence_parallel = group, sp
     return model

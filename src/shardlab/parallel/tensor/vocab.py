@@ -11,6 +11,11 @@ both modules hold the same local Parameter.
 The loss then works on the vocabulary shards: two all-reduces of one or two numbers per token (the
 max logit; then the sum of exponentials and the target's logit together) replace an all-gather of
 tokens x vocab floats.
+
+Chunked (`model.loss = "chunked"`): the head and this loss fused over chunks of tokens
+(models/fused_loss.py), each chunk's max made whole by an all-reduce MAX and its sum of exponentials
+and target logit by one SUM, as above; the gradient to the hidden states is this rank's part,
+summed over the group by the head's input collective.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 
 from shardlab.comm.autograd import all_reduce_, reduce_from_group, reduce_scatter_to_sequence
 from shardlab.comm.dispatch import Group
+from shardlab.models.fused_loss import chunked_linear_cross_entropy
 from shardlab.parallel.tensor.layers import keep_frozen
 from shardlab.parallel.placement import Shard
 from shardlab.parallel.tensor.shards import SharesGroups, shard_tensor
@@ -117,3 +123,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} do not match")
     return _VocabParallelCrossEntropy.apply(logits, targets, group)
+
+
+def vocab_parallel_chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                         targets: torch.Tensor, group: Group, chunk: int) -> torch.Tensor:
+    """The mean cross-entropy of the head F.linear(h, weight, bias) whose rows are this rank's slice of
+    the vocabulary, fused with it over `chunk` tokens at a time: equal to the mean of
+    vocab_parallel_cross_entropy over the head's logits, which never exist whole. `h`: the whole
+    hidden states, the same on every rank (after the head's input collective); its gradient is this
+    rank's part of the sum over the vocabulary's slices."""
+    start, _ = _vocab_range(weight.shape[0], group)
+
+    def combine(x: torch.Tensor, op: str) -> torch.Tensor:
+        return all_reduce_(x.contiguous(), group, op)
+
+    return chunked_linear_cross_entropy(h, weight, bias, targets, chunk, vocab_start=start, combine=combine)
