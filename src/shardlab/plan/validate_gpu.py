@@ -140,8 +140,8 @@ def fit_hopper(profile: dict | None = None) -> Kernels:
 
 def config_layout(lay: PlanLayout | None = None) -> PlanLayout:
     """configs/gpt-350m-gpu.toml as `shardlab train` runs it (plan/validate_local.trainer_layout's view:
-    bf16 autocast, gradient clipping, persistent gradient buffers)."""
-    return lay or PlanLayout(precision="bf16-autocast", micro_batch=BATCH, grad_clip=True, grads_persist=True)
+    bf16 autocast, gradient clipping; one replica, so no persistent gradient buffers)."""
+    return lay or PlanLayout(precision="bf16-autocast", micro_batch=BATCH, grad_clip=True, grads_persist=False)
 
 
 def gpu_rows(hw, measured_runs: dict[str, float] | None = None) -> list[dict]:

@@ -6,8 +6,9 @@ bench/plan_local.py measured of it on this machine (the measuring is a tool, out
 
 The planner sees shardlab's trainer as it is: fp32 on CPU, gloo, no asynchronous tensor-parallel
 collectives (shardlab's autograd collectives block), gradient buckets that persist under data
-parallelism (DataParallel wraps even one rank) but are created in backward and freed after the step
-by ZeRO-1/2/3 (which keep only their shard).
+parallelism over two replicas or more, but are created in backward and freed after the step by ZeRO-1/2/3
+(which keep only their shard) and by a model of one replica (not wrapped: its gradients are set to
+None after each step, as a plain loop's are).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def trainer_layout(cfg) -> PlanLayout:
         # shardlab overlaps gradient reduction with backward in dp_mode "overlap" and in ZeRO-2/3.
         dp_overlap=(lay.zero == 0 and lay.dp_mode == "overlap") or lay.zero in (2, 3),
         # The trainer computes the global gradient norm every step (it logs it even when not clipping).
-        tp_overlap=False, grads_persist=lay.zero == 0, grad_clip=True,
+        tp_overlap=False, grads_persist=lay.zero == 0 and lay.dp * lay.ep * lay.cp > 1, grad_clip=True,
     )
 
 
