@@ -162,8 +162,11 @@ class TrainSection:
     """Global batches of held-out data per validation."""
     compile: bool = False
     """torch.compile every transformer block (train/compile.py): faster steps on a GPU after a
-    compilation of some seconds to a minute; refused with tensor, context or expert parallelism,
-    ZeRO-3 and pipelines (`--compile`)."""
+    compilation of some seconds to a minute, under every layout (`--compile`)."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend for train.compile: 'inductor' (generated kernels; a C++ compiler on
+    CPU, Triton on a GPU), 'aot_eager' (dynamo's capture and AOTAutograd's forward and backward
+    graphs, run with eager kernels: what the CPU tests verify) or 'eager' (dynamo's capture only)."""
 
 
 @dataclass

@@ -36,6 +36,7 @@ from shardlab.parallel.layout import (
     apply_layout, batch_rank, build_mesh, full_gradients, full_parameters, replica_group, uses_tensor_parallel,
 )
 from shardlab.parallel.precision import get_precision
+from shardlab.train.compile import compile_blocks, compile_stats, fresh_compile_state
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.step import lr_at, make_optimizer, train_step
@@ -158,6 +159,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     mesh = build_mesh(cfg.layout)
     (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
     model = apply_layout(plain, cfg.layout, mesh, cfg.sharding)
+    if t.compile:  # the layout's blocks compiled as the trainer compiles them; the reference stays eager
+        fresh_compile_state()
+        compile_blocks(model, backend=t.compile_backend)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     ref_opt = make_optimizer(reference, cfg.optim, cfg.layout.precision)
     floor = NoiseFloor(reference, cfg.optim, t.global_batch, cfg.layout.precision, make_optimizer) if noise_floor else None
@@ -281,6 +285,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         bars = noise_report(floor, mixed, [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]],
                             [(n, held[n], ref_params[n]) for n in ref_params], tol, grad_tol, atol, device)
         bars["loss_floor_used"] = bool(rows and bars["loss_floor"] > tol * abs(rows[-1]["ref_loss"]))
+    # What dynamo compiled on each rank: a layout whose blocks silently ran eager shows 0 graphs.
+    compiled: list[Any] = [None] * world
+    dist.all_gather_object(compiled, compile_stats() if t.compile else None)
     if rank != 0:
         return None
     max_rel_loss = max(abs(r["loss_diff"]) / max(abs(r["ref_loss"]), 1e-30) for r in rows)
@@ -310,6 +317,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         "max_rel_grad_norm_diff": max(_norm_diff(r["grad_norm"], r["ref_grad_norm"]) / max(abs(r["ref_grad_norm"]), 1e-30)
                                       for r in rows),
         "per_step": rows,
+        "compiled": compiled if t.compile else None,
         "noise_floor": bars,
         "config": cfg.to_dict(),
     }
