@@ -1,21 +1,46 @@
-"""`train.compile`: torch.compile of the model's blocks, after the layout is applied.
+"""`train.compile`: torch.compile of the model's blocks, after the layout is applied, under every layout.
 
     model = apply_layout(plain, lay, mesh)
-    compile_blocks(model)            # every GPT Block (or the deep MLP's layers) compiled in place
+    compile_blocks(model, backend="inductor")   # every GPT Block (or the deep MLP's layers) compiled in place
 
 Why the blocks and not the whole model: the layouts wrap and hook the model from outside (the
 data-parallel wrappers' gradient hooks on parameters, ZeRO's and a pipeline's optimizers, the
 loss and the head kept eager), and a block is the repeated unit every layout keeps intact. Each
-block is compiled in place with `nn.Module.compile()`: its class, parameters and names do not change,
-so checkpoints, `verify`'s comparisons by name and the gradient hooks see the same model; all
-blocks share one compiled code (same shapes), so compilation costs one block's time.
+block's forward is compiled in place: its class, parameters and names do not change, so
+checkpoints, `verify`'s comparisons by name and the gradient hooks see the same model; all blocks
+share one compiled code (same shapes), so compilation costs one block's time.
 
-Composes with recomputation: a recomputing block (parallel/recompute.py) is compiled with its
-torch.utils.checkpoint inside, which dynamo traces as a checkpointed region. Refused before launch
-(`compile_problems`), each for its reason: layouts whose blocks call collectives or change their
-parameters inside forward (tensor, context and expert parallelism; ZeRO-3's gathers and
-placeholders), and pipelines, whose stages were not tried compiled. torch.compile needs a C
-compiler on CPU (inductor writes C++) and Triton on a GPU.
+The forward, not the module's call (`nn.Module.compile()` would compile `_call_impl`, hooks and
+all): the hooks the layouts put on a block run as Python around the compiled forward. How each
+layout compiles (each verified against one process on CPU, tests/test_compile.py):
+
+  tp, sp    the collectives inside the block (comm/autograd.py's operators, the shared-input
+            linears, sequence parallelism's replicated-parameter views) are graph breaks
+            (comm/graph_break.py): they run as Python, in the order every rank issues them; the
+            matmuls, norms and attention between them are compiled.
+  cp        the ring attention (an autograd Function passing keys and values between ranks) is a
+            graph break; the projections, norms and MLP are compiled.
+  experts   a MoE layer's forward (routing, dispatch, the all-to-all under layout.ep) runs as Python:
+            which experts run on how many rows is data read on the host. Each expert's own forward is
+            compiled (a target of its own), with a dynamic number of rows.
+  ZeRO-3    the unit's gather (pre-hook) and release (post-hook) run eagerly around the compiled
+            forward, which sees the gathered parameters; what the compiled forward saves for
+            backward goes through FSDP's saved-tensor hooks as an eager forward's does (a record in
+            place of a gathered weight, rebuilt by gathering again).
+  pp        each stage compiles the blocks it holds (its copies); the schedule runs them.
+
+Recomputation composes: a recomputing block (parallel/recompute.py) has its own forward compiled
+and its checkpoint kept eager around it (inside a graph, a layout's graph breaks would make dynamo
+run the whole checkpointed block eagerly). Selective recomputation's checkpoint is inside the
+compiled attention, where dynamo traces it (or, around the ring, runs it as Python).
+
+Refused before launch (`compile_problems`), for its reason: the zero-bubble schedule (zb1), whose
+torch-function mode over the forward rewrites every linear into a deferred-weight-gradient Function
+holding Python state: dynamo would trace the mode at every call it intercepts, recompile its handler
+per function until its limit, and leave the linears eager.
+
+`train.compile_backend`: inductor (the default; a C++ compiler on CPU, Triton on a GPU), aot_eager
+(dynamo's capture and AOTAutograd's graphs with eager kernels: what the CPU tests verify) or eager.
 """
 
 from __future__ import annotations
@@ -73,8 +98,11 @@ def compile_targets(model: nn.Module) -> list[nn.Module]:
 def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
     """Compile `model`'s blocks' forwards in place (see the module docstring); returns `model`.
     `compile_kwargs` go to torch.compile (backend="aot_eager" in the CPU tests)."""
+    from shardlab.parallel.pipeline.stages import PipelineStage
+
     targets = compile_targets(model)
-    if not targets:
+    # A pipeline stage may hold only the embedding or the head (pp 4 over 2 blocks): nothing to compile.
+    if not targets and not any(isinstance(m, PipelineStage) for m in model.modules()):
         raise ValueError(f"train.compile: {type(model).__name__} has no GPT Block or deep-MLP layer to compile")
     prepare_graph_breaks()  # the layouts' collectives run as Python between graphs
     for m in targets:

@@ -380,4 +380,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"{lay['precision']}: allowances include {report['mp_factor']:g} x the precision's own error (the "
             f"{lay['precision']} reference against fp32: loss {last['precision_loss_gap']:.2e}, gradients "
             f"{last['precision_rel_grad_gap']:.2e}, parameters {last['precision_rel_param_gap']:.2e} relative)")
+    if report.get("compiled"):
+        cfg_train = report["config"]["train"]
+        lines.append(f"compiled blocks ({cfg_train['compile_backend']}) against the eager reference: "
+                     + ", ".join(f"rank {r}: {c['graphs']} graphs, {c['graph_breaks']} graph breaks"
+                                 for r, c in enumerate(report["compiled"])))
     return "\n".join(lines + format_bars(report))
