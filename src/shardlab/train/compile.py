@@ -79,15 +79,15 @@ def compile_problems(cfg: Config) -> list[str]:
 
 
 def compile_targets(model: nn.Module) -> list[nn.Module]:
-    """The repeated units to compile: a GPT's Blocks (found by type, so a recomputing subclass too),
-    else the deep MLP's layers."""
+    """The repeated units to compile: a GPT's Blocks (found by type, so a recomputing subclass too)
+    and its MoE layers' experts, else the deep MLP's layers."""
     from shardlab.models.gpt import Block
     from shardlab.models.mlp import DeepMLP
 
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if blocks:
-        # A mixture of experts' experts too: the block's compiled forward leaves their dispatch
-        # (models/moe.py's run_experts) to Python, which calls each expert's own compiled forward.
+        # A mixture of experts' experts too: a MoE layer's forward runs as Python (models/moe.py),
+        # and calls each expert's own compiled forward.
         experts = [e for m in model.modules() if isinstance(getattr(m, "experts", None), (nn.ModuleList, nn.ModuleDict))
                    for e in (m.experts.values() if isinstance(m.experts, nn.ModuleDict) else m.experts)]
         return blocks + experts
@@ -130,9 +130,9 @@ def fresh_compile_state() -> None:
 
 
 def compile_stats() -> dict[str, int]:
-    """What dynamo did in this process so far: graphs compiled, graph breaks taken (the places it
-    ran Python, e.g. a collective), and recompilations' frames; `verify` reports them, so a layout
-    that silently stopped compiling shows 0 graphs."""
+    """What dynamo did in this process so far: graphs compiled and graph breaks taken (the places it
+    ran Python, e.g. a collective); `verify` reports them, so a layout that silently stopped
+    compiling shows 0 graphs."""
     from torch._dynamo.utils import counters
 
     return {"graphs": int(counters["stats"]["unique_graphs"]),
