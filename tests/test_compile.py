@@ -70,6 +70,37 @@ def test_every_layout_trains_compiled_as_one_process(pools, world, overrides):
         assert all(c["graph_breaks"] > 0 for c in report["compiled"])  # the collectives ran as Python
 
 
+def _zero3_saved(compiled: bool) -> tuple[int, list[int]]:
+    """ZeRO-3 over the pool's ranks, one forward: how many saved tensors FSDP's pack hook turned into
+    records (weights it can free and gather again), and which units are gathered after the forward."""
+    from shardlab.parallel.fsdp import FullyShardedDataParallel, _Saved
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(GPT(GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16)))
+    if compiled:
+        compile_blocks(model, backend="aot_eager")
+    records, pack = [0], model._pack
+
+    def counting(t: torch.Tensor) -> object:
+        out = pack(t)
+        records[0] += isinstance(out, _Saved)
+        return out
+
+    model._pack = counting
+    loss = model(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))
+    gathered = [u.index for u in model.units if u.full is not None]
+    loss.backward()
+    return records[0], gathered
+
+
+def test_zero3_compiled_blocks_free_their_weights_as_eager_ones_do(pools):
+    # The unit's hooks run around the compiled forward (not traced by it), and what the compiled
+    # forward saves for backward goes through FSDP's pack hook: every gathered weight it saves
+    # becomes a record, so after the forward only the root stays gathered, as eagerly.
+    eager, compiled = pools(2).run(_zero3_saved, False)[0], pools(2).run(_zero3_saved, True)[0]
+    assert compiled == eager and eager[0] > 0 and eager[1] == [0], (compiled, eager)
+
+
 def test_recomputed_blocks_with_collectives_still_compile(pools):
     # The checkpoint stays eager around the compiled block (parallel/recompute.py): inside a graph,
     # tensor parallelism's graph breaks would make dynamo run the whole checkpointed block eagerly.
