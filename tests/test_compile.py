@@ -1,10 +1,12 @@
 """train.compile (train/compile.py) and the bf16-autocast precision, on CPU: a compiled step equals
 the eager one, recomputation included, the whole GPT (head and loss, full or chunked) where the layout
-leaves it plain; layouts that cannot be compiled are refused before launch."""
+leaves it plain; every layout trains compiled as one process does (verify); what cannot be compiled
+is refused before launch."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from shardlab.train.compile import compile_blocks, compile_model, whole_model_ta
 from shardlab.train.config import ConfigError, load_config
 from shardlab.train.step import adamw_implementation, train_step
 from shardlab.train.task import Task, skip_layer
+from shardlab.train.verify import VERIFY_BASE
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -78,17 +81,87 @@ def test_layouts_that_hook_or_swap_the_model_compile_its_blocks():
         assert whole_model_target(model) is None
         compile_model(model, backend="aot_eager")
         assert model._compiled_call_impl is None
-        assert all(b._compiled_call_impl is not None for b in model.blocks)
+        assert all("forward" in vars(b) for b in model.blocks)  # each block's own forward, compiled
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (["layout.tp=2"], "layout.tp = 2"), (["layout.dp=2", "layout.zero=3"], "layout.zero = 3"),
-    (["layout.pp=2"], "layout.pp = 2"), (["model.experts=4"], "model.experts = 4")])
-def test_layouts_that_cannot_be_compiled_are_refused_naming_why(overrides, field):
-    cfg = load_config(None, ["train.compile=true", *overrides])
-    with pytest.raises(ConfigError, match=f"train.compile = true cannot be used with {field}: "):
+def _verify_compiled(pools, world: int, *overrides: str) -> dict:
+    """verify_rank with the layout's blocks compiled (aot_eager) against the eager single process."""
+    from shardlab.train.verify import verify_rank
+
+    cfg = load_config(None, ['model.name="gpt"', "train.compile=true", 'train.compile_backend="aot_eager"',
+                             "train.steps=2", *overrides], base=VERIFY_BASE)
+    cfg.validate()
+    report = pools(world).run(verify_rank, cfg.to_dict(), 1e-6, 1e-5)[0]
+    assert report["passed"], json.dumps(report["per_step"], indent=1)
+    # Compiled code ran on every rank (a layout whose blocks fell back to eager would show 0 graphs;
+    # verify makes dynamo's recompilation limit an error, so no frame silently went eager either).
+    assert all(c["graphs"] > 0 for c in report["compiled"]), report["compiled"]
+    return report
+
+
+# One cheap verify per layout that used to be refused: 2 steps of VERIFY_BASE's GPT (2 blocks,
+# d_model 64), compiled blocks against the eager single process on the whole batch, verify's
+# tolerances (loss 1e-6 relative, gradients 1e-5, parameters 1e-7 + 1e-6 of their scale): aot_eager
+# runs the same aten kernels as eager, so compiling changes the sums' order no more than a layout does.
+@pytest.mark.parametrize("world, overrides", [
+    (2, ["layout.cp=2"]),                                                    # the ring inside attention
+    (2, ["model.experts=4", "model.top_k=2", "layout.ep=2"]),                # routing, all-to-all
+    (2, ["layout.dp=2", "layout.zero=3"]),                                   # gather and release hooks
+    (2, ["layout.pp=2", "train.micro_batches=2"]),                           # stages' copies of the blocks
+    (2, ["layout.tp=2", "layout.sp=true"]),                                  # collectives inside the block
+], ids=["cp2", "experts-ep2", "zero3-dp2", "pp2", "tp2-sp"])
+def test_every_layout_trains_compiled_as_one_process(pools, world, overrides):
+    report = _verify_compiled(pools, world, *overrides)
+    if "layout.tp=2" in overrides or "layout.cp=2" in overrides:
+        assert all(c["graph_breaks"] > 0 for c in report["compiled"])  # the collectives ran as Python
+
+
+def _zero3_saved(compiled: bool) -> tuple[int, list[int]]:
+    """ZeRO-3 over the pool's ranks, one forward: how many saved tensors FSDP's pack hook turned into
+    records (weights it can free and gather again), and which units are gathered after the forward."""
+    from shardlab.parallel.fsdp import FullyShardedDataParallel, _Saved
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(GPT(GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16)))
+    if compiled:
+        compile_blocks(model, backend="aot_eager")
+    records, pack = [0], model._pack
+
+    def counting(t: torch.Tensor) -> object:
+        out = pack(t)
+        records[0] += isinstance(out, _Saved)
+        return out
+
+    model._pack = counting
+    loss = model(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))
+    gathered = [u.index for u in model.units if u.full is not None]
+    loss.backward()
+    return records[0], gathered
+
+
+def test_zero3_compiled_blocks_free_their_weights_as_eager_ones_do(pools):
+    # The unit's hooks run around the compiled forward (not traced by it), and what the compiled
+    # forward saves for backward goes through FSDP's pack hook: every gathered weight it saves
+    # becomes a record, so after the forward only the root stays gathered, as eagerly.
+    eager, compiled = pools(2).run(_zero3_saved, False)[0], pools(2).run(_zero3_saved, True)[0]
+    assert compiled == eager and eager[0] > 0 and eager[1] == [0], (compiled, eager)
+
+
+def test_recomputed_blocks_with_collectives_still_compile(pools):
+    # The checkpoint stays eager around the compiled block (parallel/recompute.py): inside a graph,
+    # tensor parallelism's graph breaks would make dynamo run the whole checkpointed block eagerly.
+    _verify_compiled(pools, 2, "layout.tp=2", "layout.sp=true", 'layout.recompute="full"')
+
+
+def test_what_cannot_be_compiled_is_refused_naming_why():
+    cfg = load_config(None, ["train.compile=true", "layout.pp=2", 'layout.schedule="zb1"', "train.micro_batches=2"])
+    with pytest.raises(ConfigError, match='train.compile = true cannot be used with layout.schedule = "zb1": '):
         cfg.validate()
-    load_config(None, ["train.compile=true", "layout.dp=2", "layout.zero=2", 'layout.recompute="full"']).validate()
+    cfg = load_config(None, ["train.compile=true", 'train.compile_backend="cudagraphs"'])
+    with pytest.raises(ConfigError, match="train.compile_backend = 'cudagraphs' is not one of 'inductor', "):
+        cfg.validate()
+    load_config(None, ["train.compile=true", "layout.dp=2", "layout.zero=3", 'layout.recompute="full"']).validate()
+    load_config(None, ["train.compile=true", "layout.tp=2", "layout.cp=2", "model.experts=4"]).validate()
 
 
 def test_bf16_autocast_keeps_fp32_weights_and_runs_matmuls_in_bf16():

@@ -256,9 +256,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_pipeline_options(p)
     add_checkpoint_options(p)
     p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile the whole GPT where the layout leaves it plain (dp, ZeRO-1/2), else every transformer "
-                        "block (faster GPU steps after a compilation; not with "
-                        "tp, cp, experts, ZeRO-3 or pp) (train.compile)")
+                   help="torch.compile the whole GPT where the layout leaves it plain (dp, ZeRO-1/2), else every "
+                        "transformer block (faster GPU steps after a compilation; every layout but the zb1 schedule; "
+                        "backend: train.compile_backend) (train.compile)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate, print the resolved configuration, parameter count and FLOPs per token, and stop")
     p.add_argument("--json", default=None, metavar="PATH",

@@ -55,6 +55,11 @@ examples:
   shardlab verify --model gpt --pp 4 --schedule interleaved --virtual-stages 2 --microbatches 4 \
       --set model.n_layer=6                                # 8 chunks: the GPT needs 6 blocks + 2
   shardlab verify --model mlp --pp 2 --dp 2 --schedule zb1 --microbatches 3   # 4 ranks: pp 2 x dp 2
+  shardlab verify --model gpt --tp 2 --sp --set train.compile=true     # compiled blocks against eager
+
+With --set train.compile=true the layout's blocks are compiled as `shardlab train --compile`
+compiles them (train/compile.py; --set train.compile_backend=aot_eager needs no C++ compiler)
+and the reference stays eager; the report gives each rank's compiled graphs and graph breaks.
 
 Under a pipeline (--pp), the stages' parameters and gradients are gathered by their original names
 over the pipeline group, tied copies (the GPT's embedding and head) counted once. Without --config

@@ -27,6 +27,12 @@ blocks and concatenates them, a reduce-scatter stacks the chunks in front first 
 contiguous results); the chunk of rank r along `dim` is the r-th of n equal parts (the size must
 divide by n). A group of one rank makes every operator the identity, with no communication.
 
+Under torch.compile (train/compile.py compiles the blocks these operators sit in) every operator
+and helper here that communicates is a graph break (comm/graph_break.py): dynamo traces neither the
+collective nor its backward, which run as Python in the order every rank issues them, while the
+compute between them is compiled. Traced, they would take dynamo through the flight recorder and
+the counters below, Python state that a graph cannot hold.
+
 `count_comm()` records every collective these operators issue (calls and bytes by operation), so
 the communication of two tensor-parallel forms can be compared per step.
 """
@@ -44,6 +50,7 @@ import torch.distributed as dist
 
 from shardlab import comm
 from shardlab.comm.dispatch import Group
+from shardlab.comm.graph_break import graph_break
 
 # Bytes each rank sends on a ring per byte of buffer (the nccl-tests busbw factors, see DESIGN.md).
 _BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -119,6 +126,7 @@ def _done(x: torch.Tensor) -> Pending:
     return Pending(None, lambda _: x)
 
 
+@graph_break
 def start_all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> Pending:
     """Reduce `x` across the group, in place, without waiting (counted)."""
     n = dist.get_world_size(group)
@@ -129,11 +137,13 @@ def start_all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> Pending:
     return Pending(handle, lambda _: x)
 
 
+@graph_break
 def all_reduce_(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     """Reduce `x` across the group, in place (counted)."""
     return start_all_reduce(x, group, op).wait()
 
 
+@graph_break
 def start_gather(x: torch.Tensor, group: Group, dim: int) -> Pending:
     """Every rank's `x` concatenated along `dim`, in group-rank order, without waiting (counted).
     The result is contiguous. Along dim 0 the ranks' blocks land in place; along another dim each
@@ -156,11 +166,13 @@ def start_gather(x: torch.Tensor, group: Group, dim: int) -> Pending:
     return Pending(handle, lambda got: torch.cat(got.unbind(0), dim=d), part)
 
 
+@graph_break
 def gather_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """Every rank's `x` concatenated along `dim`, in group-rank order (counted); contiguous."""
     return start_gather(x, group, dim).wait()
 
 
+@graph_break
 def start_reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> Pending:
     """The sum across the group of `x`, of which this rank keeps its chunk along `dim`, without
     waiting (counted); contiguous. Along another dim than 0 the chunks are stacked in front first
@@ -176,6 +188,7 @@ def start_reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> Pending:
     return Pending(handle, lambda got: got.squeeze(0), rows)
 
 
+@graph_break
 def reduce_scatter_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """The sum across the group of `x`, of which this rank keeps its chunk along `dim` (counted)."""
     return start_reduce_scatter(x, group, dim).wait()
@@ -281,32 +294,38 @@ def _single(group: Group) -> bool:
     return dist.get_world_size(group) == 1
 
 
+@graph_break
 def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """f: identity forward, all-reduce backward. Also makes a replicated parameter whose use differs
     by rank (a norm under sequence parallelism) receive the sum of the ranks' gradients."""
     return x if _single(group) else CopyToGroup.apply(x, group)
 
 
+@graph_break
 def reduce_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """g: all-reduce forward, identity backward."""
     return x if _single(group) else ReduceFromGroup.apply(x, group)
 
 
+@graph_break
 def gather_from_group(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """All-gather along `dim` forward, split backward (replicated consumers)."""
     return x if _single(group) else GatherFromGroup.apply(x, group, dim)
 
 
+@graph_break
 def split_to_group(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Split along `dim` forward, all-gather backward."""
     return x if _single(group) else SplitToGroup.apply(x, group, dim)
 
 
+@graph_break
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """Reduce-scatter along `dim` forward, all-gather backward."""
     return x if _single(group) else ReduceScatterToSequence.apply(x, group, dim)
 
 
+@graph_break
 def gather_from_sequence(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """All-gather along `dim` forward, reduce-scatter backward (sharded consumers)."""
     return x if _single(group) else GatherFromSequence.apply(x, group, dim)

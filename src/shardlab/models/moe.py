@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardlab.comm.graph_break import graph_break
 from shardlab.models.layers import make_mlp
 
 
@@ -182,6 +183,11 @@ class MoE(nn.Module):
         self.dropped = 0
         self.rows: RowShards | None = None  # set by context parallelism (parallel/expert/rows.py)
 
+    # Under torch.compile (train/compile.py) the routing and dispatch run as Python, a graph break
+    # (comm/graph_break.py): which experts run, on how many rows, is data read on the host (a graph
+    # would recompile for each new set of counts); each expert's own forward is compiled, with a
+    # dynamic number of rows. So in every MoE layer's form (tensor- and expert-parallel too).
+    @graph_break
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         r = route(self.router, x, self.top_k, self.capacity_factor, self.aux_loss_coef, self.rows)

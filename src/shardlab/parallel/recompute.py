@@ -68,10 +68,18 @@ MODES = ("none", "selective", "full")
 
 
 class RecomputedBlock:
-    """Mixed in before a transformer block's class: its forward runs under checkpoint."""
+    """Mixed in before a transformer block's class: its forward runs under checkpoint.
+
+    Under train.compile (train/compile.py) `compiled_inner` is the block's own forward compiled, and
+    the checkpoint stays outside it, eager: it drops what the compiled forward saves and reruns the
+    compiled forward in backward. Inside a compiled graph it could not, where the block's forward
+    has graph breaks (the collectives of tensor, context and expert parallelism): dynamo cannot
+    break a checkpointed region, and would run the whole block eagerly."""
+
+    compiled_inner: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        inner = super(RecomputedBlock, self).forward  # the block's own forward
+        inner = self.compiled_inner or super(RecomputedBlock, self).forward  # the block's own forward
         if not torch.is_grad_enabled():  # evaluation, sampling: nothing is saved anyway
             return inner(*args, **kwargs)
         return _checkpoint(inner, *args, **kwargs)

@@ -1,7 +1,7 @@
-"""`train.compile`: torch.compile of the model, after the layout is applied.
+"""`train.compile`: torch.compile of the model after the layout is applied, under every layout.
 
     model = apply_layout(plain, lay, mesh)
-    compile_model(model)             # the whole GPT where the layout leaves it plain, else its blocks
+    compile_model(model, backend="inductor")   # the whole GPT where the layout leaves it plain, else its blocks
 
 The whole GPT (embedding, blocks, final norm, head and loss: one graph, so the vocabulary's
 log-softmax or the chunked loss of models/fused_loss.py is fused too) when the layout leaves the
@@ -10,16 +10,41 @@ model's own modules as they are: data parallelism and ZeRO-1/2 act on its parame
 one's: tests/test_compile.py counts them) and on its optimizer. Where a layout swaps the model's
 modules or hooks them (tensor, context and expert parallelism, ZeRO-3's gathering hooks, [sharding]
 plans, pipeline chunks), the blocks, the repeated unit every layout keeps intact (`compile_blocks`).
-Either way each target is compiled in place with `nn.Module.compile()`: its class, parameters and
-names do not change, so checkpoints, `verify`'s comparisons by name and the gradient hooks see the
-same model; all blocks share one compiled code (same shapes), so compilation costs one block's time.
+Either way the class, parameters and names do not change, so checkpoints, `verify`'s comparisons by
+name and the gradient hooks see the same model; all blocks share one compiled code (same shapes), so
+compilation costs one block's time.
 
-Composes with recomputation: a recomputing block (parallel/recompute.py) is compiled with its
-torch.utils.checkpoint inside, which dynamo traces as a checkpointed region. Refused before launch
-(`compile_problems`), each for its reason: layouts whose blocks call collectives or change their
-parameters inside forward (tensor, context and expert parallelism; ZeRO-3's gathers and
-placeholders), and pipelines, whose stages were not tried compiled. torch.compile needs a C
-compiler on CPU (inductor writes C++) and Triton on a GPU.
+The forward, not the module's call (`nn.Module.compile()` would compile `_call_impl`, hooks and
+all): the hooks the layouts put on a block run as Python around the compiled forward. How each
+layout compiles (each verified against one process on CPU, tests/test_compile.py):
+
+  tp, sp    the collectives inside the block (comm/autograd.py's operators, the shared-input
+            linears, sequence parallelism's replicated-parameter views) are graph breaks
+            (comm/graph_break.py): they run as Python, in the order every rank issues them; the
+            matmuls, norms and attention between them are compiled.
+  cp        the ring attention (an autograd Function passing keys and values between ranks) is a
+            graph break; the projections, norms and MLP are compiled.
+  experts   a MoE layer's forward (routing, dispatch, the all-to-all under layout.ep) runs as Python:
+            which experts run on how many rows is data read on the host. Each expert's own forward is
+            compiled (a target of its own), with a dynamic number of rows.
+  ZeRO-3    the unit's gather (pre-hook) and release (post-hook) run eagerly around the compiled
+            forward, which sees the gathered parameters; what the compiled forward saves for
+            backward goes through FSDP's saved-tensor hooks as an eager forward's does (a record in
+            place of a gathered weight, rebuilt by gathering again).
+  pp        each stage compiles the blocks it holds (its copies); the schedule runs them.
+
+Recomputation composes: a recomputing block (parallel/recompute.py) has its own forward compiled
+and its checkpoint kept eager around it (inside a graph, a layout's graph breaks would make dynamo
+run the whole checkpointed block eagerly). Selective recomputation's checkpoint is inside the
+compiled attention, where dynamo traces it (or, around the ring, runs it as Python).
+
+Refused before launch (`compile_problems`), for its reason: the zero-bubble schedule (zb1), whose
+torch-function mode over the forward rewrites every linear into a deferred-weight-gradient Function
+holding Python state: dynamo would trace the mode at every call it intercepts, recompile its handler
+per function until its limit, and leave the linears eager.
+
+`train.compile_backend`: inductor (the default; a C++ compiler on CPU, Triton on a GPU), aot_eager
+(dynamo's capture and AOTAutograd's graphs with eager kernels: what the CPU tests verify) or eager.
 """
 
 from __future__ import annotations
@@ -29,38 +54,47 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from shardlab.comm.graph_break import prepare_graph_breaks
+from shardlab.parallel.recompute import RecomputedBlock
+
 if TYPE_CHECKING:
     from shardlab.train.config import Config
 
 
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
 def compile_problems(cfg: Config) -> list[str]:
-    """Why `train.compile` cannot run with this layout (empty: it can)."""
-    if not cfg.train.compile:
+    """Why `train.compile` cannot run as configured (empty: it can)."""
+    t, lay = cfg.train, cfg.layout
+    if not t.compile:
         return []
-    lay, m = cfg.layout, cfg.model
-    refused = [  # (field, its value, refused?, why)
-        ("layout.tp", lay.tp, lay.tp > 1 or lay.sp, "tensor-parallel blocks call collectives inside forward"),
-        ("layout.cp", lay.cp, lay.cp > 1, "ring attention passes keys and values between ranks inside forward"),
-        ("model.experts", m.experts, m.experts > 0,
-         "mixture-of-experts blocks route tokens with data-dependent shapes (and all-to-all under layout.ep)"),
-        ("layout.zero", lay.zero, lay.zero == 3,
-         "ZeRO-3 gathers each unit's parameters in forward hooks and points them at placeholders after it"),
-        ("layout.pp", lay.pp, lay.pp > 1, "pipeline stages were not tried compiled"),
-    ]
-    out = [f"train.compile = true cannot be used with {field} = {value}: {why}; set train.compile = false"
-           for field, value, bad, why in refused if bad]
+    out = []
+    if t.compile_backend not in BACKENDS:
+        out.append(f"train.compile_backend = {t.compile_backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
+    if lay.pp > 1 and lay.schedule == "zb1":
+        out.append('train.compile = true cannot be used with layout.schedule = "zb1": the zero-bubble schedule '
+                   "splits each linear layer's backward through a torch-function mode over the forward that keeps "
+                   "Python state per call (its weight-gradient store, parallel/pipeline/splitgrad.py); under "
+                   "compile, dynamo traces the mode into every call it intercepts, recompiling its handler per "
+                   "function up to its limit, and leaves each linear, the work compiling is for, eager; use "
+                   "another schedule or set train.compile = false")
     return out
 
 
 def compile_targets(model: nn.Module) -> list[nn.Module]:
-    """The repeated units to compile: a GPT's Blocks (found by type, so a recomputing subclass too),
-    else the deep MLP's layers."""
+    """The repeated units to compile: a GPT's Blocks (found by type, so a recomputing subclass too)
+    and its MoE layers' experts, else the deep MLP's layers."""
     from shardlab.models.gpt import Block
     from shardlab.models.mlp import DeepMLP
 
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if blocks:
-        return blocks
+        # A mixture of experts' experts too: a MoE layer's forward runs as Python (models/moe.py),
+        # and calls each expert's own compiled forward.
+        experts = [e for m in model.modules() if isinstance(getattr(m, "experts", None), (nn.ModuleList, nn.ModuleDict))
+                   for e in (m.experts.values() if isinstance(m.experts, nn.ModuleDict) else m.experts)]
+        return blocks + experts
     mlps = [m for m in model.modules() if isinstance(m, DeepMLP)]
     return [layer for m in mlps for layer in m.layers]
 
@@ -107,10 +141,44 @@ def compile_model(model: nn.Module, **compile_kwargs) -> nn.Module:
 
 
 def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
-    """Compile `model`'s blocks in place (see the module docstring); returns `model`."""
+    """Compile `model`'s blocks' forwards in place (see the module docstring); returns `model`.
+    `compile_kwargs` go to torch.compile (backend="aot_eager" in the CPU tests)."""
+    from shardlab.parallel.pipeline.stages import PipelineStage
+
     targets = compile_targets(model)
-    if not targets:
+    # A pipeline stage may hold only the embedding or the head (pp 4 over 2 blocks): nothing to compile.
+    if not targets and not any(isinstance(m, PipelineStage) for m in model.modules()):
         raise ValueError(f"train.compile: {type(model).__name__} has no GPT Block or deep-MLP layer to compile")
+    prepare_graph_breaks()  # the layouts' collectives run as Python between graphs
     for m in targets:
-        m.compile(**compile_kwargs)
+        if isinstance(m, RecomputedBlock):  # the checkpoint stays eager, around (parallel/recompute.py)
+            m.compiled_inner = torch.compile(super(RecomputedBlock, m).forward, **compile_kwargs)
+        else:
+            # The bound forward, not the module's call: nn.Module.compile() would compile
+            # _call_impl, and with it the hooks the layouts put on a block (ZeRO-3's gather and
+            # release, sequence parallelism's SumScope), which must run as Python around the graph.
+            m.forward = torch.compile(m.forward, **compile_kwargs)
     return model
+
+
+def fresh_compile_state() -> None:
+    """Forget every compiled frame and count from zero (verify's workers run many models in turn: a
+    stale cache would count toward dynamo's recompilation limit), and make that limit an error."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    # Past its recompilation limit dynamo runs a frame eagerly with a warning: what was verified
+    # would then not be the compiled code. Here it is an error instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def compile_stats() -> dict[str, int]:
+    """What dynamo did in this process so far: graphs compiled and graph breaks taken (the places it
+    ran Python, e.g. a collective); `verify` reports them, so a layout that silently stopped
+    compiling shows 0 graphs."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}

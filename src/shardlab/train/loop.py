@@ -111,7 +111,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     flops = run_flops(plain, cfg, device)  # MFU's FLOPs and peak, of the whole model (train/flops.py)
     model = apply_layout(plain, lay, mesh, cfg.sharding)
     if t.compile:
-        compile_model(model)
+        compile_model(model, backend=t.compile_backend)
     split = model.stage.plan.describe() if uses_pipeline(lay) else None
     del plain  # a pipeline stage holds copies of its layers: the whole model is not kept
     optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)

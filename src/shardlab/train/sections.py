@@ -179,8 +179,12 @@ class TrainSection:
     compile: bool = False
     """torch.compile the whole GPT (embedding, blocks, head and loss) where the layout leaves its modules
     as they are (data parallelism, ZeRO-1/2), else every transformer block (train/compile.py): faster
-    steps on a GPU after a compilation of some seconds to a minute; refused with tensor, context or expert parallelism,
-    ZeRO-3 and pipelines (`--compile`)."""
+    steps on a GPU after a compilation of some seconds to a minute, under every layout but the zb1
+    schedule (`--compile`)."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend for train.compile: 'inductor' (generated kernels; a C++ compiler on
+    CPU, Triton on a GPU), 'aot_eager' (dynamo's capture and AOTAutograd's forward and backward
+    graphs, run with eager kernels: what the CPU tests verify) or 'eager' (dynamo's capture only)."""
 
 
 @dataclass

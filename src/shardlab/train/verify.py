@@ -36,6 +36,7 @@ from shardlab.parallel.layout import (
     apply_layout, batch_rank, build_mesh, full_gradients, full_parameters, replica_group, uses_tensor_parallel,
 )
 from shardlab.parallel.precision import get_precision
+from shardlab.train.compile import compile_model, compile_stats, fresh_compile_state
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.step import lr_at, make_optimizer, train_step
@@ -181,6 +182,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     mesh = build_mesh(cfg.layout)
     (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
     model = apply_layout(plain, cfg.layout, mesh, cfg.sharding)
+    if t.compile:  # the layout compiled as the trainer compiles it (train/compile.py); the reference stays eager
+        fresh_compile_state()
+        compile_model(model, backend=t.compile_backend)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     ref_opt = make_optimizer(reference, cfg.optim, cfg.layout.precision)
     # on_nonfinite "apply": a layout that produces nan is compared as it is (nan fails every bound,
@@ -332,6 +336,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     if noise_floor:  # per parameter, its step closest to the allowance (each tensor's worst rank)
         bars = bound_report(bound_table, t.steps, chain, *grad_floor_top) if bound is not None else {
             "measured": False, "why": "mixed precision: the precision's own error, measured against fp32, is the allowance"}
+    # What dynamo compiled on each rank: a layout whose blocks silently ran eager shows 0 graphs.
+    compiled: list[Any] = [None] * world
+    dist.all_gather_object(compiled, compile_stats() if t.compile else None)
     if rank != 0:
         return None
     max_rel_loss = max(abs(r["loss_diff"]) / max(abs(r["ref_loss"]), 1e-30) for r in rows)
@@ -361,6 +368,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         "max_rel_grad_norm_diff": max(_norm_diff(r["grad_norm"], r["ref_grad_norm"]) / max(abs(r["ref_grad_norm"]), 1e-30)
                                       for r in rows),
         "per_step": rows,
+        "compiled": compiled if t.compile else None,
         "noise_floor": bars,
         "config": cfg.to_dict(),
     }
@@ -423,4 +431,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"{lay['precision']}: allowances include {report['mp_factor']:g} x the precision's own error (the "
             f"{lay['precision']} reference against fp32: loss {last['precision_loss_gap']:.2e}, gradients "
             f"{last['precision_rel_grad_gap']:.2e}, parameters {last['precision_rel_param_gap']:.2e} relative)")
+    if report.get("compiled"):
+        cfg_train = report["config"]["train"]
+        lines.append(f"compiled blocks ({cfg_train['compile_backend']}) against the eager reference: "
+                     + ", ".join(f"rank {r}: {c['graphs']} graphs, {c['graph_breaks']} graph breaks"
+                                 for r, c in enumerate(report["compiled"])))
     return "\n".join(lines + format_bars(report))

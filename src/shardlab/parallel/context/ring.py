@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.comm.dispatch import Group
+from shardlab.comm.graph_break import graph_break
 from shardlab.comm.p2p import irecv, isend
 from shardlab.parallel.context.blocks import SKIP, block_backward, block_forward, block_kind, merge
 from shardlab.parallel.context.zigzag import rank_chunks
@@ -132,6 +133,7 @@ class RingAttention(torch.autograd.Function):
         return torch.cat(dq, dim=-2).to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None
 
 
+@graph_break  # communicates (comm/graph_break.py)
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                    scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens (its two zigzag chunks, concatenated) over the whole

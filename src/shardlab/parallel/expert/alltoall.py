@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from shardlab import comm
 from shardlab.comm.dispatch import Group
+from shardlab.comm.graph_break import graph_break
 
 
 @dataclass
@@ -54,6 +55,7 @@ def exchange(x: torch.Tensor, group: Group, send: list[int], recv: list[int], st
     return out
 
 
+@graph_break  # communicates (comm/graph_break.py)
 def exchange_counts(counts: torch.Tensor, group: Group, stats: A2AStats | None) -> torch.Tensor:
     """The (E,) counts this rank sends to each expert, cut into equal blocks (rank j holds experts
     [j E/n, (j+1) E/n)); returns (n, E/n): row s is what rank s sends to each of this rank's experts."""
@@ -77,6 +79,7 @@ class AllToAll(torch.autograd.Function):
         return exchange(grad, ctx.group, ctx.recv, ctx.send, ctx.stats), None, None, None, None
 
 
+@graph_break  # communicates (comm/graph_break.py)
 def all_to_all_rows(x: torch.Tensor, group: Group, send: list[int], recv: list[int],
                     stats: A2AStats | None = None) -> torch.Tensor:
     """Differentiable uneven all-to-all of the rows of `x` (see the module docstring)."""

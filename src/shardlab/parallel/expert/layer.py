@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.comm.dispatch import Group
+from shardlab.comm.graph_break import graph_break
 from shardlab.models.moe import MoE, combine, route, run_experts
 from shardlab.parallel.expert.alltoall import A2AStats, all_to_all_rows, exchange_counts
 from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
@@ -63,6 +64,7 @@ class ExpertParallelMoE(SharesGroups, nn.Module):
         self.tp_group = moe.tp_group if self.tp_cut else None  # (None is also the world group: tp_cut says which)
         self.stats = A2AStats()
 
+    @graph_break  # routing, dispatch and all-to-all as Python; the experts compiled (models/moe.py's MoE.forward)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         r = route(self.router, x, self.top_k, self.capacity_factor, self.aux_loss_coef, self.rows)

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.comm.dispatch import Group
+from shardlab.comm.graph_break import graph_break
 from shardlab.parallel.context.zigzag import rank_chunks
 
 
@@ -53,6 +54,7 @@ class ZigzagRows:
         n, r = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.held, self.parts = group, rank_chunks(r, n), 2 * n
 
+    @graph_break  # communicates (comm/graph_break.py)
     def total(self, x: torch.Tensor) -> torch.Tensor:
         return _SumOverGroup.apply(x, self.group)
 

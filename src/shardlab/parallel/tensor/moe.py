@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from shardlab.comm.autograd import copy_to_group, reduce_from_group
 from shardlab.comm.dispatch import Group
+from shardlab.comm.graph_break import graph_break
 from shardlab.models.layers import GeluMLP, SwiGLU, swiglu
 from shardlab.models.moe import MoE, Routing, combine, route, run_experts
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -108,6 +109,7 @@ class TensorParallelMoE(SharesGroups, MoE):
 
     tp_group: Group
 
+    @graph_break  # routing and dispatch as Python; the experts compiled (models/moe.py's MoE.forward)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         r = route(self.router, x, self.top_k, self.capacity_factor, self.aux_loss_coef, self.rows)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from shardlab.comm.autograd import copy_to_group
 from shardlab.comm.dispatch import Group
+from shardlab.comm.graph_break import graph_break
 from shardlab.parallel.tensor.shards import SharesGroups
 
 class SumScope:
@@ -85,6 +86,7 @@ def _each(module: nn.Module, name: str, group: Group) -> torch.Tensor | None:
     return None if p is None else copy_to_group(p, group)
 
 
+@graph_break  # reads and fills the SumScope, Python state: outside the graph (comm/graph_break.py)
 def replicated(module: nn.Module, name: str, group: Group) -> torch.Tensor | None:
     """`module`'s replicated parameter `name` as used on this rank's sequence shard, so that its
     gradient is summed over the group: its view of its active SumScope's vector, else the

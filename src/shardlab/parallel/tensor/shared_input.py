@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from shardlab.comm.autograd import start_all_reduce, start_gather, start_reduce_scatter
 from shardlab.comm.dispatch import Group
+from shardlab.comm.graph_break import graph_break
 
 WeightBias = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -69,6 +70,7 @@ def _flat(params: list[WeightBias]) -> list[torch.Tensor | None]:
     return [t for wb in params for t in wb]
 
 
+@graph_break  # communicates (comm/graph_break.py)
 def sequence_parallel_linears(x: torch.Tensor, group: Group, dim: int,
                               params: list[WeightBias]) -> tuple[torch.Tensor, ...]:
     """Gather the sequence shards `x` along `dim` once, apply each (weight, bias), return the outputs.
@@ -77,6 +79,7 @@ def sequence_parallel_linears(x: torch.Tensor, group: Group, dim: int,
     return _SharedInputLinears.apply(x, group, dim, *_flat(params))
 
 
+@graph_break  # communicates (comm/graph_break.py)
 def copied_linears(x: torch.Tensor, group: Group, params: list[WeightBias]) -> tuple[torch.Tensor, ...]:
     """Apply each (weight, bias) to `x`, whole on every rank (Megatron's f: identity forward).
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from shardlab.comm.autograd import all_reduce_, reduce_from_group, reduce_scatter_to_sequence
 from shardlab.comm.dispatch import Group
 from shardlab.models.fused_loss import chunked_linear_cross_entropy
+from shardlab.comm.graph_break import graph_break
 from shardlab.parallel.tensor.layers import keep_frozen
 from shardlab.parallel.placement import Shard
 from shardlab.parallel.tensor.shards import SharesGroups, shard_tensor
@@ -116,6 +117,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g * grad.unsqueeze(-1), None, None
 
 
+@graph_break  # communicates (comm/graph_break.py)
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: Group) -> torch.Tensor:
     """Per-token losses (the shape of `targets`) from this rank's vocabulary slice of the logits
     (..., V/n), every rank holding the slices of the same tokens; equal to
