@@ -119,7 +119,8 @@ def test_a_rank_stopped_inside_a_collective_every_member_started_is_the_one_that
     assert "its process did not run for 25.0 s" in d.blamed[0].headline()
     # What the launcher saw (the process stopped) is evidence too, without a record of the gap.
     dumps[2]["frozen"] = []
-    assert diagnose(dumps, stopped={2}).culprit == 2
+    d = diagnose(dumps, stopped={2})
+    assert d.culprit == 2 and "rank 2 never left it (its process was found stopped)" in d.findings[0].text
     # A gap on every member tells none apart.
     for r in range(3):
         dumps[r]["frozen"] = [{"from": 104.0, "to": 129.0}]

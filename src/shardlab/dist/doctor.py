@@ -351,6 +351,9 @@ def _stalls(dumps, groups, counts, colls, p2p, stopped: set[int]) -> tuple[list[
         frozen[best] = score[best][1]
         return best
 
+    def why(r: int) -> str:
+        return f"its process did not run for {frozen[r]:.1f} s" if frozen[r] else "its process was found stopped"
+
     for key, by_seq in colls.items():
         name, ranks = groups.get(key, (key, []))
         for seq in sorted(by_seq):
@@ -370,7 +373,7 @@ def _stalls(dumps, groups, counts, colls, p2p, stopped: set[int]) -> tuple[list[
             state = "never left it" if who in at and at[who]["end"] is None else "did not run meanwhile"
             found.append(Finding("stalled", name, seq, start,
                                  f"{show(e, name)}, group ranks {_ranks(ranks)}: every member started it; rank {who} "
-                                 f"{state} (its process did not run for {frozen[who]:.1f} s)"
+                                 f"{state} ({why(who)})"
                                  + (f", rank(s) {_ranks(sorted(inside))} waited in it" if inside else ""), [who]))
             break  # the first stall on a group: later ones follow from it
     for (key, src, dst, tag), ch in p2p.items():
@@ -392,8 +395,8 @@ def _stalls(dumps, groups, counts, colls, p2p, stopped: set[int]) -> tuple[list[
                 waits.setdefault(other, {})[who] = f"{show(theirs, name)} (called from {theirs['site']})"
             e = mine or theirs
             found.append(Finding("stalled", name, seq, start,
-                                 f"{show(e, name)}: both ends started it; rank {who} never left it (its process "
-                                 f"did not run for {frozen[who]:.1f} s), rank {other} waited in its {op}", [who]))
+                                 f"{show(e, name)}: both ends started it; rank {who} never left it ({why(who)}), "
+                                 f"rank {other} waited in its {op}", [who]))
             break
     return found, waits, frozen
 
