@@ -104,6 +104,29 @@ def test_point_to_point_waits_name_the_peer():
     assert d.culprit == 1 and "send #1 to rank 1" in d.blamed[0].waiting[0]
 
 
+def test_a_rank_stopped_inside_a_collective_every_member_started_is_the_one_that_did_not_run():
+    # Every member started all_reduce #3 and none finished: the operations alone cannot say who never
+    # left it. Rank 2's record says its process did not run from 104 to 129 (dist/flight.py).
+    groups = {"dp": [0, 1, 2]}
+    ops = [("dp", "all_reduce", [4], True)] * 3 + [("dp", "all_reduce", [4], False)]
+    dumps = {r: _rank(r, ops, groups) for r in range(3)}
+    assert diagnose(dumps).culprit is None  # no evidence: no one named
+    dumps[2]["frozen"] = [{"from": 104.0, "to": 129.0}]
+    d = diagnose(dumps)
+    assert d.culprit == 2 and sorted(d.blamed[0].waiting) == [0, 1], d.text()
+    assert d.findings[0].kind == "stalled" and "rank 2 never left it (its process did not run for 25.0 s)" \
+        in d.findings[0].text, d.text()
+    assert "its process did not run for 25.0 s" in d.blamed[0].headline()
+    # What the launcher saw (the process stopped) is evidence too, without a record of the gap.
+    dumps[2]["frozen"] = []
+    d = diagnose(dumps, stopped={2})
+    assert d.culprit == 2 and "rank 2 never left it (its process was found stopped)" in d.findings[0].text
+    # A gap on every member tells none apart.
+    for r in range(3):
+        dumps[r]["frozen"] = [{"from": 104.0, "to": 129.0}]
+    assert diagnose(dumps).culprit is None
+
+
 def test_a_deadlock_cycle_is_reported():
     groups = {"a": [0, 1], "b": [0, 1]}
     dumps = {0: _rank(0, [("a", "all_reduce", [1], False)], groups),
@@ -151,6 +174,68 @@ def test_a_stopped_rank_is_named_as_the_cause_not_its_waiting_peers():
     assert "waiting on it: rank 0 in all_reduce #3 on group dp" in text and "rank 2 in all_reduce #3" in text
     kept = re.search(r"flight records: (\S+)", text).group(1)
     assert sorted(p.name for p in Path(kept).glob("rank*.json")) == ["rank0.json", "rank1.json", "rank2.json"]
+    shutil.rmtree(kept)
+
+
+def _stop_self_inside(op: str) -> None:
+    """From a thread: SIGSTOP this process once its main thread has started `op` (the newest record,
+    not finished) and is blocked in the backend, as a stuck GPU or NFS mount leaves a rank."""
+    from shardlab.dist import flight
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        last = flight.snapshot("poll")["entries"][-1]
+        if last["op"] == op and last["end"] is None:
+            break
+        time.sleep(0.01)
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _stop_inside(victim: int, axis: str) -> None:
+    """dp: an all_reduce; pp: a stage's activation send/recv (16 MB: more than a socket buffer, so the
+    send cannot complete either). The victim enters first and is stopped inside; its peer enters 1 s
+    later and waits there with it, both started, neither finishes: the case the operations alone
+    could not tell apart (the launcher blamed the waiting rank, the doctor said "no divergence")."""
+    from shardlab.dist.mesh import DeviceMesh
+
+    group = DeviceMesh({axis: dist.get_world_size()}).group(axis)
+    rank = dist.get_rank()
+    for _ in range(2):
+        comm.all_reduce(torch.ones(4), group=group, validate=False)
+    op = "all_reduce" if axis == "dp" else ("recv" if rank == 1 else "send")
+    if rank == victim:
+        threading.Thread(target=_stop_self_inside, args=(op,), daemon=True).start()
+    else:
+        time.sleep(1.0)
+    if axis == "dp":
+        comm.all_reduce(torch.ones(4), group=group, validate=False)
+    elif rank == 0:
+        comm.send(torch.ones(4 << 20), 1, group, validate=False)
+    else:
+        comm.recv(torch.empty(4 << 20), 0, group, validate=False)
+    comm.all_reduce(torch.ones(4), group=group, validate=False)
+
+
+@pytest.mark.parametrize("axis,victim,inside", [("dp", 1, "all_reduce #2 on group dp"),
+                                                ("pp", 1, "recv #0 from rank 0 on group pp")])
+def test_a_rank_stopped_inside_a_collective_is_named_by_the_launcher_and_the_doctor(axis, victim, inside, capsys):
+    with pytest.raises(RankFailure) as info:
+        launch(_stop_inside, 2, victim, axis, threads=1, timeout_s=5)
+    text = str(info.value)
+    assert info.value.rank == victim, text
+    assert text.startswith(f"rank {victim} made no progress"), text
+    assert "the process was stopped (state T" in text and "its process did not run for" in text, text
+    kept = re.search(r"flight records: (\S+)", text).group(1)
+    # The doctor, from the records alone (the launcher's view of the process is not in them).
+    capsys.readouterr()
+    assert main(["doctor", kept, "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["culprit"] == victim, report
+    assert any(f["kind"] in ("stalled", "missing") and f["ranks"] == [victim] for f in report["findings"]), report
+    stalled = [f for f in report["findings"] if f["kind"] == "stalled"]
+    if stalled:  # inside: every member started it and the victim never left it
+        assert inside in stalled[0]["text"] and f"rank {victim} never left it" in stalled[0]["text"], stalled
     shutil.rmtree(kept)
 
 

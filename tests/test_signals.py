@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,15 +53,19 @@ def alive(pid: int) -> bool:
         return False
 
 
-def run_and_signal(cmd: list[str], tmp_path: Path, signum: int) -> tuple[subprocess.CompletedProcess, set[int]]:
-    """Start `cmd`, wait for its third step, send `signum` to it alone, and wait for it to end."""
+def run_and_signal(cmd: list[str], tmp_path: Path, signum: int, group: bool = False,
+                   preexec: object = None) -> tuple[subprocess.CompletedProcess, set[int]]:
+    """Start `cmd`, wait for its third step, send `signum` to it alone (or, `group`, to its whole
+    process group, as `timeout`, Slurm and Kubernetes do: the launcher, its forkserver, the ranks,
+    multiprocessing's resource tracker), and wait for it to end."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp), PYTHONPATH=SRC + os.pathsep + os.environ.get(
         "PYTHONPATH", ""))
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env)
+        # A group of its own, so that a signal to the group cannot reach pytest.
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, start_new_session=group, preexec_fn=preexec)
         try:
             deadline = time.monotonic() + 90
             while "step   3/500" not in out.read_text():
@@ -68,7 +73,10 @@ def run_and_signal(cmd: list[str], tmp_path: Path, signum: int) -> tuple[subproc
                 assert time.monotonic() < deadline, "the run did not reach step 3"
                 time.sleep(0.05)
             ranks = descendants(proc.pid)
-            proc.send_signal(signum)
+            if group:
+                os.killpg(proc.pid, signum)
+            else:
+                proc.send_signal(signum)
             proc.wait(timeout=60)
         finally:
             if proc.poll() is None:
@@ -88,7 +96,7 @@ def assert_stopped_run(out_dir: Path, name: str) -> dict:
 def assert_no_leftovers(tmp_path: Path, ranks: set[int]) -> None:
     # A killed process takes a moment to leave /proc; the forkserver the ranks were forked from (and
     # multiprocessing's resource tracker) exit when they read the launcher's end of their pipe closed.
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 20  # a bound (exiting with torch loaded takes seconds on a loaded machine)
     while [p for p in ranks if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.05)
     left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for p in ranks if alive(p)}
@@ -123,6 +131,50 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_saves(tmp_path):
     assert info.step == n
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_to_the_whole_process_group_is_one_graceful_stop(tmp_path, signum):
+    """The signal reaches the launcher, the forkserver, the ranks and the resource tracker at once
+    (`timeout` even signals the launcher twice). Before, the forkserver died of it, its ranks with it
+    (PR_SET_PDEATHSIG), and the run ended "rank 0 died (exit code 255)" or "a second stop signal",
+    with no summary, no plot and nothing saved. Now it is the launcher-only stop: the same step on
+    every rank, the checkpoint of exactly those steps, summary, metrics and plot, exit 128 + signum."""
+    out_dir = tmp_path / "run"
+    name = signal.Signals(signum).name
+    cmd = [sys.executable, "-m", "shardlab", "train", *TINY, "--save-on-signal",
+           "--set", f"log.out_dir={json.dumps(str(out_dir))}"]
+    proc, ranks = run_and_signal(cmd, tmp_path, signum, group=True)
+    assert proc.returncode == 128 + signum, proc.stderr[-3000:]
+    summary = assert_stopped_run(out_dir, name)
+    n = summary["steps"]
+    assert f"{name}: stopping after step {n} of 500, checkpoint of step {n} saved" in proc.stdout
+    assert f"shardlab train: terminated by {name}: stopped after {n} of 500 steps" in proc.stderr
+    assert [p.name for p in (out_dir / "checkpoints").iterdir()] == [f"step_{n:08d}"]
+    assert_no_leftovers(tmp_path, ranks)
+
+
+def _file_size_limit() -> None:
+    """In the child: files may not grow past 100 KB (a write past it fails with EFBIG, as a full disk
+    fails with ENOSPC; Python ignores SIGXFSZ). The tiny GPT's rank file and its AdamW state are larger."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+
+def test_a_save_on_signal_that_fails_says_so_and_claims_nothing(tmp_path):
+    """An asynchronous save returns before its files are written: the stop line said "checkpoint of
+    step N saved" before the write failed. Now the save is waited for and its failure printed in place
+    of the claim, and the stop still exits 128 + 15, its reason naming the error."""
+    out_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "shardlab", "train", *TINY, "--save-on-signal", "--set", "checkpoint.async_save=true",
+           "--set", "log.plot=false", "--set", f"log.out_dir={json.dumps(str(out_dir))}"]
+    proc, _ = run_and_signal(cmd, tmp_path, signal.SIGTERM, preexec=_file_size_limit)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert not re.search(r"checkpoint of step \d+ saved", proc.stdout), proc.stdout[-2000:]
+    assert re.search(r"SIGTERM: stopping after step \d+ of 500; the checkpoint of step \d+ was NOT saved: ", proc.stdout)
+    assert "File too large" in proc.stdout + proc.stderr
+    assert not [p for p in (out_dir / "checkpoints").iterdir() if p.name.startswith("step_")]
+
+
 @pytest.mark.long
 @pytest.mark.timeout(120)
 def test_sigterm_to_torchrun_stops_every_rank(tmp_path):
@@ -140,6 +192,62 @@ def test_sigterm_to_torchrun_stops_every_rank(tmp_path):
     assert proc.stderr.count("shardlab train: terminated by SIGTERM") == 2, proc.stderr[-3000:]  # each rank
     assert len(ranks) >= 2
     assert_no_leftovers(tmp_path, ranks)
+
+
+# A rank as torchrun starts one (its variables set, the agent its parent), running a stand-in for the
+# trainer: it takes stop signals as requests and writes which one ended it.
+_TORCHRUN_RANK = """
+import sys, time
+from pathlib import Path
+from shardlab.dist import launch, signals
+
+def work(marker):
+    with signals.cooperative():
+        Path(marker + ".started").touch()
+        while not signals.requested():
+            time.sleep(0.05)
+        Path(marker + ".stopped").write_text(signals.signal_name(signals.requested()))
+
+launch(work, None, sys.argv[1])
+"""
+# The agent: starts the rank, prints its pid, waits (to be SIGKILLed by the test).
+_FAKE_AGENT = "import subprocess, sys, time; p = subprocess.Popen(sys.argv[1:]); print(p.pid, flush=True); time.sleep(600)"
+
+
+def test_a_rank_whose_torchrun_agent_is_killed_stops(tmp_path):
+    """A SIGKILLed agent sends its workers nothing; reparented, they trained on to the end. Now each
+    rank watches its agent (its parent) and stops when it is gone: SIGTERM to itself (the trainer's
+    graceful stop), SIGKILL after the stop grace if that does not end it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="agent-kill-test", SHARDLAB_STOP_GRACE="5",
+               SHARDLAB_FLIGHT_DIR=str(tmp_path / "flight"))
+    marker = str(tmp_path / "rank0")
+    agent = subprocess.Popen([sys.executable, "-c", _FAKE_AGENT, sys.executable, "-c", _TORCHRUN_RANK, marker],
+                             stdout=subprocess.PIPE, env=env, text=True)
+    rank = 0
+    try:
+        rank = int(agent.stdout.readline())
+        deadline = time.monotonic() + 300  # importing torch takes minutes on a loaded machine
+        while not Path(marker + ".started").exists():
+            assert alive(rank) and time.monotonic() < deadline, "the rank did not start"
+            time.sleep(0.05)
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 60  # a bound on a hang (the rank stops in about a second), not a timing
+        while alive(rank) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(rank), "the rank outlived its torchrun agent"
+        assert Path(marker + ".stopped").read_text() == "SIGTERM"
+    finally:
+        agent.kill()
+        if rank and alive(rank):
+            os.kill(rank, signal.SIGKILL)
 
 
 def _signal_self_when(path: Path, signum: int) -> threading.Thread:

@@ -11,9 +11,15 @@ receives pair the same way per (sender, receiver, tag) channel. Three things are
 * a mismatch: at some sequence number members started different operations or shapes (with a hint
   when one rank's next operation is the other's current one: a skipped collective);
 * a missing arrival: members started #n but some never did;
+* a stall: every member started #n and some never finished it, and one member's process did not run
+  meanwhile (its record's `frozen` gaps, dist/flight.py, or the launcher saw it stopped): that rank
+  never left #n (it was stopped inside it) and the members still in #n wait on it. Without that
+  evidence a stall names no one: all members look alike from their operations;
 * who is behind: a wait-for graph from every rank's unfinished operations to the members that never
-  started them. The ranks at the end of the chains wait on nobody; they are the cause, and the ranks
-  waiting on them are consequences (a rank with no record at all counts as one that never arrived).
+  started them (or, in a stall, to the member that never left). The ranks at the end of the chains
+  wait on nobody; they are the cause, and the ranks waiting on them are consequences (a rank with no
+  record at all counts as one that never arrived). Of several, a rank whose process did not run
+  comes first.
 
 Pure functions over the JSON: the launcher uses them on failure, `shardlab doctor DIR` on a directory.
 """
@@ -103,6 +109,8 @@ class Blame:
     waiting: dict[int, str]
     has_dump: bool
     reason: str = ""
+    frozen_s: float = 0.0  # how long its process did not run while the others waited (0: it ran)
+    stopped: bool = False  # the launcher found the process stopped (state T)
 
     def headline(self) -> str:
         """'rank 2 made no progress for 15.0 s (last: all_reduce #412 on group dp, ..., called from ...)'."""
@@ -112,6 +120,9 @@ class Blame:
                     "(stopped, killed, or stuck outside Python)")
         last = f" (last: {self.last})" if self.last else " (no operation recorded)"
         text = f"rank {self.rank} made no progress{idle}{last}"
+        if self.frozen_s or self.stopped:
+            ran = f"did not run for {self.frozen_s:.1f} s" if self.frozen_s else "was not running"
+            text += f"; its process {ran} (stopped: SIGSTOP, a debugger, a frozen machine)"
         if self.reason == "exit":
             text += "; it had returned from the job's function and exited"
         elif self.now_at:
@@ -318,6 +329,81 @@ def _roots(waits: dict[int, dict[int, str]]) -> tuple[dict[int, set[int]], list[
     return roots, cycles
 
 
+def _frozen_since(d: dict, since: float) -> float:
+    """Seconds after `since` in which the rank's process did not run (its record's `frozen` gaps)."""
+    return sum(max(0.0, g["to"] - max(g["from"], since)) for g in d.get("frozen", []))
+
+
+def _stalls(dumps, groups, counts, colls, p2p, stopped: set[int]) -> tuple[list[Finding], dict[int, dict[int, str]],
+                                                                          dict[int, float]]:
+    """Operations every member started and some never finished, with the member that never left them:
+    the one whose process did not run (longest) since the operation began, or that the launcher found
+    stopped. Returns the findings, the waits they add (a member still inside -> that rank) and how
+    long each named rank did not run."""
+    found: list[Finding] = []
+    waits: dict[int, dict[int, str]] = {}
+    frozen: dict[int, float] = {}
+
+    def culprit(members: list[int], start: float) -> int | None:
+        score = {m: (m in stopped, _frozen_since(dumps[m], start)) for m in members if m in dumps}
+        best = max(score, key=lambda m: score[m], default=None)
+        if best is None or score[best] == (False, 0.0):
+            return None
+        if sum(1 for v in score.values() if v == score[best]) > 1:
+            return None  # two alike: no one to tell apart
+        frozen[best] = score[best][1]
+        return best
+
+    def why(r: int) -> str:
+        return f"its process did not run for {frozen[r]:.1f} s" if frozen[r] else "its process was found stopped"
+
+    for key, by_seq in colls.items():
+        name, ranks = groups.get(key, (key, []))
+        for seq in sorted(by_seq):
+            at = by_seq[seq]
+            if all(e["end"] is not None for e in at.values()):
+                continue
+            if any(counts.get((key, m), -1) <= seq for m in ranks):
+                continue  # someone never started it: a missing arrival, not a stall
+            start = min(e["start"] for e in at.values())
+            who = culprit(ranks, start)
+            if who is None:
+                continue
+            e = at.get(who) or next(iter(at.values()))
+            inside = [r for r, x in at.items() if r != who and x["end"] is None]
+            for r in inside:
+                waits.setdefault(r, {})[who] = f"{show(at[r], name)} (called from {at[r]['site']})"
+            state = "never left it" if who in at and at[who]["end"] is None else "did not run meanwhile"
+            found.append(Finding("stalled", name, seq, start,
+                                 f"{show(e, name)}, group ranks {_ranks(ranks)}: every member started it; rank {who} "
+                                 f"{state} ({why(who)})"
+                                 + (f", rank(s) {_ranks(sorted(inside))} waited in it" if inside else ""), [who]))
+            break  # the first stall on a group: later ones follow from it
+    for (key, src, dst, tag), ch in p2p.items():
+        name = groups.get(key, (key, []))[0]
+        for seq in sorted(set(ch["send"]) | set(ch["recv"])):
+            pair = {"send": ch["send"].get(seq), "recv": ch["recv"].get(seq)}
+            if not any(e is not None and e["end"] is None for e in pair.values()):
+                continue
+            if ch["count"].get("send", -1) <= seq or ch["count"].get("recv", -1) <= seq:
+                continue  # one side never started it: the wait-for graph's case
+            start = min(e["start"] for e in pair.values() if e is not None)
+            who = culprit([src, dst], start)
+            if who is None:
+                continue
+            other, op = (dst, "recv") if who == src else (src, "send")
+            mine = pair["send" if who == src else "recv"]
+            theirs = pair[op]
+            if theirs is not None and theirs["end"] is None:
+                waits.setdefault(other, {})[who] = f"{show(theirs, name)} (called from {theirs['site']})"
+            e = mine or theirs
+            found.append(Finding("stalled", name, seq, start,
+                                 f"{show(e, name)}: both ends started it; rank {who} never left it ({why(who)}), "
+                                 f"rank {other} waited in its {op}", [who]))
+            break
+    return found, waits, frozen
+
+
 def _now_at(d: dict) -> str | None:
     """The innermost frame of the main thread's stack at dump time, outside the interpreter's own."""
     stack = d.get("stacks", {}).get("MainThread")
@@ -328,22 +414,34 @@ def _now_at(d: dict) -> str | None:
     return "{}:{} in {}".format(*useful[-1]) if useful else None
 
 
-def diagnose(dumps: dict[int, dict], world_size: int | None = None, now: float | None = None) -> Diagnosis:
-    """Find the first divergence and the ranks behind, from the dumps of some or all ranks."""
+def diagnose(dumps: dict[int, dict], world_size: int | None = None, now: float | None = None,
+             stopped: set[int] | frozenset[int] = frozenset()) -> Diagnosis:
+    """Find the first divergence and the ranks behind, from the dumps of some or all ranks.
+    `stopped`: ranks the launcher found stopped (state T) when it asked for the records."""
     world = world_size or max((d.get("world_size") or 0 for d in dumps.values()), default=0)
     world = max(world, max(dumps, default=-1) + 1)
     groups, counts, colls, p2p = _tables(dumps)
-    findings = sorted(_mismatches(groups, colls) + _arrivals(groups, counts, colls, dumps),
+    stalls, stall_waits, frozen = _stalls(dumps, groups, counts, colls, p2p, set(stopped))
+    findings = sorted(_mismatches(groups, colls) + _arrivals(groups, counts, colls, dumps) + stalls,
                       key=lambda f: (f.start, f.kind != "mismatch"))
     waits = _blockers(dumps, groups, counts, colls, p2p)
+    for r, w in stall_waits.items():
+        waits.setdefault(r, {}).update(w)
+    for r in set(stopped) | set(frozen):  # a rank that did not run waits on no one, whatever it had started
+        if r in dumps and waits.get(r):
+            waits[r] = {}
     roots, cycles = _roots(waits)
     for cycle in cycles:
         text = "deadlock: " + "; ".join(f"rank {r} waits on rank(s) {_ranks(sorted(waits[r]))} in "
                                         f"{next(iter(waits[r].values()))}" for r in cycle if waits.get(r))
         findings.append(Finding("deadlock", "", -1, float("inf"), text, cycle))
     blamed = []
-    for root in sorted(roots, key=lambda r: (-len(roots[r]), r)):
-        blamed.append(_blame(root, roots[root], dumps, waits, colls, groups, now))
+    # How long each rank's process did not run since its own last recorded progress.
+    not_run = {r: frozen.get(r) or _frozen_since(d, last_progress(d) or 0.0) for r, d in dumps.items()}
+    for root in sorted(roots, key=lambda r: (r not in stopped, -not_run.get(r, 0.0), -len(roots[r]), r)):
+        b = _blame(root, roots[root], dumps, waits, colls, groups, now)
+        b.frozen_s, b.stopped = not_run.get(root, 0.0), root in stopped
+        blamed.append(b)
     return Diagnosis(world, sorted(dumps), [r for r in range(world) if r not in dumps], findings, blamed,
                      {r: d.get("reason", "?") for r, d in dumps.items()})
 

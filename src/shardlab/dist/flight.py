@@ -23,6 +23,16 @@ Python signal handler would run only after the hang: instead the signal's C hand
 pipe (signal.set_wakeup_fd) and a daemon thread reading that pipe writes the dump while the main
 thread is still blocked.
 
+A rank stopped *inside* a collective (SIGSTOP, a debugger, a frozen VM: what a stuck GPU or NFS mount
+looks like from outside) has started the same operations as its peers and finished none of them, so
+the operations alone cannot tell it from the peers waiting on it. What tells it apart is that its
+process did not run: the watcher thread wakes every `_TICK_S` (0.25 s), and a wake-up that comes
+`_FROZEN_S` (2 s) or more after the previous one means no thread of the process ran in between. Each
+such gap is kept (the last `_KEEP_FROZEN`) and dumped as `frozen: [{"from", "to"}]`; the doctor names
+the member of a stalled operation whose process did not run while it waited (dist/doctor.py). A dump
+made right after the process is let run again (the launcher's SIGUSR1 + SIGCONT) counts the gap
+still open. The cost: four wake-ups a second of a thread that does nothing else.
+
 This module is in dist (the lowest layer) so that the launcher, the rank set-up and the pool can install
 and collect it; shardlab.comm records into it.
 """
@@ -62,6 +72,12 @@ _channels: dict[tuple, int] = {}
 _state: dict[str, Any] = {"rank": None, "dir": None, "watcher": False}
 _dump_lock = threading.RLock()
 _KEEP_SIGNAL_DUMP_S = 2.0
+_TICK_S = 0.25  # the watcher's wake-up interval
+_FROZEN_S = 2.0  # a gap between wake-ups this long: the process did not run (stopped, frozen)
+_KEEP_FROZEN = 8
+_frozen: list[tuple[float, float]] = []  # (from, to) wall-clock, the last _KEEP_FROZEN gaps
+_tick = [0.0]  # time.monotonic() of the watcher's last wake-up (0: no watcher)
+_tick_lock = threading.Lock()
 _ONE_SIGNAL_S = 0.5  # the watcher and the handler both see each SIGUSR1: the first dumps
 
 
@@ -202,10 +218,12 @@ def snapshot(reason: str) -> dict:
     for ch in channels:  # peers as global ranks, as in the entries
         ranks = next((info[3] for info in _groups.values() if info[0] == ch["group"]), [])
         ch["peer"] = ranks[ch["peer"]] if 0 <= ch["peer"] < len(ranks) else ch["peer"]
+    _note_frozen()  # a gap still open: this dump is made right after the process was let run again
     return {"format": FORMAT, "rank": rank, "world_size": world, "backend": backend, "pid": os.getpid(),
             "host": socket.gethostname(), "reason": reason, "time": time.time(), "enabled": _ON,
             "size": _SIZE, "groups": groups, "channels": channels,
-            "entries": [_entry_json(e) for e in entries], "stacks": _stacks()}
+            "entries": [_entry_json(e) for e in entries], "stacks": _stacks(),
+            "frozen": [{"from": a, "to": b} for a, b in list(_frozen)]}
 
 
 def dump_dir() -> Path:
@@ -245,9 +263,31 @@ def dump(reason: str, directory: str | os.PathLike | None = None) -> Path | None
 
 
 # ------------------------------------------------------------------------------------------ signals
+def _note_frozen() -> None:
+    """Take a wake-up of the watcher: keep the gap since the last one if the process did not run."""
+    with _tick_lock:
+        last = _tick[0]
+        if not last:
+            return
+        now = time.monotonic()
+        _tick[0] = now
+        gap = now - last
+        if gap >= _FROZEN_S:
+            end = time.time()
+            _frozen.append((end - gap + _TICK_S, end))
+            del _frozen[:-_KEEP_FROZEN]
+
+
 def _watch(read_fd: int) -> None:
+    import select
+
+    _tick[0] = time.monotonic()
     while True:
         try:
+            ready = select.select([read_fd], [], [], _TICK_S)[0]
+            _note_frozen()  # before a dump the wake-up may ask for
+            if not ready:
+                continue
             data = os.read(read_fd, 64)
         except OSError:
             return

@@ -140,7 +140,7 @@ class FlightWatch:
             return failure
         where = f"flight records: {kept} (`shardlab doctor {kept}` explains them)"
         try:
-            diagnosis = doctor.diagnose(doctor.load_dumps(kept), world_size=len(self.procs))
+            diagnosis = doctor.diagnose(doctor.load_dumps(kept), world_size=len(self.procs), stopped=set(stopped))
         except doctor.DoctorError:
             return _with(failure, f"{failure}\n{where}")
         blame = diagnosis.blamed[0] if diagnosis.blamed else None

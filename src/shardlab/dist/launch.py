@@ -50,6 +50,7 @@ from shardlab.dist.rank import (
     init_rank,
     log_path,
     setup_output,
+    stop_with_agent,
     write_error_report,
 )
 
@@ -88,9 +89,12 @@ def host_store(addr: str | None, port: int, timeout_s: float) -> tuple[dist.TCPS
 
 
 def _rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    # First: SIGTERM and SIGHUP raise like Ctrl-C (the trainer stops at a step boundary instead). A
+    # signal sent to the whole group reaches a starting rank too; the forkserver's ignoring of it,
+    # inherited, covers the moments before this.
+    signals.install()
     adopt(spec.launcher)
     die_with_parent(spec.parent_pid, spec.workdir)
-    signals.install()  # SIGTERM and SIGHUP raise like Ctrl-C; the trainer stops at a step boundary instead
     setup_output(spec)
     try:
         init_rank(spec)
@@ -332,6 +336,7 @@ def _run_under_torchrun(
     if output == "rank0" and env.rank != 0:
         sys.stdout = open(os.devnull, "w")
     initialised_here = not dist.is_initialized()
+    stop_with_agent()  # a SIGKILLed agent must not leave this rank training unsupervised
     flight.install(env.rank)  # SIGUSR1 dumps this rank's record (SHARDLAB_FLIGHT_DIR or a temporary directory)
     if initialised_here:
         _init_attempt_group(backend, datetime.timedelta(seconds=timeout_s))

@@ -24,10 +24,11 @@ from typing import Any, Callable
 from shardlab.dist.env import default_backend
 from shardlab.dist.launch import RankFailure, host_store, is_peer_loss, stop_ranks, tail_lines
 from shardlab.dist.rank import RankSpec, die_with_parent, hard_exit, init_rank, log_path, setup_output
-from shardlab.dist.start import LauncherState, adopt, rank_context
+from shardlab.dist.start import LauncherState, adopt, default_stop_signals, rank_context
 
 
 def _serve(spec: RankSpec, conn: Any) -> None:
+    default_stop_signals()  # the forkserver ignores SIGTERM and SIGHUP; a pool rank ends by them
     adopt(spec.launcher)
     die_with_parent(spec.parent_pid, spec.workdir)
     setup_output(spec)

@@ -72,7 +72,8 @@ def die_with_parent(parent_pid: int, workdir: str | None = None) -> None:
                      daemon=True).start()
 
 
-def _kill_self_when_gone(pid: int, workdir: str | None) -> None:
+def _wait_gone(pid: int) -> None:
+    """Return once process `pid` has exited."""
     try:
         fd: int | None = os.pidfd_open(pid)  # Linux >= 5.3: readable once the process has exited; no polling
     except ProcessLookupError:
@@ -88,6 +89,45 @@ def _kill_self_when_gone(pid: int, workdir: str | None) -> None:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 break
+
+
+def stop_with_agent() -> None:
+    """Under torchrun: when the agent that started this rank (its parent) dies, stop as the agent
+    would have stopped it: SIGTERM to this process (the trainer ends at the next step boundary the
+    ranks agree on, with its summary and, asked for, a checkpoint), then SIGKILL once the stop grace
+    (SHARDLAB_STOP_GRACE, 30 s) has passed.
+
+    A SIGKILLed agent sends nothing, and its workers, reparented, trained on unsupervised to the
+    end (measured: all 500 steps). The agent is watched with a pidfd, as the local launcher's ranks
+    watch theirs; not with PR_SET_PDEATHSIG, which fires when the parent *thread* that started the
+    process ends, and the agent's threads are not ours to know."""
+    from shardlab.dist.signals import stop_grace_s
+
+    if _agent_watch:  # one watch per process, however many launches it makes
+        return
+    agent = os.getppid()
+    if agent == 1:  # already orphaned: the agent died before this rank got here
+        sys.stderr.write("shardlab: this rank's torchrun agent is gone (the rank was reparented to init)\n")
+        os._exit(1)
+    grace = stop_grace_s()
+
+    def watch() -> None:
+        _wait_gone(agent)
+        sys.stderr.write(f"shardlab: the torchrun agent (pid {agent}) is gone: stopping this rank "
+                         f"(SIGTERM, then SIGKILL after {grace:g} s)\n")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _agent_watch.append(agent)
+    threading.Thread(target=watch, name="shardlab-agent-watch", daemon=True).start()
+
+
+_agent_watch: list[int] = []  # the agent this process watches (stop_with_agent), once started
+
+
+def _kill_self_when_gone(pid: int, workdir: str | None) -> None:
+    _wait_gone(pid)
     if workdir:  # every rank tries; whichever comes first removes it (the records in it have no reader left)
         shutil.rmtree(workdir, ignore_errors=True)
     os.kill(os.getpid(), signal.SIGKILL)  # as PR_SET_PDEATHSIG would: there is no one left to report to

@@ -18,6 +18,13 @@ SIGHUP, a user with Ctrl-C. shardlab treats the three alike, as Python treats Ct
 
 Under torchrun each rank is a `shardlab` process of its own: its agent sends SIGTERM to every rank
 (then SIGKILL 30 s later), which is the same path without the forwarding.
+
+One stop is often delivered more than once: `timeout` signals its child and then the child's whole
+process group, Slurm and a terminal signal every process of the group, and the launcher forwards what
+it got to ranks that already got it from the group. So a stop signal within `SAME_STOP_S` (1 s) of the
+first is the same stop, not a second one: ignored, neither forwarded nor raised again. (A person
+pressing Ctrl-C twice to insist takes longer than that.) The forkserver the ranks are forked from
+ignores SIGTERM and SIGHUP (shardlab/_forkserver.py), so a group-wide signal leaves it serving.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DEFAULT_STOP_GRACE_S = 30.0
+SAME_STOP_S = 1.0  # a stop signal this soon after the first is the same stop, delivered again (above)
 
 
 class Terminated(KeyboardInterrupt):
@@ -78,6 +86,7 @@ def stop_grace_s() -> float:
 
 # This process's state. Signal handlers run in the main thread only, between bytecodes.
 _received = 0  # the first stop signal received (0: none)
+_received_at = 0.0  # when (time.monotonic())
 _cooperative = 0  # depth of cooperative() blocks: a signal is recorded, not raised
 _forward: Any = None  # the launcher's per-signal callback while it supervises ranks
 
@@ -93,10 +102,13 @@ def requested() -> int:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    global _received
+    global _received, _received_at
+    now = time.monotonic()
     first = _received == 0
     if first:
-        _received = signum
+        _received, _received_at = signum, now
+    elif now - _received_at < SAME_STOP_S:
+        return  # the first one delivered again (to the process and to its group): one stop
     if _forward is not None:
         _forward(signum, first)
     elif not _cooperative:

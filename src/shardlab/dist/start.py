@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from multiprocessing import reduction
 from typing import Any
 
-# Imported once in the server: the bulk of a rank's start-up. shardlab itself is not preloaded (above).
-PRELOAD = ["torch", "torch.distributed"]
+# Imported once in the server: the bulk of a rank's start-up. shardlab itself is not preloaded (above),
+# except its root's tiny _forkserver, first, which makes the server ignore SIGTERM and SIGHUP: a stop
+# signal sent to the whole process group must not end the server the ranks are children of.
+PRELOAD = ["shardlab._forkserver", "torch", "torch.distributed"]
 
 
 def rank_context() -> Any:
@@ -66,6 +69,14 @@ class LauncherState:
 
 def _rebuild(env: dict[str, str], stdout: Any, stderr: Any) -> LauncherState:
     return LauncherState(env, stdout.detach(), stderr.detach())
+
+
+def default_stop_signals() -> None:
+    """In a freshly forked rank: SIGTERM and SIGHUP back to their default action (the forkserver
+    ignores them, shardlab/_forkserver.py, and a fork inherits that), for a rank that sets no handler."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def adopt(state: LauncherState | None) -> None:

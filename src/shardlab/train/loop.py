@@ -204,10 +204,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         if saving:
             checkpointer.save(step + 1, model, optimizer, config=cfg.to_dict())
         if stopped_by:
-            if rank == 0:
-                print(f"{signals.signal_name(stopped_by)}: stopping after step {step + 1} of {t.steps}"
-                      + (f", checkpoint of step {step + 1} saved" if cfg.checkpoint.save_on_signal else ""),
-                      flush=True)
+            _say_stopped(stopped_by, step, t.steps, checkpointer if saving else None, rank)
             break
 
     feed.close()
@@ -246,6 +243,27 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
                          "peak_mem_bytes": summary["peak_mem_bytes"][r] if summary["peak_mem_bytes"] else None,
                          "comm_wait_share": sum(s[r] for s in shares) / len(shares)} for r in range(world)]
     return summary
+
+
+def _say_stopped(signum: int, step: int, steps: int, checkpointer: Any, rank: int) -> None:
+    """Rank 0 says where a stop signal ended the run and, when it saved, that the save committed.
+
+    An asynchronous save is still being written when `save` returns: it is waited for here (the run
+    ends anyway), so that "saved" is said only of a committed checkpoint; a save that failed (a full
+    disk) is said to have failed, on every rank (the ranks agree on a save's outcome), and raised."""
+    head = f"{signals.signal_name(signum)}: stopping after step {step + 1} of {steps}"  # steps done, from 1
+    if checkpointer is None:
+        if rank == 0:
+            print(head, flush=True)
+        return
+    try:
+        checkpointer.wait()
+    except BaseException as exc:
+        if rank == 0:
+            print(f"{head}; the checkpoint of step {step + 1} was NOT saved: {type(exc).__name__}: {exc}", flush=True)
+        raise
+    if rank == 0:
+        print(f"{head}, checkpoint of step {step + 1} saved", flush=True)
 
 
 def checkpoint_dir(cfg: Config) -> Path:
