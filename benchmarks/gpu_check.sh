@@ -15,6 +15,7 @@
 #   5. shardlab train in the other recipes: eager, and --precision bf16 (bf16 weights, fp32 masters)
 #   6. shardlab train, configs/llama-1b-gpu.toml (a Llama-shaped 1.2 B model)
 #   7. shardlab plan for the 350M config (the prediction beside the measurement)
+#   8. shardlab plan --calibrate-gpu: the planner's kernel constants measured here (docs/planner.md)
 # and ends with benchmarks/gpu_table.py: docs/results/gpu/summary.md (the table for docs/gpu.md) and
 # summary.json, every figure with the device's name.
 cd "$(dirname "$0")/.." || exit 1
@@ -77,6 +78,9 @@ HW=h100-sxm  # the planner's preset for the device (an H200 has an H100 SXM's co
     2> /dev/null && HW=h200
 step plan_350m 30 $PY -m shardlab plan --config configs/gpt-350m-gpu.toml --hardware $HW --gpus 1 --dp 1 \
     --json "$OUT/plan_350m.json"
+if [ "$DEVICE" != cpu ]; then  # issue 33: the planner's kernel constants measured on this GPU (last: it may not fit)
+    step calibrate_gpu 150 $PY -m shardlab plan --calibrate-gpu "$OUT/calibration_$HW.json"
+fi
 [ -n "$GPU_CHECK_DRY" ] && exit 0
 [ -f "$OUT/profile_trainer/trace.json" ] && gzip -f "$OUT/profile_trainer/trace.json"
 rm -rf "$OUT/runs"

@@ -33,7 +33,7 @@ def _dry(tmp_path: Path) -> dict[str, list[str]]:
 def test_the_check_runs_every_item_of_issue_29_and_its_commands_resolve(tmp_path, capsys):
     steps = _dry(tmp_path)
     assert list(steps) == ["train_compiled", "mfu_standalone_compiled", "pytest_gpu", "mfu_trainer_compiled",
-                           "train_eager", "train_bf16_masters", "train_llama_1b", "plan_350m"]
+                           "train_eager", "train_bf16_masters", "train_llama_1b", "plan_350m", "calibrate_gpu"]
     assert "--profile" in steps["mfu_trainer_compiled"] and "--compile" in steps["mfu_standalone_compiled"]
     from shardlab.cli.main import main
 
