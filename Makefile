@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml Makefile
 # (the first run trains it, ~40 s, cached in runs/data/) on a two-axis mesh, dp 2 x tp 2 (4 local ranks);
 # prints the mesh, per-rank memory and communication share, and ends with validation perplexity, bits per
 # byte, the loss curve (runs/gpt-mesh/loss.png) and sampled text.
+# --overwrite: `make run` is the demo, so a second one starts runs/gpt-mesh/ afresh (and says what it
+# removes) rather than asking for --resume, as any other re-run into a directory holding a run does.
 run: $(STAMP)
-	$(BIN)/shardlab train --config configs/gpt-mesh.toml
+	$(BIN)/shardlab train --config configs/gpt-mesh.toml --overwrite
 
 # What each collective does, rank by rank, with the backend's and with our ring algorithms.
 demo: $(STAMP)
