@@ -131,7 +131,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_and_saves(tmp_path):
     assert info.step == n
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+# SIGHUP takes the same path as SIGTERM (dist/signals.py's STOP_SIGNALS): `make test-long` runs it.
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.long)])
 def test_a_stop_signal_to_the_whole_process_group_is_one_graceful_stop(tmp_path, signum):
     """The signal reaches the launcher, the forkserver, the ranks and the resource tracker at once
     (`timeout` even signals the launcher twice). Before, the forkserver died of it, its ranks with it
