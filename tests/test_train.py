@@ -122,6 +122,9 @@ def test_training_writes_metrics_events_plot_and_samples(pools, tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 10_000
     assert (tmp_path / "samples.txt").read_text().startswith("def ")
     assert summary["final_loss"] == records[-1]["loss"] and (tmp_path / "config.toml").exists()
+    # summary.json is the whole summary (it missed bits per byte and the per-rank table before).
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written == json.loads(json.dumps(summary)) and "final_val_bits_per_byte" in written and written["ranks"]
 
 
 def _train_recording(cfg: dict) -> list[tuple[str, str]]:

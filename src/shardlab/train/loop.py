@@ -242,6 +242,8 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     summary["ranks"] = [{"rank": r, "coords": mesh.coords(r), "node": mesh.node_of(r),
                          "peak_mem_bytes": summary["peak_mem_bytes"][r] if summary["peak_mem_bytes"] else None,
                          "comm_wait_share": sum(s[r] for s in shares) / len(shares)} for r in range(world)]
+    # Again, whole: summary.json held only what _finish knew (no bits per byte, resume or ranks).
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
