@@ -246,9 +246,6 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     return cfg
 
 
-
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the GPT or the deep MLP with a parallel layout",
                        description=TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -292,11 +289,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
     from shardlab.dist.signals import Terminated
-    from shardlab.train.loop import train_rank
-    from shardlab.train.run_dir import RunDirError
+    from shardlab.train.loop import checkpoint_dir, train_rank
+    from shardlab.train.run_dir import RunDirError, claim_run_dir
 
     try:
-        lock = claim_run_dir(cfg, bool(cfg.checkpoint.resume), args.overwrite)
+        lock = claim_run_dir(cfg.log.out_dir, str(checkpoint_dir(cfg)), bool(cfg.checkpoint.resume), args.overwrite)
     except RunDirError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
@@ -350,32 +347,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-
-def claim_run_dir(cfg, resume: bool, overwrite: bool):
-    """Lock log.out_dir for this run and refuse one that holds a run unless resumed or overwritten
-    (train/run_dir.py); under torchrun only global rank 0 does (the others write nothing there
-    first). Returns the lock to release, or None."""
-    from shardlab.dist import under_torchrun
-    from shardlab.dist.env import read_torchrun_env
-    from shardlab.train.loop import checkpoint_dir
-    from shardlab.train.run_dir import RunLock, check_run_dir
-
-    if under_torchrun() and read_torchrun_env().rank != 0:
-        return None
-    lock = RunLock(cfg.log.out_dir).acquire()
-    if lock.note:
-        print(f"shardlab train: {lock.note}", file=sys.stderr)
-    try:
-        removed = check_run_dir(cfg.log.out_dir, str(checkpoint_dir(cfg)), resume, overwrite)
-    except BaseException:
-        lock.release()
-        raise
-    if removed:
-        print(f"shardlab train: --overwrite: deleted {len(removed)} item(s) of the previous run: "
-              + ", ".join(removed[:4]) + (" ..." if len(removed) > 4 else ""), file=sys.stderr)
-    return lock
-
-
 def discard_partial_save(cfg) -> None:
     """After ranks were killed (a stop signal's grace period ran out, or a second signal), remove a
     save they left half-written (.tmp-step_N/; never a checkpoint: only a rename publishes one)
@@ -386,10 +357,6 @@ def discard_partial_save(cfg) -> None:
     root = checkpoint_dir(cfg)
     if root.is_dir():
         clear_leftovers(root)
-
-
-
-
 
 
 def dry_run(cfg) -> int:

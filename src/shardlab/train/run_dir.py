@@ -132,3 +132,28 @@ def check_run_dir(out_dir: str, checkpoint_dir: str, resume: bool, overwrite: bo
         shutil.rmtree(tb)
         removed.append(str(tb))
     return removed
+
+
+def claim_run_dir(out_dir: str, checkpoints: str, resume: bool, overwrite: bool) -> RunLock | None:
+    """Lock `out_dir` for this run and refuse one that holds a run unless resumed or overwritten,
+    saying on stderr what a stale lock or --overwrite changed; under torchrun only global rank 0
+    does (the others write nothing there first). Returns the lock to release, or None."""
+    import sys
+
+    from shardlab.dist import under_torchrun
+    from shardlab.dist.env import read_torchrun_env
+
+    if under_torchrun() and read_torchrun_env().rank != 0:
+        return None
+    lock = RunLock(out_dir).acquire()
+    if lock.note:
+        print(f"shardlab train: {lock.note}", file=sys.stderr)
+    try:
+        removed = check_run_dir(out_dir, checkpoints, resume, overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    if removed:
+        print(f"shardlab train: --overwrite: deleted {len(removed)} item(s) of the previous run: "
+              + ", ".join(removed[:4]) + (" ..." if len(removed) > 4 else ""), file=sys.stderr)
+    return lock
