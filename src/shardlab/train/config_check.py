@@ -392,7 +392,7 @@ def expert_problems(cfg: Config) -> list[str]:
                    f"experts / ep of every MoE layer)")
     # Not supported yet, each with its reason:
     # tp > 1: every expert's MLP cut column/row, the router replicated (parallel/tensor/moe.py); with
-    # sp the tensor-parallel plan check refuses it (tensor_plan_problems), giving its reason.
+    # sp the tokens gathered for router and experts alike (its plan check wants the experts cut).
     if lay.zero == 3 and lay.ep > 1:
         out.append(f"model.experts = {m.experts} with layout.zero = 3 and layout.ep = {lay.ep} is not supported yet: "
                    f"FSDP's units are flat vectors sharded over one group, but an expert is replicated over dp x cp "
