@@ -150,6 +150,13 @@ def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | N
                          f"{layout.cp}: this layout needs a DeviceMesh (build_mesh(layout)) to know its groups")
     # 1. The pipeline split (tensor parallelism inside each stage): its own data-parallel wrapper.
     if uses_pipeline(layout):
+        if sharding is not None and sharding.active():  # rules with layers over pp: the same split, derived
+            from shardlab.parallel.sharding.apply import pipeline_plan
+
+            plan = pipeline_plan(model, layout, sharding)
+            pipe = apply_pipeline(model, layout, mesh, record)
+            pipe.derived_plan = plan  # what the rules derived; the split that runs it is the hand-written one
+            return pipe
         return apply_pipeline(model, layout, mesh, record)
     # 2. Tensor and sequence parallelism: derived from rules, or the hand-written plan.
     if sharding is not None and sharding.active():

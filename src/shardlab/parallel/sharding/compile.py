@@ -136,7 +136,7 @@ def compile_plan(model: nn.Module, plan: Plan, group: Group, base: Placement | N
 
         compile_context(model, plan.modules, cp_group)
     for mp in plan.modules:
-        if mp.context_axis:
+        if mp.context_axis or mp.kind in ("experts", "pipeline"):  # placed by parallel/expert, parallel/pipeline
             continue
         module = modules[mp.name]
         if mp.kind in ("attention", "mlp"):
