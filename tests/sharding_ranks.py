@@ -188,3 +188,17 @@ def layout_traces(sets: list[str]) -> dict:
         if name == "derived":
             out["plan_axes"] = [plan.pipeline_axis, plan.expert_axis, plan.context_axis] if plan else None
     return out
+
+
+def built(sets: list[str]) -> list[str]:
+    """The classes apply_layout builds for verify's model under `sets` (with [sharding] rules: the
+    derived leaves, DerivedLinear and the like, where the rules cut tensors)."""
+    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.train.config import load_config
+    from shardlab.train.task import prepare_model
+    from shardlab.train.verify import VERIFY_BASE
+
+    cfg = load_config(None, sets, base=VERIFY_BASE)
+    cfg.validate(dist.get_world_size())
+    model = apply_layout(prepare_model(cfg), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+    return sorted({type(m).__name__ for m in model.modules()})

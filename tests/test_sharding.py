@@ -414,8 +414,11 @@ def test_rules_place_layers_over_pp_and_experts_over_ep():
     assert "no mixture of experts" in _refusal(_gpt(), "experts=ep", {"ep": 2})
     assert "3 experts cannot be placed whole over ep = 2" in _refusal(_gpt(n_experts=3, top_k=1), "experts=ep", {"ep": 2})
     assert "derived for dense models only" in _refusal(_gpt(n_experts=4), f"{MEGATRON}, experts=ep", {"tp": 2, "ep": 2})
-    assert "pipeline split of a model whose tensors the rules cut" in _refusal(_gpt(), f"layers=pp, {MEGATRON}",
-                                                                               {"pp": 2, "tp": 2})
+    assert "pipeline split of a model whose sequence the rules cut" in _refusal(
+        _gpt(), f"layers=pp, {MEGATRON}, seq=tp", {"pp": 2, "tp": 2})
+    # The deep MLP's 3 layers over 2 stages: the boundary after layer 0 (column: features cut over tp).
+    assert "layers.0: a pipeline boundary (layers=pp) falls where the rules leave the hidden state (batch, mlp/tp)" \
+        in _refusal(DeepMLP(MLPConfig(d_model=16, n_layer=3)), "layers=pp, mlp=tp", {"pp": 2, "tp": 2})
     assert "under rules, the pipeline is the rule layers=pp" in _refusal(_gpt(), MEGATRON, {"pp": 2, "tp": 2})
     assert "expert parallelism is the rule experts=ep" in _refusal(_gpt(n_experts=4), "seq=cp", {"ep": 2, "cp": 2})
     assert "layers index whole modules" in _refusal(_gpt(), "layers=tp", {"tp": 2})
@@ -449,6 +452,18 @@ def test_verify_pipeline_and_experts_rules(pools):
     report = _verify(pools, _cfg("gpt", 1, 1, "layout.pp=2", "layout.ep=2", "train.micro_batches=2", "model.experts=4",
                                  "model.aux_loss_coef=0.1", "sharding.compute=layers=pp, experts=ep"), 4)
     assert report["max_rel_loss_diff"] < 1e-6
+
+
+def test_verify_layers_over_pp_with_megatron_rules(pools):
+    """pp 2 x tp 2 from rules (4 ranks): the Megatron rules compiled onto the whole GPT, then split into
+    the trainer's stages. Not trace-equal to `--pp 2 --tp 2` (the derived head gathers the logits, as
+    at pp 1), so held to one process; and the stages are known to hold the derived leaves."""
+    from sharding_ranks import built
+
+    sets = ["layout.pp=2", "train.micro_batches=2", "layout.schedule='interleaved'", "layout.virtual_stages=2",
+            "model.n_layer=4", f"sharding.compute=layers=pp, {MEGATRON}"]
+    assert {"PipelineParallel", "DerivedLinear", "DerivedEmbedding"} <= set(pools(4).run(built, ["layout.tp=2", *sets])[0])
+    _verify(pools, _cfg("gpt", 1, 2, *sets), 4)
 
 
 def test_explain_prints_a_pipeline_and_experts_layout_from_rules(capsys):

@@ -49,6 +49,7 @@ from shardlab.parallel.zero import ZeroDataParallel
 
 if TYPE_CHECKING:
     from shardlab.parallel.layout_section import LayoutSection
+    from shardlab.parallel.sharding.plan import Plan
     from shardlab.parallel.sharding.section import ShardingSection
 
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
@@ -154,7 +155,7 @@ def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | N
             from shardlab.parallel.sharding.apply import pipeline_plan
 
             plan = pipeline_plan(model, layout, sharding)
-            pipe = apply_pipeline(model, layout, mesh, record)
+            pipe = apply_pipeline(model, layout, mesh, record, plan)
             pipe.derived_plan = plan  # what the rules derived; the split that runs it is the hand-written one
             return pipe
         return apply_pipeline(model, layout, mesh, record)
@@ -267,7 +268,8 @@ def _nothing_to_sync() -> None:
     """finish_gradient_sync of a model with one replica: its gradients are final after backward."""
 
 
-def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, record: Placement) -> nn.Module:
+def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, record: Placement,
+                   derived: "Plan | None" = None) -> nn.Module:
     """This rank's stage of `model` (copied: the model is left as it was, unless tensor parallelism
     converts it first: the split is planned on the plain model, then the converted one is cut the
     same way, so every stage holds its tp shards), run by layout.schedule over the mesh's pp group,
@@ -286,7 +288,13 @@ def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, 
     plan = plan_split(model, layout.pp, layout.virtual_stages,
                       layout_balance(model, layout.pp, layout.virtual_stages, layout.stage_layers))
     tp = None
-    if uses_tensor_parallel(layout):
+    if derived is not None and derived.shards:  # [sharding] rules cutting tensors over tp: compiled, then split
+        from shardlab.parallel.sharding.compile import compile_plan
+
+        tp = mesh.group("tp")
+        model = compile_plan(model, derived, tp, base=record)
+        record = model.placement
+    elif uses_tensor_parallel(layout):
         from shardlab.parallel.pipeline.tensor_stage import tensor_parallel_for_stages
 
         model, tp = tensor_parallel_for_stages(model, mesh, layout.tp_plan, base=record, sequence_parallel=layout.sp)

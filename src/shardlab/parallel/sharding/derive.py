@@ -94,6 +94,8 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
         hidden = rows * model.cfg.d_model * itemsize
     else:
         raise ShardingError(f"no derivation for {type(model).__name__}: GPT and DeepMLP declare logical axes")
+    if pp and sizes.get(PIPELINE_AXIS, 1) > 1 and not problems:
+        modules = add_stages(model, modules, sizes, virtual_stages, stage_layers, hidden, problems)
     if problems:
         # One line per kind of module: blocks.0 and blocks.3 fail alike.
         lines = dict.fromkeys(re.sub(r"blocks\.\d+\.", "blocks.*.", p) for p in problems)
@@ -101,13 +103,11 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
                             f"on {dict(sizes)}:\n  - " + "\n  - ".join(lines))
     shards = {n: Shard(ta.names.index(logical), ta.blocks if ta.names.index(logical) == 0 else 1)
               for n, ta in axes.items() for logical in ta.names if compute.get(logical) == MODEL_AXIS}
-    if pp and sizes.get(PIPELINE_AXIS, 1) > 1:
-        modules = add_stages(model, modules, sizes, virtual_stages, stage_layers, hidden)
     fsdp = any(v == DATA_AXIS for k, v in rules.params.items())
     data = _data_collectives(model, axes, shards, sizes, itemsize, fsdp, zero,
                              rank0_params(model, sizes, pp, ep, virtual_stages, stage_layers))
     if pp:
-        data += tied_sum(model, sizes, itemsize)
+        data += tied_sum(model, sizes, itemsize, "tok_emb.weight" in shards)
     t = (seq or model.cfg.seq_len) if isinstance(model, GPT) else 0
     return Plan(rules.describe(), dict(sizes), modules, shards, data, fsdp, rows, t, itemsize, micro_batches,
                 context_axis=cp, pipeline_axis=pp, expert_axis=ep)

@@ -21,8 +21,11 @@ The collectives these rules derive are exactly what the hand-written engines iss
 parallel/expert), which run them: the rules choose the layout, the engines are its executor, and
 tests/test_sharding.py holds the two to the same trace, operation for operation. What this derivation
 does not combine yet is refused (`placed_problems`): model dimensions over tp for a mixture of experts
-(its tensor-parallel form is hand-written, parallel/tensor/moe.py), and any tp, cp or storage rule
-beside layers over pp at pp > 1 (the derived model is not split into stages yet).
+(its tensor-parallel form is hand-written, parallel/tensor/moe.py), and the sequence over tp or cp or
+storage over dp beside layers over pp at pp > 1. Model dimensions over tp beside layers over pp are
+compiled onto the whole model (compile.py) before the split, as the hand-written tp x pp converts it
+first (parallel/pipeline/tensor_stage.py): every stage holds its chunks' tp shards, the hidden states
+between stages whole.
 """
 
 from __future__ import annotations
@@ -76,14 +79,15 @@ def placed_problems(model: nn.Module, rules: Rules, sizes: Mapping[str, int]) ->
         out.append(f"the mesh has pp = {n_pp} but no rule places anything over it: under rules, the pipeline "
                    f"is the rule layers={PIPELINE_AXIS}")
     if pp and n_pp > 1:
-        others = sorted(k for k, v in rules.compute.items() if k not in ("layers", "experts", "batch"))
+        others = sorted(k for k in rules.compute if k in ("seq", "ctx"))
         if others or rules.params:
             what = ", ".join([f"{k}={rules.compute[k]}" for k in others] + [f"params {k}={v}" for k, v in
                                                                              rules.params.items()])
-            out.append(f"layers={pp} at pp = {n_pp} with {what}: the pipeline split of a model whose tensors the "
-                       f"rules cut (tp, cp) or store over dp is not derived yet; with layers over {pp} the rules "
-                       f"derive batch, layers and experts (the hand-written layout.pp with layout.tp, sp, cp or "
-                       f"zero, without [sharding], runs the rest)")
+            out.append(f"layers={pp} at pp = {n_pp} with {what}: the pipeline split of a model whose sequence the "
+                       f"rules cut (over tp between blocks, or over cp) or whose weights they store over dp is not "
+                       f"derived yet (a stage's receive buffers take the plain hidden states' shape); with layers "
+                       f"over {pp} the rules derive batch, experts and model dimensions over {MODEL_AXIS} (the "
+                       f"hand-written layout.pp with layout.sp, cp or zero, without [sharding], runs the rest)")
     return out
 
 
@@ -123,9 +127,10 @@ def _piece_of(module: str) -> str:
 
 
 def add_stages(model: nn.Module, modules: list[ModulePlan], sizes: Mapping[str, int], virtual: int,
-               stage_layers: Sequence[int], activation_bytes: int) -> list[ModulePlan]:
+               stage_layers: Sequence[int], activation_bytes: int, problems: list[str]) -> list[ModulePlan]:
     """`modules` with each one's pipeline rank set and, after the last module of every chunk but the
-    last, the boundary's point-to-point messages (`activation_bytes`: one micro-batch's hidden states)."""
+    last, the boundary's point-to-point messages (`activation_bytes`: one micro-batch's hidden states).
+    A boundary where the rules leave the hidden states cut over tp is added to `problems`."""
     from shardlab.parallel.pipeline.partition import layout_balance
     from shardlab.parallel.pipeline.schedules import chunk_owner
     from shardlab.parallel.pipeline.stages import plan_split
@@ -140,6 +145,10 @@ def add_stages(model: nn.Module, modules: list[ModulePlan], sizes: Mapping[str, 
         out.append(m)
         last = k + 1 == len(modules) or chunk_of[_piece_of(modules[k + 1].name)] != c
         if last and c + 1 < split.chunks:
+            if f"/{MODEL_AXIS}" in m.out:
+                problems.append(f"{m.name}: a pipeline boundary (layers={PIPELINE_AXIS}) falls where the rules leave the "
+                                f"hidden state {m.out} cut over {MODEL_AXIS}; a stage receives whole rows (the deep "
+                                f"MLP's boundaries must follow a row layer: set layout.stage_layers to even counts)")
             a, b = chunk_owner(c, n), chunk_owner(c + 1, n)
             pieces = [split.pieces[i] for i in split.chunk_range(c)]
             out.append(ModulePlan(
@@ -187,13 +196,14 @@ def rank0_params(model: nn.Module, sizes: Mapping[str, int], pp: str | None, ep:
     return dense, experts
 
 
-def tied_sum(model: nn.Module, sizes: Mapping[str, int], item: int) -> list[Collective]:
+def tied_sum(model: nn.Module, sizes: Mapping[str, int], item: int, vocab_cut: bool = False) -> list[Collective]:
     """At pp > 1 the tied embedding and head (one weight) sit on the first and last stage: their
-    gradients summed once per step (the pipeline's STEP), by a point-to-point exchange between the two."""
+    gradients summed once per step (the pipeline's STEP), by a point-to-point exchange between the two
+    (of this tp rank's rows when `vocab_cut`)."""
     n = sizes.get(PIPELINE_AXIS, 1)
     head, emb = getattr(model, "head", None), getattr(model, "tok_emb", None)
     if n <= 1 or head is None or emb is None or head.weight is not emb.weight:
         return []
     return [Collective("(tied tok_emb / head)", "gradients", "tied_grad_exchange", PIPELINE_AXIS, None,
-                       emb.weight.numel() * item, "the tied embedding's copies on the first and last stage "
+                       emb.weight.numel() // (sizes.get(MODEL_AXIS, 1) if vocab_cut else 1) * item, "the tied embedding's copies on the first and last stage "
                        "exchange their gradients and each sums both (parallel/pipeline/params.py)")]
