@@ -479,6 +479,9 @@ def test_explain_prints_a_pipeline_and_experts_layout_from_rules(capsys):
                     if c["function"] == "expert_dispatch")
     assert (dispatch["fwd"], dispatch["bwd"], dispatch["group"]) == ("all_to_all", "all_to_all", "ep[2] [0, 1]")
     assert dispatch["predicted_s"] > 0 and boundary["predicted_s"] > 0
+    # Rank 0's step: per micro-batch (2) its 2 mixtures' 5 all-to-alls and the boundary's 2 messages; then
+    # the dense gradients' all-reduce over dp x ep and the tied embedding's exchange.
+    assert d["per_step"]["calls"] == 2 * (2 * 5 + 2) + 2
     assert main(["explain", "--config", "configs/gpt-moe-rules.toml"]) == 0
     text = capsys.readouterr().out
     assert "stage 0 -> 1" in text and "[pp rank 1]" in text and "expert_combine" in text

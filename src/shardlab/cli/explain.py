@@ -116,7 +116,9 @@ def explain(cfg: Any, hardware: str) -> dict[str, Any]:
     modules = [{"name": m.name, "kind": m.kind, "in": m.inp, "out": m.out, "weights": m.weights, "stage": m.stage,
                 "collectives": [row(c) for c in m.collectives()]} for m in plan.modules]
     data = [row(c) for c in plan.data]
-    per_mb = [c for m in modules for c in m["collectives"]]
+    # Under a pipeline a rank runs its own stage's modules: the totals are rank 0's (pp rank 0).
+    mine = [m for m, p in zip(modules, plan.modules) if p.stage is None or p.stage == 0 or 0 in p.peers]
+    per_mb = [c for m in mine for c in m["collectives"]]
     mb = t.micro_batches
     total = {"calls": mb * sum(c["fwd_calls"] * (c["fwd_bytes"] > 0) + c["bwd_calls"] * (c["bwd_bytes"] > 0)
                                for c in per_mb)
@@ -154,7 +156,8 @@ def render(d: dict[str, Any]) -> str:
             lines.append(f"{'':<24}{c['at']:<9} {c['group']:<14} fwd {c['fwd']:<14} {_fmt_bytes(c['fwd_bytes']):>10}  "
                          f"bwd {c['bwd']:<14} {_fmt_bytes(c['bwd_bytes']):>10}  {c['predicted_s'] * 1e6:8.1f} us")
     tot = d["per_step"]
-    lines += ["", f"per step: {tot['calls']} collective calls, {_fmt_bytes(tot['bytes'])} "
+    who = " (rank 0: pp rank 0's stage)" if any(m.get("stage") is not None for m in d["modules"]) else ""
+    lines += ["", f"per step{who}: {tot['calls']} collective calls, {_fmt_bytes(tot['bytes'])} "
                   f"(nccl-tests sizes), predicted {tot['predicted_s'] * 1e3:.3f} ms of communication"
                   f" on {d['hardware']} (before any overlap)"]
     return "\n".join(lines)

@@ -156,7 +156,7 @@ def add_stages(model: nn.Module, modules: list[ModulePlan], sizes: Mapping[str, 
                 exit=[Collective(f"stage {c} -> {c + 1}", "output", "stage_boundary", PIPELINE_AXIS, None,
                                  activation_bytes, f"chunk {c} ({pieces[0]}..{pieces[-1]}) on pp rank {a} hands its "
                                  f"hidden states to chunk {c + 1} on pp rank {b}; the gradient comes back")],
-                stage=a))
+                stage=a, peers=(a, b)))
     return out
 
 

@@ -100,6 +100,7 @@ class ModulePlan:
     vocab_axis: str | None = None   # an embedding cut by rows: masked lookup over this axis
     context_axis: str | None = None  # the tokens / attention core / loss swapped for context parallelism's
     stage: int | None = None         # layers over pp: the pipeline rank that holds it (placed.py)
+    peers: tuple[int, ...] = ()      # a stage boundary's sending and receiving pipeline ranks
 
     def collectives(self) -> list[Collective]:
         return self.entry + self.weight_sync + self.exit
