@@ -160,18 +160,14 @@ def add_stages(model: nn.Module, modules: list[ModulePlan], sizes: Mapping[str, 
     return out
 
 
-def chunk_owner_of(model: nn.Module, sizes: Mapping[str, int], virtual: int, stage_layers: Sequence[int],
-                   name: str) -> int:
-    """The pp rank holding parameter `name` (its piece's chunk's owner)."""
+def _split(model: nn.Module, sizes: Mapping[str, int], virtual: int, stage_layers: Sequence[int]) -> tuple[dict, int]:
+    """({piece: its chunk}, pp degree) of the trainer's split (parallel/pipeline: the same plan_split)."""
     from shardlab.parallel.pipeline.partition import layout_balance
-    from shardlab.parallel.pipeline.schedules import chunk_owner
     from shardlab.parallel.pipeline.stages import plan_split
 
     n = sizes.get(PIPELINE_AXIS, 1)
     split = plan_split(model, n, virtual, layout_balance(model, n, virtual, stage_layers))
-    piece = _piece_of(name)
-    c = next(c for c in range(split.chunks) for i in split.chunk_range(c) if split.pieces[i] == piece)
-    return chunk_owner(c, n)
+    return {split.pieces[i]: c for c in range(split.chunks) for i in split.chunk_range(c)}, n
 
 
 # ----------------------------------------------------------------------------- data parallel
@@ -179,21 +175,22 @@ def rank0_params(model: nn.Module, sizes: Mapping[str, int], pp: str | None, ep:
                  stage_layers: Sequence[int]) -> tuple[set[str], set[str]]:
     """(the dense parameters, the experts' parameters) that rank 0 holds: pp rank 0's chunks, ep rank
     0's experts; every one when neither axis is placed over."""
-    n_ep = sizes.get(EXPERT_AXIS, 1) if ep else 1
-    dense, experts = set(), set()
+    from shardlab.parallel.pipeline.schedules import chunk_owner
+
     names = {n for n, _ in model.named_parameters()}
-    held_pp = names
     if pp and sizes.get(PIPELINE_AXIS, 1) > 1:
-        held_pp = {n for n in names if chunk_owner_of(model, sizes, virtual, stage_layers, n) == 0}
+        chunk_of, n_pp = _split(model, sizes, virtual, stage_layers)
+        names = {n for n in names if chunk_owner(chunk_of[_piece_of(n)], n_pp) == 0}
+    n_ep = sizes.get(EXPERT_AXIS, 1) if ep else 1
+    every, mine = set(), set()
     for path, moe in _moe_layers(model):
         per = moe.n_experts // n_ep if moe.n_experts % n_ep == 0 else moe.n_experts
-        for i in range(moe.n_experts):
-            for p, _ in moe.experts[i].named_parameters(prefix=f"{path}.experts.{i}"):
-                if i < per and p in held_pp:
-                    experts.add(p)
-    every_expert = {p for path, moe in _moe_layers(model) for p, _ in moe.experts.named_parameters(prefix=f"{path}.experts")}
-    dense = {n for n in held_pp if n not in every_expert}
-    return dense, experts
+        for i, expert in enumerate(moe.experts):
+            for p, _ in expert.named_parameters(prefix=f"{path}.experts.{i}"):
+                every.add(p)
+                if i < per and p in names:
+                    mine.add(p)
+    return names - every, mine
 
 
 def tied_sum(model: nn.Module, sizes: Mapping[str, int], item: int, vocab_cut: bool = False) -> list[Collective]:
