@@ -9,7 +9,7 @@ import pytest
 
 from shardlab.plan.activations import korthikanti_table2, layer_activation_bytes, layer_tensors
 from shardlab.plan.layout import LayoutError, PlanLayout
-from shardlab.plan.memory import in_flight, model_state_bytes, rank_memory, shard_state, stage_params
+from shardlab.plan.memory_model import in_flight, model_state_bytes, rank_memory, shard_state, stage_params
 from shardlab.plan.models import get_model
 from shardlab.plan.validate import memory_rows
 
@@ -125,19 +125,19 @@ def test_uneven_stages_split_as_evenly_as_possible_lighter_at_the_edges():
 
 def test_per_op_selective_recomputation_keeps_what_it_names():
     """torchtitan-style per-op recomputation (issue 33): the kept ops' outputs stay, the rest are redone."""
-    from shardlab.plan import flops
+    from shardlab.plan import op_costs
     from shardlab.plan.layout import OP_KEYS, TORCHTITAN_OP
 
     spec = replace(get_model("llama2-7b"), seq=2048)
     lay = PlanLayout(tp=2, sp=True, micro_batch=1)
     none = layer_activation_bytes(spec, lay, 1)
     full = layer_activation_bytes(spec, replace(lay, recompute="full"), 1)
-    fwd = flops.layer_forward(spec, lay, 1)
+    fwd = op_costs.layer_forward(spec, lay, 1)
 
     def at(keep):
         k = replace(lay, recompute="selective", recompute_keep=keep)
         k.check(spec)
-        return layer_activation_bytes(spec, k, 1), [op.name for op in flops.recompute(fwd, k)]
+        return layer_activation_bytes(spec, k, 1), [op.name for op in op_costs.recompute(fwd, k)]
 
     everything, redo = at(OP_KEYS)
     assert everything == pytest.approx(none) and redo == []

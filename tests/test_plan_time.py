@@ -11,7 +11,7 @@ import pytest
 from shardlab.cli.main import main
 from shardlab.plan.alphabeta import AlphaBeta
 from shardlab.plan.comm import Group, collective_time, groups, layer_comms
-from shardlab.plan.flops import backward, layer_forward, recompute, tiles_efficiency
+from shardlab.plan.op_costs import backward, layer_forward, recompute, tiles_efficiency
 from shardlab.plan.hardware import get_hardware
 from shardlab.plan.layout import PlanLayout
 from shardlab.plan.models import get_model
@@ -131,16 +131,16 @@ def test_hfu_is_the_average_rank_with_uneven_stages():
     """Issue 33: HFU counts each stage's own layers (and the head on the last stage only), so HFU x
     time x peak x ranks is the step's executed FLOPs whatever the split; the slowest stage's layers
     counted for every rank would overstate it."""
-    from shardlab.plan import flops
+    from shardlab.plan import op_costs
 
     spec = replace(get_model("llama2-7b"), layers=8)
     for split in ((4, 4), (6, 2)):
         lay = PlanLayout(pp=2, micro_batch=1, stage_layers=split)
         st = step_time(spec, lay, A100, 8)
         fwd = layer_forward(spec, lay, 1)
-        head = flops.head_forward(spec, lay, 1)
-        executed = st.micro_batches * (spec.layers * flops.flops_of(fwd + recompute(fwd, lay) + backward(fwd))
-                                       + flops.flops_of(head + backward(head)))
+        head = op_costs.head_forward(spec, lay, 1)
+        executed = st.micro_batches * (spec.layers * op_costs.flops_of(fwd + recompute(fwd, lay) + backward(fwd))
+                                       + op_costs.flops_of(head + backward(head)))
         assert st.hfu * st.total_s * A100.peak("bf16") * lay.world == pytest.approx(executed, rel=1e-9), split
 
 

@@ -137,7 +137,7 @@ def _latency(spec: ModelSpec, rows: int, iters: int = 20) -> float:
 
 def _memory_step(var: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
     """(activation bytes, held bytes) of one untimed step: see the module docstring."""
-    from shardlab.train.memory import MemoryTracker, tensor_bytes
+    from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 
     gc.collect()
     dist.barrier()

@@ -106,7 +106,7 @@ class Report:
 def measure_rank(cases: list[Case], spec: ModelSpec, steps: int = 3, warmup: int = 1) -> list[dict]:
     """On every rank of the default group (the pipeline): each case timed over `steps` steps after
     `warmup`, then one step under the memory tracker. Rank 0 returns the gathered figures."""
-    from shardlab.train.memory import MemoryTracker
+    from shardlab.train.memory_tracker import MemoryTracker
 
     rank, p = dist.get_rank(), dist.get_world_size()
     x, y = spec.batch_data()

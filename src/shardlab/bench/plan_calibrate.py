@@ -90,7 +90,7 @@ def copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
 
 
 def attention_rate(b: int = 8, heads: int = 4, s: int = 128, d: int = 64) -> float:
-    """Fused causal attention forward + backward, in FLOP/s as flops.py counts it (forward
+    """Fused causal attention forward + backward, in FLOP/s as op_costs.py counts it (forward
     4 b s (s/2) heads d, backward 2.5x that)."""
     import torch.nn.functional as F
 
@@ -104,7 +104,7 @@ def attention_rate(b: int = 8, heads: int = 4, s: int = 128, d: int = 64) -> flo
 
 
 def activation_rate(n: int = 2**21) -> float:
-    """GELU forward + backward in bytes/s as flops.py counts them (forward reads and writes n
+    """GELU forward + backward in bytes/s as op_costs.py counts them (forward reads and writes n
     values, backward 1.5x that): on a CPU the error function is compute-bound."""
     import torch.nn.functional as F
 
@@ -121,7 +121,7 @@ def op_overhead(threads: int) -> tuple[float, float, int]:
     """(seconds per counted op, the tiny step's seconds, ops counted): a 2-layer GPT of width 16 on
     4 tokens, whose matmuls take nanoseconds, so its step is almost all per-op cost."""
     from shardlab.models import GPT, GPTConfig
-    from shardlab.plan.flops import backward, embedding_forward, head_forward, layer_forward
+    from shardlab.plan.op_costs import backward, embedding_forward, head_forward, layer_forward
     from shardlab.plan.layout import PlanLayout
     from shardlab.plan.models import ModelSpec
 

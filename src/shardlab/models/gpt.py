@@ -7,7 +7,7 @@ load-balancing loss the forward adds to the cross-entropy. The family options (m
 norm 'layernorm' or 'rmsnorm', mlp 'gelu', 'gelu_tanh' or 'swiglu', bias, rope_theta, so that
 GPT-2 (layernorm, gelu, biases, learned positions, tied head) and Llama 3 (rmsnorm, swiglu, no
 biases, rotary, grouped-query attention, untied head) are both this class. `flops_per_token` gives the model FLOPs
-used for MFU (6N of the active parameters plus attention, by models/flops.py's one formula).
+used for MFU (6N of the active parameters plus attention, by models/model_flops.py's one formula).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardlab.models.layers import MLPS, NORMS, GeluMLP, make_mlp, make_norm
-from shardlab.models.flops import model_flops_per_token, recompute_flops_per_token
+from shardlab.models.model_flops import model_flops_per_token, recompute_flops_per_token
 from shardlab.models.moe import MoE, with_aux_losses
 
 
@@ -296,7 +296,7 @@ class GPT(nn.Module):
         return n
 
     def active_params(self, blocks_only: bool = False) -> float:
-        """Weights a token's matmuls pass through (models/flops.py): the blocks' (top-k experts of a
+        """Weights a token's matmuls pass through (models/model_flops.py): the blocks' (top-k experts of a
         mixture), the final norm and the output projection (tied or not, once); no lookup tables.
         blocks_only: the blocks' alone (what full recomputation reruns)."""
         blocks: float = sum(p.numel() for p in self.blocks.parameters())
@@ -309,7 +309,7 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None, causal: bool = True) -> float:
         """Model FLOPs per token for forward + backward: 6N of the active weights plus the attention
-        scores and weighted sum, over half the sequence (causal) or all of it (models/flops.py)."""
+        scores and weighted sum, over half the sequence (causal) or all of it (models/model_flops.py)."""
         return model_flops_per_token(active_params=self.active_params(), layers=self.cfg.n_layer,
                                      q_dim=self.cfg.n_head * self.cfg.head_dim, seq=seq_len or self.cfg.seq_len,
                                      causal=causal)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from shardlab.models.flops import model_flops_per_token
+from shardlab.models.model_flops import model_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class ModelSpec:
         """Model FLOPs per token, forward + backward: 6 x active parameters (a matmul's 2 FLOPs per
         weight, x3 for the two backward matmuls) plus the attention scores and weighted sum
         (2 matmuls of 2 x q_dim FLOPs per key, x3). Recomputation is not counted (model FLOPs,
-        Chowdhery et al. 2022 app. B). The formula is models/flops.py's, the one the trainer's MFU uses."""
+        Chowdhery et al. 2022 app. B). The formula is models/model_flops.py's, the one the trainer's MFU uses."""
         if causal is None:
             causal = self.attention == "flash"
         return model_flops_per_token(active_params=self.active_params(), layers=self.layers, q_dim=self.q_dim,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from shardlab.plan.hardware import Hardware
 from shardlab.plan.layout import LayoutError, PlanLayout
-from shardlab.plan.memory import RankMemory, rank_memory
+from shardlab.plan.memory_model import RankMemory, rank_memory
 from shardlab.plan.models import ModelSpec
 from shardlab.plan.steptime import StepTime, step_time
 

@@ -7,7 +7,7 @@
 
 The only parameter fitted to these runs is the A100's achievable fraction of peak for large matmuls
 (`mm_eff`), one number for all cases, chosen to minimise the mean absolute relative error of the
-eight Table 5 iteration times. Everything else is fixed beforehand (hardware.py, flops.py, comm.py).
+eight Table 5 iteration times. Everything else is fixed beforehand (hardware.py, op_costs.py, comm.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import replace
 from shardlab.plan import activations as act
 from shardlab.plan.hardware import Hardware
 from shardlab.plan.layout import PlanLayout
-from shardlab.plan.memory import stage_memory
+from shardlab.plan.memory_model import stage_memory
 from shardlab.plan.published import (FIGURE1_GIB, KORTHIKANTI_TABLE4_22B, KORTHIKANTI_TABLE5, PublishedRun,
                                      paper_model_flops)
 from shardlab.plan.steptime import layer_phases, step_time

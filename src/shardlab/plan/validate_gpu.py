@@ -19,7 +19,7 @@ What is fitted to what (fit_hopper):
   two equations; the tile and wave arithmetic of kernels.py is fixed beforehand);
 - attn_fwd, attn_bwd: the step's attention forward and backward times (head size 64, causal span
   512); the span and head-size ramps (kernels.Kernels defaults) are assumed, not fitted here;
-- mem_frac: the rest of the GPU's busy time over the bytes flops.py counts for the memory-bound ops;
+- mem_frac: the rest of the GPU's busy time over the bytes op_costs.py counts for the memory-bound ops;
 - opt_frac: the fused AdamW's time over the bytes of its update (28 per parameter: no clipping, no
   zeroing in that script);
 - launch_s: the step's idle GPU time (wall minus busy) over the ops the planner counts.
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardlab.plan import flops, kernels
+from shardlab.plan import kernels, op_costs
 from shardlab.plan.devices import device_spec
 from shardlab.plan.kernels import Kernels
 from shardlab.plan.layout import PlanLayout
@@ -81,13 +81,13 @@ def standalone_layout() -> PlanLayout:
     return PlanLayout(precision="bf16-autocast", micro_batch=BATCH, grad_clip=False, grads_persist=False)
 
 
-def step_ops(spec: ModelSpec, lay: PlanLayout) -> list[tuple[int, flops.Op]]:
+def step_ops(spec: ModelSpec, lay: PlanLayout) -> list[tuple[int, op_costs.Op]]:
     """(count, op) for one step of one micro-batch: the layers' forward and backward, the edges'."""
     b = lay.micro_batch
-    fwd = flops.layer_forward(spec, lay, b)
-    layer = fwd + flops.recompute(fwd, lay) + flops.backward(fwd)
-    edges = flops.embedding_forward(spec, lay, b) + flops.head_forward(spec, lay, b)
-    return [(spec.layers, op) for op in layer] + [(1, op) for op in edges + flops.backward(edges)]
+    fwd = op_costs.layer_forward(spec, lay, b)
+    layer = fwd + op_costs.recompute(fwd, lay) + op_costs.backward(fwd)
+    edges = op_costs.embedding_forward(spec, lay, b) + op_costs.head_forward(spec, lay, b)
+    return [(spec.layers, op) for op in layer] + [(1, op) for op in edges + op_costs.backward(edges)]
 
 
 def _gemm_total(k: Kernels, peak: float, sms: int, ops) -> float:

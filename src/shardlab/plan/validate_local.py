@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from shardlab.plan.hardware import Hardware
 from shardlab.plan.layout import PlanLayout
-from shardlab.plan.memory import RankMemory, rank_memory
+from shardlab.plan.memory_model import RankMemory, rank_memory
 from shardlab.plan.models import ModelSpec, spec_from_config
 from shardlab.plan.steptime import StepTime, step_time
 

@@ -5,7 +5,7 @@ which model they drive: `task.batch(step, dp_rank, dp_size, micro_batches, micro
 (inputs, targets), `task.global_batch(step)` the whole batch a single process would see, and
 `tokens_per_row` / `flops_per_token` turn step times into tokens/s and MFU.
 
-  gpt  text as bytes or a token file's ids (train/data.py, train/corpus.py), held-out tail for
+  gpt  text as bytes or a token file's ids (train/batches.py, train/corpus.py), held-out tail for
        validation loss; the vocabulary comes from the data (model.vocab_size = 0).
   mlp  the lecture's deep MLP regressing a fixed random "teacher" network's output on Gaussian
        inputs: synthetic (the lecture's model has no natural dataset) but learnable, so the loss
@@ -26,7 +26,7 @@ import torch.nn as nn
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel.precision import apply_precision
 from shardlab.train.config import Config, ModelSection
-from shardlab.train.data import VOCAB_SIZE, BatchSampler, load_tokens, split_tokens
+from shardlab.train.batches import VOCAB_SIZE, BatchSampler, load_tokens, split_tokens
 
 if TYPE_CHECKING:
     from shardlab.data.tokenizer import Tokenizer
