@@ -122,7 +122,7 @@ def op_overhead(threads: int) -> tuple[float, float, int]:
     4 tokens, whose matmuls take nanoseconds, so its step is almost all per-op cost."""
     from shardlab.models import GPT, GPTConfig
     from shardlab.plan.op_costs import backward, embedding_forward, head_forward, layer_forward
-    from shardlab.plan.layout import PlanLayout
+    from shardlab.plan.execution import Execution
     from shardlab.plan.models import ModelSpec
 
     torch.manual_seed(0)
@@ -139,7 +139,7 @@ def op_overhead(threads: int) -> tuple[float, float, int]:
     seconds = _timed(step, 0.1, reps=3)
     spec = ModelSpec("tiny", layers=2, hidden=16, heads=2, vocab=32, seq=4, bias=False, dropout=False,
                      attention="flash")
-    lay = PlanLayout(precision="fp32")
+    lay = Execution(precision="fp32")
     fwd = [op for op in layer_forward(spec, lay, 1)] * 2 + embedding_forward(spec, lay, 1) + head_forward(spec, lay, 1)
     ops = len(fwd) + len(backward(fwd))
     n_tensors = sum(1 for _ in model.parameters())

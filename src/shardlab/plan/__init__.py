@@ -17,7 +17,7 @@ _EXPORTS = {
     "discover": "topo", "format_topology": "topo", "parse_nvidia_smi_topo": "topo_parse",
     "ModelSpec": "models", "get_model": "models", "spec_from_config": "models",
     "Hardware": "hardware", "get_hardware": "hardware",
-    "PlanLayout": "layout", "LayoutError": "layout",
+    "Execution": "execution", "LayoutError": "execution",
     "rank_memory": "memory_model", "step_time": "steptime", "search": "search", "evaluate": "search",
 }
 

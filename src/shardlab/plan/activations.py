@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 
 
@@ -41,7 +41,7 @@ def local_kv_dim(spec: ModelSpec, tp: int) -> int:
     return spec.kv_dim // tp if spec.n_kv % tp == 0 else spec.head_dim
 
 
-def layer_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
+def layer_tensors(spec: ModelSpec, lay: Execution, b: int) -> list[Saved]:
     """Tensors one transformer layer saves for backward, on one rank, for one micro-batch of b
     sequences, before any recomputation. Sizes in bytes."""
     s = spec.seq / lay.cp                     # tokens of a sequence on this rank
@@ -97,12 +97,12 @@ def layer_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
     return out
 
 
-def kept(lay: PlanLayout, x: Saved) -> bool:
+def kept(lay: Execution, x: Saved) -> bool:
     """Whether per-op selective recomputation (lay.recompute_keep) keeps tensor `x`."""
     return x.op == "input" or x.op in lay.recompute_keep
 
 
-def layer_activation_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
+def layer_activation_bytes(spec: ModelSpec, lay: Execution, b: int) -> float:
     """Bytes one layer holds for backward per micro-batch, after the layout's recomputation."""
     if lay.recompute == "full":
         # Only the layer's input is checkpointed; under sp it is the rank's shard of the sequence.
@@ -114,7 +114,7 @@ def layer_activation_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
     return sum(x.bytes for x in keep)
 
 
-def recompute_peak_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
+def recompute_peak_bytes(spec: ModelSpec, lay: Execution, b: int) -> float:
     """Full recomputation rebuilds one layer's tensors at a time during backward: that layer's
     full set is live on top of the checkpoints."""
     if lay.recompute_keep:   # the tensors not kept are rebuilt, one layer at a time
@@ -124,14 +124,14 @@ def recompute_peak_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
     return sum(x.bytes for x in layer_tensors(spec, lay, b))
 
 
-def embedding_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
+def embedding_tensors(spec: ModelSpec, lay: Execution, b: int) -> list[Saved]:
     """The first stage's extra tensors per micro-batch (Korthikanti et al. sec. 4.3: the embedding
     dropout mask)."""
     sb = spec.seq / lay.cp * b
     return [Saved("embedding dropout mask", sb * spec.hidden / (lay.tp if lay.sp else 1))] if spec.dropout else []
 
 
-def head_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
+def head_tensors(spec: ModelSpec, lay: Execution, b: int) -> list[Saved]:
     """The last stage's extra tensors per micro-batch: final norm input, the head's input and the
     fp32 log-softmax of the cross-entropy over this rank's vocabulary slice (Korthikanti et al.
     sec. 4.3: 4 s b h / t (1 + v / h) under sp)."""
@@ -145,7 +145,7 @@ def head_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
     ]
 
 
-def korthikanti_table2(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
+def korthikanti_table2(spec: ModelSpec, lay: Execution, b: int) -> float:
     """Table 2's closed form for this layout (16-bit, dropout, eager attention, no GQA, ffn 4h):
     the published reference our tensor list is checked against."""
     s, h, a, t = spec.seq, spec.hidden, spec.heads, lay.tp

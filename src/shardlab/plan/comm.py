@@ -23,7 +23,7 @@ from shardlab.plan import network
 from shardlab.plan.activations import local_kv_dim
 from shardlab.plan.alphabeta import AlphaBeta, model_for
 from shardlab.plan.hardware import Hardware, Link
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 
 
@@ -45,7 +45,7 @@ class Group:
         return self.size > 1 and self.per_node(devices_per_node) < self.size
 
 
-def groups(lay: PlanLayout) -> dict[str, Group]:
+def groups(lay: Execution) -> dict[str, Group]:
     return {
         "tp": Group("tp", lay.tp, 1),
         "cp": Group("cp", lay.cp, lay.tp),
@@ -119,7 +119,7 @@ class Comm:
     hides_behind: str = ""      # "" (exposed), "wgrad", "dgrad" or "attention": compute it can overlap
 
 
-def layer_comms(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Comm]:
+def layer_comms(spec: ModelSpec, lay: Execution, b: int) -> list[Comm]:
     """Per-layer collectives of tensor, sequence, context and expert parallelism.
 
     Tensor parallelism without sp (Shoeybi et al. 2019): an all-reduce after the attention and
@@ -169,7 +169,7 @@ def layer_comms(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Comm]:
     return out
 
 
-def edge_comms(spec: ModelSpec, lay: PlanLayout, b: int, first: bool, last: bool) -> list[Comm]:
+def edge_comms(spec: ModelSpec, lay: Execution, b: int, first: bool, last: bool) -> list[Comm]:
     """Tensor parallelism's collectives outside the layers, per micro-batch: the vocabulary-parallel
     embedding's sum (a reduce-scatter under sp), the head's input gradient (the f operator before a
     column-parallel layer), and the vocabulary-parallel cross-entropy's three all-reduces of one
@@ -188,7 +188,7 @@ def edge_comms(spec: ModelSpec, lay: PlanLayout, b: int, first: bool, last: bool
     return out
 
 
-def comm_time(hw: Hardware, lay: PlanLayout, c: Comm) -> float:
+def comm_time(hw: Hardware, lay: Execution, c: Comm) -> float:
     g = groups(lay)[c.axis]
     if c.op == "sendrecv":
         # A ring's passes are sequential point-to-point exchanges: one alpha each.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardlab.plan.compare import NETWORKS, compare_networks, explain_comparison, format_comparison
 from shardlab.plan.hardware import get_hardware
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 from shardlab.plan.validate_report import write_json
 
@@ -18,7 +18,7 @@ def _networks(choice: str) -> list[tuple[str, str]]:
     return [(n, n) for n in names]
 
 
-def print_comparison(spec: ModelSpec, gpus: int, global_batch: int, base: PlanLayout, pinned: set[str],
+def print_comparison(spec: ModelSpec, gpus: int, global_batch: int, base: Execution, pinned: set[str],
                      mem_fraction: float, choice: str, json_path: str | None, plot_path: str | None) -> int:
     import sys
 

@@ -1,11 +1,12 @@
-"""The planner's layout: the trainer's own `[layout]` (parallel/layout_section.py's LayoutSection),
-with the few facts the cost model also needs (micro-batch size, overlap of the modelled
-implementation, gradient precision).
+"""A layout as the cost model runs it (`Execution`): the trainer's own `[layout]`
+(parallel/layout_section.py's LayoutSection, the one layout type), plus the facts of the run the
+planner times that are not a layout: the micro-batch size and the modelled implementation's knobs
+(overlaps, gradient precision and buffers, host overhead).
 
-    lay = PlanLayout(tp=8, pp=8, sp=True, recompute="selective", micro_batch=1)
+    lay = Execution(tp=8, pp=8, sp=True, recompute="selective", micro_batch=1)
     lay.check(spec, world=64, global_batch=64)   # raises LayoutError naming every degree that does not fit
 
-One type for both: a PlanLayout *is* a LayoutSection (dp, tp, pp, cp, ep, zero, schedule,
+One layout type for both: an Execution *is* a LayoutSection (dp, tp, pp, cp, ep, zero, schedule,
 virtual_stages, stage_layers, sp, recompute, precision, dp_mode ... mean what the trainer means),
 so the layout the planner picks is written as a configuration the trainer runs
 (train/plan_config.py, `shardlab plan --emit-config`), and the trainer's own rules
@@ -31,7 +32,7 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb1")
 SCHEDULE_ALIASES = {"zb-h1": "zb1"}
 RECOMPUTE = ("none", "selective", "full")
 # Per-op selective recomputation (torchtitan's "op" policy, Korthikanti's selective generalised): the
-# ops of a layer whose outputs may be kept (PlanLayout.recompute_keep), in order. The MLP's down
+# ops of a layer whose outputs may be kept (Execution.recompute_keep), in order. The MLP's down
 # projection and the residual add after it are never redone (nothing in the layer's backward needs
 # their outputs).
 OP_KEYS = ("norm1", "qkv", "attention", "out_proj", "residual1", "norm2", "fc1", "activation")
@@ -57,8 +58,9 @@ class LayoutError(ValueError):
 
 
 @dataclass
-class PlanLayout(LayoutSection):
-    """The trainer's LayoutSection plus what only the cost model reads."""
+class Execution(LayoutSection):
+    """The trainer's LayoutSection (inherited as it is) plus what only the cost model reads: how
+    the layout is executed, not how the work is spread."""
 
     precision: str = "bf16"      # parameters and activations; bf16/fp16 keep fp32 master weights
     micro_batch: int = 1         # sequences per micro-batch on one batch rank (the trainer's
@@ -79,7 +81,7 @@ class PlanLayout(LayoutSection):
                                           # outputs are kept (flops.OP_KEYS); every other one is redone in backward
 
     @classmethod
-    def from_section(cls, section: LayoutSection, micro_batch: int = 1, **knobs) -> PlanLayout:
+    def from_section(cls, section: LayoutSection, micro_batch: int = 1, **knobs) -> Execution:
         """The trainer's `[layout]` as the planner's layout: every field as it is, plus the cost
         model's knobs (`micro_batch`: the rows of one micro-batch on one batch rank)."""
         return cls(**{f.name: getattr(section, f.name) for f in fields(LayoutSection)},

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from shardlab.plan import activations as act
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 
 # Bytes per parameter for (parameters, gradients, optimizer state) with AdamW, by precision.
@@ -74,7 +74,7 @@ def shard_state(psi: float, n: int, stage: int, p: int, g: int, k: int, trainabl
 
 
 # ------------------------------------------------------------------------------- planner: one rank
-def stage_params(spec: ModelSpec, lay: PlanLayout, stage: int) -> tuple[float, float]:
+def stage_params(spec: ModelSpec, lay: Execution, stage: int) -> tuple[float, float]:
     """(dense, expert) parameters one rank of pipeline stage `stage` holds after tp and ep splits.
 
     Matrices are split over tp; norm gains and the row-parallel layers' output biases are
@@ -102,7 +102,7 @@ def stage_params(spec: ModelSpec, lay: PlanLayout, stage: int) -> tuple[float, f
     return dense, experts
 
 
-def in_flight(lay: PlanLayout, micro_batches: int, stage: int) -> float:
+def in_flight(lay: Execution, micro_batches: int, stage: int) -> float:
     """Micro-batches whose activations stage `stage` holds at its peak, in units of the stage's
     layers (an interleaved chunk counts 1/virtual).
 
@@ -158,7 +158,7 @@ class RankMemory:
         return {**asdict(self), "model_state": self.model_state, "total": self.total, "peak_at": self.peak_at}
 
 
-def stage_memory(spec: ModelSpec, lay: PlanLayout, global_batch: int, stage: int) -> RankMemory:
+def stage_memory(spec: ModelSpec, lay: Execution, global_batch: int, stage: int) -> RankMemory:
     """Predicted bytes of one rank of pipeline stage `stage`."""
     b, m = lay.micro_batch, lay.micro_batches(global_batch)
     dense, experts = stage_params(spec, lay, stage)
@@ -179,7 +179,7 @@ def stage_memory(spec: ModelSpec, lay: PlanLayout, global_batch: int, stage: int
                       buffer_bytes(spec, lay, b, last), stage, lay.grads_persist or m > 1)
 
 
-def buffer_bytes(spec: ModelSpec, lay: PlanLayout, b: int, last: bool) -> float:
+def buffer_bytes(spec: ModelSpec, lay: Execution, b: int, last: bool) -> float:
     """What is live beside parameters and saved activations at the step's peak (the start of the
     last stage's backward): the loss gradient over the vocabulary (fp32, as the log-softmax), the
     layer full recomputation is rebuilding, pipeline send/receive buffers, ZeRO-3's gathered units
@@ -198,7 +198,7 @@ def buffer_bytes(spec: ModelSpec, lay: PlanLayout, b: int, last: bool) -> float:
     return total
 
 
-def rank_memory(spec: ModelSpec, lay: PlanLayout, global_batch: int) -> RankMemory:
+def rank_memory(spec: ModelSpec, lay: Execution, global_batch: int) -> RankMemory:
     """The busiest rank: the pipeline stage whose total is largest (usually the first, which holds
     the embedding and the most micro-batches in flight, or the last, with the head)."""
     stages = {0, lay.pp - 1} | ({1} if lay.pp > 2 else set())

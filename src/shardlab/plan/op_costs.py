@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shardlab.plan.activations import local_kv_dim
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 
 BWD_MEMORY_FACTOR = 1.5
@@ -64,7 +64,7 @@ def _memory(name: str, nbytes: float, core: bool = False) -> Op:
     return Op(name, 0.0, nbytes, attention_core=core)
 
 
-def layer_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
+def layer_forward(spec: ModelSpec, lay: Execution, b: int) -> list[Op]:
     """One transformer layer's forward on one rank for a micro-batch of b sequences."""
     seq, h, t, e, w = spec.seq, spec.hidden, lay.tp, lay.act_bytes, lay.param_bytes
     tok = b * seq / lay.cp                  # this rank's tokens (context parallelism splits the sequence)
@@ -164,7 +164,7 @@ def op_key(name: str, position: int) -> str:
     return ""
 
 
-def recompute(ops: list[Op], lay: PlanLayout) -> list[Op]:
+def recompute(ops: list[Op], lay: Execution) -> list[Op]:
     """Forward ops the backward redoes: all of them (full), the attention core (selective: only
     eager attention has one worth redoing; a fused kernel already recomputes inside its backward),
     or, per op (lay.recompute_keep), every op up to the MLP whose output is not kept."""
@@ -185,7 +185,7 @@ def recompute(ops: list[Op], lay: PlanLayout) -> list[Op]:
     return []
 
 
-def embedding_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
+def embedding_forward(spec: ModelSpec, lay: Execution, b: int) -> list[Op]:
     """Token (and position) lookup on the first stage: rows read from the table, written out."""
     tok = b * spec.seq / lay.cp
     res = tok * spec.hidden * lay.act_bytes / (lay.tp if lay.sp else 1)
@@ -197,7 +197,7 @@ def embedding_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
     return ops
 
 
-def head_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
+def head_forward(spec: ModelSpec, lay: Execution, b: int) -> list[Op]:
     """Final norm, output projection over this rank's vocabulary slice, fp32 cross-entropy."""
     tok, h, e = b * spec.seq / lay.cp, spec.hidden, lay.act_bytes
     v = spec.vocab / lay.tp

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import PRESETS, ModelSpec
 
 FOUNDRY = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md, 'H100 80GB BF16' "
@@ -91,13 +91,13 @@ class Bf16Run:
     def step_s(self) -> float:
         return self.global_batch * self.seq / self.tokens_per_s
 
-    def layout(self) -> PlanLayout:
+    def layout(self) -> Execution:
         if self.source == FOUNDRY:
             # FSDP FULL_SHARD with bf16 gathers and reductions: ZeRO-3, 16 bytes of state per parameter.
-            return PlanLayout(dp=self.gpus, zero=3, micro_batch=self.micro_batch, precision="bf16",
+            return Execution(dp=self.gpus, zero=3, micro_batch=self.micro_batch, precision="bf16",
                               recompute="full" if self.checkpointing else "none", tp_overlap=False)
         # Llama 3 as published_h100.llama3_405b_layout describes it, at this scale.
-        return PlanLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, micro_batch=self.micro_batch, sp=True,
+        return Execution(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, micro_batch=self.micro_batch, sp=True,
                           zero=2, precision="bf16", tp_comm_overlap=True)
 
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from shardlab.plan import comm, kernels, op_costs
 from shardlab.plan.hardware import Hardware, grid_rate
-from shardlab.plan.layout import PlanLayout, compute_precision
+from shardlab.plan.execution import Execution, compute_precision
 from shardlab.plan.memory_model import stage_params
 from shardlab.plan.models import ModelSpec
 
@@ -113,7 +113,7 @@ class Phase:
         return self.compute + self.comm_exposed
 
 
-def _phase(hw: Hardware, lay: PlanLayout, ops: list[op_costs.Op], comms: list[comm.Comm]) -> Phase:
+def _phase(hw: Hardware, lay: Execution, ops: list[op_costs.Op], comms: list[comm.Comm]) -> Phase:
     ph = Phase()
     for op in ops:
         t = op_time(hw, lay.precision, op)
@@ -146,7 +146,7 @@ def _phase(hw: Hardware, lay: PlanLayout, ops: list[op_costs.Op], comms: list[co
 _PHASES: dict[tuple, tuple[ModelSpec, Hardware, tuple[Phase, Phase]]] = {}
 
 
-def layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase, Phase]:
+def layer_phases(spec: ModelSpec, lay: Execution, hw: Hardware) -> tuple[Phase, Phase]:
     """(forward, backward incl. recomputation) of one layer on one rank, per micro-batch. Cached:
     a search times thousands of layouts that differ only in ZeRO stage or schedule."""
     key = (id(spec), id(hw), lay.tp, lay.cp, lay.ep, lay.sp, lay.recompute, lay.micro_batch, lay.precision,
@@ -161,7 +161,7 @@ def layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase,
     return phases
 
 
-def _layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase, Phase]:
+def _layer_phases(spec: ModelSpec, lay: Execution, hw: Hardware) -> tuple[Phase, Phase]:
     b = lay.micro_batch
     fwd_ops = op_costs.layer_forward(spec, lay, b)
     bwd_ops = op_costs.recompute(fwd_ops, lay) + op_costs.backward(fwd_ops)
@@ -206,7 +206,7 @@ class StepTime:
         return d
 
 
-def _optimizer_time(hw: Hardware, lay: PlanLayout, n_params: float, n_tensors: int) -> float:
+def _optimizer_time(hw: Hardware, lay: Execution, n_params: float, n_tensors: int) -> float:
     """AdamW's bytes per parameter: the update (gradient read; parameter or fp32 master, momentum and
     variance read and written), the 16-bit copy written back from the master (16-bit weights), the
     gradient-norm read (when clipping), the gradients zeroed (when their buffers persist; otherwise
@@ -228,7 +228,7 @@ def _param_tensors(spec: ModelSpec, layers: float) -> int:
     return int(layers * per_layer) + 3
 
 
-def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int) -> StepTime:
+def step_time(spec: ModelSpec, lay: Execution, hw: Hardware, global_batch: int) -> StepTime:
     b, m, p = lay.micro_batch, lay.micro_batches(global_batch), lay.pp
     fwd, bwd = layer_phases(spec, lay, hw)
     counts = lay.stage_layer_counts(spec.layers)

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from shardlab.plan import activations as act
 from shardlab.plan.hardware import Hardware
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.memory_model import stage_memory
 from shardlab.plan.published import (FIGURE1_GIB, KORTHIKANTI_TABLE4_22B, KORTHIKANTI_TABLE5, PublishedRun,
                                      paper_model_flops)
@@ -115,7 +115,7 @@ def table4_rows(hw: Hardware) -> list[dict]:
     spec = KORTHIKANTI_TABLE5[0].spec
     rows = []
     for name, kw, fwd_ms, bwd_ms in KORTHIKANTI_TABLE4_22B:
-        lay = PlanLayout(tp=8, micro_batch=4, grad_fp32=True, **kw)
+        lay = Execution(tp=8, micro_batch=4, grad_fp32=True, **kw)
         f, b = layer_phases(spec, lay, hw)
         rows.append({"variant": name, "published_fwd_ms": fwd_ms, "predicted_fwd_ms": f.total * 1e3,
                      "published_bwd_ms": bwd_ms, "predicted_bwd_ms": b.total * 1e3})

@@ -35,7 +35,7 @@ from dataclasses import replace
 from shardlab.plan import kernels, op_costs
 from shardlab.plan.devices import device_spec
 from shardlab.plan.kernels import Kernels
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 
 H200_RUN = "one H200 (141 GB), torch 2.11.0+cu130, driver 580.159.04, 2026-11-28 (docs/planner.md, One GPU)"
@@ -75,13 +75,13 @@ H100_RUN = "one H100 80GB HBM3, torch 2.11.0+cu130, driver 580.159.04, 2026-11-2
 MEASURED_H100 = {"stand-alone, compiled": 0.0920, "stand-alone, eager": 0.1200}
 
 
-def standalone_layout() -> PlanLayout:
+def standalone_layout() -> Execution:
     """benchmarks/gpt_mfu.py's step: bf16 autocast over fp32 weights, one micro-batch of 16, fused
     AdamW without clipping, gradients set to None (no buffer to zero)."""
-    return PlanLayout(precision="bf16-autocast", micro_batch=BATCH, grad_clip=False, grads_persist=False)
+    return Execution(precision="bf16-autocast", micro_batch=BATCH, grad_clip=False, grads_persist=False)
 
 
-def step_ops(spec: ModelSpec, lay: PlanLayout) -> list[tuple[int, op_costs.Op]]:
+def step_ops(spec: ModelSpec, lay: Execution) -> list[tuple[int, op_costs.Op]]:
     """(count, op) for one step of one micro-batch: the layers' forward and backward, the edges'."""
     b = lay.micro_batch
     fwd = op_costs.layer_forward(spec, lay, b)
@@ -138,10 +138,10 @@ def fit_hopper(profile: dict | None = None) -> Kernels:
                    source=f"fitted to the profile of a compiled GPT-2-medium step on {H200_RUN} (plan/validate_gpu.py)")
 
 
-def config_layout(lay: PlanLayout | None = None) -> PlanLayout:
+def config_layout(lay: Execution | None = None) -> Execution:
     """configs/gpt-350m-gpu.toml as `shardlab train` runs it (plan/validate_local.trainer_layout's view:
     bf16 autocast, gradient clipping; one replica, so no persistent gradient buffers)."""
-    return lay or PlanLayout(precision="bf16-autocast", micro_batch=BATCH, grad_clip=True, grads_persist=False)
+    return lay or Execution(precision="bf16-autocast", micro_batch=BATCH, grad_clip=True, grads_persist=False)
 
 
 def gpu_rows(hw, measured_runs: dict[str, float] | None = None) -> list[dict]:
