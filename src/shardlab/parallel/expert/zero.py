@@ -31,7 +31,7 @@ from shardlab.parallel.placement import Placement
 from shardlab.parallel.zero import ShardLayout, ZeroDataParallel, gather_chunks
 
 
-class _BothLayouts:
+class _DenseAndExpertPieces:
     """The dense and the expert ShardLayouts as one PieceLayout (rank and world: the dense group's)."""
 
     def __init__(self, dense: ShardLayout, experts: ShardLayout) -> None:
@@ -49,7 +49,8 @@ class ExpertZeroOptimizer(PieceOptimizer):
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], dense: ZeroDataParallel,
                  experts: ZeroDataParallel, placement: Placement, **optimizer_kwargs: Any) -> None:
-        super().__init__(param_groups(params), optimizer_cls, _BothLayouts(dense.layout, experts.layout), dense.group,
+        pieces = _DenseAndExpertPieces(dense.layout, experts.layout)
+        super().__init__(param_groups(params), optimizer_cls, pieces, dense.group,
                          impl=dense.impl, tp=placement, **optimizer_kwargs)
         self.wrappers = (dense, experts)
 
