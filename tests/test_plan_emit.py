@@ -24,7 +24,7 @@ def test_one_layout_type_trainer_names_and_axes():
     assert isinstance(lay, LayoutSection)
     assert lay.schedule == "zb1" and lay.stage_layers == (3, 2)     # the paper's name read as the trainer's
     assert lay.world == 16 and lay.batch_ranks == 4 and lay.replicas == 4   # dp does not count ep
-    spec = ModelSpec("moe", layers=4, hidden=64, heads=4, seq=32, vocab=256, experts=4, top_k=2)
+    spec = ModelSpec(name="moe", n_layer=4, d_model=64, n_head=4, seq_len=32, vocab_size=256, n_experts=4, top_k=2)
     cfg = config_from_plan(spec, lay, 32)
     assert cfg.world_size == lay.world and cfg.layout.ep == 2 and cfg.model.experts == 4
     assert cfg.train.micro_batches == lay.micro_batches(32) == 8
@@ -32,7 +32,8 @@ def test_one_layout_type_trainer_names_and_axes():
 
 
 def test_search_ranks_only_what_the_trainer_runs():
-    spec = ModelSpec("tiny", layers=4, hidden=64, heads=4, seq=32, vocab=256, attention="flash", dropout=False)
+    spec = ModelSpec(name="tiny", n_layer=4, d_model=64, n_head=4, seq_len=32, vocab_size=256, attention="flash",
+                     dropout=0.0)
     hw = get_hardware("a100-80gb").sized(8)
     admit = trainer_rules(spec, 16)
     every = search(spec, hw, 8, 16)

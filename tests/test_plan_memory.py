@@ -35,9 +35,9 @@ def test_tensor_list_departs_from_table2_where_the_implementation_does():
     # A fused kernel keeps no s x s tensors: far less than eager attention, a little more than selective.
     assert flash < 0.5 * eager
     assert flash > layer_activation_bytes(spec, replace(lay, recompute="selective"), 1)
-    gqa = layer_activation_bytes(replace(spec, kv_heads=8), lay, 1)
+    gqa = layer_activation_bytes(replace(spec, n_kv_head=8), lay, 1)
     assert gqa < eager  # keys and values for 8 heads, not 64
-    names = [t.name for t in layer_tensors(replace(spec, dropout=False), lay, 1)]
+    names = [t.name for t in layer_tensors(replace(spec, dropout=0.0), lay, 1)]
     assert not any("mask" in n for n in names)
 
 
@@ -70,9 +70,9 @@ def test_stage_params_sum_to_the_model():
         held = sum(sum(stage_params(spec, lay, s)) for s in range(pp))
         # tp splits matrices, replicates norms, row-parallel biases and the position table; pp > 1
         # keeps a second copy of the tied embedding on the last stage.
-        whole = spec.params() + (spec.vocab * spec.hidden if pp > 1 else 0)
-        per_rank_whole = spec.layers * (2 * spec.norm_params() + 2 * spec.hidden) + spec.norm_params() \
-            + spec.seq * spec.hidden
+        whole = spec.params() + (spec.vocab_size * spec.d_model if pp > 1 else 0)
+        per_rank_whole = spec.n_layer * (2 * spec.norm_params() + 2 * spec.d_model) + spec.norm_params() \
+            + spec.seq_len * spec.d_model
         replicated = (tp - 1) * per_rank_whole
         assert held * tp == pytest.approx(whole + replicated, rel=1e-9)
 
@@ -128,7 +128,7 @@ def test_per_op_selective_recomputation_keeps_what_it_names():
     from shardlab.plan import op_costs
     from shardlab.plan.execution import OP_KEYS, TORCHTITAN_OP
 
-    spec = replace(get_model("llama2-7b"), seq=2048)
+    spec = replace(get_model("llama2-7b"), seq_len=2048)
     lay = Execution(tp=2, sp=True, micro_batch=1)
     none = layer_activation_bytes(spec, lay, 1)
     full = layer_activation_bytes(spec, replace(lay, recompute="full"), 1)
@@ -160,7 +160,7 @@ def test_bf16_autocast_keeps_fp32_weights_and_an_fp32_residual_stream():
     master), bf16 matmul inputs, and the norms' fp32 inputs (the residual stream stays fp32)."""
     spec = get_model("shardlab-small")
     bf16, auto = Execution(micro_batch=2), Execution(micro_batch=2, precision="bf16-autocast")
-    tokens_h = spec.seq * 2 * spec.hidden
+    tokens_h = spec.seq_len * 2 * spec.d_model
     assert layer_activation_bytes(spec, auto, 2) - layer_activation_bytes(spec, bf16, 2) == 2 * 2 * tokens_h
     assert (auto.param_bytes, auto.grad_bytes, auto.optim_bytes) == (4, 4, 8)
     assert (bf16.param_bytes, bf16.grad_bytes, bf16.optim_bytes) == (2, 2, 12)

@@ -49,7 +49,7 @@ def test_ops_and_their_backward():
     fwd = layer_forward(spec, lay, 4)
     mm = sum(op.flops for op in fwd)
     # 24 b s h^2 + 4 b s^2 h per layer, split over tp (Narayanan et al. 2021).
-    b, s, h = 4, spec.seq, spec.hidden
+    b, s, h = 4, spec.seq_len, spec.d_model
     assert mm == pytest.approx((24 * b * s * h * h + 4 * b * s * s * h) / 8)
     assert sum(op.flops for op in backward(fwd)) == pytest.approx(2 * mm)
     assert sum(op.flops for op in recompute(fwd, lay)) == pytest.approx(4 * b * s * s * h / 8)
@@ -133,13 +133,13 @@ def test_hfu_is_the_average_rank_with_uneven_stages():
     counted for every rank would overstate it."""
     from shardlab.plan import op_costs
 
-    spec = replace(get_model("llama2-7b"), layers=8)
+    spec = replace(get_model("llama2-7b"), n_layer=8)
     for split in ((4, 4), (6, 2)):
         lay = Execution(pp=2, micro_batch=1, stage_layers=split)
         st = step_time(spec, lay, A100, 8)
         fwd = layer_forward(spec, lay, 1)
         head = op_costs.head_forward(spec, lay, 1)
-        executed = st.micro_batches * (spec.layers * op_costs.flops_of(fwd + recompute(fwd, lay) + backward(fwd))
+        executed = st.micro_batches * (spec.n_layer * op_costs.flops_of(fwd + recompute(fwd, lay) + backward(fwd))
                                        + op_costs.flops_of(head + backward(head)))
         assert st.hfu * st.total_s * A100.peak("bf16") * lay.world == pytest.approx(executed, rel=1e-9), split
 
@@ -164,7 +164,7 @@ def test_search_over_a_billion_gpus_returns_bounded():
     assert _divisors(10**9)[:8] == [1, 2, 4, 5, 8, 10, 16, 20] and len(_divisors(10**9)) == 100
     assert _divisors(999999937) == [1, 999999937]  # a prime: trial division to its square root only
     assert all(_divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 200))
-    spec = replace(get_model("llama2-7b"), layers=4)
+    spec = replace(get_model("llama2-7b"), n_layer=4)
     result = search(spec, get_hardware("h100-sxm"), gpus=10**9, global_batch=2 * 10**9)
     assert result.ranked and {e.layout.pp for e in result.ranked} <= {1, 2, 4}
     assert all(e.layout.dp * e.layout.tp * e.layout.pp * e.layout.cp * e.layout.ep == 10**9 for e in result.ranked)

@@ -137,7 +137,7 @@ def op_overhead(threads: int) -> tuple[float, float, int]:
         opt.zero_grad(set_to_none=True)
 
     seconds = _timed(step, 0.1, reps=3)
-    spec = ModelSpec("tiny", layers=2, hidden=16, heads=2, vocab=32, seq=4, bias=False, dropout=False,
+    spec = ModelSpec(name="tiny", n_layer=2, d_model=16, n_head=2, vocab_size=32, seq_len=4, bias=False, dropout=0.0,
                      attention="flash")
     lay = Execution(precision="fp32")
     fwd = [op for op in layer_forward(spec, lay, 1)] * 2 + embedding_forward(spec, lay, 1) + head_forward(spec, lay, 1)

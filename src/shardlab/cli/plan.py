@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     print(spec.summary())
     print(f"{gpus} x {hw.name} ({hw.memory_bytes / 2 ** 30:,.1f} GiB = {hw.memory_bytes / 1e9:.1f} GB, "
           f"{hw.devices_per_node} per node), "
-          f"global batch {gb} x {spec.seq} tokens, {base.precision}")
+          f"global batch {gb} x {spec.seq_len} tokens, {base.precision}")
     if hw.network:
         print("network: " + "; ".join(lv.describe() for lv in hw.network))
     if base.recompute == "selective" and spec.attention == "flash" and not base.recompute_keep:

@@ -59,8 +59,8 @@ def reference_efficiency(cal: dict, measured_s: float) -> float:
     from shardlab.plan.steptime import step_time
 
     r = REFERENCE
-    spec = ModelSpec("reference", layers=r["n_layer"], hidden=r["d_model"], heads=r["n_head"], vocab=256,
-                     seq=r["seq_len"], bias=False, dropout=False, attention="flash")
+    spec = ModelSpec(name="reference", n_layer=r["n_layer"], d_model=r["d_model"], n_head=r["n_head"], vocab_size=256,
+                     seq_len=r["seq_len"], bias=False, dropout=0.0, attention="flash")
     hw = this_cpu({**cal, "step_efficiency": 1.0})
     predicted = step_time(spec, Execution(micro_batch=r["batch"], precision="fp32", grads_persist=False,
                                            tp_overlap=False), hw, r["batch"]).total_s

@@ -129,9 +129,9 @@ def layer_comms(spec: ModelSpec, lay: Execution, b: int) -> list[Comm]:
     forward; backward all-gathers the row-parallel outputs' gradients (exposed), reduce-scatters the
     column-parallel inputs' gradients (behind the weight gradient) and re-gathers the saved input
     shard (behind the input gradient). Full recomputation repeats the forward's collectives."""
-    tok = b * spec.seq / lay.cp
+    tok = b * spec.seq_len / lay.cp
     e = lay.act_bytes
-    act = tok * spec.hidden * e
+    act = tok * spec.d_model * e
     out: list[Comm] = []
     if lay.tp > 1:
         if lay.sp:
@@ -151,7 +151,7 @@ def layer_comms(spec: ModelSpec, lay: Execution, b: int) -> list[Comm]:
         kv = 2 * tok * local_kv_dim(spec, lay.tp) * e
         out += [Comm("ring attention k/v", "sendrecv", "cp", kv * (lay.cp - 1), "fwd", "attention"),
                 Comm("ring attention k/v + grads", "sendrecv", "cp", 2 * kv * (lay.cp - 1), "bwd", "attention")]
-    if spec.experts > 1 and lay.ep > 1:
+    if spec.moe and lay.ep > 1:
         moved = spec.top_k * act / (lay.tp if lay.sp else 1)
         out += [Comm("expert dispatch", "all_to_all", "ep", moved, "fwd"),
                 Comm("expert combine", "all_to_all", "ep", moved, "fwd"),
@@ -176,8 +176,8 @@ def edge_comms(spec: ModelSpec, lay: Execution, b: int, first: bool, last: bool)
     fp32 number per token (maximum, sum of exponentials, target logit)."""
     if lay.tp == 1:
         return []
-    tok = b * spec.seq / lay.cp
-    act = tok * spec.hidden * lay.act_bytes
+    tok = b * spec.seq_len / lay.cp
+    act = tok * spec.d_model * lay.act_bytes
     out = []
     if first:
         out.append(Comm("embedding sum", "reduce_scatter" if lay.sp else "all_reduce", "tp", act, "fwd"))

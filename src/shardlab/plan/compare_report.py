@@ -29,7 +29,7 @@ def print_comparison(spec: ModelSpec, gpus: int, global_batch: int, base: Execut
         print(f"shardlab plan --compare-networks: {exc}", file=sys.stderr)
         return 2
     print(spec.summary())
-    print(f"{gpus} devices, global batch {global_batch} x {spec.seq} tokens: the fastest layout on each network, "
+    print(f"{gpus} devices, global batch {global_batch} x {spec.seq_len} tokens: the fastest layout on each network, "
           f"MFU against the bf16 peak (causal attention counted as half); 'comm exp' is the exposed share of "
           f"the step, 'comm all' every collective's time over the step (hidden included); 'same layout' is "
           f"the first network's best on each (* does not fit there)")

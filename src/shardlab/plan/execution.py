@@ -197,31 +197,31 @@ class Execution(LayoutSection):
                            f"not {self.recompute!r}")
         if self.precision not in PRECISIONS:
             bad.append(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if spec.heads % self.tp:
-            bad.append(f"tp {self.tp} does not divide the {spec.heads} attention heads")
-        elif spec.n_kv % self.tp and self.tp % spec.n_kv:
-            bad.append(f"tp {self.tp} and the {spec.n_kv} key-value heads: neither divides the other")
+        if spec.n_head % self.tp:
+            bad.append(f"tp {self.tp} does not divide the {spec.n_head} attention heads")
+        elif spec.n_kv_head % self.tp and self.tp % spec.n_kv_head:
+            bad.append(f"tp {self.tp} and the {spec.n_kv_head} key-value heads: neither divides the other")
         if spec.d_ff % self.tp:
             bad.append(f"tp {self.tp} does not divide the feed-forward size {spec.d_ff}")
-        if spec.vocab % self.tp:
-            bad.append(f"tp {self.tp} does not divide the vocabulary {spec.vocab}")
+        if spec.vocab_size % self.tp:
+            bad.append(f"tp {self.tp} does not divide the vocabulary {spec.vocab_size}")
         if self.stage_layers:
             chunks = self.pp * self.virtual
-            if len(self.stage_layers) != chunks or sum(self.stage_layers) != spec.layers \
+            if len(self.stage_layers) != chunks or sum(self.stage_layers) != spec.n_layer \
                     or min(self.stage_layers) < 1:
                 bad.append(f"stage layers {list(self.stage_layers)} must be {chunks} positive counts summing to "
-                           f"the {spec.layers} layers" + (" (one per chunk: pp x virtual)" if self.virtual > 1 else ""))
-        elif spec.layers < self.pp * self.virtual:
-            bad.append(f"pp {self.pp} x virtual {self.virtual} exceeds the {spec.layers} layers")
+                           f"the {spec.n_layer} layers" + (" (one per chunk: pp x virtual)" if self.virtual > 1 else ""))
+        elif spec.n_layer < self.pp * self.virtual:
+            bad.append(f"pp {self.pp} x virtual {self.virtual} exceeds the {spec.n_layer} layers")
         if self.virtual > 1 and self.schedule != "interleaved":
             bad.append(f"virtual {self.virtual} needs the interleaved schedule")
         if self.schedule == "interleaved" and self.pp == 1:
             bad.append("the interleaved schedule needs pp > 1")
-        if spec.seq % (self.cp * (self.tp if self.sp else 1)):
-            bad.append(f"sequence {spec.seq} does not divide into cp {self.cp}"
+        if spec.seq_len % (self.cp * (self.tp if self.sp else 1)):
+            bad.append(f"sequence {spec.seq_len} does not divide into cp {self.cp}"
                        + (f" x tp {self.tp} (sp)" if self.sp else ""))
-        if self.ep > 1 and spec.experts % self.ep:
-            bad.append(f"ep {self.ep} must divide the {spec.experts} experts")
+        if self.ep > 1 and spec.mlps_per_layer % self.ep:
+            bad.append(f"ep {self.ep} must divide the {spec.mlps_per_layer} experts")
         if self.sp and self.tp == 1:
             bad.append("sequence parallelism needs tp > 1")
         if global_batch is not None:

@@ -125,5 +125,5 @@ KORTHIKANTI_TABLE4_22B: list[tuple[str, dict, float, float]] = [
 def paper_model_flops(spec: ModelSpec, global_batch: int, hardware: bool = False) -> float:
     """The paper's FLOPs per iteration: 72 B s l h^2 (1 + s/(6h) + V/(12hl)); hardware FLOPs with
     selective recomputation use s/(3h)."""
-    s, h, l, v = spec.seq, spec.hidden, spec.layers, spec.vocab
+    s, h, l, v = spec.seq_len, spec.d_model, spec.n_layer, spec.vocab_size
     return 72 * global_batch * s * l * h * h * (1 + s / ((3 if hardware else 6) * h) + v / (12 * h * l))

@@ -61,7 +61,7 @@ class H100Run:
     @property
     def step_s(self) -> float:
         """The step time the published throughput implies."""
-        return self.global_batch * self.spec.seq / (self.tokens_per_s_gpu * self.gpus)
+        return self.global_batch * self.spec.seq_len / (self.tokens_per_s_gpu * self.gpus)
 
     def layout(self) -> Execution:
         dp = self.gpus // (self.tp * self.pp * self.cp)

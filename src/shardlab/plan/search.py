@@ -114,16 +114,16 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, base
             # pp at most the layers (a stage holds at least one): a layout checks that too, but over a
             # billion GPUs the divisors above it would each be built and refused, variant by variant.
             pps = [p for p in _divisors(gpus // (tp * cp)) if gpus % (tp * cp) == 0]
-            if "pp" not in pinned and any(p > spec.layers for p in pps):
-                rejected[f"pp above the {spec.layers} layers"] += sum(p > spec.layers for p in pps)
-                pps = [p for p in pps if p <= spec.layers]
+            if "pp" not in pinned and any(p > spec.n_layer for p in pps):
+                rejected[f"pp above the {spec.n_layer} layers"] += sum(p > spec.n_layer for p in pps)
+                pps = [p for p in pps if p <= spec.n_layer]
             for pp in choices("pp", pps):
                 if gpus % (tp * cp * pp):
                     rejected["tp x cp x pp does not divide the GPUs"] += 1
                     continue
                 rest = gpus // (tp * cp * pp)   # dp x ep: ep is its own axis, as in the trainer's mesh
                 # ep divides both the experts and dp x ep: the experts' divisors, not rest's (few, bounded)
-                eps = [e for e in _divisors(spec.experts) if rest % e == 0] if spec.experts > 1 else [1]
+                eps = [e for e in _divisors(spec.n_experts) if rest % e == 0] if spec.moe else [1]
                 for ep in choices("ep", eps):
                     if rest % ep or ("dp" in pinned and rest // ep != base.dp):
                         continue

@@ -222,16 +222,16 @@ def _optimizer_time(hw: Hardware, lay: Execution, n_params: float, n_tensors: in
 
 
 def _param_tensors(spec: ModelSpec, layers: float) -> int:
-    per_layer = 2 * (2 if spec.norm == "layernorm" else 1) + 4 + spec.mlp_mats * spec.experts
+    per_layer = 2 * (2 if spec.norm == "layernorm" else 1) + 4 + spec.mlp_mats * spec.mlps_per_layer
     if spec.bias:
-        per_layer += 3 + spec.mlp_mats * spec.experts
+        per_layer += 3 + spec.mlp_mats * spec.mlps_per_layer
     return int(layers * per_layer) + 3
 
 
 def step_time(spec: ModelSpec, lay: Execution, hw: Hardware, global_batch: int) -> StepTime:
     b, m, p = lay.micro_batch, lay.micro_batches(global_batch), lay.pp
     fwd, bwd = layer_phases(spec, lay, hw)
-    counts = lay.stage_layer_counts(spec.layers)
+    counts = lay.stage_layer_counts(spec.n_layer)
     head = op_costs.head_forward(spec, lay, b)
 
     def edges(first: bool, last: bool) -> Phase:
@@ -247,7 +247,7 @@ def step_time(spec: ModelSpec, lay: Execution, hw: Hardware, global_batch: int) 
     extra = [edge[(i == 0, i == p - 1)] for i in range(p)]
     # Pipeline neighbours exchange one activation (or its gradient) per micro-batch each way; the
     # sender's tp ranks each send their 1/tp of it (sp's shards, or Megatron-LM's scatter-gather).
-    p2p_one = comm.p2p_time(hw, b * spec.seq / lay.cp * spec.hidden * lay.act_bytes / lay.tp, comm.groups(lay)["pp"])
+    p2p_one = comm.p2p_time(hw, b * spec.seq_len / lay.cp * spec.d_model * lay.act_bytes / lay.tp, comm.groups(lay)["pp"])
     p2p_mb = 2 * p2p_one * lay.virtual if p > 1 else 0.0
     stages = [counts[i] * (fwd.total + bwd.total) + extra[i].total + p2p_mb for i in range(p)]
     slow = max(range(p), key=lambda i: stages[i])
@@ -307,9 +307,9 @@ def step_time(spec: ModelSpec, lay: Execution, hw: Hardware, global_batch: int) 
     if lay.zero in (1, 2) and lay.param_gather_overlap:
         dp_exposed += separate
         dp_total += gather_total
-    if p > 1 and spec.tied_embeddings:
+    if p > 1 and spec.tie_embeddings:
         pair = comm.Group("pp", 2, lay.tp * lay.cp * lay.ep * lay.dp * (p - 1))
-        tied = comm.collective_time(hw, "all_reduce", spec.vocab * spec.hidden / lay.tp * lay.grad_bytes, pair)
+        tied = comm.collective_time(hw, "all_reduce", spec.vocab_size * spec.d_model / lay.tp * lay.grad_bytes, pair)
         dp_exposed += tied
         dp_total += tied
     n_params = dense + experts
@@ -320,7 +320,7 @@ def step_time(spec: ModelSpec, lay: Execution, hw: Hardware, global_batch: int) 
     stragglers = hw.jitter * expected_max_normal(lay.world) * compute
     total = pipeline + dp_exposed + optimizer + stragglers + lay.step_overhead_s
 
-    tokens = global_batch * spec.seq
+    tokens = global_batch * spec.seq_len
     model_flops = spec.flops_per_token() * tokens
     # Executed FLOPs per rank, averaged over the pipeline stages (uneven stages: each its own layers;
     # the head on the last stage only), not the slowest stage's for every rank.

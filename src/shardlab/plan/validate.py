@@ -144,12 +144,12 @@ def memory_rows() -> list[dict]:
                                       fig_present)):
             lay = replace(run.layout(), **kw)
             ours = stage_memory(spec, lay, run.global_batch, 0)
-            s, b, h = spec.seq, run.micro_batch, spec.hidden
+            s, b, h = spec.seq_len, run.micro_batch, spec.d_model
             interleave = 1 + (run.pp - 1) / (run.pp * run.virtual) if run.virtual > 1 else 1.0
-            paper_act = interleave * (spec.layers * act.korthikanti_table2(spec, lay, b)
+            paper_act = interleave * (spec.n_layer * act.korthikanti_table2(spec, lay, b)
                                       + s * b * h * run.pp / (run.tp if lay.sp else 1))
             if run.pp == 1:  # one stage: it also holds the output layer's 4 s b h / t (1 + v / h) (sec. 4.3)
-                paper_act += 4 * s * b * h / (run.tp if lay.sp else 1) + 4 * s * b * spec.vocab / run.tp
+                paper_act += 4 * s * b * h / (run.tp if lay.sp else 1) + 4 * s * b * spec.vocab_size / run.tp
             paper_state = 18 * spec.params() / (run.tp * run.pp)
             # Like for like: the even split is a mean over stages; ours is the mean of our per-stage
             # figures (the first stage, with the embedding, holds more: shown beside it).

@@ -41,8 +41,8 @@ from shardlab.plan.models import ModelSpec
 H200_RUN = "one H200 (141 GB), torch 2.11.0+cu130, driver 580.159.04, 2026-11-28 (docs/planner.md, One GPU)"
 
 # GPT-2 medium's shape as configs/gpt-350m-gpu.toml builds it (what plan.models.spec_from_config gives).
-GPT_350M = ModelSpec("shardlab-gpt-24x1024", layers=24, hidden=1024, heads=16, vocab=50304, seq=1024, bias=True,
-                     tied_embeddings=True, learned_positions=True, attention="flash", dropout=False,
+GPT_350M = ModelSpec(name="shardlab-gpt-24x1024", n_layer=24, d_model=1024, n_head=16, vocab_size=50304, seq_len=1024,
+                     bias=True, tie_embeddings=True, rotary=False, attention="flash", dropout=0.0,
                      attention_output_copied=True, source="configs/gpt-350m-gpu.toml")
 BATCH = 16
 
@@ -87,7 +87,7 @@ def step_ops(spec: ModelSpec, lay: Execution) -> list[tuple[int, op_costs.Op]]:
     fwd = op_costs.layer_forward(spec, lay, b)
     layer = fwd + op_costs.recompute(fwd, lay) + op_costs.backward(fwd)
     edges = op_costs.embedding_forward(spec, lay, b) + op_costs.head_forward(spec, lay, b)
-    return [(spec.layers, op) for op in layer] + [(1, op) for op in edges + op_costs.backward(edges)]
+    return [(spec.n_layer, op) for op in layer] + [(1, op) for op in edges + op_costs.backward(edges)]
 
 
 def _gemm_total(k: Kernels, peak: float, sms: int, ops) -> float:

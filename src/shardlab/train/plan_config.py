@@ -24,20 +24,18 @@ from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 from shardlab.train.config import Config
 
-# A preset with dropout layers (GPT-3, Megatron's) says they exist, not their probability: 0.1 is
-# GPT-3's and Megatron-LM's default.
-DROPOUT = 0.1
-
-
 def model_fields(spec: ModelSpec) -> dict[str, object]:
-    """`model.*` of shardlab's GPT with the spec's shape (spec_from_config's inverse)."""
+    """`model.*` of shardlab's GPT with the spec's shape (spec_from_config's inverse): the spec is a
+    GPTConfig, in the section's words but for `experts` (GPTConfig's n_experts)."""
     return {
-        "name": "gpt", "n_layer": spec.layers, "d_model": spec.hidden, "n_head": spec.heads,
-        "n_kv_head": spec.kv_heads, "d_ff": spec.ffn, "vocab_size": spec.vocab, "seq_len": spec.seq,
-        "bias": spec.bias, "mlp": "swiglu" if spec.gated_mlp else "gelu", "norm": spec.norm,
-        "tie_embeddings": spec.tied_embeddings, "rotary": not spec.learned_positions,
-        "dropout": DROPOUT if spec.dropout else 0.0,
-        "experts": spec.experts if spec.experts > 1 else 0, "top_k": spec.top_k if spec.experts > 1 else 2,
+        "name": "gpt", "n_layer": spec.n_layer, "d_model": spec.d_model, "n_head": spec.n_head,
+        # 0: the section's "same as n_head" and "4 x d_model", as the spec's defaults are written
+        "n_kv_head": 0 if spec.n_kv_head == spec.n_head else spec.n_kv_head,
+        "d_ff": 0 if spec.d_ff == 4 * spec.d_model else spec.d_ff,
+        "vocab_size": spec.vocab_size, "seq_len": spec.seq_len,
+        "bias": spec.bias, "mlp": spec.mlp, "norm": spec.norm,
+        "tie_embeddings": spec.tie_embeddings, "rotary": spec.rotary, "dropout": spec.dropout,
+        "experts": spec.n_experts, "top_k": spec.top_k if spec.moe else 2,
     }
 
 
