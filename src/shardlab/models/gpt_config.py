@@ -9,6 +9,7 @@ No torch here: the planner imports it and `shardlab plan` does not pay for impor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "gelu_tanh", "swiglu")
@@ -57,6 +58,20 @@ class GPTConfig:
         if self.loss not in LOSSES or self.loss_chunk <= 0:
             raise ValueError(f"loss {self.loss!r} / loss_chunk {self.loss_chunk}: loss is one of {LOSSES}, "
                              f"loss_chunk a positive number of tokens")
+
+    @classmethod
+    def from_section(cls, m: Any, vocab_size: int, **extra: Any) -> GPTConfig:
+        """The GPT of a `[model]` section (train/sections.py's ModelSection: the same words, but
+        `experts` for n_experts and 0 for "the default" in n_kv_head and d_ff), with the vocabulary
+        the caller decided; `extra`: a subclass's own fields (the planner's ModelSpec). The one
+        mapping, for the trainer's model (train/task.py) and the planner's spec (plan/models.py)."""
+        return cls(
+            vocab_size=vocab_size, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+            n_kv_head=m.n_kv_head or None, d_model=m.d_model, d_ff=m.d_ff or None, rotary=m.rotary,
+            tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias, n_experts=m.experts, top_k=m.top_k,
+            capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef, norm=m.norm, mlp=m.mlp,
+            norm_eps=m.norm_eps, rope_theta=m.rope_theta, loss=m.loss, loss_chunk=m.loss_chunk, **extra,
+        )
 
     @property
     def head_dim(self) -> int:

@@ -236,11 +236,6 @@ def spec_from_config(m, name: str | None = None) -> ModelSpec:
 
     if m.name != "gpt":
         raise ValueError(f"the planner models GPT-style decoders; model.name is {m.name!r}")
-    return ModelSpec(
-        name=name or f"shardlab-gpt-{m.n_layer}x{m.d_model}", n_layer=m.n_layer, d_model=m.d_model, n_head=m.n_head,
-        n_kv_head=m.n_kv_head or None, d_ff=m.d_ff or None, vocab_size=m.vocab_size or ByteTokenizer.vocab_size,
-        seq_len=m.seq_len, bias=m.bias, mlp=m.mlp, norm=m.norm, tie_embeddings=m.tie_embeddings, rotary=m.rotary,
-        dropout=m.dropout, n_experts=m.experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
-        aux_loss_coef=m.aux_loss_coef, norm_eps=m.norm_eps, rope_theta=m.rope_theta, loss=m.loss,
-        loss_chunk=m.loss_chunk, attention="flash", attention_output_copied=True, source="shardlab configuration",
-    )
+    return ModelSpec.from_section(m, m.vocab_size or ByteTokenizer.vocab_size,
+                                  name=name or f"shardlab-gpt-{m.n_layer}x{m.d_model}", attention="flash",
+                                  attention_output_copied=True, source="shardlab configuration")

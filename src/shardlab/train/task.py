@@ -92,13 +92,7 @@ def _unchanged(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.T
 def gpt_config(m: ModelSection, vocab_size: int = 0) -> GPTConfig:
     """The GPT's configuration for a model section (one mapping, used by the trainer, the Hugging
     Face export and import, and the planner's presets)."""
-    return GPTConfig(
-        vocab_size=vocab_size or m.vocab_size or VOCAB_SIZE, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
-        n_kv_head=m.n_kv_head or None, d_model=m.d_model, d_ff=m.d_ff or None, rotary=m.rotary,
-        tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias, n_experts=m.experts, top_k=m.top_k,
-        capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef, norm=m.norm, mlp=m.mlp,
-        norm_eps=m.norm_eps, rope_theta=m.rope_theta, loss=m.loss, loss_chunk=m.loss_chunk,
-    )
+    return GPTConfig.from_section(m, vocab_size or m.vocab_size or VOCAB_SIZE)
 
 
 def prepare_model(cfg: Config) -> nn.Module:
