@@ -102,21 +102,6 @@ class Execution(LayoutSection):
         return self.virtual_stages
 
     @property
-    def batch_ranks(self) -> int:
-        """Ranks that take different rows of the batch: dp x ep (the trainer's batch ranks)."""
-        return self.dp * self.ep
-
-    @property
-    def replicas(self) -> int:
-        """Ranks holding the same dense parameters, over which their gradients are reduced and ZeRO
-        shards: dp x ep x cp."""
-        return self.dp * self.ep * self.cp
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.ep * self.tp * self.pp * self.cp
-
-    @property
     def act_bytes(self) -> int:
         """Bytes of one activation element."""
         return 4 if self.precision == "fp32" else 2
