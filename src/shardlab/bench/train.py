@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from shardlab.dist.env import synchronize
 from shardlab.train.config import Config
-from shardlab.train.memory import MemoryTracker, tensor_bytes
+from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import adamw_kwargs, decay_groups, lr_at, make_optimizer, train_step
 from shardlab.train.task import Task, build_task, prepare_model
 

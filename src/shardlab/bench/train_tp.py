@@ -58,7 +58,7 @@ from shardlab.bench.train import DrawnBatches, timed_steps
 from shardlab.comm.autograd import count_comm
 from shardlab.dist.env import synchronize
 from shardlab.train.config import Config
-from shardlab.train.memory import MemoryTracker, tensor_bytes
+from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import Task, build_task, prepare_model
 

@@ -51,7 +51,7 @@ def _mib(n: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from shardlab.dist import launch, under_torchrun
-    from shardlab.plan.memory import model_state_bytes
+    from shardlab.plan.memory_model import model_state_bytes
     from shardlab.train.config import ConfigError
     from shardlab.train.task import empty_model
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     n = cfg.layout.dp
     measured: dict[int, dict] = {}
     if not args.predict_only:
-        from shardlab.bench.memory import measure_stages_rank
+        from shardlab.bench.memory_measure import measure_stages_rank
 
         rows = launch(measure_stages_rank, None if under_torchrun() else n, cfg.to_dict(), args.stages,
                       **launch_kwargs(args))[0]

@@ -58,7 +58,7 @@ examples:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from shardlab.plan.hardware import ALIASES
     from shardlab.plan.hardware import PRESETS as HW
-    from shardlab.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULE_ALIASES, SCHEDULES
+    from shardlab.plan.execution import PRECISIONS, RECOMPUTE, SCHEDULE_ALIASES, SCHEDULES
     from shardlab.plan.models import PRESETS as MODELS
 
     p = sub.add_parser("plan", help="predict memory and step time of parallel layouts; rank those that fit",
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         from shardlab.bench.plan_local import print_local_validation
 
         return print_local_validation(args.calibration, args.json, args.plot, args.threads)
-    from shardlab.plan.layout import LayoutError, PlanLayout
+    from shardlab.plan.execution import Execution, LayoutError
 
     if args.validate_comm:
         from shardlab.plan.report_h100 import print_comm_validation
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if "virtual" in given:
         given["virtual_stages"] = given.pop("virtual")
-    base, config_batch, config = PlanLayout(precision="bf16"), None, None
+    base, config_batch, config = Execution(precision="bf16"), None, None
     if args.config:
         # A shardlab configuration brings its layout and batch; flags override them.
         from shardlab.plan.validate_local import trainer_layout
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         base, config_batch = trainer_layout(config), config.train.global_batch
         given.setdefault("dp", base.dp)
     if args.recompute_keep:
-        from shardlab.plan.layout import TORCHTITAN_OP
+        from shardlab.plan.execution import TORCHTITAN_OP
 
         keep = TORCHTITAN_OP if args.recompute_keep == "torchtitan-op" else tuple(
             k.strip() for k in args.recompute_keep.split(",") if k.strip())
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     print(spec.summary())
     print(f"{gpus} x {hw.name} ({hw.memory_bytes / 2 ** 30:,.1f} GiB = {hw.memory_bytes / 1e9:.1f} GB, "
           f"{hw.devices_per_node} per node), "
-          f"global batch {gb} x {spec.seq} tokens, {base.precision}")
+          f"global batch {gb} x {spec.seq_len} tokens, {base.precision}")
     if hw.network:
         print("network: " + "; ".join(lv.describe() for lv in hw.network))
     if base.recompute == "selective" and spec.attention == "flash" and not base.recompute_keep:

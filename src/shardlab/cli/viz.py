@@ -159,7 +159,7 @@ def _suffixed(path: str, case: str, many: bool) -> str:
 
 def run_measure(args: argparse.Namespace) -> int:
     from shardlab.bench.pipeline_gantt import draw_gantt
-    from shardlab.bench.pipeline_measure import ModelSpec, measure
+    from shardlab.bench.pipeline_measure import MeasuredModel, measure
     from shardlab.parallel.pipeline.schedules import KINDS, compute_order
 
     cases = []
@@ -178,7 +178,7 @@ def run_measure(args: argparse.Namespace) -> int:
                 print(f"shardlab viz measure: --batch {args.batch} cannot make {m} microbatches", file=sys.stderr)
                 return 2
             cases.append((kind, m, v))
-    spec = ModelSpec(args.model, args.d_model, args.layers, args.batch, args.seq_len, sleep_us=args.sleep_us)
+    spec = MeasuredModel(args.model, args.d_model, args.layers, args.batch, args.seq_len, sleep_us=args.sleep_us)
     reports = measure(cases, args.stages, spec, steps=args.steps, **launch_kwargs(args))
     if not reports:
         return 0

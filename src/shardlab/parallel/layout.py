@@ -49,7 +49,7 @@ from shardlab.parallel.zero import ZeroDataParallel
 
 if TYPE_CHECKING:
     from shardlab.parallel.layout_section import LayoutSection
-    from shardlab.parallel.sharding.plan import Plan
+    from shardlab.parallel.sharding.plan import ShardingPlan
     from shardlab.parallel.sharding.section import ShardingSection
 
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
@@ -269,7 +269,7 @@ def _nothing_to_sync() -> None:
 
 
 def apply_pipeline(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh, record: Placement,
-                   derived: "Plan | None" = None) -> nn.Module:
+                   derived: "ShardingPlan | None" = None) -> nn.Module:
     """This rank's stage of `model` (copied: the model is left as it was, unless tensor parallelism
     converts it first: the split is planned on the plain model, then the converted one is cut the
     same way, so every stage holds its tp shards), run by layout.schedule over the mesh's pp group,

@@ -54,14 +54,14 @@ def reference_efficiency(cal: dict, measured_s: float) -> float:
     from memory other ops have just written, autograd and the optimizer add their own work: a step
     runs slower than the same kernels in a loop. Applied to every layout, like a GPU's mm_eff."""
     from shardlab.plan.hardware import this_cpu
-    from shardlab.plan.layout import PlanLayout
+    from shardlab.plan.execution import Execution
     from shardlab.plan.models import ModelSpec
     from shardlab.plan.steptime import step_time
 
     r = REFERENCE
-    spec = ModelSpec("reference", layers=r["n_layer"], hidden=r["d_model"], heads=r["n_head"], vocab=256,
-                     seq=r["seq_len"], bias=False, dropout=False, attention="flash")
+    spec = ModelSpec(name="reference", n_layer=r["n_layer"], d_model=r["d_model"], n_head=r["n_head"], vocab_size=256,
+                     seq_len=r["seq_len"], bias=False, dropout=0.0, attention="flash")
     hw = this_cpu({**cal, "step_efficiency": 1.0})
-    predicted = step_time(spec, PlanLayout(micro_batch=r["batch"], precision="fp32", grads_persist=False,
+    predicted = step_time(spec, Execution(micro_batch=r["batch"], precision="fp32", grads_persist=False,
                                            tp_overlap=False), hw, r["batch"]).total_s
     return predicted / measured_s

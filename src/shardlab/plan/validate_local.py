@@ -14,12 +14,12 @@ None after each step, as a plain loop's are).
 from __future__ import annotations
 
 from shardlab.plan.hardware import Hardware
-from shardlab.plan.layout import PlanLayout
-from shardlab.plan.memory import RankMemory, rank_memory
+from shardlab.plan.execution import Execution
+from shardlab.plan.memory_model import RankMemory, rank_memory
 from shardlab.plan.models import ModelSpec, spec_from_config
 from shardlab.plan.steptime import StepTime, step_time
 
-def plan_from_config(cfg) -> tuple[ModelSpec, PlanLayout, int]:
+def plan_from_config(cfg) -> tuple[ModelSpec, Execution, int]:
     """The planner's view of a shardlab run configuration: (model, layout, global batch)."""
     lay, t = cfg.layout, cfg.train
     if getattr(lay, "pp", 1) > 1:
@@ -28,10 +28,10 @@ def plan_from_config(cfg) -> tuple[ModelSpec, PlanLayout, int]:
     return spec, trainer_layout(cfg), t.global_batch
 
 
-def trainer_layout(cfg) -> PlanLayout:
+def trainer_layout(cfg) -> Execution:
     """A run configuration's `[layout]` as the planner sees shardlab's trainer run it (any layout)."""
     lay, t = cfg.layout, cfg.train
-    return PlanLayout.from_section(
+    return Execution.from_section(
         lay, micro_batch=max(1, t.global_batch // (lay.dp * lay.ep * t.micro_batches)),
         # shardlab overlaps gradient reduction with backward in dp_mode "overlap" and in ZeRO-2/3.
         dp_overlap=(lay.zero == 0 and lay.dp_mode == "overlap") or lay.zero in (2, 3),

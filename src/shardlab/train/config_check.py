@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 def problems(cfg: Config) -> list[str]:
     """Every reason `cfg` cannot run, each naming its fields and values (empty: it can)."""
     from shardlab.comm.algorithms import ALGORITHMS
-    from shardlab.models.gpt import LOSSES
-    from shardlab.models.layers import MLPS, NORMS
+    from shardlab.models.gpt_config import LOSSES, MLPS, NORMS
     from shardlab.parallel.data import MODES
     from shardlab.parallel.layout import uses_tensor_parallel
     from shardlab.parallel.pipeline.schedules import KINDS

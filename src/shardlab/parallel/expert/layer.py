@@ -17,7 +17,7 @@ everything outside the MoE layers stay whole on every rank. A forward, per layer
      them weighted by the router's probabilities, as the plain MoE does.
 
 Both all-to-alls are differentiable (alltoall.py), so backward runs them in reverse. The experts'
-gradients then hold the contributions of every ep rank's tokens; parallel/expert/data.py says how
+gradients then hold the contributions of every ep rank's tokens; parallel/expert/data_parallel.py says how
 they are averaged.
 """
 

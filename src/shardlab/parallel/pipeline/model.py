@@ -132,8 +132,8 @@ class StageOptimizer(PieceOptimizer):
 
 def _expert_zero(dp: nn.Module | None) -> tuple[ZeroDataParallel, ZeroDataParallel] | None:
     """The (dense, experts) ZeRO wrappers of an ExpertDataParallel under ZeRO-1/2 (parallel/expert/
-    data.py), else None."""
-    from shardlab.parallel.expert.data import ExpertDataParallel
+    data_parallel.py), else None."""
+    from shardlab.parallel.expert.data_parallel import ExpertDataParallel
 
     if isinstance(dp, ExpertDataParallel) and dp.zero:
         return dp._dense, dp._experts

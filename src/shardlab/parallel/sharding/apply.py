@@ -14,7 +14,7 @@ from shardlab.dist.mesh import DeviceMesh
 from shardlab.parallel.placement import Placement
 from shardlab.parallel.sharding.compile import compile_plan
 from shardlab.parallel.sharding.derive import derive
-from shardlab.parallel.sharding.plan import Plan
+from shardlab.parallel.sharding.plan import ShardingPlan
 from shardlab.parallel.sharding.rules import CONTEXT_AXIS, MODEL_AXIS, Rules, ShardingError
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def mesh_sizes(layout: "LayoutSection") -> dict[str, int]:
     return {"pp": layout.pp, "dp": layout.dp, "ep": layout.ep, "cp": layout.cp, "tp": layout.tp}
 
 
-def derive_for(model: nn.Module, layout: "LayoutSection", sharding: "ShardingSection") -> Plan:
+def derive_for(model: nn.Module, layout: "LayoutSection", sharding: "ShardingSection") -> ShardingPlan:
     """The plan of `sharding`'s rules for `model` on the layout's mesh (raises ShardingError)."""
     return derive(model, rules_of(sharding), mesh_sizes(layout), rows=1, virtual_stages=layout.virtual_stages,
                   stage_layers=layout.stage_layers)
@@ -54,7 +54,7 @@ def apply_sharding(model: nn.Module, layout: "LayoutSection", sharding: "Shardin
     return model, layout
 
 
-def pipeline_plan(model: nn.Module, layout: "LayoutSection", sharding: "ShardingSection") -> Plan:
+def pipeline_plan(model: nn.Module, layout: "LayoutSection", sharding: "ShardingSection") -> ShardingPlan:
     """Step 1 under rules (layers over pp): the plan, derived on the plain model, that the hand-written
     pipeline split executes (parallel/sharding/placed.py: the same chunks, the same messages). The
     derivation refuses what the split cannot run yet (tp, cp or storage rules beside it)."""

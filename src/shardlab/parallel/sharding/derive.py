@@ -36,7 +36,7 @@ import torch.nn as nn
 from shardlab.models.axes import GPT_ACTIVATIONS, TensorAxes, mlp_activation_axes, mlp_layer_axes, param_axes
 from shardlab.parallel.placement import Shard
 from shardlab.parallel.sharding.placed import add_stages, expert_module, placed, placed_problems, rank0_params, tied_sum
-from shardlab.parallel.sharding.plan import Collective, ModulePlan, Plan
+from shardlab.parallel.sharding.plan import Collective, ModulePlan, ShardingPlan
 from shardlab.parallel.sharding.rules import (
     CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, MODEL_AXIS, PIPELINE_AXIS, Rules, ShardingError, axes_of, split_seq,
 )
@@ -51,7 +51,7 @@ def fmt(axes: TensorAxes | tuple[str, ...], mapping: Mapping[str, str | None], p
 
 def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: int, seq: int | None = None,
            itemsize: int = 4, micro_batches: int = 1, zero: int = 0, virtual_stages: int = 1,
-           stage_layers: Sequence[int] = ()) -> Plan:
+           stage_layers: Sequence[int] = ()) -> ShardingPlan:
     """The plan of `rules` for the plain `model` (a GPT or a DeepMLP) on a mesh of `sizes` ({axis:
     degree}); `rows` per micro-batch per data-parallel rank and `seq` tokens (GPT) size the bytes.
     `zero`: layout.zero, the data-parallel engine's stage (1 and 2 reduce-scatter and all-gather where
@@ -109,8 +109,8 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
     if pp:
         data += tied_sum(model, sizes, itemsize, "tok_emb.weight" in shards)
     t = (seq or model.cfg.seq_len) if isinstance(model, GPT) else 0
-    return Plan(rules.describe(), dict(sizes), modules, shards, data, fsdp, rows, t, itemsize, micro_batches,
-                context_axis=cp, pipeline_axis=pp, expert_axis=ep)
+    return ShardingPlan(rules.describe(), dict(sizes), modules, shards, data, fsdp, rows, t, itemsize,
+                        micro_batches, context_axis=cp, pipeline_axis=pp, expert_axis=ep)
 
 
 # ---------------------------------------------------------------------------------------- checks

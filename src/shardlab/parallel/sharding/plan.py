@@ -107,7 +107,7 @@ class ModulePlan:
 
 
 @dataclass
-class Plan:
+class ShardingPlan:
     """What the rules derive for one model on one mesh: every module's plan in forward order, every
     parameter's shards over the model axis, the data-parallel engine's collectives, and the figures
     the bytes were computed for."""
