@@ -62,12 +62,13 @@ __all__ = ["BATCH_AXES", "MESH_AXES", "REPLICA_AXES", "STEPS", "apply_layout", "
 STEPS: tuple[Step, ...] = (
     SHARDING,
     TENSOR,
-    # Expert before context parallelism. The pipeline path ran them the other way round until both
-    # paths became this one: the model is the same either way (cp's whole-row routing reaches every
-    # MoE layer, and ExpertParallelMoE keeps the rows of the layer it replaces; cp writes only
-    # Replicate entries, so the records differ in their axes' order alone, which no reduction
-    # reads: tests/test_layout_steps.py builds both orders). This one sets the rows on the layers that
-    # run rather than on layers about to be replaced.
+    # Expert before context parallelism. The two paths once ran them in opposite orders (the
+    # pipeline's cp first). Both orders build the same modules and the same numbers bit for bit
+    # (tests/test_layout_steps.py: cp 2 x ep 2, pp 2 x cp 2 x ep 2): cp's whole-row routing reaches
+    # any MoE layer and ExpertParallelMoE keeps the rows of the layer it replaces, and cp writes only
+    # Replicate entries, so the records differ in the order of their axes alone, which changes no
+    # result. ep first: cp's routing is then set on the layers that run, not copied over from
+    # layers about to be replaced.
     EXPERT,
     CONTEXT,
     PIPELINE,
