@@ -102,3 +102,47 @@ def test_expert_and_context_parallelism_commute_in_stages(pools):
     got = pools(8).run(_both_orders, _cfg("layout.pp=2", "train.micro_batches=2"))[0]
     assert got["passed"] == [True, True], json.dumps(got["per_step"], indent=1)
     assert got["same_model"] and got["same_steps"], got
+
+
+def _engines() -> dict:
+    """The data-parallel factory's choice for each layout.zero, and its refusal of a wrong group size."""
+    import torch.distributed as dist
+
+    from shardlab.models import DeepMLP, MLPConfig
+    from shardlab.parallel.data_factory import DataOptions, wrap_data_parallel
+
+    ws = dist.get_world_size()
+    got = {}
+    for zero in (0, 1, 2, 3):
+        model = DeepMLP(MLPConfig(d_model=8, n_layer=2))
+        wrapped = wrap_data_parallel(model, None, DataOptions.of(LayoutSection(dp=ws, zero=zero)))
+        got[zero] = (type(wrapped).__name__, getattr(wrapped, "stage", None) if zero in (1, 2) else None,
+                     wrapped is model, callable(getattr(wrapped, "finish_gradient_sync", None)))
+    try:
+        wrap_data_parallel(DeepMLP(MLPConfig(d_model=8, n_layer=2)), None, DataOptions.of(LayoutSection(dp=ws + 1)))
+    except ValueError as e:
+        got["refused"] = str(e)
+    return got
+
+
+def test_one_data_parallel_factory(pools):
+    got = pools(2).run(_engines)[0]
+    assert got[0] == ("DataParallel", None, False, True)
+    assert got[1] == ("ZeroDataParallel", 1, False, True) and got[2] == ("ZeroDataParallel", 2, False, True)
+    assert got[3] == ("FullyShardedDataParallel", None, False, True)
+    assert got["refused"] == "layout.dp x ep x cp = 3 x 1 x 1 = 3 but the data-parallel group has 2 ranks"
+    # A replica group of one rank: no wrapper, and finish_gradient_sync() there with nothing to do.
+    one = pools(1).run(_engines)[0]
+    assert one[0] == ("DeepMLP", None, True, True)
+
+
+def test_a_stage_reduces_once_where_overlap_cannot_hook():
+    from shardlab.parallel.data_factory import DataOptions
+
+    def mode(**kw) -> str:
+        return DataOptions.of(LayoutSection(dp_mode="overlap", **kw)).stage_mode()
+
+    assert mode(dp=2) == "overlap"
+    assert mode(dp=2, schedule="zb1") == "bucketed"  # weight gradients made outside backward
+    assert mode(dp=1, cp=2) == "bucketed"            # replicas of cp alone: overlap not asked for
+    assert DataOptions.of(LayoutSection(dp_mode="naive", dp=2)).stage_mode() == "naive"
