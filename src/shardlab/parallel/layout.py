@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from shardlab.comm.algorithms.hierarchical import RANKS_PER_NODE_ENV
 from shardlab.dist.mesh import DeviceMesh
 from shardlab.parallel.context.step import CONTEXT
 from shardlab.parallel.data_factory import DATA, REPLICA_AXES, replica_group
@@ -49,6 +50,7 @@ from shardlab.parallel.placement import Placement, tied_aliases
 from shardlab.parallel.recompute import RECOMPUTE
 from shardlab.parallel.sharding.step import SHARDING
 from shardlab.parallel.step import Applying, Step
+from shardlab.parallel.tensor import find_tensor_parallel, whole_tensors
 from shardlab.parallel.tensor.step import TENSOR, uses_tensor_parallel
 
 if TYPE_CHECKING:
@@ -132,8 +134,6 @@ def _use_nodes(layout: "LayoutSection", mesh: DeviceMesh) -> None:
     """Tell the hierarchical all-reduce how many of the replica group's ranks share a node (it
     reads SHARDLAB_RANKS_PER_NODE, comm/algorithms/hierarchical.py), when the layout names nodes."""
     if layout.nodes > 1 and layout.comm_impl == "hierarchical":
-        from shardlab.comm.algorithms.hierarchical import RANKS_PER_NODE_ENV
-
         axes = tuple(a for a in REPLICA_AXES if a in mesh.names)
         os.environ[RANKS_PER_NODE_ENV] = str(mesh.ranks_per_node(axes))
 
@@ -185,8 +185,6 @@ def _inner(model: nn.Module) -> nn.Module:
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole, by the plain model's names: the data-parallel wrapper's view (whole
     over dp; FSDP gathers its shards), then the tp gather. A collective: call on every rank."""
-    from shardlab.parallel.tensor import find_tensor_parallel, whole_tensors
-
     tp = find_tensor_parallel(model)
     # A pipeline's view is whole over pp (gathered by original names) and over dp.
     if model is not tp and hasattr(model, "full_parameters"):
@@ -201,8 +199,6 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Every trainable parameter's gradient whole (None where it has none), by the plain names, once
     the gradients are final: the wrapper's view over dp (ZeRO and FSDP gather their reduced
     shards), then the tp gather. A collective: call on every rank."""
-    from shardlab.parallel.tensor import find_tensor_parallel, whole_tensors
-
     tp = find_tensor_parallel(model)
     if model is not tp and hasattr(model, "full_gradients"):
         local = model.full_gradients()
