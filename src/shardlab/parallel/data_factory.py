@@ -90,18 +90,18 @@ def wrap_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, option
     stage = model if isinstance(model, PipelineStage) else None
     tied = [] if stage is None else [p for n, p in stage.stage_named_parameters() if n in stage.tied]
     mode = options.mode if stage is None else options.stage_mode()
-    comm = dict(bucket_mb=options.bucket_mb, impl=options.impl)  # every engine's, passed once below
+    collectives = dict(bucket_mb=options.bucket_mb, impl=options.impl)  # every engine's, passed once below
     if ep > 1 and expert_layers(model):
         # Experts and dense parameters are replicated over different groups: one wrapper for both;
         # under ZeRO-1/2 each kind sharded over its own replicas (expert/zero.py), tied copies deferred.
         return ExpertDataParallel(model, group, mode=mode, zero=options.zero, deferred=tied if options.zero else [],
-                                  **comm)
+                                  **collectives)
     if options.zero == 3:
         return FullyShardedDataParallel(model, group, entries=None if stage is None else list(stage.chunks.values()),
                                         replicate=tied, regather_for_recompute=options.regather_for_recompute,
-                                        **comm)
+                                        **collectives)
     if options.zero:
-        return ZeroDataParallel(model, group, stage=options.zero, deferred=tied, **comm)
+        return ZeroDataParallel(model, group, stage=options.zero, deferred=tied, **collectives)
     if size == 1:
         # One replica: nothing to average. No wrapper, hooks, buckets or collectives: the step is the
         # plain model's (what a 100-line script does at world size 1). The contract still holds:
@@ -109,7 +109,7 @@ def wrap_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, option
         if not hasattr(model, "finish_gradient_sync"):
             model.finish_gradient_sync = _nothing_to_sync
         return model
-    return DataParallel(model, group, mode=mode, pipelined=stage is not None, **comm)
+    return DataParallel(model, group, mode=mode, pipelined=stage is not None, **collectives)
 
 
 def _nothing_to_sync() -> None:
