@@ -374,7 +374,10 @@ def dry_run(cfg) -> int:
                if k == "dp" or getattr(lay, k) > 1]
     print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
           + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
+    from shardlab.parallel.layout import layout_steps
     from shardlab.train.mfu import run_flops
+
+    print(f"# apply_layout's steps, in order: {', '.join(layout_steps(lay, cfg.sharding))}")
 
     # FLOPs from the meta model's shapes; the peak is the one this machine's first device would use.
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

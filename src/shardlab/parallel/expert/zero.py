@@ -95,7 +95,7 @@ def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn
     """The two ZeRO wrappers of ExpertDataParallel: dense parameters over `group` at `stage`, experts
     over `expert_group` (their replicas) at stage 1 whatever `stage` (see below). `deferred`: dense
     parameters reduced only at finish_gradient_sync (a pipeline stage's tied embedding copies, whose
-    whole gradients are summed over pp first: parallel/layout.py stage_data_parallel)."""
+    whole gradients are summed over pp first: parallel/data_factory.py wrap_data_parallel)."""
     # The experts' buckets are reduced once, after backward (stage 1), even under ZeRO-2: ranks route
     # their tokens to different experts, so a bucket of experts fills at different points of each
     # replica's backward (or never: an expert no token reached has no gradient), and reductions

@@ -145,7 +145,7 @@ class PipelineParallel(nn.Module):
     the stage's plan gives the stages and the virtual chunks per rank), with `data_parallel` (a
     DataParallel wrapping the same stage) over its replicas. The microbatch count is the step's:
     a schedule is made and checked the first time each count is asked for. `tp_group`: the stage's
-    layers are tensor-parallel over it (pipeline/tensor_stage.py); whole views gather over it too."""
+    layers are tensor-parallel over it (pipeline/step.py); whole views gather over it too."""
 
     def __init__(self, stage: PipelineStage, kind: str, group: dist.ProcessGroup | None = None,
                  *, data_parallel: nn.Module | None = None, tp_group: dist.ProcessGroup | None | bool = False) -> None:

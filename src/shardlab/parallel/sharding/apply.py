@@ -42,7 +42,7 @@ def apply_sharding(model: nn.Module, layout: "LayoutSection", sharding: "Shardin
     group (in place; apply_layout's step 3 then leaves context parallelism alone) and the layout step
     5 then applies: layout.zero = 3 when the rules store weights over dp (FSDP), else as given.
     Experts over ep are placed by step 3 (parallel/expert), which the rules require at layout.ep > 1."""
-    plan = derive_for(model, layout, sharding)
+    plan = pipeline_plan(model, layout, sharding) if layout.pp > 1 else derive_for(model, layout, sharding)
     cp_group = mesh.group(CONTEXT_AXIS) if plan.context_axis and layout.cp > 1 else None
     model = compile_plan(model, plan, mesh.group(MODEL_AXIS), base=record, cp_group=cp_group)
     if cp_group is not None:  # a mixture's capacity and load-balancing term are the whole row's
@@ -55,8 +55,9 @@ def apply_sharding(model: nn.Module, layout: "LayoutSection", sharding: "Shardin
 
 
 def pipeline_plan(model: nn.Module, layout: "LayoutSection", sharding: "ShardingSection") -> ShardingPlan:
-    """Step 1 under rules (layers over pp): the plan, derived on the plain model, that the hand-written
-    pipeline split executes (parallel/sharding/placed.py: the same chunks, the same messages). The
+    """The plan under rules at pp > 1 (layers over pp), derived on the plain model: its tensor cuts are
+    compiled onto the whole model, then the hand-written pipeline split (pipeline/step.py) executes
+    the placement of the layers (parallel/sharding/placed.py: the same chunks, the same messages). The
     derivation refuses what the split cannot run yet (tp, cp or storage rules beside it)."""
     plan = derive_for(model, layout, sharding)
     if plan.pipeline_axis is None:
