@@ -21,6 +21,8 @@ import torch
 from shardlab.data.tokenizer import Tokenizer, load_tokenizer
 from shardlab.models import GPT
 from shardlab.train.config import Config
+from shardlab.train.corpus import DataSource
+from shardlab.train.sections import DataSection
 from shardlab.train.sample import sample_ids
 
 
@@ -108,18 +110,17 @@ def _checkpoint(p: Path):
     return ckpt, meta, cfg
 
 
-def _run_tokenizer(ckpt: Path, cfg: Config, tokenizer: str | None) -> Tokenizer:
-    from shardlab.train.corpus import corpus_tokenizer
-
+def _run_tokenizer(ckpt: Path, d: DataSection, tokenizer: str | None) -> Tokenizer:
+    """--tokenizer, else the tokenizer of the run's data (its saved data.* fields)."""
     if tokenizer:
         return _tokenizer(tokenizer, "--tokenizer")
     try:
-        tok = corpus_tokenizer(cfg)
+        tok = DataSource(d).tokenizer
     except (OSError, ValueError, ImportError) as exc:
-        raise GenerateError(f"{ckpt}: the run's tokenizer (data.source = {cfg.data.source!r}, data.tokenizer = "
-                            f"{cfg.data.tokenizer!r}) cannot be loaded: {exc}; give --tokenizer FILE") from exc
+        raise GenerateError(f"{ckpt}: the run's tokenizer (data.source = {d.source!r}, data.tokenizer = "
+                            f"{d.tokenizer!r}) cannot be loaded: {exc}; give --tokenizer FILE") from exc
     if tok is None:
-        raise GenerateError(f"{ckpt}: the run trained on raw ids ({cfg.data.source}) that name no tokenizer: "
+        raise GenerateError(f"{ckpt}: the run trained on raw ids ({d.source}) that name no tokenizer: "
                             f"give --tokenizer FILE (the one the ids were made with)")
     return tok
 
@@ -133,7 +134,7 @@ def _load_checkpoint(p: Path, tokenizer: str | None) -> Loaded:
     if not isinstance(model, GPT):
         raise GenerateError(f"{ckpt}: model.name {cfg.model.name!r} is not a language model")
     info = load_checkpoint(ckpt, model, None, restore_rng=False)
-    return Loaded(model, _run_tokenizer(ckpt, cfg, tokenizer), f"checkpoint {ckpt} (step {meta.step})", info.notes)
+    return Loaded(model, _run_tokenizer(ckpt, cfg.data, tokenizer), f"checkpoint {ckpt} (step {meta.step})", info.notes)
 
 
 # ------------------------------------------------------------------------------ under a layout
@@ -155,7 +156,7 @@ def layout_plan(path: str | os.PathLike, tokenizer: str | None, tp: int = 1, pp:
     if not p.exists():
         raise GenerateError(f"{p}: no such file or directory")
     ckpt, meta, run = _checkpoint(p)
-    tok = _run_tokenizer(ckpt, run, tokenizer)
+    tok = _run_tokenizer(ckpt, run.data, tokenizer)
     cfg = Config.from_dict(run.to_dict())
     cfg.layout, cfg.sharding = LayoutSection(tp=tp, pp=pp), ShardingSection()
     cfg.data, cfg.log, cfg.checkpoint = DataSection(), LogSection(out_dir=str(ckpt)), CheckpointSection()
