@@ -158,7 +158,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
 def fresh_compile_state() -> None:
     """Forget every compiled frame and count from zero (verify's workers run many models in turn: a
     stale cache would count toward dynamo's recompilation limit), and make that limit an error."""
-    import torch._dynamo
+    import torch._dynamo  # dynamo takes seconds to import: only where compiling is asked for
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -172,7 +172,7 @@ def compile_stats() -> dict[str, int]:
     """What dynamo did in this process so far: graphs compiled and graph breaks taken (the places it
     ran Python, e.g. a collective); `verify` reports them, so a layout that silently stopped
     compiling shows 0 graphs."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # as in fresh_compile_state: only where compiling is asked for
 
     return {"graphs": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": int(sum(counters["graph_break"].values()))}

@@ -17,13 +17,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from shardlab.checkpoint import CheckpointError, load_checkpoint, read_metadata
+from shardlab.checkpoint.format import resolve_checkpoint
+from shardlab.checkpoint.hf import hf_model_fields, read_hf
 from shardlab.data.tokenizer import Tokenizer, load_tokenizer
 from shardlab.models import GPT
+from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.train.config import Config
 from shardlab.train.corpus import DataSource
-from shardlab.train.sections import DataSection
+from shardlab.train.loop import rank_device
 from shardlab.train.sample import sample_ids
+from shardlab.train.sections import CheckpointSection, DataSection, LogSection, ModelSection
+from shardlab.train.task import build_model, gpt_config
 
 
 class GenerateError(ValueError):
@@ -92,9 +101,6 @@ def _tokenizer(spec: str, what: str) -> Tokenizer:
 
 def _checkpoint(p: Path):
     """(the checkpoint directory, its metadata, the run's Config) for a run, root or step_N directory."""
-    from shardlab.checkpoint import CheckpointError, read_metadata
-    from shardlab.checkpoint.format import resolve_checkpoint
-
     root = p / "checkpoints" if (p / "checkpoints").is_dir() and not (p / "metadata.json").is_file() else p
     try:
         ckpt = resolve_checkpoint(root)
@@ -126,9 +132,6 @@ def _run_tokenizer(ckpt: Path, d: DataSection, tokenizer: str | None) -> Tokeniz
 
 
 def _load_checkpoint(p: Path, tokenizer: str | None) -> Loaded:
-    from shardlab.checkpoint import load_checkpoint
-    from shardlab.train.task import build_model
-
     ckpt, meta, cfg = _checkpoint(p)
     model = build_model(cfg.model)
     if not isinstance(model, GPT):
@@ -145,10 +148,6 @@ def layout_plan(path: str | os.PathLike, tokenizer: str | None, tp: int = 1, pp:
     data, logging and checkpointing at its defaults, so that nothing of the training run is needed),
     the tokenizer, and a description. ConfigError names what the model cannot be split by, or a
     world (torchrun's) that is not tp x pp ranks."""
-    from shardlab.parallel.layout_section import LayoutSection
-    from shardlab.parallel.sharding.section import ShardingSection
-    from shardlab.train.sections import CheckpointSection, DataSection, LogSection
-
     p = Path(path).expanduser()
     if is_hf_directory(p):
         raise GenerateError(f"{p}: a Hugging Face directory generates in one process; --tp and --pp read a "
@@ -169,13 +168,6 @@ def generate_rank(ckpt: str, cfg_dict: dict, ids: list[int], n_tokens: int, voca
                   top_k: int, top_p: float, seed: int) -> list[int] | None:
     """Every rank: the run's model under cfg_dict's layout, the checkpoint resharded into it, the
     prompt continued (every rank alike: each forward needs them all); rank 0 returns the ids."""
-    import torch.distributed as dist
-
-    from shardlab.checkpoint import load_checkpoint
-    from shardlab.parallel.layout import apply_layout, build_mesh
-    from shardlab.train.loop import rank_device
-    from shardlab.train.task import build_model
-
     cfg = Config.from_dict(cfg_dict)
     device = rank_device()
     model = apply_layout(build_model(cfg.model).to(device), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
@@ -185,11 +177,6 @@ def generate_rank(ckpt: str, cfg_dict: dict, ids: list[int], n_tokens: int, voca
 
 
 def _load_hf(p: Path, tokenizer: str | None) -> Loaded:
-    from shardlab.checkpoint import CheckpointError
-    from shardlab.checkpoint.hf import hf_model_fields, read_hf
-    from shardlab.train.sections import ModelSection
-    from shardlab.train.task import gpt_config
-
     try:
         fields = hf_model_fields(p)
         section = ModelSection(**fields)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from shardlab.checkpoint import Checkpointer, CheckpointError, load_checkpoint
+from shardlab.checkpoint.verify import newest_verified, verify_together
 from shardlab.dist import signals
 from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, replica_group, uses_pipeline
 from shardlab.parallel.layout_section import LayoutSection
@@ -37,8 +41,10 @@ from shardlab.train.config import Config
 from shardlab.train.flops import FlopsAccounting, run_flops
 from shardlab.train.memory import MemoryTracker
 from shardlab.train.metrics import MetricsWriter, step_line
+from shardlab.train.plot import plot_loss
 from shardlab.train.prefetch import Prefetcher
 from shardlab.train.resolve import resolve_run
+from shardlab.train.sample import sample_text
 from shardlab.train.sections import CheckpointSection
 from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.stop import StopAgreement
@@ -218,8 +224,6 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     sample = None
     m, log = run.model, run.log
     if m.name == "gpt" and log.sample_tokens > 0 and task.tokenizer is not None and not stopped_by:
-        from shardlab.train.sample import sample_text
-
         # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward,
         # and a pipeline's forward passes through every stage and hands the logits to all of them.
         # Sequence parallelism splits every sequence over tp, context parallelism into 2 cp chunks (and
@@ -289,9 +293,6 @@ def open_checkpoints(ck: CheckpointSection, root: Path, steps: int, model: torch
     The checkpoint is verified first, its files shared between the ranks (each hashed once): resume
     "latest" takes the newest one that passes and says on rank 0 which newer ones it skipped and
     why; a named one that fails is refused."""
-    from shardlab.checkpoint import Checkpointer, CheckpointError, load_checkpoint
-    from shardlab.checkpoint.verify import newest_verified, verify_together
-
     checkpointer = Checkpointer(root, keep=ck.keep or None, async_save=ck.async_save) \
         if ck.every or ck.save_on_signal else None
     if ck.resume == "latest":
@@ -317,15 +318,11 @@ def inject_fault(step: int, rank: int) -> None:
     """A testing aid for recovery: SHARDLAB_FAULT='STEP:RANK' kills that rank (SIGKILL: no cleanup,
     as a machine failure) when it reaches that step, on a job's first attempt only, so a job
     restarted by torchrun --max-restarts goes through."""
-    import os
-
     fault = os.environ.get("SHARDLAB_FAULT", "")
     if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     at_step, _, at_rank = fault.partition(":")
     if int(at_step) == step and int(at_rank or 0) == rank:
-        import signal
-
         print(f"SHARDLAB_FAULT: killing rank {rank} at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -360,8 +357,6 @@ def _finish(sample: str | None, records: list[dict[str, Any]], untraced: list[fl
     if stopped_by:
         summary.update(stopped_by=stopped_by, steps_planned=steps_planned)
     if plot_title is not None:
-        from shardlab.train.plot import plot_loss  # matplotlib: imported when a plot is drawn
-
         summary["plot"] = str(plot_loss(records, out_dir / "loss.png", plot_title))
     if sample is not None:
         (out_dir / "samples.txt").write_text(sample + "\n")

@@ -17,28 +17,26 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from shardlab.checkpoint.hf import read_hf
+from shardlab.data.tokenizer import Tokenizer
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel.precision import apply_precision
-from shardlab.checkpoint.hf import read_hf
 from shardlab.train.corpus import DataSource, check_token_ids, load_corpus
 from shardlab.train.data import VOCAB_SIZE, BatchSampler, split_tokens
 from shardlab.train.sections import ModelSection
-
-if TYPE_CHECKING:
-    from shardlab.data.tokenizer import Tokenizer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def build_model(m: ModelSection, vocab_size: int = 0) -> nn.Module:
     """The plain model a configuration describes (no parallelism applied). The GPT's vocabulary:
-    vocab_size, else model.vocab_size, else bytes' 256 (train/corpus.py's model_vocab reads the data's)."""
+    vocab_size, else model.vocab_size, else bytes' 256 (train/resolve.py's Run.vocab is the data's, resolved)."""
     if m.name == "mlp":
         return DeepMLP(MLPConfig(d_model=m.d_model, n_layer=m.n_layer, bias=m.bias))
     return GPT(gpt_config(m, vocab_size))
