@@ -4,6 +4,7 @@ strategies are described in the order they are applied."""
 
 from __future__ import annotations
 
+import shardlab.data.tokenfile as tokenfile
 import shardlab.train.corpus as corpus
 from shardlab.data.prepare import prepare
 from shardlab.train.config import load_config
@@ -19,14 +20,15 @@ def test_a_token_files_header_is_read_once_for_every_question(tmp_path, monkeypa
     tok = tmp_path / "corpus.tok"
     prepare([str(text)], tok, "bytes", workers=1, progress=False, log=lambda m: None)
     reads = []
-    real = corpus.read_header
-    monkeypatch.setattr(corpus, "read_header", lambda path: reads.append(path) or real(path))
+    real = tokenfile.read_header
+    for module in (tokenfile, corpus):  # the header's readers: the file's own module and the trainer's
+        monkeypatch.setattr(module, "read_header", lambda path: reads.append(path) or real(path))
 
     run = resolve_run(load_config(None, [*TINY, f'data.source="{tok}"']))
     assert run.data is not None and run.data.kind == "tokens" and run.data.path == tok
     assert run.vocab == 256  # the header's 256 ids, padded to a multiple of 64: itself
     model = run.build_model()
-    task = run.build_task(model)  # the samplers, the header's id check, the tokenizer, bytes per token
+    task = run.build_task(model)  # the ids mapped, the header's id check, the tokenizer, bytes per token
     check_token_ids(run.data, run.vocab, load_corpus(run.data, 8, split=True))
     h = run.data.header
     assert task.bytes_per_token == h.text_bytes / h.count and task.tokenizer is run.data.tokenizer

@@ -146,7 +146,7 @@ class DataSource:
         raw id file names none (data.tokenizer)."""
         d = self.section
         if self.kind == "tokens":
-            return token_file_tokenizer(self.path)  # refused if it is not the one the header records
+            return token_file_tokenizer(self.path, self.header)  # refused if not the one the header records
         if d.tokenizer not in ("", "bytes", "bpe"):
             return load_tokenizer(d.tokenizer)
         if self.kind == "bin" and self.vocab > BYTE_VOCAB:
@@ -179,7 +179,10 @@ def load_corpus(src: DataSource, seq_len: int, split: bool) -> np.ndarray:
     # Enough tokens that both splits (or the one corpus) hold at least one window.
     min_tokens = int((seq_len + 2) / min(d.val_fraction, 1 - d.val_fraction)) + 1 if split else seq_len + 2
     dtype = src.raw.dtype if src.kind == "bin" else None
-    if d.max_bytes:
+    if src.kind == "tokens":  # memory-mapped with the header already read; data.max_bytes caps bytes of ids
+        tokens = read_token_file(src.path, src.header).tokens
+        tokens = tokens[: d.max_bytes // tokens.dtype.itemsize] if d.max_bytes else tokens
+    elif d.max_bytes:
         tokens = load_tokens(source, max_bytes=d.max_bytes, token_dtype=dtype, min_tokens=0)
     else:
         tokens = load_tokens(source, token_dtype=dtype, min_tokens=0)
@@ -321,7 +324,7 @@ def check_token_ids(src: DataSource, vocab: int, tokens: np.ndarray | None = Non
                              f"set model.vocab_size = 0 (from the data) or >= {header_vocab}")
         if not scan:
             return
-        tokens = read_token_file(path).tokens if tokens is None else tokens
+        tokens = read_token_file(path, src.header).tokens if tokens is None else tokens
         own, said = header_vocab, f"its header's vocab_size = {header_vocab:,}"
     else:
         own = src.vocab
