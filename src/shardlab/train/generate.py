@@ -24,12 +24,13 @@ from shardlab.checkpoint.format import resolve_checkpoint
 from shardlab.checkpoint.hf import hf_model_fields, read_hf
 from shardlab.data.tokenizer import Tokenizer, load_tokenizer
 from shardlab.models import GPT
-from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.parallel.layout import build_mesh
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.train.config import Config
 from shardlab.train.corpus import DataSource
 from shardlab.train.loop import rank_device
+from shardlab.train.resolve import resolve_run
 from shardlab.train.sample import sample_ids
 from shardlab.train.sections import CheckpointSection, DataSection, LogSection, ModelSection
 from shardlab.train.task import build_model, gpt_config
@@ -170,7 +171,8 @@ def generate_rank(ckpt: str, cfg_dict: dict, ids: list[int], n_tokens: int, voca
     prompt continued (every rank alike: each forward needs them all); rank 0 returns the ids."""
     cfg = Config.from_dict(cfg_dict)
     device = rank_device()
-    model = apply_layout(build_model(cfg.model).to(device), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+    # The model only (its vocabulary the checkpoint's): the data is not read. Laid out as the trainer lays it out.
+    model = resolve_run(cfg).apply(build_model(cfg.model).to(device), build_mesh(cfg.layout))
     load_checkpoint(ckpt, model, None, restore_rng=False)
     out = sample_ids(model, cfg.model.seq_len, ids, n_tokens, vocab, temperature, top_k, top_p, seed, device)
     return out if dist.get_rank() == 0 else None

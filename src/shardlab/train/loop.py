@@ -33,7 +33,7 @@ from shardlab import comm
 from shardlab.checkpoint import Checkpointer, CheckpointError, load_checkpoint
 from shardlab.checkpoint.verify import newest_verified, verify_together
 from shardlab.dist import signals
-from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, replica_group, uses_pipeline
+from shardlab.parallel.layout import batch_rank, build_mesh, replica_group, uses_pipeline
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.precision import autocast_context, get_precision
 from shardlab.train.compile import compile_model
@@ -119,7 +119,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     dp_leaders = [r for r in range(world) if mesh.coords(r)["pp"] == 0 and mesh.coords(r)["tp"] == 0]
     # MFU's FLOPs and peak, of the whole model (train/flops.py).
     flops = run_flops(plain, lay, run.model.seq_len, run.log.peak_tflops, device)
-    model = apply_layout(plain, lay, mesh, run.sharding)
+    model = run.apply(plain, mesh)
     if t.compile:
         compile_model(model, backend=t.compile_backend)
     split = model.stage.plan.describe() if uses_pipeline(lay) else None

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch.nn as nn
 
-from shardlab.parallel.layout import mesh_order
+from shardlab.dist.mesh import DeviceMesh
+from shardlab.parallel.layout import apply_layout, mesh_order
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.train.config import Config
@@ -101,6 +102,12 @@ class Run:
     def build_task(self, model: nn.Module, tokens: np.ndarray | None = None) -> Task:
         """The samplers over the resolved data for the plain `model` (train/task.py's build_task)."""
         return build_task(model, self.data, self.batches, tokens)
+
+    def apply(self, plain: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        """The strategies applied to the plain model on this rank's `mesh` (parallel/layout.py): the
+        trainer's and generate's call into the apply path, so a change of its signature is made here
+        (and in verify.py, whose call tests replace with a faulty layout)."""
+        return apply_layout(plain, self.layout, mesh, self.sharding)
 
 
 def resolve_run(cfg: Config) -> Run:

@@ -185,6 +185,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     task = run.build_task(plain)
     mesh = build_mesh(cfg.layout)
     (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
+    # apply_layout by name, not Run.apply: tests put a faulty layout here (verify must catch it).
     model = apply_layout(plain, cfg.layout, mesh, cfg.sharding)
     if t.compile:  # the layout compiled as the trainer compiles it (train/compile.py); the reference stays eager
         fresh_compile_state()
