@@ -30,8 +30,8 @@ from shardlab.checkpoint.format import file_digest
 from shardlab.dist import launch
 from shardlab.parallel.layout import apply_layout, build_mesh
 from shardlab.train.config import load_config
-from shardlab.train.step import lr_at, make_optimizer, train_step
-from shardlab.train.task import build_task, prepare_model
+from shardlab.train.resolve import resolve_run
+from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
 
 MODELS = {
     "tiny": ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16"],  # smoke runs only
@@ -43,15 +43,16 @@ MODELS = {
 def _build(overrides: list[str]):
     cfg = load_config(None, [*overrides, "train.global_batch=4", "data.max_bytes=1048576"])
     cfg.validate()
-    plain = prepare_model(cfg)
-    task = build_task(cfg, plain)
+    run = resolve_run(cfg)
+    plain = run.build_model()
+    task = run.build_task(plain)
     model, dp_rank = plain, 0
     if dist.is_initialized():
         mesh = build_mesh(cfg.layout)
         model, dp_rank = apply_layout(plain, cfg.layout, mesh), mesh.local_rank("dp")
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     start = time.perf_counter()
-    train_step(model, opt, task, 0, lr=lr_at(0, cfg), dp_rank=dp_rank, dp_size=cfg.layout.dp)
+    train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train), StepSetup(dp_rank=dp_rank, dp_size=cfg.layout.dp))
     return cfg, model, opt, time.perf_counter() - start
 
 

@@ -36,8 +36,8 @@ import shardlab.dist
 from shardlab.parallel.expert import comm_stats, expert_layers
 from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh
 from shardlab.train.config import load_config
-from shardlab.train.step import lr_at, make_optimizer, train_step
-from shardlab.train.task import build_task, prepare_model
+from shardlab.train.resolve import resolve_run
+from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.verify import VERIFY_BASE
 
 COUNT_BYTES = 8  # the count exchange sends E int64 per layer and forward
@@ -56,19 +56,20 @@ def measure_rank(cfg_overrides: list[str], steps: int) -> list[dict[str, int]]:
     recomputed forward routes the same tokens the same way)."""
     cfg = load_config(None, cfg_overrides, base=VERIFY_BASE)
     cfg.validate(dist.get_world_size())
-    plain = prepare_model(cfg)
-    task = build_task(cfg, plain)
+    run = resolve_run(cfg)
+    plain = run.build_model()
+    task = run.build_task(plain)
     mesh = build_mesh(cfg.layout)
     dp_rank, dp_size = batch_rank(mesh)
     model = apply_layout(plain, cfg.layout, mesh, cfg.sharding)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     layers = expert_layers(model)
+    setup = StepSetup(dp_rank=dp_rank, dp_size=dp_size, grad_clip=cfg.optim.grad_clip, precision=cfg.layout.precision)
     out = []
     for step in range(steps):
         for layer in layers:
             layer.stats.reset()
-        train_step(model, opt, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=dp_size,
-                   grad_clip=cfg.optim.grad_clip, precision=cfg.layout.precision)
+        train_step(model, opt, task, step, lr_at(step, cfg.optim, cfg.train), setup)
         s = comm_stats(model)
         out.append(dict(calls=s.calls, bytes_sent=s.bytes_sent, bytes_local=s.bytes_local,
                         count_bytes=s.count_bytes, dropped=sum(layer.dropped for layer in layers)))

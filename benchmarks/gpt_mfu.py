@@ -62,7 +62,7 @@ def trainer_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse.Na
     clipping and precision, train/compile.py's compilation, train/step.py's train_step."""
     from shardlab.train.compile import compile_model
     from shardlab.train.config import load_config
-    from shardlab.train.step import make_optimizer, train_step
+    from shardlab.train.step import StepSetup, make_optimizer, train_step
     from shardlab.train.task import Task
 
     cfg = load_config(CONFIG)
@@ -72,11 +72,11 @@ def trainer_step(model: GPT, x: torch.Tensor, y: torch.Tensor, args: argparse.Na
     task = Task(train=None, val=None, tokens_per_row=args.seq, flops_per_token=model.flops_per_token(args.seq))
     task.batch = lambda step, dp_rank, dp_size, micro_batches=1, micro=0: (x, y)
     count = iter(range(1 << 62))
+    # check_now=False: as the trainer's loop runs it, nothing read back (the loss and norm stay on the device)
+    setup = StepSetup(grad_clip=cfg.optim.grad_clip, device=x.device, precision=cfg.layout.precision, check_now=False)
 
     def step() -> None:
-        # check_now=False: as the trainer's loop runs it, nothing read back (the loss and norm stay on the device)
-        train_step(model, opt, task, next(count), lr=cfg.optim.lr, grad_clip=cfg.optim.grad_clip, device=x.device,
-                   precision=cfg.layout.precision, check_now=False)
+        train_step(model, opt, task, next(count), cfg.optim.lr, setup)
     return step
 
 

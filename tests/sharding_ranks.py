@@ -60,20 +60,20 @@ def checkpoint_across(root: str) -> dict:
     from shardlab.checkpoint import Checkpointer, load_checkpoint
     from shardlab.parallel.layout import apply_layout, build_mesh, full_parameters
     from shardlab.train.config import load_config
-    from shardlab.train.step import lr_at, make_optimizer, train_step
-    from shardlab.train.task import build_task, prepare_model
+    from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
+    from shardlab.train.resolve import resolve_run
     from shardlab.train.verify import VERIFY_BASE
 
     def setup(rules: str):  # noqa: ANN202
         cfg = load_config(None, ["layout.tp=2", f"sharding.compute={rules}"], base=VERIFY_BASE)
-        plain = prepare_model(cfg)
-        task = build_task(cfg, plain)
+        plain = resolve_run(cfg).build_model()
+        task = resolve_run(cfg).build_task(plain)
         model = apply_layout(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
         return cfg, model, make_optimizer(model, cfg.optim, cfg.layout.precision), task
 
     cfg, model, opt, task = setup("heads=tp, mlp=tp, vocab=tp, seq=tp")
     for s in range(2):
-        train_step(model, opt, task, s, lr=lr_at(s, cfg), grad_clip=cfg.optim.grad_clip)
+        train_step(model, opt, task, s, lr_at(s, cfg.optim, cfg.train), StepSetup(grad_clip=cfg.optim.grad_clip))
     Checkpointer(root).save(2, model, opt, config=cfg.to_dict())
     saved = full_parameters(model)
     out = {}
@@ -115,19 +115,20 @@ def cp_traces(sets: list[str]) -> dict:
     that describe it: every operation of each, and what the derived plan predicts for the cp axis."""
     from shardlab.parallel.layout import apply_layout, build_mesh
     from shardlab.train.config import load_config
-    from shardlab.train.step import lr_at, make_optimizer, train_step
-    from shardlab.train.task import build_task, prepare_model
+    from shardlab.train.resolve import resolve_run
+    from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
     from shardlab.train.verify import VERIFY_BASE
 
     out: dict = {}
     for name, extra in (("hand", [s for s in sets if not s.startswith("sharding.")]), ("derived", sets)):
         cfg = load_config(None, extra, base=VERIFY_BASE)
         cfg.validate(dist.get_world_size())
-        plain = prepare_model(cfg)
-        task = build_task(cfg, plain)
+        plain = resolve_run(cfg).build_model()
+        task = resolve_run(cfg).build_task(plain)
         model = apply_layout(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
         opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
-        out[name] = _flight_trace(lambda: train_step(model, opt, task, 0, lr=lr_at(0, cfg), grad_clip=cfg.optim.grad_clip))
+        setup = StepSetup(grad_clip=cfg.optim.grad_clip)
+        out[name] = _flight_trace(lambda: train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train), setup))
         inner = getattr(model, "module", model)
         out[name + " swapped"] = [type(inner.tokens).__name__, type(inner.blocks[0].attn.attend).__name__]
         if name == "derived":
@@ -136,7 +137,7 @@ def cp_traces(sets: list[str]) -> dict:
             from shardlab.parallel.sharding import Rules, derive
             from shardlab.parallel.sharding.apply import mesh_sizes
 
-            sized = derive(prepare_model(cfg), Rules.parse(cfg.sharding.compute, cfg.sharding.params),
+            sized = derive(resolve_run(cfg).build_model(), Rules.parse(cfg.sharding.compute, cfg.sharding.params),
                            mesh_sizes(cfg.layout), rows=rows)
             out["predicted_cp"] = sized.counts(axis="cp")
             out["cp_ranks"] = build_mesh(cfg.layout, create_groups=False).ranks_along("cp")
@@ -150,12 +151,12 @@ def engine_under_rules(sets: list[str]) -> dict:
     verify that passes is known to have run ZeRO under the derived ring (not plain data parallelism)."""
     from shardlab.parallel.layout import apply_layout, build_mesh
     from shardlab.train.config import load_config
-    from shardlab.train.task import prepare_model
+    from shardlab.train.resolve import resolve_run
     from shardlab.train.verify import VERIFY_BASE
 
     cfg = load_config(None, sets, base=VERIFY_BASE)
     cfg.validate(dist.get_world_size())
-    model = apply_layout(prepare_model(cfg), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+    model = apply_layout(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
     inner = model.module
     return {"engine": type(model).__name__, "stage": getattr(model, "stage", None),
             "replicas": dist.get_world_size(model.group), "context": inner.derived_plan.context_axis,

@@ -15,7 +15,7 @@ TINY = ["model.name=mlp", "model.d_model=64", "model.n_layer=2", "train.global_b
 
 
 def test_rank_function_times_and_measures_every_variant(pools):
-    from shardlab.train.task import prepare_model
+    from shardlab.train.resolve import resolve_run
 
     cfg = load_config(None, TINY)
     cfg.validate()
@@ -23,7 +23,7 @@ def test_rank_function_times_and_measures_every_variant(pools):
     assert other is None  # only rank 0 reports
     assert set(out["step_s"]) == set(out["peak_bytes"]) == set(VARIANTS)
     assert out["world_size"] == 2 and out["backend"] == "gloo" and out["tokens_per_row"] == 1
-    model = prepare_model(cfg)
+    model = resolve_run(cfg).build_model()
     assert out["params"] == sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # Every rank holds weights, gradients and AdamW's two moments at the optimizer step; DDP also

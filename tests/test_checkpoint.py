@@ -18,8 +18,8 @@ import torch.distributed as dist
 from shardlab.checkpoint import Checkpointer, full_tensors, load_checkpoint, read_metadata
 from shardlab.parallel.layout import apply_layout, build_mesh, full_parameters
 from shardlab.train.config import load_config
-from shardlab.train.step import lr_at, make_optimizer, train_step
-from shardlab.train.task import build_task, prepare_model
+from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
+from shardlab.train.resolve import resolve_run
 from shardlab.train.verify import MIXED_VERIFY_BASE, VERIFY_BASE
 
 # Dropout makes the resumed run depend on the restored RNG; a loss-scale window of 3 makes an fp16
@@ -31,8 +31,8 @@ _meshes: dict = {}
 def _setup(overrides: list[str]):
     cfg = load_config(None, overrides, base=BASE)
     cfg.validate()
-    plain = prepare_model(cfg)
-    task = build_task(cfg, plain)
+    plain = resolve_run(cfg).build_model()
+    task = resolve_run(cfg).build_task(plain)
     model, dp_rank = plain, 0
     if dist.is_initialized():  # else one process, without torch.distributed
         key = (cfg.layout.pp, cfg.layout.dp, cfg.layout.ep, cfg.layout.tp)
@@ -46,9 +46,9 @@ def _setup(overrides: list[str]):
 
 def _train(run, start: int, stop: int) -> list[float]:
     cfg, model, opt, task, dp_rank = run
-    return [train_step(model, opt, task, s, lr=lr_at(s, cfg), dp_rank=dp_rank, dp_size=cfg.layout.dp,
-                       micro_batches=cfg.train.micro_batches, grad_clip=cfg.optim.grad_clip).loss
-            for s in range(start, stop)]
+    setup = StepSetup(dp_rank=dp_rank, dp_size=cfg.layout.dp, micro_batches=cfg.train.micro_batches,
+                      grad_clip=cfg.optim.grad_clip)
+    return [train_step(model, opt, task, s, lr_at(s, cfg.optim, cfg.train), setup).loss for s in range(start, stop)]
 
 
 def _full(run) -> dict[str, torch.Tensor]:

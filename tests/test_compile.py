@@ -15,7 +15,7 @@ from shardlab.models import GPT, GPTConfig
 from shardlab.parallel.recompute import apply_recompute
 from shardlab.train.compile import compile_blocks, compile_model, whole_model_target
 from shardlab.train.config import ConfigError, load_config
-from shardlab.train.step import adamw_implementation, train_step
+from shardlab.train.step import StepSetup, adamw_implementation, train_step
 from shardlab.train.task import Task, skip_layer
 from shardlab.train.verify import VERIFY_BASE
 
@@ -173,9 +173,9 @@ def test_bf16_autocast_keeps_fp32_weights_and_runs_matmuls_in_bf16():
     data = torch.randint(0, 256, (4, 17))
     task = Task(None, None, 16, 0.0)
     task.batch = lambda step, r, n, m=1, i=0: (data[:, :-1], data[:, 1:])
-    res = train_step(model, opt, task, 0, lr=1e-3, device=torch.device("cpu"), precision="bf16-autocast")
+    res = train_step(model, opt, task, 0, 1e-3, StepSetup(device=torch.device("cpu"), precision="bf16-autocast"))
     assert seen == [torch.bfloat16] and all(p.dtype == torch.float32 for p in model.parameters())
-    train_step(model, opt, task, 1, lr=1e-3, device=torch.device("cpu"))
+    train_step(model, opt, task, 1, 1e-3, StepSetup(device=torch.device("cpu")))
     assert seen[-1] == torch.float32 and abs(res.loss - 5.55) < 0.1  # ln 256 = 5.55 at initialisation
     assert adamw_implementation(torch.device("cuda", 0), whole=True) == {"fused": True}
     assert adamw_implementation(torch.device("cuda", 0), whole=False) == {"foreach": True}

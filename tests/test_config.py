@@ -92,14 +92,14 @@ def test_every_field_is_documented():
 def test_lr_schedule_warms_up_then_decays_to_min():
     cfg = Config()
     cfg.override(["optim.lr=1.0", "optim.min_lr=0.1", "train.steps=11", "train.warmup_steps=0"])
-    assert lr_at(0, cfg) == 1.0
-    assert lr_at(10, cfg) == pytest.approx(0.1)
-    assert lr_at(5, cfg) == pytest.approx(0.55)  # cosine midpoint
+    assert lr_at(0, cfg.optim, cfg.train) == 1.0
+    assert lr_at(10, cfg.optim, cfg.train) == pytest.approx(0.1)
+    assert lr_at(5, cfg.optim, cfg.train) == pytest.approx(0.55)  # cosine midpoint
     cfg.override(['train.decay="linear"', "train.warmup_steps=4"])
-    assert [lr_at(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_at(10, cfg) == pytest.approx(0.1)
+    assert [lr_at(s, cfg.optim, cfg.train) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(10, cfg.optim, cfg.train) == pytest.approx(0.1)
     cfg.override(['train.decay="constant"'])
-    assert lr_at(9, cfg) == 1.0
+    assert lr_at(9, cfg.optim, cfg.train) == 1.0
 
 
 def test_tensor_parallel_degrees_multiply_to_the_world_size():

@@ -16,6 +16,7 @@ from shardlab.data.prepare import prepare
 from shardlab.data.tokenfile import TokenFileHeader, encode_header, read_header, read_token_file
 from shardlab.data.tokenizer import file_digest, train_bpe
 from shardlab.train.config import ConfigError, load_config
+from shardlab.train.corpus import DataSource, load_corpus
 
 TEXT = "".join(f"def function_{i}(value):\n    return value * {i} + len('text {i}')\n\n" for i in range(60))
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=8", "train.global_batch=4",
@@ -27,6 +28,11 @@ def _cfg(tmp_path, *overrides: str):
                              *overrides])
     cfg.validate()
     return cfg
+
+
+def _corpus(cfg):
+    """The ids of data.source, as the ranks read them."""
+    return load_corpus(DataSource(cfg.data), cfg.model.seq_len, split=not cfg.data.val_source)
 
 
 def _bpe(tmp_path, name: str = "bpe.json", vocab: int = 300):
@@ -41,14 +47,13 @@ def _ids(n: int = 600, top: int = 290) -> np.ndarray:
 def test_raw_bin_with_a_tokenizer_is_read_as_the_tokenizers_ids(tmp_path):
     """nanoGPT-style uint16 ids with data.tokenizer set: read as uint16 (they arrived as bytes: [3 0 10 0 ...])."""
     from shardlab.cli.train import check_data_before_launch
-    from shardlab.train.task import load_corpus
 
     tok = _bpe(tmp_path)
     ids = _ids(top=tok.vocab_size)
     ids.tofile(tmp_path / "train.bin")
     cfg = _cfg(tmp_path, f'data.source="{tmp_path / "train.bin"}"', f'data.tokenizer="{tok.path}"')
     check_data_before_launch(cfg)
-    assert np.array_equal(load_corpus(cfg), ids)
+    assert np.array_equal(_corpus(cfg), ids)
     assert cfg.model.vocab_size == 320  # the tokenizer's vocabulary, padded to 64's multiple
 
 
@@ -67,8 +72,6 @@ def test_raw_bin_whose_type_nothing_states_is_refused(tmp_path, capsys):
 
 
 def test_a_nanogpt_meta_pkl_states_uint16_and_the_vocabulary_and_runs_no_code(tmp_path):
-    from shardlab.train.corpus import data_vocab
-    from shardlab.train.task import load_corpus
 
     ids = _ids(top=65)
     ids.tofile(tmp_path / "train.bin")
@@ -76,7 +79,7 @@ def test_a_nanogpt_meta_pkl_states_uint16_and_the_vocabulary_and_runs_no_code(tm
     with open(tmp_path / "meta.pkl", "wb") as f:  # what nanoGPT's shakespeare_char/prepare.py writes
         pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
     cfg = _cfg(tmp_path, f'data.source="{tmp_path / "train.bin"}"')
-    assert np.array_equal(load_corpus(cfg), ids) and data_vocab(cfg) == 65
+    assert np.array_equal(_corpus(cfg), ids) and DataSource(cfg.data).vocab == 65
     # A vocabulary stated otherwise in the configuration disagrees: refused, naming both.
     with pytest.raises(ConfigError, match=r"vocabulary is stated twice.*meta.pkl's vocab_size.*data.vocab_size = 300"):
         _cfg(tmp_path, f'data.source="{tmp_path / "train.bin"}"', "data.vocab_size=300")
@@ -87,20 +90,19 @@ def test_a_nanogpt_meta_pkl_states_uint16_and_the_vocabulary_and_runs_no_code(tm
 
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65, "x": Planted()}))
     with pytest.raises(ValueError, match=r"meta.pkl: not a nanoGPT meta.pkl \(it names builtins.print"):
-        load_corpus(cfg)
+        _corpus(cfg)
 
 
 def test_ids_twice_as_wide_as_the_stated_type_are_refused(tmp_path):
     """GPT-2 ids written as uint32: read as the uint16 a 50,257-id vocabulary states, every other id is 0."""
-    from shardlab.train.task import load_corpus
 
     wide = tmp_path / "gpt2.bin"
     (np.arange(1000, dtype=np.uint32) * 37 % 50257).tofile(wide)
     cfg = load_config(None, [*TINY, f'data.source="{wide}"', "data.vocab_size=50257"])
     with pytest.raises(ValueError, match=r"gpt2.bin: read as uint16 .*every odd id .* is 0: it looks like uint32"):
-        load_corpus(cfg)
+        _corpus(cfg)
     cfg.data.token_dtype = "uint32"  # stated outright: read as stated
-    assert np.array_equal(load_corpus(cfg), np.arange(1000) * 37 % 50257)
+    assert np.array_equal(_corpus(cfg), np.arange(1000) * 37 % 50257)
 
 
 # ------------------------------------------------------------------------------ containers

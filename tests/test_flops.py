@@ -36,11 +36,15 @@ def _tiny(overrides: list[str]) -> tuple:
         return build_model(cfg.model), cfg
 
 
+def _flops(model, cfg, device):
+    return run_flops(model, cfg.layout, cfg.model.seq_len, cfg.log.peak_tflops, device)
+
+
 @pytest.mark.parametrize("precision, key, tflops", [
     ("bf16", "bf16", 989), ("bf16-autocast", "bf16", 989), ("fp16", "fp16", 989), ("fp32", "fp32", 67)])
 def test_mfu_on_an_h100_is_against_the_peak_of_the_run_precision(on_h100, precision, key, tflops):
     model, cfg = _tiny([f'layout.precision="{precision}"'])
-    acc = run_flops(model, cfg, on_h100)
+    acc = _flops(model, cfg, on_h100)
     assert (acc.precision, acc.peak) == (key, tflops * 1e12)
     # A step of 1e6 tokens/s on 2 ranks: MFU = FLOPs/token x tokens/s / (2 x peak), in the record and on the console.
     rec = {"step": 0, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1e6, "step_s": 1.0, "comm_wait_share": 0.0,
@@ -52,15 +56,15 @@ def test_mfu_on_an_h100_is_against_the_peak_of_the_run_precision(on_h100, precis
 def test_tf32_switches_fp32_runs_to_the_tf32_peak(on_h100):
     model, cfg = _tiny([])
     torch.set_float32_matmul_precision("high")  # what torch.backends.cuda.matmul.allow_tf32 = True also does
-    assert run_flops(model, cfg, on_h100).peak == 494.5e12
+    assert _flops(model, cfg, on_h100).peak == 494.5e12
     assert peak_precision("bf16") == "bf16" and peak_precision("fp32", tf32=False) == "fp32"
 
 
 def test_unknown_peak_gives_no_mfu_and_an_override_wins():
     model, cfg = _tiny([])
-    assert run_flops(model, cfg, torch.device("cpu")).mfu(1e6, 1) is None
+    assert _flops(model, cfg, torch.device("cpu")).mfu(1e6, 1) is None
     model, cfg = _tiny(["log.peak_tflops=2.5"])
-    assert run_flops(model, cfg, torch.device("cpu")).peak == 2.5e12
+    assert _flops(model, cfg, torch.device("cpu")).peak == 2.5e12
 
 
 def test_flops_per_token_by_hand():
@@ -76,7 +80,7 @@ def test_flops_per_token_by_hand():
     # Recomputation: full reruns every block's forward (2 x weights + attention), selective the attention core.
     assert model.recompute_flops_per_token("full") == 2 * 2 * block + 4 * 2 * 64 * 16
     assert model.recompute_flops_per_token("selective") == 4 * 2 * 64 * 16
-    acc = run_flops(model, load_config(None, [f"{k}={v}" for k, v in [
+    acc = _flops(model, load_config(None, [f"{k}={v}" for k, v in [
         ("model.n_layer", 2), ("model.d_model", 64), ("model.n_head", 4), ("model.seq_len", 32),
         ("layout.recompute", '"full"')]]), torch.device("cpu"))
     assert acc.as_dict()["hardware_flops_per_token"] == causal + 2 * 2 * block + 4 * 2 * 64 * 16

@@ -191,14 +191,14 @@ def _step_peak(zero: int) -> dict[str, int]:
     from shardlab.parallel.layout import apply_layout
     from shardlab.train.config import Config
     from shardlab.train.memory_tracker import MemoryTracker
-    from shardlab.train.step import lr_at, make_optimizer, train_step
-    from shardlab.train.task import build_task, prepare_model
+    from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
+    from shardlab.train.resolve import resolve_run
 
     cfg = Config.from_dict(_cfg("mlp", 4, "model.d_model=256", "model.n_layer=8", "train.global_batch=16",
                                 "optim.grad_clip=1.0"))
     cfg.layout.zero = zero
-    plain = prepare_model(cfg)
-    task = build_task(cfg, plain)
+    plain = resolve_run(cfg).build_model()
+    task = resolve_run(cfg).build_task(plain)
     param_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
     gc.collect()
     with MemoryTracker("cpu") as before:  # everything the process holds now, the plain model included
@@ -206,12 +206,12 @@ def _step_peak(zero: int) -> dict[str, int]:
     model = apply_layout(plain, cfg.layout)
     opt = make_optimizer(model, cfg.optim)
     kw = dict(dp_rank=dist.get_rank(), dp_size=4, grad_clip=1.0)
-    train_step(model, opt, task, 0, lr=lr_at(0, cfg), **kw)  # creates the optimizer state
+    train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train), StepSetup(**kw))  # creates the optimizer state
     gc.collect()
     if zero:
         model.max_gathered_bytes = 0
     with MemoryTracker("cpu") as mt:
-        train_step(model, opt, task, 1, lr=lr_at(1, cfg), **kw)
+        train_step(model, opt, task, 1, lr_at(1, cfg.optim, cfg.train), StepSetup(**kw))
     # Peak of the step above what the process held before wrapping, plus the plain model's
     # parameters (held before, and still counted by data parallelism; ZeRO-3 frees them).
     return {"peak": mt.peak_bytes - before.current_bytes + param_bytes, "psi_bytes": param_bytes,

@@ -22,7 +22,8 @@ from shardlab.cli.main import build_parser, main  # noqa: E402
 from shardlab.models import GPT, GPTConfig  # noqa: E402
 from shardlab.train.config import Config, load_config  # noqa: E402
 from shardlab.train.presets import FAMILIES  # noqa: E402
-from shardlab.train.task import build_task, gpt_config, prepare_model  # noqa: E402
+from shardlab.train.resolve import resolve_run  # noqa: E402
+from shardlab.train.task import gpt_config  # noqa: E402
 
 SHAPE = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.d_ff=48"]
 TINY = ["model.seq_len=16", "train.global_batch=4", "train.steps=2", "train.warmup_steps=1", "train.eval_every=0", "train.eval_batches=1",
@@ -114,8 +115,8 @@ def test_training_starts_from_a_transformers_checkpoint(pools, tmp_path, family)
     cfg.validate(world_size=1)
     check_before_launch(cfg, make_out_dir=False)
     assert (cfg.model.norm, cfg.model.mlp) == (("rmsnorm", "swiglu") if family == "llama" else ("layernorm", "gelu_tanh"))
-    ours = prepare_model(cfg).eval()
-    task = build_task(cfg, ours)
+    ours = resolve_run(cfg).build_model().eval()
+    task = resolve_run(cfg).build_task(ours)
     x, y = task.global_batch(0)
     with torch.no_grad():
         logits = theirs(x).logits
@@ -164,9 +165,7 @@ def _bpe_run(tmp_path, family="gpt2"):
     prepare([str(text)], tmp_path / "corpus.tok", train_bpe=300, workers=1, progress=False, log=lambda m: None)
     cfg = load_config(None, [*FAMILIES[family], *SHAPE, "model.seq_len=32", f'data.source="{tmp_path / "corpus.tok"}"',
                              f'log.out_dir="{tmp_path / "run"}"'])
-    from shardlab.train.corpus import model_vocab
-
-    cfg.model.vocab_size = model_vocab(cfg)
+    cfg.model.vocab_size = resolve_run(cfg).vocab
     torch.manual_seed(5)
     model = build_model(cfg.model)
     with torch.no_grad():  # no two logits alike, the padded rows' too
@@ -180,10 +179,10 @@ def _bpe_run(tmp_path, family="gpt2"):
 def test_export_travels_with_its_tokenizer_and_generates_as_shardlab_does(tmp_path, capsys, family):
     from shardlab.train.generate import load_for_generation
 
-    from shardlab.train.corpus import data_vocab
+    from shardlab.train.corpus import DataSource
 
     cfg, _ = _bpe_run(tmp_path, family)
-    vocab = data_vocab(cfg)  # what the BPE learned of its 300 on this small text
+    vocab = DataSource(cfg.data).vocab  # what the BPE learned of its 300 on this small text
     assert 256 < vocab <= 300 and cfg.model.vocab_size == 320
     out = tmp_path / "hf"
     assert main(["checkpoint", "export", str(tmp_path / "run" / "checkpoints"), "--hf", str(out)]) == 0
@@ -217,7 +216,7 @@ def test_export_keeps_the_source_models_positions_and_dropout(tmp_path, capsys):
     from shardlab.cli.train import resolve_config
 
     cfg = resolve_config(args)
-    model = prepare_model(cfg)
+    model = resolve_run(cfg).build_model()
     with torch.no_grad():
         model.pos_emb.weight.add_(1.0)  # "trained": the 16 rows differ from the source's
     save_checkpoint(tmp_path / "run" / "checkpoints", 3, model, config=cfg.to_dict())

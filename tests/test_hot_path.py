@@ -14,8 +14,8 @@ import torch
 
 from shardlab.bench.hot_path import counting_reads
 from shardlab.train.config import Config
-from shardlab.train.step import NonFiniteError, lr_at, make_optimizer, train_step
-from shardlab.train.task import build_task, prepare_model
+from shardlab.train.step import NonFiniteError, StepSetup, lr_at, make_optimizer, train_step
+from shardlab.train.resolve import resolve_run
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {
@@ -47,8 +47,8 @@ def _setup(on_nonfinite: str = "stop"):
     sampler's numpy offsets) is not the step's, and the prefetcher does it off the step on a GPU."""
     cfg = Config.from_dict(SMALL)
     cfg.set("optim.on_nonfinite", on_nonfinite)
-    model = prepare_model(cfg)
-    task = build_task(cfg, model)
+    model = resolve_run(cfg).build_model()
+    task = resolve_run(cfg).build_task(model)
     batches = {s: task.batch(s, 0, 1) for s in range(3)}
     task.batch = lambda step, dp_rank, dp_size, micro_batches=1, micro=0: batches[step]
     return cfg, model, task
@@ -64,9 +64,9 @@ def test_a_deferred_step_reads_no_value_with_clipping():
     on the device (SGD: an optimizer that reads nothing itself)."""
     cfg, model, task = _setup()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    train_step(model, opt, task, 0, lr=0.1, grad_clip=1e-3, check_now=False)  # warm: nothing lazily made
+    train_step(model, opt, task, 0, 0.1, StepSetup(grad_clip=1e-3, check_now=False))  # warm: nothing lazily made
     with counting_reads() as reads:
-        res = train_step(model, opt, task, 1, lr=0.1, grad_clip=1e-3, check_now=False)
+        res = train_step(model, opt, task, 1, 0.1, StepSetup(grad_clip=1e-3, check_now=False))
     assert sum(reads.values()) == 0, reads
     assert res.grad_norm > 1e-3  # the clip did engage (read after the count)
 
@@ -79,7 +79,7 @@ def test_deferred_clipping_equals_the_immediate_step_bit_for_bit():
         cfg, model, task = _setup()
         opt = make_optimizer(model, cfg.optim)
         for step in range(3):
-            train_step(model, opt, task, step, lr=lr_at(step, cfg), grad_clip=0.05, check_now=check_now)
+            train_step(model, opt, task, step, lr_at(step, cfg.optim, cfg.train), StepSetup(grad_clip=0.05, check_now=check_now))
         out.append({n: p.detach().clone() for n, p in model.named_parameters()})
     assert all(torch.equal(out[0][n], out[1][n]) for n in out[0])
 
@@ -89,12 +89,12 @@ def test_fused_adamw_skips_a_nonfinite_step_on_the_device():
     and weights, moments and step count stay as they were."""
     cfg, model, task = _setup("skip")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    train_step(model, opt, task, 0, lr=1e-3, grad_clip=1.0, on_nonfinite="skip", check_now=False)
+    train_step(model, opt, task, 0, 1e-3, StepSetup(grad_clip=1.0, on_nonfinite="skip", check_now=False))
     _poison(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     state = {id(p): (s["exp_avg"].clone(), s["step"].clone()) for p, s in opt.state.items()}
     with counting_reads() as reads:
-        res = train_step(model, opt, task, 1, lr=1e-3, grad_clip=1.0, on_nonfinite="skip", check_now=False)
+        res = train_step(model, opt, task, 1, 1e-3, StepSetup(grad_clip=1.0, on_nonfinite="skip", check_now=False))
     assert sum(reads.values()) == 0, reads
     assert res.skipped and not res.update_applied
     for n, p in model.named_parameters():
@@ -116,7 +116,7 @@ def _deferred_stop() -> tuple[int, str]:
         if step == 1:
             _poison(model)
         window.started()
-        window.add(step, train_step(model, opt, task, step, lr=1e-3, grad_clip=1.0, check_now=False), None)
+        window.add(step, train_step(model, opt, task, step, 1e-3, StepSetup(grad_clip=1.0, check_now=False)), None)
     records = window.read([0], 64, lambda rate: {})
     err = window.error
     assert [r["step"] for r in records] == [1]  # step 0's record (steps done: 1) is kept; nothing from step 1 on
@@ -139,7 +139,7 @@ def _wrapped(dp: int, tp: int) -> tuple[str, str]:
     cfg = Config.from_dict(SMALL)
     cfg.set("layout.dp", dp)
     cfg.set("layout.tp", tp)
-    model = apply_layout(prepare_model(cfg), cfg.layout, build_mesh(cfg.layout))
+    model = apply_layout(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout))
     model.finish_gradient_sync()  # apply_layout's contract holds unwrapped too (nothing to do)
     return type(model).__name__, type(step_contract(model).model).__name__
 

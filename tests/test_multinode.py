@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from shardlab.train.config import load_config
-from shardlab.train.task import build_task, prepare_model
+from shardlab.train.resolve import resolve_run
 
 TINY = ['model.name="gpt"', "model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.seq_len=16",
         "data.max_bytes=200000", "train.steps=4", "train.warmup_steps=1", "train.global_batch=8",
@@ -60,8 +60,8 @@ def test_two_nodes_dp2_x_tp2(tmp_path: Path) -> None:
 
     # One process, the same model and global batch: the first loss before any update.
     cfg = load_config(None, TINY)
-    model = prepare_model(cfg)
-    x, y = build_task(cfg, model).batch(0, 0, 1)
+    model = resolve_run(cfg).build_model()
+    x, y = resolve_run(cfg).build_task(model).batch(0, 0, 1)
     with torch.no_grad():
         reference = model(x, y).item()
     assert abs(losses[0] - reference) <= 1e-5 * abs(reference), (losses[0], reference)

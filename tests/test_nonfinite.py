@@ -9,8 +9,8 @@ import torch
 
 from shardlab.parallel.layout import apply_layout
 from shardlab.train.config import Config
-from shardlab.train.step import NonFiniteError, lr_at, make_optimizer, train_step
-from shardlab.train.task import build_task, prepare_model
+from shardlab.train.step import NonFiniteError, StepSetup, lr_at, make_optimizer, train_step
+from shardlab.train.resolve import resolve_run
 
 SMALL = {
     "model": {"name": "gpt", "n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16},
@@ -24,8 +24,8 @@ def setup(on_nonfinite: str, dp: int = 1, precision: str = "fp32"):
     cfg.set("optim.on_nonfinite", on_nonfinite)
     cfg.set("layout.dp", dp)
     cfg.set("layout.precision", precision)
-    model = prepare_model(cfg)
-    task = build_task(cfg, model)
+    model = resolve_run(cfg).build_model()
+    task = resolve_run(cfg).build_task(model)
     return cfg, model, task
 
 
@@ -38,10 +38,10 @@ def poison(model: torch.nn.Module) -> None:
 def test_stop_names_the_step_and_parameters(precision):
     cfg, model, task = setup("stop", precision=precision)
     opt = make_optimizer(model, cfg.optim, precision)
-    train_step(model, opt, task, 0, lr=lr_at(0, cfg), grad_clip=1.0, on_nonfinite="stop")
+    train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train), StepSetup(grad_clip=1.0, on_nonfinite="stop"))
     poison(model)
     with pytest.raises(NonFiniteError) as err:
-        train_step(model, opt, task, 1, lr=lr_at(1, cfg), grad_clip=1.0, on_nonfinite="stop")
+        train_step(model, opt, task, 1, lr_at(1, cfg.optim, cfg.train), StepSetup(grad_clip=1.0, on_nonfinite="stop"))
     assert err.value.step == 1 and "step 1: the gradient norm is nan" in str(err.value)
     assert "blocks.1.mlp.fc.weight" in err.value.names
 
@@ -49,11 +49,11 @@ def test_stop_names_the_step_and_parameters(precision):
 def test_skip_leaves_weights_and_optimizer_state_as_they_were():
     cfg, model, task = setup("skip")
     opt = make_optimizer(model, cfg.optim)
-    train_step(model, opt, task, 0, lr=lr_at(0, cfg), grad_clip=1.0, on_nonfinite="skip")
+    train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train), StepSetup(grad_clip=1.0, on_nonfinite="skip"))
     poison(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     moments = {id(p): s["exp_avg"].clone() for p, s in opt.state.items()}
-    res = train_step(model, opt, task, 1, lr=lr_at(1, cfg), grad_clip=1.0, on_nonfinite="skip")
+    res = train_step(model, opt, task, 1, lr_at(1, cfg.optim, cfg.train), StepSetup(grad_clip=1.0, on_nonfinite="skip"))
     assert res.skipped and res.grad_norm != res.grad_norm  # nan
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) or (n == "blocks.1.mlp.fc.weight" and torch.equal(p.isnan(), before[n].isnan()))
@@ -74,8 +74,8 @@ def _dp_rank_poisoned(on_nonfinite: str):
     if rank == 1:
         poison(model)
     try:
-        res = train_step(model, opt, task, 0, lr=lr_at(0, cfg), dp_rank=rank, dp_size=2, grad_clip=1.0,
-                         on_nonfinite=on_nonfinite)
+        res = train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train),
+                         StepSetup(dp_rank=rank, dp_size=2, grad_clip=1.0, on_nonfinite=on_nonfinite))
     except NonFiniteError as exc:
         return ("raised", exc.names)
     return ("skipped" if res.skipped else "stepped", [])

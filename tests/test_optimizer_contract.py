@@ -36,13 +36,13 @@ def _plain_adamw_vs_one_process(cfg_dict: dict, steps: int = 3) -> dict:
     the worst relative parameter difference after `steps`, or the error the first step raised."""
     from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, full_parameters
     from shardlab.train.config import Config
-    from shardlab.train.step import adamw_kwargs, lr_at, train_step
-    from shardlab.train.task import build_task, prepare_model
+    from shardlab.train.step import StepSetup, adamw_kwargs, lr_at, train_step
+    from shardlab.train.resolve import resolve_run
 
     cfg = Config.from_dict(cfg_dict)
-    plain = prepare_model(cfg)
+    plain = resolve_run(cfg).build_model()
     reference = copy.deepcopy(plain)
-    task = build_task(cfg, plain)
+    task = resolve_run(cfg).build_task(plain)
     mesh = build_mesh(cfg.layout)
     dp_rank, dp_size = batch_rank(mesh)
     model = apply_layout(plain, cfg.layout, mesh)
@@ -51,9 +51,10 @@ def _plain_adamw_vs_one_process(cfg_dict: dict, steps: int = 3) -> dict:
     before = full_parameters(model)
     try:
         for step in range(steps):
-            common = dict(lr=lr_at(step, cfg), micro_batches=cfg.train.micro_batches)
-            train_step(model, opt, task, step, dp_rank=dp_rank, dp_size=dp_size, **common)
-            train_step(reference, ref_opt, task, step, **common)
+            lr = lr_at(step, cfg.optim, cfg.train)
+            train_step(model, opt, task, step, lr, StepSetup(dp_rank=dp_rank, dp_size=dp_size,
+                                                             micro_batches=cfg.train.micro_batches))
+            train_step(reference, ref_opt, task, step, lr, StepSetup(micro_batches=cfg.train.micro_batches))
     except RuntimeError as e:
         after = full_parameters(model)
         return {"error": str(e), "moved": max((after[n] - before[n]).abs().max().item() for n in before)}
@@ -93,7 +94,7 @@ def _masters_vs_fp32(precision: str, zero: int) -> dict:
     from shardlab.parallel.precision import fp32_source
     from shardlab.parallel.zero import ZeroDataParallel
     from shardlab.train.config import OptimSection
-    from shardlab.train.step import make_optimizer
+    from shardlab.train.step import StepSetup, make_optimizer
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Embedding(50, 12), nn.Linear(12, 12), nn.LayerNorm(12), nn.Linear(12, 5))

@@ -83,7 +83,7 @@ def test_wandb_offline_records_the_scalars_and_the_configuration(tmp_path, monke
     cfg = load_config(None, ["log.wandb=true", 'log.wandb_mode="offline"', "model.n_layer=3",
                              f'log.out_dir="{tmp_path / "run"}"'])
     cfg.validate()
-    w = MetricsWriter.for_run(cfg)
+    w = MetricsWriter.for_run(cfg.log, cfg.to_dict(), cfg.to_toml())
     for rec in RECORDS:
         w.write(rec)
     w.close()
@@ -109,7 +109,7 @@ def test_mlflow_local_store_records_the_scalars_parameters_and_config(tmp_path, 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     cfg = load_config(None, ["log.mlflow=true", "model.n_layer=3", f'log.out_dir="{tmp_path / "run"}"'])
     cfg.validate()
-    w = MetricsWriter.for_run(cfg)
+    w = MetricsWriter.for_run(cfg.log, cfg.to_dict(), cfg.to_toml())
     for rec in RECORDS:
         w.write(rec)
     w.close()

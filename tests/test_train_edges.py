@@ -80,7 +80,8 @@ def _bin(path, ids):
 
 def test_val_source_is_a_separate_validation_file(tmp_path):
     from shardlab.cli.train_checks import check_data_before_launch
-    from shardlab.train.task import build_task, build_model
+    from shardlab.train.task import build_model
+    from shardlab.train.resolve import resolve_run
 
     # Named .u8.bin: a raw id file must state its id type (docs/data.md).
     train = _bin(tmp_path / "train.u8.bin", np.arange(1000) % 100)  # ids 0..99
@@ -89,7 +90,7 @@ def test_val_source_is_a_separate_validation_file(tmp_path):
                              "train.global_batch=4", f'data.source="{train}"', f'data.val_source="{val}"'])
     cfg.validate()
     check_data_before_launch(cfg)
-    task = build_task(cfg, build_model(cfg.model, 256))
+    task = resolve_run(cfg).build_task(build_model(cfg.model, 256))
     x, _ = task.val.global_batch(0)
     assert x.min() >= 200
     assert task.global_batch(0)[0].max() < 100

@@ -92,11 +92,11 @@ def _bare(cfg_dict: dict[str, dict[str, Any]], steps: int) -> dict[str, int]:
     """nanoGPT's inner loop on the trainer's model, batches and AdamW hyper-parameters."""
     from shardlab.train.config import Config
     from shardlab.train.step import adamw_kwargs
-    from shardlab.train.task import build_task, prepare_model
+    from shardlab.train.resolve import resolve_run
 
     cfg = Config.from_dict(cfg_dict)
-    model = prepare_model(cfg)
-    task = build_task(cfg, model)
+    model = resolve_run(cfg).build_model()
+    task = resolve_run(cfg).build_task(model)
     opt = torch.optim.AdamW(model.parameters(), weight_decay=cfg.optim.weight_decay, **adamw_kwargs(cfg.optim))
     model(*task.batch(0, 0, 1)).backward()  # the first step (the optimizer's state made) is not counted,
     opt.step()                              # as the trainer's difference leaves its first steps out

@@ -23,8 +23,8 @@ from shardlab.parallel.layout import apply_layout, build_mesh
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.memory_tracker import MemoryTracker, storage_of
-from shardlab.train.step import lr_at, make_optimizer, train_step
-from shardlab.train.task import build_task, prepare_model
+from shardlab.train.step import StepHooks, StepSetup, lr_at, make_optimizer, train_step
+from shardlab.train.resolve import resolve_run
 
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -56,25 +56,25 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 
 def _measure(cfg: Config, device: torch.device) -> dict[str, Any]:
-    plain = prepare_model(cfg).to(device)
+    plain = resolve_run(cfg).build_model().to(device)
     psi = sum(p.numel() for p in plain.parameters())
     trainable = sum(p.numel() for p in plain.parameters() if p.requires_grad)
-    task = build_task(cfg, plain)
+    task = resolve_run(cfg).build_task(plain)
     mesh = build_mesh(cfg.layout)
     model = apply_layout(plain, cfg.layout, mesh)
     optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)
     kw = dict(dp_rank=mesh.local_rank("dp"), dp_size=cfg.layout.dp, micro_batches=cfg.train.micro_batches,
               grad_clip=cfg.optim.grad_clip, device=device)
-    train_step(model, optimizer, task, 0, lr=lr_at(0, cfg), **kw)  # creates the optimizer state
+    train_step(model, optimizer, task, 0, lr_at(0, cfg.optim, cfg.train), StepSetup(**kw))  # creates the optimizer state
     # Counted at two moments, and the larger total kept: when backward has finished (full gradients
     # of stages 0 and 1 still held) and when the gradients are final (the reduced shards of stages
     # 1 and 2 attached to the optimizer's pieces).
     seen: list[dict[str, int]] = []
     gc.collect()
     with MemoryTracker(device) as tracker:
-        train_step(model, optimizer, task, 1, lr=lr_at(1, cfg),
-                   after_backward=lambda: seen.append(held_bytes(model, optimizer)),
-                   before_update=lambda: seen.append(held_bytes(model, optimizer)), **kw)
+        count = lambda: seen.append(held_bytes(model, optimizer))  # noqa: E731
+        train_step(model, optimizer, task, 1, lr_at(1, cfg.optim, cfg.train), StepSetup(**kw),
+                   StepHooks(after_backward=count, before_update=count))
         synchronize(device)
     held = max(seen, key=lambda h: sum(h.values()))
     return {"psi": psi, "trainable": trainable, **held, "peak": tracker.peak_bytes}

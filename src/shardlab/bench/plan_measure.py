@@ -26,8 +26,8 @@ def measure_rank(cfg_dict: dict, steps: int = 5) -> dict[str, Any]:
     from shardlab.parallel.layout import apply_layout, build_mesh
     from shardlab.train.config import Config
     from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
-    from shardlab.train.step import lr_at, make_optimizer, train_step
-    from shardlab.train.task import build_task, prepare_model
+    from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
+    from shardlab.train.resolve import resolve_run
 
     # Tensors this process already holds (a long-lived test rank keeps earlier work's) are not the
     # layout's: counted now and taken off the peak.
@@ -36,16 +36,18 @@ def measure_rank(cfg_dict: dict, steps: int = 5) -> dict[str, Any]:
     cfg = Config.from_dict(cfg_dict)
     lay, t = cfg.layout, cfg.train
     device = torch.device("cpu")
-    plain = prepare_model(cfg)
-    task = build_task(cfg, plain)
+    plain = resolve_run(cfg).build_model()
+    task = resolve_run(cfg).build_task(plain)
     mesh = build_mesh(lay)
     dp_rank = mesh.local_rank("dp")
     model = apply_layout(plain, lay, mesh)
     optimizer = make_optimizer(model, cfg.optim, lay.precision)
 
+    setup = StepSetup(dp_rank=dp_rank, dp_size=lay.dp, micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
+                      device=device)
+
     def one(step: int) -> float:
-        res = train_step(model, optimizer, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=lay.dp,
-                         micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip, device=device)
+        res = train_step(model, optimizer, task, step, lr_at(step, cfg.optim, cfg.train), setup)
         synchronize(device)
         return res.seconds
 

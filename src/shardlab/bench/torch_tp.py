@@ -1,7 +1,7 @@
 """The yardstick of our tensor parallelism: torch's own (DTensor `parallelize_module`) on the same
 plain GPT, as close to our layout as torch's styles allow, and a counter of the collectives it issues.
 
-    model = torch_tensor_parallel(prepare_model(cfg), mesh, sequence_parallel=False)
+    model = torch_tensor_parallel(resolve_run(cfg).build_model(), mesh, sequence_parallel=False)
     opt = torch_optimizer(model, cfg.optim)
     loss = torch_train_step(model, opt, [(x, y)], lr=1e-3, grad_clip=1.0)   # micro-batches
 

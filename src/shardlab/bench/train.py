@@ -37,8 +37,9 @@ from torch.utils._pytree import tree_leaves
 from shardlab.dist.env import synchronize
 from shardlab.train.config import Config
 from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
-from shardlab.train.step import adamw_kwargs, decay_groups, lr_at, make_optimizer, train_step
-from shardlab.train.task import Task, build_task, prepare_model
+from shardlab.train.step import StepSetup, adamw_kwargs, decay_groups, lr_at, make_optimizer, train_step
+from shardlab.train.task import Task
+from shardlab.train.resolve import resolve_run
 
 DDP = "torch_ddp"
 DDP_VIEW = "torch_ddp_view"
@@ -155,34 +156,34 @@ def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, s
     cfg = Config.from_dict(cfg_dict)
     rank, n, device = dist.get_rank(), dist.get_world_size(), rank_device()
     t = cfg.train
-    model = prepare_model(cfg)
-    task = build_task(cfg, model)  # the data depend on the seed only: one task serves every variant
+    model = resolve_run(cfg).build_model()
+    task = resolve_run(cfg).build_task(model)  # the data depend on the seed only: one task serves every variant
     n_params = sum(p.numel() for p in model.parameters())
     del model
     drawn = DrawnBatches(task, warmup + steps, rank, n, t.micro_batches, device)
     # The benchmark's own data (pre-drawn batches, the MLP's teacher weights) is not any variant's memory.
     data = [*vars(task.train).values(), *vars(task.val).values(), *(x for b in drawn.batches.values() for x in b)]
     data_bytes = tensor_bytes(x for x in data if isinstance(x, torch.Tensor) and x.device == device)
-    step_kw = dict(dp_rank=rank, dp_size=n, micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
-                   skip_layer_every=cfg.model.skip_layer_every, device=device)
+    setup = StepSetup(dp_rank=rank, dp_size=n, micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
+                      skip_layer_every=cfg.model.skip_layer_every, device=device)
     times: dict[str, list[float]] = {v: [] for v in variants}
     peaks: dict[str, int] = {v: 0 for v in variants}
     for _ in range(reps):
         for variant in variants:
             gc.collect()  # the previous variant's model, buckets and optimizer state are gone
-            wrapped = _wrap(variant, prepare_model(cfg).to(device), cfg)
+            wrapped = _wrap(variant, resolve_run(cfg).build_model().to(device), cfg)
             optimizer = _optimizer(variant, wrapped, cfg)
             times[variant] += timed_steps(
-                lambda step, w=wrapped, o=optimizer: train_step(w, o, drawn, step, lr=lr_at(step, cfg), **step_kw),
+                lambda step, w=wrapped, o=optimizer: train_step(w, o, drawn, step, lr_at(step, cfg.optim, cfg.train), setup),
                 warmup, steps, device)
             held = _Collectives()
             if variant in (DDP, DDP_VIEW, TORCH_ZERO1) and device.type == "cpu":
                 with held:  # one more untimed step, to find DDP's buckets
-                    train_step(wrapped, optimizer, drawn, 0, lr=lr_at(0, cfg), **step_kw)
+                    train_step(wrapped, optimizer, drawn, 0, lr_at(0, cfg.optim, cfg.train), setup)
             gc.collect()
             dist.barrier()
             with MemoryTracker(device) as tracker:
-                train_step(wrapped, optimizer, task, warmup + steps, lr=lr_at(warmup + steps, cfg), **step_kw)
+                train_step(wrapped, optimizer, task, warmup + steps, lr_at(warmup + steps, cfg.optim, cfg.train), setup)
                 synchronize(device)
             peaks[variant] = max(peaks[variant], tracker.peak_bytes - data_bytes)
             del wrapped, optimizer, held

@@ -59,8 +59,9 @@ from shardlab.comm.autograd import count_comm
 from shardlab.dist.env import synchronize
 from shardlab.train.config import Config
 from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
-from shardlab.train.step import lr_at, make_optimizer, train_step
-from shardlab.train.task import Task, build_task, prepare_model
+from shardlab.train.step import StepHooks, StepSetup, lr_at, make_optimizer, train_step
+from shardlab.train.task import Task
+from shardlab.train.resolve import resolve_run
 
 TORCH_TP, TP, TORCH_TP_SP, TP_SP = "torch_tp", "tp", "torch_tp_sp", "tp_sp"
 WRONG_KV = "torch_tp_naive_kv"
@@ -120,7 +121,7 @@ def build(variant: str, s: Setup, n_layer: int | None = None) -> tuple[nn.Module
     from shardlab.parallel.layout import apply_layout
 
     cfg = s.cfg if n_layer is None else _with(s.cfg, n_layer=n_layer)
-    model = prepare_model(cfg).to(s.device)
+    model = resolve_run(cfg).build_model().to(s.device)
     if is_torch(variant):
         model = ttp.torch_tensor_parallel(model, s.torch_mesh, uses_sp(variant), permute_kv=variant != WRONG_KV)
         return model, ttp.torch_optimizer(model, cfg.optim)
@@ -138,11 +139,12 @@ def step(variant: str, model: nn.Module, opt: torch.optim.Optimizer, s: Setup, i
     """Step i (the trainer's: micro-batches, sync, clip, AdamW); this rank's mean loss."""
     c = s.cfg
     if is_torch(variant):
-        return ttp.torch_train_step(model, opt, s.batches(i), lr=lr_at(i, c), grad_clip=c.optim.grad_clip,
+        return ttp.torch_train_step(model, opt, s.batches(i), lr=lr_at(i, c.optim, c.train), grad_clip=c.optim.grad_clip,
                                     after_backward=after_backward)
-    return train_step(model, opt, s.drawn, i, lr=lr_at(i, c), dp_rank=s.dp_rank, dp_size=s.dp_size,
-                      micro_batches=c.train.micro_batches, grad_clip=c.optim.grad_clip, device=s.device,
-                      after_backward=after_backward).loss
+    setup = StepSetup(dp_rank=s.dp_rank, dp_size=s.dp_size, micro_batches=c.train.micro_batches,
+                      grad_clip=c.optim.grad_clip, device=s.device)
+    return train_step(model, opt, s.drawn, i, lr_at(i, c.optim, c.train), setup,
+                      StepHooks(after_backward=after_backward)).loss
 
 
 @torch.no_grad()
@@ -163,7 +165,7 @@ def check_losses(variants: list[str], s: Setup, rtol: float = RTOL) -> dict[str,
     """Step 0's loss and the step-1 batch's loss after it, for the plain model on the whole global
     batch and for every variant; raises LossMismatch (on every rank alike) when any differs."""
     c = s.cfg
-    plain = prepare_model(c).to(s.device)
+    plain = resolve_run(c).build_model().to(s.device)
     global_batch = DrawnBatches(s.task, 2, 0, 1, c.train.micro_batches, s.device)
     ref_setup = Setup(c, s.device, None, None, s.task, global_batch, 0, 1)
     opt = make_optimizer(plain, c.optim, c.layout.precision)
@@ -246,7 +248,7 @@ def _setup(cfg: Config, variants: list[str], steps: int) -> Setup:
 
         torch_mesh = init_device_mesh(device.type, (cfg.layout.tp,), mesh_dim_names=("tp",))
     dp_rank, dp_size = mesh.local_rank("dp"), cfg.layout.dp
-    task = build_task(cfg, prepare_model(cfg))
+    task = resolve_run(cfg).build_task(resolve_run(cfg).build_model())
     drawn = DrawnBatches(task, max(2, steps), dp_rank, dp_size, cfg.train.micro_batches, device)
     s = Setup(cfg, device, mesh, torch_mesh, task, drawn, dp_rank, dp_size)
     # The benchmark's own data (the corpus, the batches drawn in advance) is no variant's memory.
@@ -270,7 +272,7 @@ def tp_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, step
     other = depth - 1 if depth > 1 else 2  # a second depth, to tell the layers' traffic from the edges'
     counts = {v: {"layers": [depth, other], "at": [count_step(v, s, depth), count_step(v, s, other)]}
               for v in variants}
-    plain = prepare_model(cfg).to(s.device)
+    plain = resolve_run(cfg).build_model().to(s.device)
     memory = {"plain": activation_memory("plain", plain, s)}
     del plain
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -310,7 +312,7 @@ def tp_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, step
     dist.all_gather_object(every, {"peaks": peaks, "memory": memory, "phases": phases, "dispatch": dispatch})
     if rank != 0:
         return None
-    plain = prepare_model(cfg)
+    plain = resolve_run(cfg).build_model()
     return {
         "step_s": times,
         "peak_bytes": {v: [e["peaks"][v] for e in every] for v in variants},

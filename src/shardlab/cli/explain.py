@@ -76,11 +76,11 @@ def explain(cfg: Any, hardware: str) -> dict[str, Any]:
     from shardlab.parallel.sharding.derive import derive
     from shardlab.plan.comm import Group, collective_time, p2p_time
     from shardlab.plan.hardware import get_hardware
-    from shardlab.train.corpus import model_vocab
+    from shardlab.train.resolve import resolve_run
     from shardlab.train.task import empty_model
 
     lay, t = cfg.layout, cfg.train
-    model = empty_model(cfg.model, model_vocab(cfg) if cfg.model.name == "gpt" else 0)
+    model = empty_model(cfg.model, resolve_run(cfg).vocab)
     rows = max(1, t.global_batch // max(1, lay.dp * lay.ep * t.micro_batches))  # per batch rank (dp x ep)
     itemsize = 2 if lay.precision in ("bf16", "fp16") else 4
     plan = derive(model, rules_of(cfg.sharding), mesh_sizes(lay), rows=rows, itemsize=itemsize,

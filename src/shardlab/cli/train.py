@@ -237,10 +237,10 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     if ignored:
         raise ConfigError("flags this layout would ignore:\n  - " + "\n  - ".join(ignored))
     if cfg.model.name == "gpt" and not cfg.model.vocab_size:
-        from shardlab.train.corpus import model_vocab
+        from shardlab.train.resolve import resolve_run
 
         try:  # the data's vocabulary, padded for tp: what every rank and the dry run will build
-            cfg.model.vocab_size = model_vocab(cfg)
+            cfg.model.vocab_size = resolve_run(cfg).vocab
         except (OSError, ValueError, ImportError):
             pass  # validate() names the data source's problem
     return cfg
@@ -293,7 +293,8 @@ def run(args: argparse.Namespace) -> int:
     from shardlab.train.run_dir import RunDirError, claim_run_dir
 
     try:
-        lock = claim_run_dir(cfg.log.out_dir, str(checkpoint_dir(cfg)), bool(cfg.checkpoint.resume), args.overwrite)
+        lock = claim_run_dir(cfg.log.out_dir, str(checkpoint_dir(cfg.checkpoint, cfg.log.out_dir)),
+                             bool(cfg.checkpoint.resume), args.overwrite)
     except RunDirError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
@@ -354,7 +355,7 @@ def discard_partial_save(cfg) -> None:
     from shardlab.checkpoint.save import clear_leftovers
     from shardlab.train.loop import checkpoint_dir
 
-    root = checkpoint_dir(cfg)
+    root = checkpoint_dir(cfg.checkpoint, cfg.log.out_dir)
     if root.is_dir():
         clear_leftovers(root)
 
@@ -381,7 +382,7 @@ def dry_run(cfg) -> int:
 
     # FLOPs from the meta model's shapes; the peak is the one this machine's first device would use.
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    print("# " + run_flops(model, cfg, device).describe())
+    print("# " + run_flops(model, lay, cfg.model.seq_len, cfg.log.peak_tflops, device).describe())
     if lay.pp > 1:
         from shardlab.parallel.pipeline import plan_split
         from shardlab.parallel.pipeline.partition import layout_balance

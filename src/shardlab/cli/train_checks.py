@@ -102,22 +102,22 @@ def check_data_before_launch(cfg) -> None:
     cached), every id is checked against model.vocab_size (naming the id and the file), and a sample
     needs a tokenizer to be read. Raises ConfigError."""
     from shardlab.train.config import ConfigError
-    from shardlab.train.corpus import check_token_ids, corpus_tokenizer, resolve_data
-    from shardlab.train.task import load_corpus
+    from shardlab.train.corpus import check_token_ids, load_corpus
+    from shardlab.train.resolve import resolve_data, resolve_run
 
     if cfg.model.name != "gpt":
         return
     try:
         resolve_data(cfg)
+        run = resolve_run(cfg)
+        src, seq = run.data, cfg.model.seq_len
         # As the ranks will read it (a token file is memory-mapped, not read): a corpus too small for
         # the model's windows is refused here, not by every rank after the launch.
-        check_token_ids(cfg, load_corpus(cfg))
-        if cfg.data.val_source:  # every id of the validation file too, before any rank reads it
-            from shardlab.train.corpus import val_config
-            from shardlab.train.task import load_val_corpus
-
-            check_token_ids(val_config(cfg), load_val_corpus(cfg))
-        tokenizer = corpus_tokenizer(cfg)
+        check_token_ids(src, run.vocab, load_corpus(src, seq, split=not cfg.data.val_source))
+        val = src.val()
+        if val is not None:  # every id of the validation file too, before any rank reads it
+            check_token_ids(val, run.vocab, load_corpus(val, seq, split=False))
+        tokenizer = src.tokenizer
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(str(exc)) from exc
     if tokenizer is None and cfg.log.sample_tokens > 0:

@@ -140,10 +140,11 @@ class TokenFile:
         return p if p.is_absolute() else self.path.parent / p
 
 
-def read_token_file(path: str | os.PathLike[str]) -> TokenFile:
-    """Map a token file's ids and document offsets (nothing is read until it is indexed)."""
+def read_token_file(path: str | os.PathLike[str], header: TokenFileHeader | None = None) -> TokenFile:
+    """Map a token file's ids and document offsets (nothing is read until it is indexed). `header`:
+    the file's, when the caller has read it already (read_header): it is not read again."""
     path = Path(path)
-    h = read_header(path)
+    h = read_header(path) if header is None else header
 
     def mapped(dtype: Any, offset: int, n: int) -> np.ndarray:
         # np.memmap refuses a zero-length map.

@@ -165,15 +165,15 @@ def load_tokenizer(spec: str | os.PathLike[str] | dict[str, Any]) -> Tokenizer:
     raise ValueError(f"tokenizer {text!r}: neither a tokenizer.json (JSON) nor a tiktoken rank file")
 
 
-def token_file_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+def token_file_tokenizer(path: str | os.PathLike[str], header: Any = None) -> Tokenizer:
     """The tokenizer the token file `path` was made with, as its header names it (a relative path
     is relative to the file's directory), refused unless its sha256 is the one the header recorded:
     a tokenizer replaced since (another `data prepare` into the same directory, an edit) would
-    decode the ids into other text without an error."""
+    decode the ids into other text without an error. `header`: the file's, if already read."""
     from shardlab.data.tokenfile import read_header
 
     path = Path(path)
-    spec = dict(read_header(path).tokenizer)
+    spec = dict((header or read_header(path)).tokenizer)
     if spec.get("kind") == "bytes":
         return ByteTokenizer()
     if spec.get("path") and not Path(spec["path"]).expanduser().is_absolute():

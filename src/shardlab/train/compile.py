@@ -49,24 +49,27 @@ per function until its limit, and leave the linears eager.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from shardlab.comm.graph_break import prepare_graph_breaks
+from shardlab.models.fused_loss import ChunkedCrossEntropy
+from shardlab.models.gpt import GPT, Block, CrossEntropy, Embedding, Tokens
+from shardlab.models.mlp import DeepMLP
+from shardlab.models.moe import MoE
+from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.recompute import RecomputedBlock
-
-if TYPE_CHECKING:
-    from shardlab.train.config import Config
+from shardlab.train.sections import TrainSection
 
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 
-def compile_problems(cfg: Config) -> list[str]:
+def compile_problems(t: TrainSection, lay: LayoutSection) -> list[str]:
     """Why `train.compile` cannot run as configured (empty: it can)."""
-    t, lay = cfg.train, cfg.layout
     if not t.compile:
         return []
     out = []
@@ -85,9 +88,6 @@ def compile_problems(cfg: Config) -> list[str]:
 def compile_targets(model: nn.Module) -> list[nn.Module]:
     """The repeated units to compile: a GPT's Blocks (found by type, so a recomputing subclass too)
     and its MoE layers' experts, else the deep MLP's layers."""
-    from shardlab.models.gpt import Block
-    from shardlab.models.mlp import DeepMLP
-
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if blocks:
         # A mixture of experts' experts too: a MoE layer's forward runs as Python (models/moe.py),
@@ -104,10 +104,6 @@ def whole_model_target(model: nn.Module) -> nn.Module | None:
     whole: its class and swap points the model's own, no mixture of experts (data-dependent shapes)
     and no module hooks (ZeRO-3's gathers, [sharding]'s entry collectives run from them). None: compile
     the blocks instead."""
-    from shardlab.models.fused_loss import ChunkedCrossEntropy
-    from shardlab.models.gpt import GPT, CrossEntropy, Embedding, Tokens
-    from shardlab.models.moe import MoE
-
     gpt = next((m for m in model.modules() if isinstance(m, GPT)), None)
     if gpt is None or type(gpt) is not GPT:  # a tensor-parallel, derived or pipeline-chunk form
         return None
@@ -143,8 +139,6 @@ def compile_model(model: nn.Module, **compile_kwargs) -> nn.Module:
 def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
     """Compile `model`'s blocks' forwards in place (see the module docstring); returns `model`.
     `compile_kwargs` go to torch.compile (backend="aot_eager" in the CPU tests)."""
-    from shardlab.parallel.pipeline.stages import PipelineStage
-
     targets = compile_targets(model)
     # A pipeline stage may hold only the embedding or the head (pp 4 over 2 blocks): nothing to compile.
     if not targets and not any(isinstance(m, PipelineStage) for m in model.modules()):
@@ -164,7 +158,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
 def fresh_compile_state() -> None:
     """Forget every compiled frame and count from zero (verify's workers run many models in turn: a
     stale cache would count toward dynamo's recompilation limit), and make that limit an error."""
-    import torch._dynamo
+    import torch._dynamo  # dynamo takes seconds to import: only where compiling is asked for
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -178,7 +172,7 @@ def compile_stats() -> dict[str, int]:
     """What dynamo did in this process so far: graphs compiled and graph breaks taken (the places it
     ran Python, e.g. a collective); `verify` reports them, so a layout that silently stopped
     compiling shows 0 graphs."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # as in fresh_compile_state: only where compiling is asked for
 
     return {"graphs": int(counters["stats"]["unique_graphs"]),
             "graph_breaks": int(sum(counters["graph_break"].values()))}

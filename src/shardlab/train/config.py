@@ -17,7 +17,6 @@ field).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.sharding.section import ShardingSection
+from shardlab.train.config_check import problems as find_problems
 from shardlab.train.sections import (
     CheckpointSection, DataSection, LogSection, ModelSection, OptimSection, TrainSection,
 )
@@ -108,15 +108,18 @@ class Config:
         lay = self.layout
         return lay.pp * lay.dp * lay.ep * lay.cp * lay.tp
 
+    def problems(self) -> list[str]:
+        """Every reason this configuration cannot run, each naming its fields and values (empty: it can):
+        train/config_check.py's rules, each given the sections it reads."""
+        return find_problems(**{name: getattr(self, name) for name in SECTIONS})
+
     def validate(self, world_size: int | None = None) -> None:
         """Raise ConfigError listing every problem, each naming the fields and values involved.
 
         world_size: the ranks actually available (under torchrun); None for a local launch, which
         starts exactly the ranks the layout needs.
         """
-        from shardlab.train.config_check import problems as find_problems
-
-        problems = find_problems(self)
+        problems = self.problems()
         if world_size is not None and world_size != self.world_size:
             degrees = " x ".join([f"layout.dp = {self.layout.dp}"]
                                  + [f"layout.{k} = {getattr(self.layout, k)}" for k in ("tp", "pp", "cp", "ep")
@@ -126,8 +129,7 @@ class Config:
             raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
     def frozen(self, parameter_name: str) -> bool:
-        patterns = [p.strip() for p in self.model.freeze.split(",") if p.strip()]
-        return any(fnmatch.fnmatchcase(parameter_name, p) for p in patterns)
+        return self.model.frozen(parameter_name)
 
 
 # ---------------------------------------------------------------------------------- values

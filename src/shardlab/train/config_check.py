@@ -1,28 +1,45 @@
 """The rules a run configuration must satisfy (train/config.py's `Config.validate` applies them):
 each broken rule becomes one message naming the fields and the values that do not fit, and all are
-reported at once, before any rank starts.
+reported at once, before any rank starts. Each check takes the sections it reads, never the whole
+configuration (this module sits below train/config.py, which calls it).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+import os
+import re
+from pathlib import Path
 
-if TYPE_CHECKING:
-    from shardlab.train.config import Config
+from shardlab.checkpoint.format import CheckpointError, read_metadata
+from shardlab.comm.algorithms import ALGORITHMS
+from shardlab.models.gpt_config import LOSSES, MLPS, NORMS
+from shardlab.parallel.context.zigzag import split_problems
+from shardlab.parallel.data import MODES
+from shardlab.parallel.layout import MESH_AXES, uses_tensor_parallel
+from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.pipeline.partition import layout_balance, stage_layer_problems
+from shardlab.parallel.pipeline.schedules import KINDS, compute_order
+from shardlab.parallel.pipeline.stages import model_pieces, plan_split
+from shardlab.parallel.recompute import MODES as RECOMPUTE
+from shardlab.parallel.sharding.section import ShardingSection
+from shardlab.parallel.tensor import PLAN_NAMES, check_plan, named_plan
+from shardlab.train.compile import compile_problems
+from shardlab.train.corpus import DataSource, data_problems, model_vocab
+from shardlab.train.sections import (
+    CheckpointSection, DataSection, LogSection, ModelSection, OptimSection, TrainSection,
+)
+from shardlab.train.sharding_check import sharding_problems
+from shardlab.train.task import meta_model
+from shardlab.train.trackers import tracker_problems
 
 
-def problems(cfg: Config) -> list[str]:
-    """Every reason `cfg` cannot run, each naming its fields and values (empty: it can)."""
-    from shardlab.comm.algorithms import ALGORITHMS
-    from shardlab.models.gpt_config import LOSSES, MLPS, NORMS
-    from shardlab.parallel.data import MODES
-    from shardlab.parallel.layout import uses_tensor_parallel
-    from shardlab.parallel.pipeline.schedules import KINDS
-    from shardlab.parallel.tensor import PLAN_NAMES
-    from shardlab.train.compile import compile_problems
-
-    m, t, o, lay, d = cfg.model, cfg.train, cfg.optim, cfg.layout, cfg.data
+def problems(*, model: ModelSection, data: DataSection, optim: OptimSection, train: TrainSection,
+             layout: LayoutSection, log: LogSection, checkpoint: CheckpointSection,
+             sharding: ShardingSection) -> list[str]:
+    """Every reason the configuration of these sections cannot run, each naming its fields and values
+    (empty: it can)."""
+    m, t, o, lay, d = model, train, optim, layout, data
     out: list[str] = []
 
     def positive(name: str, value: float) -> None:
@@ -64,15 +81,12 @@ def problems(cfg: Config) -> list[str]:
     if not 0.0 < d.val_fraction < 1.0:
         out.append(f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
     if d.source not in ("", "stdlib") and not any(ch in d.source for ch in "*?["):
-        import os
-
         if not os.path.exists(os.path.expanduser(d.source)):
             out.append(f"data.source = {d.source!r} does not exist")
     if d.max_bytes < 0:
         out.append(f"data.max_bytes = {d.max_bytes} must be >= 0")
-    from shardlab.train.corpus import data_problems
-
-    out.extend(data_problems(cfg))
+    src = DataSource(d)
+    out.extend(data_problems(m, src, lay.tp))
     positive("optim.lr", o.lr)
     if not 0.0 <= o.min_lr <= o.lr:
         out.append(f"optim.min_lr = {o.min_lr} must be in [0, optim.lr = {o.lr}]")
@@ -108,52 +122,56 @@ def problems(cfg: Config) -> list[str]:
             f"train.global_batch = {t.global_batch} is not divisible by layout.dp = {lay.dp} x "
             f"train.micro_batches = {t.micro_batches} = {lay.dp * t.micro_batches}"
         )
-    if cfg.log.sample_temperature <= 0:
-        out.append(f"log.sample_temperature = {cfg.log.sample_temperature} must be positive")
-    from shardlab.train.trackers import tracker_problems
-
-    out += tracker_problems(cfg.log)
+    if log.sample_temperature <= 0:
+        out.append(f"log.sample_temperature = {log.sample_temperature} must be positive")
+    out += tracker_problems(log)
     positive("layout.tp", lay.tp)
     one_of("layout.tp_plan", lay.tp_plan, PLAN_NAMES)
     model_ok = not any(p.startswith("model.") for p in out)
-    if cfg.sharding.active():  # derived sharding replaces tp_plan and sp (train/sharding_check.py)
-        from shardlab.train.sharding_check import sharding_problems
-
-        out += sharding_problems(cfg, model_ok)
+    if sharding.active():  # derived sharding replaces tp_plan and sp (train/sharding_check.py)
+        out += sharding_problems(sharding, lay, m, t, _vocab(m, src, lay.tp), model_ok)
         if m.loss == "chunked":
             out.append("model.loss = 'chunked' with [sharding] rules: the derived head runs its own collectives "
                        "(its input's, the logits' gather), which a loss fused with the head would skip; use "
                        "model.loss = 'full', or layout.tp without [sharding] (its vocabulary-parallel loss is chunked)")
     elif lay.tp > 0 and uses_tensor_parallel(lay):
-        out += tensor_parallel_problems(cfg, model_ok)
+        out += tensor_parallel_problems(lay, m, t, _vocab(m, src, lay.tp), model_ok)
     positive("layout.pp", lay.pp)
     one_of("layout.schedule", lay.schedule, KINDS)
     positive("layout.virtual_stages", lay.virtual_stages)
     if lay.pp > 1 and lay.virtual_stages > 0 and lay.schedule in KINDS:
-        out += pipeline_problems(cfg, model_ok)
+        out += pipeline_problems(lay, m, t, model_ok)
     elif lay.pp == 1 and lay.virtual_stages > 1:
         out.append(f"layout.virtual_stages = {lay.virtual_stages} splits each pipeline rank's layers into chunks, "
                    f"but layout.pp = 1: there is no pipeline (set layout.pp > 1 or layout.virtual_stages = 1)")
     if lay.pp == 1 and lay.stage_layers:
         out.append(f"layout.stage_layers = {list(lay.stage_layers)} splits the layers over pipeline stages, but "
                    f"layout.pp = 1: there is no pipeline (set layout.pp > 1 or layout.stage_layers = [])")
-    out += mesh_problems(cfg)
-    out += context_parallel_problems(cfg)
-    out += expert_problems(cfg)
-    out += checkpoint_problems(cfg)
-    out += recompute_problems(cfg)
-    out += compile_problems(cfg)
+    out += mesh_problems(lay, t)
+    out += context_parallel_problems(lay, m)
+    out += expert_problems(m, lay)
+    out += checkpoint_problems(checkpoint, t.steps)
+    out += recompute_problems(lay, m)
+    out += compile_problems(t, lay)
     if m.vocab_size < 0:
         out.append(f"model.vocab_size = {m.vocab_size} must be >= 0 (0: the data's)")
     return out
 
 
-def mesh_problems(cfg: Config) -> list[str]:
+def _vocab(m: ModelSection, src: DataSource, tp: int) -> int | None:
+    """The GPT's vocabulary as the run will resolve it (0 for the MLP); None when the data cannot say
+    (data_problems names why)."""
+    if m.name != "gpt":
+        return 0
+    try:
+        return model_vocab(m.vocab_size, src, tp)
+    except (OSError, ValueError, ImportError):
+        return None
+
+
+def mesh_problems(lay: LayoutSection, t: TrainSection) -> list[str]:
     """The mesh: cp and ep degrees, mesh_order a permutation of the five axes, nodes dividing the
     world size, and the global batch splitting over the dp x ep batch ranks."""
-    from shardlab.parallel.layout import MESH_AXES
-
-    lay, t = cfg.layout, cfg.train
     out: list[str] = []
     for name in ("cp", "ep", "nodes"):
         if getattr(lay, name) <= 0:
@@ -162,7 +180,7 @@ def mesh_problems(cfg: Config) -> list[str]:
     if sorted(order) != sorted(MESH_AXES):
         out.append(f"layout.mesh_order = {lay.mesh_order!r} must name each of {', '.join(MESH_AXES)} once "
                    f"(outermost first), e.g. {','.join(MESH_AXES)!r}")
-    world = cfg.world_size
+    world = lay.pp * lay.dp * lay.ep * lay.cp * lay.tp
     if lay.nodes > 0 and world > 0 and world % lay.nodes:
         out.append(f"layout.nodes = {lay.nodes} does not divide the world size {world} (= layout.pp x dp x ep x cp x "
                    f"tp = {lay.pp} x {lay.dp} x {lay.ep} x {lay.cp} x {lay.tp}): every node holds the same number of ranks")
@@ -173,12 +191,9 @@ def mesh_problems(cfg: Config) -> list[str]:
     return out
 
 
-def context_parallel_problems(cfg: Config) -> list[str]:
+def context_parallel_problems(lay: LayoutSection, m: ModelSection) -> list[str]:
     """layout.cp > 1: the GPT's sequences split in zigzag chunks over the cp ranks (parallel/context),
     alone or with data parallelism and ZeRO; what it is not combined with yet is refused here."""
-    from shardlab.parallel.context.zigzag import split_problems
-
-    lay, m = cfg.layout, cfg.model
     if lay.cp <= 1:
         return []
     where = f"layout.cp = {lay.cp}"
@@ -197,57 +212,47 @@ def context_parallel_problems(cfg: Config) -> list[str]:
     return out
 
 
-def recompute_problems(cfg: Config) -> list[str]:
+def recompute_problems(lay: LayoutSection, m: ModelSection) -> list[str]:
     """layout.recompute: a known mode, and not combined with what would recompute wrongly."""
-    from shardlab.parallel.recompute import MODES as RECOMPUTE
-
-    lay, out = cfg.layout, []
+    out: list[str] = []
     if lay.recompute not in RECOMPUTE:
         return [f"layout.recompute = {lay.recompute!r} must be one of {', '.join(map(repr, RECOMPUTE))}"]
     if lay.recompute == "none":
         return out
     what = f"layout.recompute = {lay.recompute!r}"
-    if cfg.model.name == "mlp" and lay.recompute == "selective":
+    if m.name == "mlp" and lay.recompute == "selective":
         out.append(f"{what} with model.name = 'mlp': selective recomputation redoes the attention core, and the "
                    f"deep MLP has none (use 'full': its layers in checkpointed pairs)")
     return out
 
 
-def checkpoint_problems(cfg: Config) -> list[str]:
-    """The [checkpoint] section: counts non-negative; a named checkpoint must be a complete one."""
-    ck, out = cfg.checkpoint, []
+def checkpoint_problems(ck: CheckpointSection, steps: int) -> list[str]:
+    """The [checkpoint] section: counts non-negative; a named checkpoint must be a complete one, not
+    past train.steps (`steps`)."""
+    out: list[str] = []
     for name in ("every", "keep"):
         if getattr(ck, name) < 0:
             out.append(f"checkpoint.{name} = {getattr(ck, name)} must be >= 0")
     if ck.resume not in ("", "latest"):
-        from pathlib import Path
-
         if not (Path(ck.resume).expanduser() / "metadata.json").is_file():
             out.append(f"checkpoint.resume = {ck.resume!r} is not a checkpoint directory (no metadata.json there); "
                        f"use 'latest' for the newest under checkpoint.dir")
         else:
-            from shardlab.checkpoint.format import CheckpointError, read_metadata
-
             try:  # found here, not by every rank after the launch (the ranks check its files)
                 step = read_metadata(Path(ck.resume).expanduser()).step
             except CheckpointError as exc:
                 step = None
                 out.append(f"checkpoint.resume = {ck.resume!r} cannot be resumed from: {exc}")
-            if step is not None and step > cfg.train.steps:
+            if step is not None and step > steps:
                 out.append(f"checkpoint.resume = {ck.resume!r} is at step {step}, past train.steps = "
-                           f"{cfg.train.steps}: raise train.steps to continue from it")
+                           f"{steps}: raise train.steps to continue from it")
     return out
 
 
-def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
+def pipeline_problems(lay: LayoutSection, m: ModelSection, t: TrainSection, model_ok: bool = True) -> list[str]:
     """What keeps the pipeline layout from running: the schedule's own rules (interleaving), the
     split (every chunk needs one of the model's pieces), and what a stage cannot be combined with
     yet, each with the reason."""
-    from shardlab.parallel.pipeline.schedules import compute_order
-    from shardlab.parallel.pipeline.stages import model_pieces
-    from shardlab.train.task import meta_model
-
-    m, lay, t = cfg.model, cfg.layout, cfg.train
     p, v, kind, mb = lay.pp, lay.virtual_stages, lay.schedule, t.micro_batches
     where = f"layout.pp = {p}"
     out: list[str] = []
@@ -267,8 +272,6 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
             out.append(f"layout.schedule = {kind!r} at {where}, train.micro_batches = {mb}, layout.virtual_stages = "
                        f"{v}: {exc}")
     if lay.stage_layers and model_ok:
-        from shardlab.parallel.pipeline.partition import stage_layer_problems
-
         out += [f"layout.stage_layers = {list(lay.stage_layers)} (model.n_layer = {m.n_layer}, {where} x "
                 f"layout.virtual_stages = {v}): {why}" for why in stage_layer_problems(lay.stage_layers, m.n_layer, p * v)]
     if model_ok:
@@ -279,9 +282,6 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
             out.append(f"{where} x layout.virtual_stages = {v} = {p * v} chunks, but the {m.name} has only "
                        f"{len(pieces)} pieces to split ({what}): every chunk needs at least one")
     if model_ok and (lay.tp > 1 or lay.sp) and m.name == "mlp" and lay.tp_plan == "megatron" and m.n_layer > 1:
-        from shardlab.parallel.pipeline.partition import layout_balance
-        from shardlab.parallel.pipeline.stages import plan_split
-
         model = meta_model(m)
         sizes = (plan_split(model, p, v, layout_balance(model, p, v, lay.stage_layers)).sizes
                  if p * v <= len(pieces) else [])
@@ -304,17 +304,12 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
 _PLAN_PROBLEMS: dict[tuple, list[str]] = {}   # check_plan's answers per (model, vocab, plan, tp, sp)
 
 
-def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
+def tensor_parallel_problems(lay: LayoutSection, m: ModelSection, t: TrainSection, vocab: int | None,
+                             model_ok: bool = True) -> list[str]:
     """What keeps the tensor-parallel plan from fitting: the plan checked on the model built on the
     meta device (no memory; `check_plan` needs no process group), with each module's message tied
-    to the fields that size it; and what the trainer cannot yet do under tensor parallelism."""
-    import re
-
-    from shardlab.parallel.tensor import check_plan, named_plan
-    from shardlab.train.corpus import model_vocab
-    from shardlab.train.task import meta_model
-
-    m, lay, t = cfg.model, cfg.layout, cfg.train
+    to the fields that size it; and what the trainer cannot yet do under tensor parallelism. `vocab`:
+    the GPT's resolved vocabulary (None: the data cannot say; data_problems names why)."""
     where = f"layout.tp = {lay.tp}{' with layout.sp' if lay.sp else ''}"
     out: list[str] = []
     plan_ok = lay.tp_plan == "megatron" or (lay.tp_plan == "lecture" and m.name == "mlp")
@@ -338,12 +333,8 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
             out.append(f"layout.sp splits the mlp's rows over layout.tp = {lay.tp}, but each micro-batch has "
                        f"train.global_batch = {t.global_batch} / (layout.dp = {lay.dp} x train.micro_batches = "
                        f"{t.micro_batches}) = {rows} rows")
-    if not (model_ok and plan_ok):
+    if not (model_ok and plan_ok) or vocab is None:  # a vocabulary of None: data_problems names the source
         return out
-    try:
-        vocab = model_vocab(cfg) if m.name == "gpt" else 0
-    except (OSError, ValueError, ImportError):
-        return out  # data_problems names the source
     model = meta_model(m, vocab)
     rows = f"model.vocab_size = {vocab}" + (" (from the data)" if not m.vocab_size else "")
     hints = {
@@ -368,10 +359,9 @@ def tensor_parallel_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     return out
 
 
-def expert_problems(cfg: Config) -> list[str]:
+def expert_problems(m: ModelSection, lay: LayoutSection) -> list[str]:
     """Mixture of experts (model.experts) and expert parallelism (layout.ep): what the MoE and its
     expert-parallel form support today (docs/expert-parallel.md)."""
-    m, lay = cfg.model, cfg.layout
     out: list[str] = []
     if m.experts < 0:
         out.append(f"model.experts = {m.experts} must be >= 0")

@@ -1,8 +1,11 @@
 """What the data tells the model: its vocabulary, its tokenizer, and the checks made before launch.
 
-    resolve_data(cfg)    # before launch: prepare text for a non-byte tokenizer (cached), set model.vocab_size
-    check_token_ids(cfg) # before launch: refuse ids past model.vocab_size, naming the id and the file
-    corpus_tokenizer(cfg)  # on the ranks: the tokenizer samples are decoded with
+    src = DataSource(cfg.data)      # data.source: its kind decided, a token file's header read once
+    src.kind, src.vocab, src.tokenizer  # 'text' | 'tokens' | 'bin'; the data's own vocabulary; its tokenizer
+    encode_text(cfg.data)           # before launch: text for a non-byte tokenizer -> a token file (cached)
+    check_token_ids(src, vocab)     # before launch: refuse ids past the model's vocabulary, naming the id and file
+
+train/resolve.py calls these once per process and hands the decided values down (its `Run`).
 
 Sources, by what they hold:
   text    'stdlib', a directory, a glob or a text file: bytes with data.tokenizer = 'bytes' (read
@@ -24,18 +27,22 @@ evenly over the tp ranks and the matrices keep GPU-friendly shapes. The padded r
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
+from shardlab.data.prepare import prepare
 from shardlab.data.rawbin import RawBinFormat, raw_bin_format
-from shardlab.data.tokenfile import is_token_file, read_header, read_token_file
-from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_file_tokenizer
-from shardlab.train.config import Config
+from shardlab.data.sources import expand_sources
+from shardlab.data.tokenfile import TokenFileHeader, is_token_file, read_header, read_token_file
+from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, file_digest, load_tokenizer, token_file_tokenizer
+from shardlab.train.batches import load_tokens
+from shardlab.train.sections import DataSection, ModelSection
 
 BYTE_VOCAB = 256
 
@@ -46,84 +53,151 @@ def padded_vocab(vocab: int, tp: int = 1, multiple: int = 64) -> int:
     return -(-vocab // step) * step
 
 
-def _source_path(cfg: Config) -> Path | None:
-    src = cfg.data.source
-    if src in ("", "stdlib"):
-        return None
-    path = Path(src).expanduser()
-    return path if path.is_file() else None
+@dataclass(frozen=True, eq=False)
+class DataSource:
+    """One source of ids as the run reads it: data.source (or, `val()`, data.val_source read the same way:
+    its kind, data.token_dtype, data.vocab_size, tokenizer). Each fact is decided once, when first asked
+    (a token file's header is read once), and every later question gets the same answer."""
+
+    section: DataSection
+    field: str = "data.source"
+    """The configuration key that names this source, for messages."""
+
+    @property
+    def spec(self) -> str:
+        """The source as configured ('stdlib', a path, a glob)."""
+        return self.section.val_source if self.field == "data.val_source" else self.section.source
+
+    @cached_property
+    def path(self) -> Path | None:
+        """The source's file, when it names one (None: stdlib, a directory, a glob)."""
+        if self.spec in ("", "stdlib"):
+            return None
+        path = Path(self.spec).expanduser()
+        return path if path.is_file() else None
+
+    @cached_property
+    def kind(self) -> str:
+        """'tokens' (a token file), 'bin' (raw ids) or 'text' (anything read as text)."""
+        if self.path is not None and is_token_file(self.path):
+            return "tokens"
+        if self.path is not None and self.path.suffix == ".bin":
+            return "bin"
+        return "text"
+
+    @cached_property
+    def header(self) -> TokenFileHeader:
+        """A token file's header (ValueError naming the file when it is damaged)."""
+        assert self.path is not None and self.kind == "tokens", f"{self.field} = {self.spec!r} is not a token file"
+        return read_header(self.path)
+
+    @cached_property
+    def raw(self) -> RawBinFormat:
+        """A raw .bin's id type and vocabulary, from what the configuration, the file's name, a nanoGPT
+        meta.pkl beside it and data.tokenizer state (data/rawbin.py); ValueError naming the file and the
+        fields when nothing does or two disagree."""
+        d = self.section
+        tok_vocab = load_tokenizer(d.tokenizer).vocab_size if d.tokenizer not in ("", "bytes", "bpe") else 0
+        return raw_bin_format(self.path, token_dtype=d.token_dtype or None, vocab_size=d.vocab_size,
+                              tokenizer_vocab=tok_vocab,
+                              names={"token_dtype": "data.token_dtype", "vocab_size": "data.vocab_size",
+                                     "tokenizer": f"data.tokenizer = {d.tokenizer!r}"})
+
+    @cached_property
+    def vocab(self) -> int:
+        """The data's own vocabulary (unpadded), read from headers and tokenizer files only: cheap."""
+        d, kind = self.section, self.kind
+        if kind == "tokens":
+            return self.header.vocab_size
+        if kind == "bin":
+            layout = self.raw
+            if not layout.vocab_size:
+                raise ValueError(f"data.source = {self.spec!r} holds raw {layout.dtype.name} ids but no vocabulary: "
+                                 f"set data.vocab_size (e.g. 50257 for GPT-2's) or make a token file with `shardlab "
+                                 f"data prepare`")
+            return layout.vocab_size
+        if d.tokenizer in ("", "bytes"):
+            return BYTE_VOCAB
+        if d.tokenizer == "bpe":
+            return d.bpe_vocab
+        return load_tokenizer(d.tokenizer).vocab_size
+
+    @property
+    def is_bytes(self) -> bool:
+        """Text read as bytes, one id each (no tokenizer to run)."""
+        return self.kind == "text" and self.section.tokenizer in ("", "bytes")
+
+    @cached_property
+    def has_containers(self) -> bool:
+        """Whether a text source names JSONL or Parquet files: their records, not their bytes, are the
+        text, so they are prepared (parsed) as `shardlab data prepare` does, whatever the tokenizer."""
+        if self.spec in ("", "stdlib") or self.kind != "text":
+            return False
+        return any(u.kind != "text" for u in expand_sources([self.spec], self.section.max_bytes or None))
+
+    @property
+    def needs_preparing(self) -> bool:
+        """A text source the ranks cannot read as bytes: a tokenizer other than bytes, or containers."""
+        return self.kind == "text" and (self.section.tokenizer not in ("", "bytes") or self.has_containers)
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer the corpus was made with (to encode prompts and decode samples), or None when a
+        raw id file names none (data.tokenizer)."""
+        d = self.section
+        if self.kind == "tokens":
+            return token_file_tokenizer(self.path, self.header)  # refused if not the one the header records
+        if d.tokenizer not in ("", "bytes", "bpe"):
+            return load_tokenizer(d.tokenizer)
+        if self.kind == "bin" and self.vocab > BYTE_VOCAB:
+            return None
+        return ByteTokenizer()
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        """Bytes of text one token stands for on average: 1 for byte-level text, a token file's
+        text_bytes / count; None where unknown (a raw id file)."""
+        if self.kind == "tokens":
+            h = self.header
+            return h.text_bytes / h.count if h.count and h.text_bytes else None
+        return 1.0 if self.is_bytes else None
+
+    def val(self) -> DataSource | None:
+        """data.val_source, read exactly as this source is (None: none is set)."""
+        return DataSource(self.section, "data.val_source") if self.section.val_source else None
 
 
-def source_kind(cfg: Config) -> str:
-    """'tokens' (a token file), 'bin' (raw ids) or 'text' (anything read as text)."""
-    path = _source_path(cfg)
-    if path is not None and is_token_file(path):
-        return "tokens"
-    if path is not None and path.suffix == ".bin":
-        return "bin"
-    return "text"
+def model_vocab(vocab_size: int, src: DataSource, tp: int) -> int:
+    """model.vocab_size (`vocab_size`), or the data's vocabulary padded for layout.tp when it is 0."""
+    return vocab_size or padded_vocab(src.vocab, tp)
 
 
-def raw_layout(cfg: Config) -> RawBinFormat:
-    """A raw .bin's id type and vocabulary, from what the configuration, the file's name, a nanoGPT
-    meta.pkl beside it and data.tokenizer state (data/rawbin.py); ValueError naming the file and the
-    fields when nothing does or two disagree."""
-    d = cfg.data
-    tok_vocab = load_tokenizer(d.tokenizer).vocab_size if d.tokenizer not in ("", "bytes", "bpe") else 0
-    return raw_bin_format(_source_path(cfg), token_dtype=d.token_dtype or None, vocab_size=d.vocab_size,
-                          tokenizer_vocab=tok_vocab,
-                          names={"token_dtype": "data.token_dtype", "vocab_size": "data.vocab_size",
-                                 "tokenizer": f"data.tokenizer = {d.tokenizer!r}"})
+def load_corpus(src: DataSource, seq_len: int, split: bool) -> np.ndarray:
+    """The ids of `src`. split: the validation split is this corpus's tail, so both parts need a window."""
+    d = src.section
+    source = None if src.spec in ("", "stdlib") else src.spec
+    # Enough tokens that both splits (or the one corpus) hold at least one window.
+    min_tokens = int((seq_len + 2) / min(d.val_fraction, 1 - d.val_fraction)) + 1 if split else seq_len + 2
+    dtype = src.raw.dtype if src.kind == "bin" else None
+    if src.kind == "tokens":  # memory-mapped with the header already read; data.max_bytes caps bytes of ids
+        tokens = read_token_file(src.path, src.header).tokens
+        tokens = tokens[: d.max_bytes // tokens.dtype.itemsize] if d.max_bytes else tokens
+    elif d.max_bytes:
+        tokens = load_tokens(source, max_bytes=d.max_bytes, token_dtype=dtype, min_tokens=0)
+    else:
+        tokens = load_tokens(source, token_dtype=dtype, min_tokens=0)
+    if len(tokens) < min_tokens:  # named in the fields that set both numbers, not in load_tokens' terms
+        capped = f" (read up to data.max_bytes = {d.max_bytes:,})" if 0 < d.max_bytes <= tokens.nbytes else ""
+        where = (f"in both the training and the validation split (data.val_fraction = {d.val_fraction})"
+                 if split else "")
+        raise ValueError(f"{src.field} = {src.spec!r} holds {len(tokens):,} tokens{capped}, fewer than the "
+                         f"{min_tokens:,} needed for a window of model.seq_len = {seq_len} tokens and its "
+                         f"targets {where}: use more data or a shorter model.seq_len".replace(" :", ":"))
+    return tokens
 
 
-def bin_dtype(cfg: Config) -> np.dtype:
-    """The stored dtype of a raw .bin (raw_layout)."""
-    return raw_layout(cfg).dtype
-
-
-def has_containers(cfg: Config) -> bool:
-    """Whether a text source names JSONL or Parquet files: their records, not their bytes, are the
-    text, so they are prepared (parsed) as `shardlab data prepare` does, whatever the tokenizer."""
-    from shardlab.data.sources import expand_sources
-
-    if cfg.data.source in ("", "stdlib") or source_kind(cfg) != "text":
-        return False
-    return any(u.kind != "text" for u in expand_sources([cfg.data.source], cfg.data.max_bytes or None))
-
-
-def needs_preparing(cfg: Config) -> bool:
-    """A text source the ranks cannot read as bytes: a tokenizer other than bytes, or containers."""
-    return source_kind(cfg) == "text" and (cfg.data.tokenizer not in ("", "bytes") or has_containers(cfg))
-
-
-def data_vocab(cfg: Config) -> int:
-    """The data's own vocabulary (unpadded), read from headers and tokenizer files only: cheap."""
-    d, kind = cfg.data, source_kind(cfg)
-    if kind == "tokens":
-        return read_header(_source_path(cfg)).vocab_size
-    if kind == "bin":
-        layout = raw_layout(cfg)
-        if not layout.vocab_size:
-            raise ValueError(f"data.source = {d.source!r} holds raw {layout.dtype.name} ids but no vocabulary: set "
-                             f"data.vocab_size (e.g. 50257 for GPT-2's) or make a token file with `shardlab data prepare`")
-        return layout.vocab_size
-    if d.tokenizer in ("", "bytes"):
-        return BYTE_VOCAB
-    if d.tokenizer == "bpe":
-        return d.bpe_vocab
-    return load_tokenizer(d.tokenizer).vocab_size
-
-
-def model_vocab(cfg: Config) -> int:
-    """model.vocab_size, or the data's vocabulary padded for layout.tp when it is 0."""
-    return cfg.model.vocab_size or padded_vocab(data_vocab(cfg), cfg.layout.tp)
-
-
-def prepared_path(cfg: Config) -> Path:
+def prepared_path(d: DataSection) -> Path:
     """Where a text source encoded with a non-byte tokenizer is cached: named by what made it."""
-    from shardlab.data.sources import expand_sources
-
-    d = cfg.data
     units = expand_sources([d.source or "stdlib"], d.max_bytes or None)
     tok = f"bpe{d.bpe_vocab}" if d.tokenizer == "bpe" else Path(d.tokenizer or "bytes").name
     key = {"units": [(u.path, u.size, u.mtime_ns) for u in units], "tokenizer": d.tokenizer,
@@ -131,8 +205,6 @@ def prepared_path(cfg: Config) -> Path:
     if any(u.kind != "text" for u in units):
         key["field"] = d.jsonl_field  # another field is another text
     if d.tokenizer not in ("", "bytes", "bpe"):
-        from shardlab.data.tokenizer import file_digest
-
         key["sha256"] = file_digest(Path(d.tokenizer).expanduser())  # another file under the same name
     key = json.dumps(key, sort_keys=True)
     stem = Path(d.source).stem if d.source not in ("", "stdlib") else "stdlib"
@@ -140,94 +212,82 @@ def prepared_path(cfg: Config) -> Path:
     return Path(d.cache_dir).expanduser() / f"{stem or 'corpus'}-{tok}-{digest}.tok"
 
 
-def resolve_data(cfg: Config, progress: bool = True) -> None:
-    """Before launch, in one process: a text source with a tokenizer other than bytes is encoded into
-    a token file (once; later runs find it under data.cache_dir) and becomes data.source; then
-    model.vocab_size is set from the data when 0. The ranks then all read the same file."""
-    d = cfg.data
-    adopt_hf_tokenizer(cfg)
-    if needs_preparing(cfg):
-        import fcntl
+def encode_text(d: DataSection, progress: bool = True) -> None:
+    """A text source the ranks cannot read as bytes (DataSource.needs_preparing) is encoded into a token
+    file, once (later runs find it under data.cache_dir), which becomes data.source."""
+    import fcntl  # POSIX only: imported where a file is locked, not where this module is read
 
-        out = prepared_path(cfg)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # Under torchrun every process runs this: the first prepares, the others wait and reuse.
-        with open(out.with_name(out.name + ".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not out.exists():
-                from shardlab.data.prepare import prepare
-
-                bpe = d.bpe_vocab if d.tokenizer == "bpe" else 0
-                try:
-                    prepare([d.source or "stdlib"], out, "bytes" if bpe else (d.tokenizer or "bytes"), train_bpe=bpe,
-                            tokenizer_out=out.with_suffix(".tokenizer.json"), field=d.jsonl_field,
-                            max_bytes=d.max_bytes or None, progress=progress)
-                except ValueError as exc:  # a record without the field: name the trainer's key, not the flag
-                    raise ValueError(str(exc).replace("--jsonl-field", "data.jsonl_field")) from exc
-        print(f"data: {d.source or 'stdlib'} with tokenizer {d.tokenizer!r} -> {out}", flush=True)
-        d.source, d.tokenizer, d.max_bytes = str(out), "", 0
-    if not cfg.model.vocab_size:
-        cfg.model.vocab_size = model_vocab(cfg)
-    check_hf_vocabulary(cfg)
+    out = prepared_path(d)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Under torchrun every process runs this: the first prepares, the others wait and reuse.
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            bpe = d.bpe_vocab if d.tokenizer == "bpe" else 0
+            try:
+                prepare([d.source or "stdlib"], out, "bytes" if bpe else (d.tokenizer or "bytes"), train_bpe=bpe,
+                        tokenizer_out=out.with_suffix(".tokenizer.json"), field=d.jsonl_field,
+                        max_bytes=d.max_bytes or None, progress=progress)
+            except ValueError as exc:  # a record without the field: name the trainer's key, not the flag
+                raise ValueError(str(exc).replace("--jsonl-field", "data.jsonl_field")) from exc
+    print(f"data: {d.source or 'stdlib'} with tokenizer {d.tokenizer!r} -> {out}", flush=True)
+    d.source, d.tokenizer, d.max_bytes = str(out), "", 0
 
 
-def _hf_tokenizer_file(cfg: Config) -> Path | None:
+def hf_tokenizer_file(init_from_hf: str) -> Path | None:
     """The tokenizer.json beside the Hugging Face checkpoint model.init_from_hf names, if it has one."""
-    if not cfg.model.init_from_hf:
+    if not init_from_hf:
         return None
-    f = Path(cfg.model.init_from_hf).expanduser() / "tokenizer.json"
+    f = Path(init_from_hf).expanduser() / "tokenizer.json"
     return f if f.is_file() else None
 
 
-def adopt_hf_tokenizer(cfg: Config) -> None:
+def adopt_hf_tokenizer(d: DataSection, init_from_hf: str) -> None:
     """A model started from a Hugging Face checkpoint reads its data through the checkpoint's own
     tokenizer.json: its embedding rows mean that tokenizer's ids, and nothing else's. Text left at
     data.tokenizer = 'bytes' (the default) is encoded with it, said in one line; a tokenizer file
     named that is another file (by digest), or 'bpe', is refused; so are a token file or a raw .bin
     made with another tokenizer (check_hf_vocabulary)."""
-    from shardlab.data.tokenizer import file_digest
-
-    hf_tok, d = _hf_tokenizer_file(cfg), cfg.data
-    if hf_tok is None or source_kind(cfg) == "tokens":
+    hf_tok = hf_tokenizer_file(init_from_hf)
+    if hf_tok is None or DataSource(d).kind == "tokens":
         return
     if d.tokenizer in ("", "bytes"):
         print(f"data: data.tokenizer = {d.tokenizer!r} -> {hf_tok} (the tokenizer of model.init_from_hf = "
-              f"{cfg.model.init_from_hf!r}: its embedding rows are that tokenizer's ids)", flush=True)
+              f"{init_from_hf!r}: its embedding rows are that tokenizer's ids)", flush=True)
         d.tokenizer = str(hf_tok)
     elif d.tokenizer == "bpe" or file_digest(Path(d.tokenizer).expanduser()) != file_digest(hf_tok):
         raise ValueError(f"data.tokenizer = {d.tokenizer!r} is not the tokenizer of model.init_from_hf = "
-                         f"{cfg.model.init_from_hf!r} ({hf_tok}): the checkpoint's embedding rows are its ids. Leave "
+                         f"{init_from_hf!r} ({hf_tok}): the checkpoint's embedding rows are its ids. Leave "
                          f"data.tokenizer at 'bytes' (then {hf_tok.name} is used) or set it to {hf_tok}")
 
 
 _PAD_MULTIPLES = (64, 128)  # shardlab's padding and Megatron-LM's default
 
 
-def check_hf_vocabulary(cfg: Config) -> None:
-    """After resolve_data: the data of a model started from a Hugging Face checkpoint must be made
-    with the checkpoint's tokenizer: a token file's header must record the digest of the checkpoint's
-    tokenizer.json; without one, the data's vocabulary must be the model's, or padded to it (a
-    multiple of 64 or 128 and of a tp degree, as shardlab and Megatron-LM pad). ValueError otherwise:
-    bytes fed to GPT-2's 50,257-id embedding train it on nonsense, without an error."""
-    if not cfg.model.init_from_hf or cfg.model.name != "gpt":
+def check_hf_vocabulary(src: DataSource, m: ModelSection) -> None:
+    """After the data is prepared: the data of a model started from a Hugging Face checkpoint
+    (model.init_from_hf) must be made with the checkpoint's tokenizer: a token file's header must record
+    the digest of the checkpoint's tokenizer.json; without one, the data's vocabulary must be the model's
+    (model.vocab_size, resolved), or padded to it (a multiple of 64 or 128 and of a tp degree, as shardlab
+    and Megatron-LM pad). ValueError otherwise: bytes fed to GPT-2's 50,257-id embedding train it on
+    nonsense, without an error."""
+    if not m.init_from_hf or m.name != "gpt":
         return
-    from shardlab.data.tokenizer import file_digest
-
-    hf_tok, d, src = _hf_tokenizer_file(cfg), cfg.data, cfg.model.init_from_hf
-    if hf_tok is not None and source_kind(cfg) == "tokens":
-        spec = read_header(_source_path(cfg)).tokenizer
+    hf_tok, d, hf_src = hf_tokenizer_file(m.init_from_hf), src.section, m.init_from_hf
+    if hf_tok is not None and src.kind == "tokens":
+        spec = src.header.tokenizer
         if spec.get("sha256") != file_digest(hf_tok):
             raise ValueError(f"data.source = {d.source!r} was made with tokenizer {spec.get('name')!r} (sha256 "
-                             f"{spec.get('sha256')}), not with model.init_from_hf = {src!r}'s {hf_tok} (sha256 "
+                             f"{spec.get('sha256')}), not with model.init_from_hf = {hf_src!r}'s {hf_tok} (sha256 "
                              f"{file_digest(hf_tok)}): the checkpoint's embedding rows are its ids. Prepare the data "
                              f"with --tokenizer {hf_tok}")
         return
-    own, model = data_vocab(cfg), cfg.model.vocab_size
-    padded = {padded_vocab(own, tp, m) for tp in range(1, 65) for m in _PAD_MULTIPLES} | {own}
+    own, model = src.vocab, m.vocab_size
+    padded = {padded_vocab(own, tp, k) for tp in range(1, 65) for k in _PAD_MULTIPLES} | {own}
     if model not in padded:
         what = f"made with tokenizer {hf_tok}" if hf_tok is not None else "no tokenizer.json"
         raise ValueError(f"data.source = {d.source!r} has a vocabulary of {own:,} ids (data.tokenizer = "
-                         f"{d.tokenizer!r}), but the model of model.init_from_hf = {src!r} ({what}) has "
+                         f"{d.tokenizer!r}), but the model of model.init_from_hf = {hf_src!r} ({what}) has "
                          f"{model:,}: its embedding rows are another tokenizer's ids. Give the data made with the "
                          f"checkpoint's tokenizer (data.tokenizer = its tokenizer.json, or a token file prepared "
                          f"with it)")
@@ -243,35 +303,34 @@ def _first_past(tokens: np.ndarray, vocab: int, chunk: int = 1 << 24) -> tuple[i
     return None
 
 
-def check_token_ids(cfg: Config, tokens: np.ndarray | None = None, scan: bool = True) -> None:
+def check_token_ids(src: DataSource, vocab: int, tokens: np.ndarray | None = None, scan: bool = True,
+                    seq_len: int = 0) -> None:
     """Raise ValueError when the corpus holds an id the model has no row for: the id, where, which file.
+    `vocab`: the model's vocabulary (model.vocab_size, resolved); `tokens`: the ids if already read (else
+    read here, with windows of `seq_len` tokens).
 
     scan=False checks a token file's header only (the ranks do so; `shardlab train` has scanned every
     id once before launch, and a 10-billion-token file is not read again by every rank)."""
-    kind = source_kind(cfg)
-    vocab = model_vocab(cfg)
-    if kind == "text" and cfg.data.tokenizer in ("", "bytes"):
+    if src.is_bytes:
         if vocab < BYTE_VOCAB:
             raise ValueError(f"model.vocab_size = {vocab} is smaller than the byte vocabulary ({BYTE_VOCAB}) "
-                             f"of data.source = {cfg.data.source!r}")
+                             f"of data.source = {src.spec!r}")
         return
-    path = _source_path(cfg)
-    if kind == "tokens":
-        header_vocab = read_header(path).vocab_size
+    path = src.path
+    if src.kind == "tokens":
+        header_vocab = src.header.vocab_size
         if header_vocab > vocab:
             raise ValueError(f"{path}: its tokenizer has {header_vocab:,} ids, but model.vocab_size = {vocab:,}; "
                              f"set model.vocab_size = 0 (from the data) or >= {header_vocab}")
         if not scan:
             return
-        tokens = read_token_file(path).tokens if tokens is None else tokens
+        tokens = read_token_file(path, src.header).tokens if tokens is None else tokens
         own, said = header_vocab, f"its header's vocab_size = {header_vocab:,}"
     else:
-        own = data_vocab(cfg)
-        said = f"data.vocab_size = {own:,}" if cfg.data.vocab_size else f"{own:,} ids, from {raw_layout(cfg).how}"
+        own = src.vocab
+        said = f"data.vocab_size = {own:,}" if src.section.vocab_size else f"{own:,} ids, from {src.raw.how}"
         if tokens is None:
-            from shardlab.train.task import load_corpus
-
-            tokens = load_corpus(cfg)
+            tokens = load_corpus(src, seq_len, split=src.field == "data.source" and not src.section.val_source)
     # The data's own vocabulary, not the model's padded one: an id in the padding (50300 of GPT-2's
     # 50,257 padded to 50,304) has a row but no token, and would decode to nothing.
     limit = min(vocab, own)
@@ -280,54 +339,20 @@ def check_token_ids(cfg: Config, tokens: np.ndarray | None = None, scan: bool = 
         pos, tid = bad
         whose = (f"the data's vocabulary ({said}: ids 0..{own - 1})" if own <= vocab else
                  f"the model's vocabulary (model.vocab_size = {vocab:,}: ids 0..{vocab - 1})")
-        raise ValueError(f"{path or cfg.data.source}: token id {tid} at position {pos:,} is past {whose}; "
+        raise ValueError(f"{path or src.spec}: token id {tid} at position {pos:,} is past {whose}; "
                          f"set data.vocab_size to the vocabulary the file was made with, or fix the file")
 
 
-def corpus_tokenizer(cfg: Config) -> Tokenizer | None:
-    """The tokenizer the corpus was made with (to encode prompts and decode samples), or None when a
-    raw id file names none (data.tokenizer)."""
-    kind = source_kind(cfg)
-    if kind == "tokens":
-        return token_file_tokenizer(_source_path(cfg))  # refused if it is not the one the header records
-    if cfg.data.tokenizer not in ("", "bytes", "bpe"):
-        return load_tokenizer(cfg.data.tokenizer)
-    if kind == "bin" and data_vocab(cfg) > BYTE_VOCAB:
-        return None
-    return ByteTokenizer()
-
-
-def bytes_per_token(cfg: Config) -> float | None:
-    """Bytes of text one token stands for on average: 1 for byte-level text, a token file's
-    text_bytes / count; None where unknown (a raw id file)."""
-    kind = source_kind(cfg)
-    if kind == "tokens":
-        h = read_header(_source_path(cfg))
-        return h.text_bytes / h.count if h.count and h.text_bytes else None
-    if kind == "text" and cfg.data.tokenizer in ("", "bytes"):
-        return 1.0
-    return None
-
-
-def val_config(cfg: Config) -> Config:
-    """A copy of `cfg` whose data.source is data.val_source: the validation file is read exactly as
-    the training source is (its kind, data.token_dtype, data.vocab_size, tokenizer)."""
-    v = copy.deepcopy(cfg)
-    v.data.source, v.data.val_source = cfg.data.val_source, ""
-    return v
-
-
-def val_source_problems(cfg: Config) -> list[str]:
+def val_source_problems(src: DataSource) -> list[str]:
     """Why data.val_source cannot stand beside data.source (empty: it can, or none is set)."""
-    d = cfg.data
-    if not d.val_source:
+    d, v = src.section, src.val()
+    if v is None:
         return []
     path = Path(d.val_source).expanduser()
     if not path.is_file():
         return [f"data.val_source = {d.val_source!r}: no such file (a token file, a raw .bin like nanoGPT's "
                 f"val.bin, or a text file)"]
-    v = val_config(cfg)
-    kind, vkind = source_kind(cfg), source_kind(v)
+    kind, vkind = src.kind, v.kind
     if kind == "text" and d.tokenizer not in ("", "bytes"):
         return [f"data.val_source = {d.val_source!r} with data.tokenizer = {d.tokenizer!r}: encode both files "
                 f"with `shardlab data prepare --tokenizer ...` and give the two token files"]
@@ -335,9 +360,9 @@ def val_source_problems(cfg: Config) -> list[str]:
         return [f"data.val_source = {d.val_source!r} is a {vkind} file but data.source = {d.source!r} a {kind} "
                 f"source: they must be of one kind (both token files, both .bin, or both text)"]
     if kind == "tokens":
-        mine, theirs = read_header(_source_path(cfg)), read_header(path)
+        mine, theirs = src.header, v.header
         # The tokenizer's record without its path: the same file may sit beside each token file.
-        ours, its = ({k: v for k, v in h.tokenizer.items() if k != "path"} for h in (mine, theirs))
+        ours, its = ({k: x for k, x in h.tokenizer.items() if k != "path"} for h in (mine, theirs))
         if mine.vocab_size != theirs.vocab_size or ours != its:
             return [f"data.val_source = {d.val_source!r} was made with tokenizer {its} ({theirs.vocab_size:,} "
                     f"ids), data.source = {d.source!r} with {ours} ({mine.vocab_size:,} ids): validation "
@@ -345,10 +370,10 @@ def val_source_problems(cfg: Config) -> list[str]:
     return []
 
 
-def data_problems(cfg: Config) -> list[str]:
-    """The vocabulary and tokenizer fields (train/corpus.py reads them)."""
-    m, d = cfg.model, cfg.data
-    out: list[str] = []
+def data_problems(m: ModelSection, src: DataSource, tp: int) -> list[str]:
+    """The vocabulary and tokenizer fields of data.source (`src`) and the model (`tp`: layout.tp, which
+    the padded vocabulary divides by)."""
+    d, out = src.section, []
     for name, value in (("model.vocab_size", m.vocab_size), ("data.vocab_size", d.vocab_size)):
         if value < 0:
             out.append(f"{name} = {value} must be >= 0 (0: from the data)")
@@ -357,15 +382,15 @@ def data_problems(cfg: Config) -> list[str]:
     if d.tokenizer == "bpe" and d.bpe_vocab <= 257:
         out.append(f"data.bpe_vocab = {d.bpe_vocab} must be above 257 (256 byte symbols and <|endoftext|>)")
     if m.name == "gpt" and not out:
-        out += val_source_problems(cfg)
+        out += val_source_problems(src)
     if m.name == "gpt" and not out:
         try:
-            vocab = data_vocab(cfg)
+            vocab = src.vocab
         except (OSError, ValueError, ImportError) as exc:
             out.append(f"data.source = {d.source!r}, data.tokenizer = {d.tokenizer!r}: {exc}")
         else:
             if m.vocab_size and m.vocab_size < vocab:
                 out.append(f"model.vocab_size = {m.vocab_size} is smaller than the data's vocabulary ({vocab} ids "
                            f"from data.source = {d.source!r}); set it to 0 (from the data, padded to "
-                           f"{padded_vocab(vocab, cfg.layout.tp)})")
+                           f"{padded_vocab(vocab, tp)})")
     return out

@@ -26,6 +26,8 @@ from shardlab.checkpoint.hf import hf_family, read_hf_tensor, save_hf
 from shardlab.checkpoint.hf_tokenizer import write_generation_config, write_tokenizer
 from shardlab.models.gpt import GPTConfig
 from shardlab.train.config import Config
+from shardlab.train.corpus import DataSource
+from shardlab.train.sections import DataSection
 from shardlab.train.task import gpt_config
 
 # config.json fields of dropout, per family: kept from a source model.
@@ -49,7 +51,7 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike) -> list[str]:
     gcfg.vocab_size = tensors["tok_emb.weight"].shape[0]  # the saved table is the truth
     family = hf_family(gcfg)
     notes: list[str] = []
-    tok = _tokenizer(cfg, notes)
+    tok = _tokenizer(cfg.data, notes)
     bos = eos = tok.eot if tok is not None else None
     extra: dict = {}
     if cfg.model.init_from_hf:
@@ -74,17 +76,16 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike) -> list[str]:
     return notes
 
 
-def _tokenizer(cfg: Config, notes: list[str]):
-    from shardlab.train.corpus import corpus_tokenizer
-
+def _tokenizer(d: DataSection, notes: list[str]):
+    """The tokenizer of the run's data (its saved data.* fields), or None with a note saying why not."""
     try:
-        tok = corpus_tokenizer(cfg)
+        tok = DataSource(d).tokenizer
     except (OSError, ValueError, ImportError) as exc:
-        notes.append(f"tokenizer: not written: the run's (data.source = {cfg.data.source!r}, data.tokenizer = "
-                     f"{cfg.data.tokenizer!r}) cannot be loaded here: {exc}")
+        notes.append(f"tokenizer: not written: the run's (data.source = {d.source!r}, data.tokenizer = "
+                     f"{d.tokenizer!r}) cannot be loaded here: {exc}")
         return None
     if tok is None:
-        notes.append(f"tokenizer: not written: data.source = {cfg.data.source!r} holds raw ids naming no tokenizer "
+        notes.append(f"tokenizer: not written: data.source = {d.source!r} holds raw ids naming no tokenizer "
                      f"(data.tokenizer)")
     return tok
 

@@ -17,11 +17,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from shardlab.checkpoint import CheckpointError, load_checkpoint, read_metadata
+from shardlab.checkpoint.format import resolve_checkpoint
+from shardlab.checkpoint.hf import hf_model_fields, read_hf
 from shardlab.data.tokenizer import Tokenizer, load_tokenizer
 from shardlab.models import GPT
+from shardlab.parallel.layout import build_mesh
+from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.train.config import Config
+from shardlab.train.corpus import DataSource
+from shardlab.train.loop import rank_device
+from shardlab.train.resolve import resolve_run
 from shardlab.train.sample import sample_ids
+from shardlab.train.sections import CheckpointSection, DataSection, LogSection, ModelSection
+from shardlab.train.task import build_model, gpt_config
 
 
 class GenerateError(ValueError):
@@ -90,9 +102,6 @@ def _tokenizer(spec: str, what: str) -> Tokenizer:
 
 def _checkpoint(p: Path):
     """(the checkpoint directory, its metadata, the run's Config) for a run, root or step_N directory."""
-    from shardlab.checkpoint import CheckpointError, read_metadata
-    from shardlab.checkpoint.format import resolve_checkpoint
-
     root = p / "checkpoints" if (p / "checkpoints").is_dir() and not (p / "metadata.json").is_file() else p
     try:
         ckpt = resolve_checkpoint(root)
@@ -108,32 +117,28 @@ def _checkpoint(p: Path):
     return ckpt, meta, cfg
 
 
-def _run_tokenizer(ckpt: Path, cfg: Config, tokenizer: str | None) -> Tokenizer:
-    from shardlab.train.corpus import corpus_tokenizer
-
+def _run_tokenizer(ckpt: Path, d: DataSection, tokenizer: str | None) -> Tokenizer:
+    """--tokenizer, else the tokenizer of the run's data (its saved data.* fields)."""
     if tokenizer:
         return _tokenizer(tokenizer, "--tokenizer")
     try:
-        tok = corpus_tokenizer(cfg)
+        tok = DataSource(d).tokenizer
     except (OSError, ValueError, ImportError) as exc:
-        raise GenerateError(f"{ckpt}: the run's tokenizer (data.source = {cfg.data.source!r}, data.tokenizer = "
-                            f"{cfg.data.tokenizer!r}) cannot be loaded: {exc}; give --tokenizer FILE") from exc
+        raise GenerateError(f"{ckpt}: the run's tokenizer (data.source = {d.source!r}, data.tokenizer = "
+                            f"{d.tokenizer!r}) cannot be loaded: {exc}; give --tokenizer FILE") from exc
     if tok is None:
-        raise GenerateError(f"{ckpt}: the run trained on raw ids ({cfg.data.source}) that name no tokenizer: "
+        raise GenerateError(f"{ckpt}: the run trained on raw ids ({d.source}) that name no tokenizer: "
                             f"give --tokenizer FILE (the one the ids were made with)")
     return tok
 
 
 def _load_checkpoint(p: Path, tokenizer: str | None) -> Loaded:
-    from shardlab.checkpoint import load_checkpoint
-    from shardlab.train.task import build_model
-
     ckpt, meta, cfg = _checkpoint(p)
     model = build_model(cfg.model)
     if not isinstance(model, GPT):
         raise GenerateError(f"{ckpt}: model.name {cfg.model.name!r} is not a language model")
     info = load_checkpoint(ckpt, model, None, restore_rng=False)
-    return Loaded(model, _run_tokenizer(ckpt, cfg, tokenizer), f"checkpoint {ckpt} (step {meta.step})", info.notes)
+    return Loaded(model, _run_tokenizer(ckpt, cfg.data, tokenizer), f"checkpoint {ckpt} (step {meta.step})", info.notes)
 
 
 # ------------------------------------------------------------------------------ under a layout
@@ -144,10 +149,6 @@ def layout_plan(path: str | os.PathLike, tokenizer: str | None, tp: int = 1, pp:
     data, logging and checkpointing at its defaults, so that nothing of the training run is needed),
     the tokenizer, and a description. ConfigError names what the model cannot be split by, or a
     world (torchrun's) that is not tp x pp ranks."""
-    from shardlab.parallel.layout_section import LayoutSection
-    from shardlab.parallel.sharding.section import ShardingSection
-    from shardlab.train.sections import CheckpointSection, DataSection, LogSection
-
     p = Path(path).expanduser()
     if is_hf_directory(p):
         raise GenerateError(f"{p}: a Hugging Face directory generates in one process; --tp and --pp read a "
@@ -155,7 +156,7 @@ def layout_plan(path: str | os.PathLike, tokenizer: str | None, tp: int = 1, pp:
     if not p.exists():
         raise GenerateError(f"{p}: no such file or directory")
     ckpt, meta, run = _checkpoint(p)
-    tok = _run_tokenizer(ckpt, run, tokenizer)
+    tok = _run_tokenizer(ckpt, run.data, tokenizer)
     cfg = Config.from_dict(run.to_dict())
     cfg.layout, cfg.sharding = LayoutSection(tp=tp, pp=pp), ShardingSection()
     cfg.data, cfg.log, cfg.checkpoint = DataSection(), LogSection(out_dir=str(ckpt)), CheckpointSection()
@@ -168,27 +169,16 @@ def generate_rank(ckpt: str, cfg_dict: dict, ids: list[int], n_tokens: int, voca
                   top_k: int, top_p: float, seed: int) -> list[int] | None:
     """Every rank: the run's model under cfg_dict's layout, the checkpoint resharded into it, the
     prompt continued (every rank alike: each forward needs them all); rank 0 returns the ids."""
-    import torch.distributed as dist
-
-    from shardlab.checkpoint import load_checkpoint
-    from shardlab.parallel.layout import apply_layout, build_mesh
-    from shardlab.train.loop import rank_device
-    from shardlab.train.task import build_model
-
     cfg = Config.from_dict(cfg_dict)
     device = rank_device()
-    model = apply_layout(build_model(cfg.model).to(device), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+    # The model only (its vocabulary the checkpoint's): the data is not read. Laid out as the trainer lays it out.
+    model = resolve_run(cfg).apply(build_model(cfg.model).to(device), build_mesh(cfg.layout))
     load_checkpoint(ckpt, model, None, restore_rng=False)
     out = sample_ids(model, cfg.model.seq_len, ids, n_tokens, vocab, temperature, top_k, top_p, seed, device)
     return out if dist.get_rank() == 0 else None
 
 
 def _load_hf(p: Path, tokenizer: str | None) -> Loaded:
-    from shardlab.checkpoint import CheckpointError
-    from shardlab.checkpoint.hf import hf_model_fields, read_hf
-    from shardlab.train.sections import ModelSection
-    from shardlab.train.task import gpt_config
-
     try:
         fields = hf_model_fields(p)
         section = ModelSection(**fields)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -28,18 +30,25 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from shardlab.checkpoint import Checkpointer, CheckpointError, load_checkpoint
+from shardlab.checkpoint.verify import newest_verified, verify_together
 from shardlab.dist import signals
-from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, replica_group, uses_pipeline
+from shardlab.parallel.layout import batch_rank, build_mesh, replica_group, uses_pipeline
+from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.precision import autocast_context, get_precision
 from shardlab.train.compile import compile_model
 from shardlab.train.config import Config
 from shardlab.train.mfu import FlopsAccounting, run_flops
 from shardlab.train.memory_tracker import MemoryTracker
 from shardlab.train.metrics import MetricsWriter, step_line
+from shardlab.train.plot import plot_loss
 from shardlab.train.prefetch import Prefetcher
-from shardlab.train.step import lr_at, make_optimizer, train_step
-from shardlab.train.task import Task, build_task, prepare_model
+from shardlab.train.resolve import resolve_run
+from shardlab.train.sample import sample_text
+from shardlab.train.sections import CheckpointSection
+from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.stop import StopAgreement
+from shardlab.train.task import Task
 from shardlab.train.window import StepWindow
 
 
@@ -67,14 +76,13 @@ def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, bat
     return total.item() / dist.get_world_size(dp_group)
 
 
-def layout_name(cfg: Config) -> str:
+def layout_name(lay: LayoutSection, micro_batches: int) -> str:
     """'dp 2 (overlap)', 'dp 2 (ZeRO-2) x tp 2 + sp (megatron)', 'pp 4 (1f1b, m 8) x dp 2 (bucketed)',
-    ... for headers and titles."""
-    lay = cfg.layout
+    ... for headers and titles (`micro_batches`: train.micro_batches, a pipeline's m)."""
     text = f"dp {lay.dp} ({'ZeRO-' + str(lay.zero) if lay.zero else lay.dp_mode})"
     if lay.pp > 1:
         v = f", v {lay.virtual_stages}" if lay.virtual_stages > 1 else ""
-        text = f"pp {lay.pp} ({lay.schedule}, m {cfg.train.micro_batches}{v}) x " + text
+        text = f"pp {lay.pp} ({lay.schedule}, m {micro_batches}{v}) x " + text
     for axis in ("ep", "cp"):
         if getattr(lay, axis) > 1:
             text += f" x {axis} {getattr(lay, axis)}"
@@ -95,40 +103,44 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
 
 def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     cfg = Config.from_dict(cfg_dict)
+    run = resolve_run(cfg)  # what will run, decided once: below here, each part takes what it needs
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
-    t, lay = cfg.train, cfg.layout
+    t, lay, o = run.train, run.layout, run.optim
 
-    plain = prepare_model(cfg).to(device)
+    plain = run.build_model().to(device)
     # The plain model's size and FLOPs, before tensor parallelism cuts it to this rank's shards.
-    task = build_task(cfg, plain)
+    task = run.build_task(plain)
     n_params = sum(p.numel() for p in plain.parameters())
     mesh = build_mesh(lay)
     # Rows split over the dp x ep batch ranks; dense gradients and losses averaged over dp x ep x cp.
     (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
     # Each replica's loss, counted once: the ranks of a tp group and the stages of a pipeline all hold it.
     dp_leaders = [r for r in range(world) if mesh.coords(r)["pp"] == 0 and mesh.coords(r)["tp"] == 0]
-    flops = run_flops(plain, cfg, device)  # MFU's FLOPs and peak, of the whole model (train/mfu.py)
-    model = apply_layout(plain, lay, mesh, cfg.sharding)
+    # MFU's FLOPs and peak, of the whole model (train/mfu.py).
+    flops = run_flops(plain, lay, run.model.seq_len, run.log.peak_tflops, device)
+    model = run.apply(plain, mesh)
     if t.compile:
         compile_model(model, backend=t.compile_backend)
     split = model.stage.plan.describe() if uses_pipeline(lay) else None
     del plain  # a pipeline stage holds copies of its layers: the whole model is not kept
-    optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)
+    optimizer = make_optimizer(model, o, run.precision)
     # Identical weights came from the shared seed; from here each dp rank draws its own randomness
     # (dropout masks must differ between the rows of different ranks, as they do within one batch),
     # and the ranks of a tp group draw alike, so the activations they replicate stay equal.
     torch.manual_seed(t.seed * 1_000_003 + 1 + dp_rank)
     tokens_per_step = t.global_batch * task.tokens_per_row
 
-    out_dir = Path(cfg.log.out_dir)
+    out_dir = Path(run.log.out_dir)
     # After the seeding above: a checkpoint restores every rank's random streams over it. The step
     # is also the data position (the samplers are keyed by (seed, step)).
-    checkpointer, start_step, resumed = open_checkpoints(cfg, model, optimizer)
-    writer = MetricsWriter.for_run(cfg, resume_step=start_step if resumed else None) if rank == 0 else None
+    checkpointer, start_step, resumed = open_checkpoints(run.checkpoint, checkpoint_dir(run.checkpoint, out_dir),
+                                                         t.steps, model, optimizer)
+    writer = MetricsWriter.for_run(run.log, cfg.to_dict(), cfg.to_toml(),
+                                   resume_step=start_step if resumed else None) if rank == 0 else None
     if rank == 0:
         (out_dir / "config.toml").write_text(cfg.to_toml())
-        print(f"{cfg.model.name}: {n_params:,} parameters | {world} rank(s), {layout_name(cfg)} | "
+        print(f"{run.model.name}: {n_params:,} parameters | {world} rank(s), {layout_name(lay, t.micro_batches)} | "
               f"global batch {t.global_batch} x {task.tokens_per_row} tokens | {t.steps} steps | "
               f"writing {out_dir}/", flush=True)
         if world > 1:
@@ -141,28 +153,26 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             print(f"resumed from {resumed} at step {start_step}", flush=True)
 
     records: list[dict[str, Any]] = []
-    window = StepWindow(world, device, lr_of=lambda s: lr_at(s, cfg))
+    window = StepWindow(world, device, lr_of=lambda s: lr_at(s, o, t))
     stop = StopAgreement(world, dist.get_backend())
     loss_scaling = get_precision(lay.precision).loss_scaling
     feed = Prefetcher(task, device)  # the next step's batches made (and on CUDA copied) during this one
+    # Nothing is read back in a step (check_now=False): the loss, the norm and the non-finite flag stay
+    # on the device until the window is read (train/window.py).
+    setup = StepSetup(dp_rank=dp_rank, dp_size=dp_size, micro_batches=t.micro_batches, grad_clip=o.grad_clip,
+                      skip_layer_every=run.model.skip_layer_every, device=device, on_nonfinite=o.on_nonfinite,
+                      precision=run.precision, check_now=False)
     run_start = time.perf_counter()
     stopped_by = 0  # the stop signal the ranks agreed to end on (0: none)
     for step in range(start_step, t.steps):
         inject_fault(step, rank)
         logged = step % t.log_every == 0 or step == t.steps - 1
-        tracker = MemoryTracker(device) if (logged and cfg.log.memory) else None
+        tracker = MemoryTracker(device) if (logged and run.log.memory) else None
         window.started()
         if tracker is not None:
             tracker.__enter__()
         try:
-            # Nothing is read back here (check_now=False): the loss, the norm and the non-finite
-            # flag stay on the device until the window is read (train/window.py).
-            res = train_step(
-                model, optimizer, feed, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=dp_size,
-                micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
-                skip_layer_every=cfg.model.skip_layer_every, device=device, on_nonfinite=cfg.optim.on_nonfinite,
-                precision=lay.precision, check_now=False,
-            )
+            res = train_step(model, optimizer, feed, step, lr_at(step, o, t), setup)
         finally:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
@@ -171,15 +181,15 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         # a one-number collective on a CPU group, which never waits for the device.
         stopped_by = stop.agree(signals.requested())
         evaluating = not stopped_by and ((t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1)
-        save_every = cfg.checkpoint.every
+        save_every = run.checkpoint.every
         saving = checkpointer is not None and ((save_every and ((step + 1) % save_every == 0 or step == t.steps - 1))
-                                               or (stopped_by and cfg.checkpoint.save_on_signal))
+                                               or (stopped_by and run.checkpoint.save_on_signal))
         if not (logged or evaluating or saving or stopped_by):
             continue
         # Read the window: one synchronisation and one gather for the steps since the last read; a
         # non-finite gradient norm under on_nonfinite 'stop' raises below, before anything is saved.
         for rec in window.read(dp_leaders, tokens_per_step, lambda rate: flops.rates(rate, world),
-                               cfg.optim.on_nonfinite):
+                               o.on_nonfinite):
             rec.pop("_nonfinite", None)
             skipped, scale = rec.pop("_skipped"), rec.pop("_loss_scale")
             if loss_scaling:  # fp16: the scale and whether the step was skipped
@@ -212,16 +222,15 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         checkpointer.close()  # waits for an asynchronous save still in flight
     wall = time.perf_counter() - run_start
     sample = None
-    if cfg.model.name == "gpt" and cfg.log.sample_tokens > 0 and task.tokenizer is not None and not stopped_by:
-        from shardlab.train.sample import sample_text
-
+    m, log = run.model, run.log
+    if m.name == "gpt" and log.sample_tokens > 0 and task.tokenizer is not None and not stopped_by:
         # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward,
         # and a pipeline's forward passes through every stage and hands the logits to all of them.
         # Sequence parallelism splits every sequence over tp, context parallelism into 2 cp chunks (and
         # sp a cp rank's tokens further): the window is padded to a multiple of what they split it by.
         with autocast_context(lay.precision, device):
-            sample = sample_text(model, cfg.model.seq_len, cfg.log.sample_prompt, cfg.log.sample_tokens,
-                                 cfg.log.sample_temperature, seed=cfg.train.seed, device=device,
+            sample = sample_text(model, m.seq_len, log.sample_prompt, log.sample_tokens,
+                                 log.sample_temperature, seed=t.seed, device=device,
                                  multiple=(lay.tp if lay.sp else 1) * (2 * lay.cp if lay.cp > 1 else 1),
                                  tokenizer=task.tokenizer)
     if rank != 0:
@@ -230,8 +239,10 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     writer.close()
     if not records:  # resumed from a checkpoint of the last step: nothing left to train
         return {"steps": 0, "resumed_from": resumed, "out_dir": str(out_dir), "metrics": str(writer.path)}
-    summary = _finish(cfg, sample, records, window.steady + window.untraced, wall, tokens_per_step, out_dir,
-                      flops=flops, world=world, stopped_by=signals.signal_name(stopped_by) if stopped_by else None)
+    title = f"{m.name} {m.n_layer}x{m.d_model}, {layout_name(lay, t.micro_batches)}" if log.plot else None
+    summary = _finish(sample, records, window.steady + window.untraced, wall, tokens_per_step, out_dir,
+                      flops=flops, world=world, stopped_by=signals.signal_name(stopped_by) if stopped_by else None,
+                      steps_planned=t.steps, plot_title=title)
     if summary["final_val_loss"] is not None and task.bytes_per_token:
         # Per token, losses of different tokenizers do not compare; per byte of text they do.
         summary["final_val_bits_per_byte"] = summary["final_val_loss"] / math.log(2) / task.bytes_per_token
@@ -268,22 +279,20 @@ def _say_stopped(signum: int, step: int, steps: int, checkpointer: Any, rank: in
         print(f"{head}, checkpoint of step {step + 1} saved", flush=True)
 
 
-def checkpoint_dir(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.log.out_dir) / "checkpoints").expanduser()
+def checkpoint_dir(ck: CheckpointSection, out_dir: str | Path) -> Path:
+    """checkpoint.dir, or <log.out_dir>/checkpoints."""
+    return Path(ck.dir or Path(out_dir) / "checkpoints").expanduser()
 
 
-def open_checkpoints(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-                     ) -> tuple[Any, int, str | None]:
+def open_checkpoints(ck: CheckpointSection, root: Path, steps: int, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer) -> tuple[Any, int, str | None]:
     """The checkpointer (None when checkpoint.every is 0), the step to start from, and the
-    checkpoint resumed from (None: afresh). Every rank, at the same point: loading is collective.
+    checkpoint resumed from (None: afresh), under `root` (checkpoint_dir), for a run of `steps` steps
+    (train.steps). Every rank, at the same point: loading is collective.
 
     The checkpoint is verified first, its files shared between the ranks (each hashed once): resume
     "latest" takes the newest one that passes and says on rank 0 which newer ones it skipped and
     why; a named one that fails is refused."""
-    from shardlab.checkpoint import Checkpointer, CheckpointError, load_checkpoint
-    from shardlab.checkpoint.verify import newest_verified, verify_together
-
-    ck, root = cfg.checkpoint, checkpoint_dir(cfg)
     checkpointer = Checkpointer(root, keep=ck.keep or None, async_save=ck.async_save) \
         if ck.every or ck.save_on_signal else None
     if ck.resume == "latest":
@@ -300,8 +309,8 @@ def open_checkpoints(cfg: Config, model: torch.nn.Module, optimizer: torch.optim
     if path is None:
         return checkpointer, 0, None
     info = load_checkpoint(path, model, optimizer, verify=False)  # just verified
-    if info.step > cfg.train.steps:
-        raise ValueError(f"checkpoint {info.path} is at step {info.step}, past train.steps = {cfg.train.steps}")
+    if info.step > steps:
+        raise ValueError(f"checkpoint {info.path} is at step {info.step}, past train.steps = {steps}")
     return checkpointer, info.step, str(info.path)
 
 
@@ -309,24 +318,21 @@ def inject_fault(step: int, rank: int) -> None:
     """A testing aid for recovery: SHARDLAB_FAULT='STEP:RANK' kills that rank (SIGKILL: no cleanup,
     as a machine failure) when it reaches that step, on a job's first attempt only, so a job
     restarted by torchrun --max-restarts goes through."""
-    import os
-
     fault = os.environ.get("SHARDLAB_FAULT", "")
     if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     at_step, _, at_rank = fault.partition(":")
     if int(at_step) == step and int(at_rank or 0) == rank:
-        import signal
-
         print(f"SHARDLAB_FAULT: killing rank {rank} at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untraced: list[float],
+def _finish(sample: str | None, records: list[dict[str, Any]], untraced: list[float],
             wall: float, tokens_per_step: int, out_dir: Path, flops: FlopsAccounting | None = None,
-            world: int = 1, stopped_by: str | None = None) -> dict[str, Any]:
-    """Rank 0's end of run: the plot, sampled text and summary.json (which says what signal stopped
-    the run early, if one did)."""
+            world: int = 1, stopped_by: str | None = None, steps_planned: int = 0,
+            plot_title: str | None = None) -> dict[str, Any]:
+    """Rank 0's end of run: the plot (titled `plot_title`; None: log.plot is off), sampled text and
+    summary.json (which says what signal stopped the run early, if one did, and of the `steps_planned`)."""
     steady = sorted(untraced) or sorted(r["step_s"] for r in records)
     median_tokens_per_s = tokens_per_step / steady[len(steady) // 2]
     summary: dict[str, Any] = {
@@ -349,12 +355,9 @@ def _finish(cfg: Config, sample: str | None, records: list[dict[str, Any]], untr
     if flops is not None:  # utilisation at the median step, and what it is counted against
         summary.update(flops.rates(median_tokens_per_s, world), **flops.as_dict())
     if stopped_by:
-        summary.update(stopped_by=stopped_by, steps_planned=cfg.train.steps)
-    if cfg.log.plot:
-        from shardlab.train.plot import plot_loss
-
-        title = f"{cfg.model.name} {cfg.model.n_layer}x{cfg.model.d_model}, {layout_name(cfg)}"
-        summary["plot"] = str(plot_loss(records, out_dir / "loss.png", title))
+        summary.update(stopped_by=stopped_by, steps_planned=steps_planned)
+    if plot_title is not None:
+        summary["plot"] = str(plot_loss(records, out_dir / "loss.png", plot_title))
     if sample is not None:
         (out_dir / "samples.txt").write_text(sample + "\n")
         summary["sample"] = sample

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from shardlab.plan.devices import match_device
+from shardlab.train.sections import LogSection
+from shardlab.train.trackers import open_trackers
 
 def peak_flops(device: torch.device, dtype: str = "fp32", override_tflops: float = 0.0) -> float | None:
     """Peak FLOP/s of one device at `dtype` (plan/devices.py's precisions), or None when unknown."""
@@ -122,12 +124,12 @@ class MetricsWriter:
             self._tb.flush()
 
     @classmethod
-    def for_run(cls, cfg: Any, resume_step: int | None = None) -> "MetricsWriter":
-        """The writer of a run of the configuration `cfg` (train/config.py's Config): log.*."""
-        from shardlab.train.trackers import open_trackers
-
-        return cls(Path(cfg.log.out_dir), cfg.log.tensorboard, resume_step=resume_step, config_toml=cfg.to_toml(),
-                   trackers=open_trackers(cfg))
+    def for_run(cls, log: LogSection, config: dict[str, dict[str, Any]], config_toml: str,
+                resume_step: int | None = None) -> "MetricsWriter":
+        """The writer of a run whose outputs log.* describes; `config` (Config.to_dict) and `config_toml`
+        (Config.to_toml) are the whole configuration, recorded with the metrics and by the trackers."""
+        return cls(Path(log.out_dir), log.tensorboard, resume_step=resume_step, config_toml=config_toml,
+                   trackers=open_trackers(log, config, config_toml))
 
     def _tb_scalars(self, rec: dict[str, Any]) -> None:
         assert self._tb is not None

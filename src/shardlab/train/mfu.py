@@ -1,7 +1,7 @@
 """What a run's MFU is measured against: FLOPs per token by convention, and the device's peak for the
 precision the matmuls actually run in.
 
-    acc = run_flops(plain_model, cfg, device)     # before the layout cuts the model
+    acc = run_flops(plain_model, cfg.layout, cfg.model.seq_len, cfg.log.peak_tflops, device)  # before the layout cuts it
     acc.mfu(tokens_per_s, world)                  # model FLOPs (causal) / (world x peak)
     acc.as_dict()                                 # for metrics.jsonl, summary.json and --json
 
@@ -24,16 +24,14 @@ attention core's forward), recorded beside the model FLOPs when layout.recompute
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.precision import get_precision
 from shardlab.train.metrics import peak_flops
-
-if TYPE_CHECKING:
-    from shardlab.train.config import Config
 
 _DTYPE_PEAK = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -110,13 +108,16 @@ def fmt_flops(n: float) -> str:
     return f"{n:.4g} FLOP"
 
 
-def run_flops(model: nn.Module, cfg: Config, device: torch.device) -> FlopsAccounting:
-    """The accounting of `cfg`'s run of the plain (whole, un-parallelised) `model` on `device`."""
-    precision = peak_precision(cfg.layout.precision)
-    peak = peak_flops(device, precision, cfg.log.peak_tflops)
-    mode = cfg.layout.recompute
+def run_flops(model: nn.Module, lay: LayoutSection, seq_len: int, peak_tflops: float,
+              device: torch.device) -> FlopsAccounting:
+    """The accounting of a run of the plain (whole, un-parallelised) `model` on `device`: its precision
+    and recomputation from `lay`, windows of `seq_len` tokens (the GPT's), the peak from log.peak_tflops
+    (0: the device table's)."""
+    precision = peak_precision(lay.precision)
+    peak = peak_flops(device, precision, peak_tflops)
+    mode = lay.recompute
     if hasattr(model, "recompute_flops_per_token"):  # the GPT
-        seq = cfg.model.seq_len
+        seq = seq_len
         causal, full = model.flops_per_token(seq, causal=True), model.flops_per_token(seq, causal=False)
         extra = model.recompute_flops_per_token(mode, seq, causal=True) if mode != "none" else None
     else:  # the deep MLP: matmuls only, and full recomputation reruns every layer's forward (a third)

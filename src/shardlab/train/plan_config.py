@@ -57,27 +57,23 @@ def config_from_plan(spec: ModelSpec, lay: Execution, global_batch: int, base: C
 def write_config(spec: ModelSpec, lay: Execution, global_batch: int, path: str, base: Config | None = None) -> list[str]:
     """Write `lay`'s configuration to `path` (TOML, headed by the layout's name); return the
     trainer's reasons to refuse it (empty: `shardlab train --config path` runs it)."""
-    from shardlab.train.config_check import problems
-
     cfg = config_from_plan(spec, lay, global_batch, base)
     with open(path, "w") as f:
         f.write(f"# shardlab plan: {lay.name()}, global batch {global_batch}, {cfg.world_size} ranks\n")
         f.write(cfg.to_toml())
-    return problems(cfg)
+    return cfg.problems()
 
 
 def trainer_rules(spec: ModelSpec, global_batch: int, base: Config | None = None) -> Callable[[Execution], list[str]]:
     """`admit` for plan/search.py: the trainer's reasons (Config.validate's problems) for the
     configuration of a layout, remembered per configuration (a search asks about many)."""
-    from shardlab.train.config_check import problems
-
     seen: dict[str, list[str]] = {}
 
     def admit(lay: Execution) -> list[str]:
         cfg = config_from_plan(spec, lay, global_batch, base)
         key = repr(cfg)
         if key not in seen:
-            seen[key] = problems(cfg)
+            seen[key] = cfg.problems()
         return seen[key]
 
     return admit

@@ -7,7 +7,7 @@ from typing import Any
 
 
 def plot_loss(records: list[dict[str, Any]], path: Path, title: str = "") -> Path:
-    import matplotlib
+    import matplotlib  # slow to import (a second or more): only rank 0, at the end, with log.plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -21,8 +21,12 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 from pathlib import Path
+
+from shardlab.dist import under_torchrun
+from shardlab.dist.env import read_torchrun_env
 
 LOCK = ".shardlab-run.lock"
 
@@ -138,11 +142,6 @@ def claim_run_dir(out_dir: str, checkpoints: str, resume: bool, overwrite: bool)
     """Lock `out_dir` for this run and refuse one that holds a run unless resumed or overwritten,
     saying on stderr what a stale lock or --overwrite changed; under torchrun only global rank 0
     does (the others write nothing there first). Returns the lock to release, or None."""
-    import sys
-
-    from shardlab.dist import under_torchrun
-    from shardlab.dist.env import read_torchrun_env
-
     if under_torchrun() and read_torchrun_env().rank != 0:
         return None
     lock = RunLock(out_dir).acquire()

@@ -9,13 +9,11 @@ checkpoint or a Hugging Face directory (train/generate.py loads them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from shardlab.data.tokenizer import Tokenizer
+from shardlab.data.tokenizer import ByteTokenizer, Tokenizer
+
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -73,8 +71,6 @@ def sample_text(model: nn.Module, seq_len: int, prompt: str, n_tokens: int, temp
     bytes) encodes the prompt and decodes the result; ids past its vocabulary (the rows the model's
     vocabulary was padded with) are never drawn.
     """
-    from shardlab.data.tokenizer import ByteTokenizer
-
     tok = tokenizer or ByteTokenizer()
     ids = tok.encode(prompt) or ([tok.eot] if tok.eot is not None else [0])
     out = sample_ids(model, seq_len, ids, n_tokens, tok.vocab_size, temperature, top_k, top_p, seed, device, multiple)

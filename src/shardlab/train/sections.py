@@ -5,6 +5,7 @@ prints). train/config.py composes them with [layout] and [sharding] into one Con
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 
@@ -80,6 +81,11 @@ class ModelSection:
     vocab_size: int = 0
     """GPT: rows of the token embedding and the head; 0: the corpus's vocabulary (256 bytes). Larger
     than the data's ids is allowed (a Hugging Face model's vocabulary, a preset's)."""
+
+    def frozen(self, parameter_name: str) -> bool:
+        """Whether model.freeze's patterns name the parameter."""
+        patterns = [p.strip() for p in self.freeze.split(",") if p.strip()]
+        return any(fnmatch.fnmatchcase(parameter_name, p) for p in patterns)
 
 
 @dataclass

@@ -6,17 +6,18 @@ it does not combine them with yet."""
 
 from __future__ import annotations
 
-from shardlab.train.config import Config
+from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.sharding.apply import mesh_sizes, rules_of
+from shardlab.parallel.sharding.derive import derive
+from shardlab.parallel.sharding.rules import ShardingError, split_seq
+from shardlab.parallel.sharding.section import ShardingSection
+from shardlab.train.sections import ModelSection, TrainSection
+from shardlab.train.task import empty_model
 
 
-def sharding_problems(cfg: Config, model_ok: bool = True) -> list[str]:
-    from shardlab.parallel.sharding.apply import mesh_sizes, rules_of
-    from shardlab.parallel.sharding.derive import derive
-    from shardlab.parallel.sharding.rules import ShardingError
-    from shardlab.train.corpus import model_vocab
-    from shardlab.train.task import empty_model
-
-    lay, m, t = cfg.layout, cfg.model, cfg.train
+def sharding_problems(sharding: ShardingSection, lay: LayoutSection, m: ModelSection, t: TrainSection,
+                      vocab: int | None, model_ok: bool = True) -> list[str]:
+    """`vocab`: the GPT's resolved vocabulary (None: the data cannot say; data_problems names why)."""
     out: list[str] = []
     if lay.sp or lay.tp_plan != "megatron":
         out.append(f"[sharding] rules with layout.sp = {lay.sp}, layout.tp_plan = {lay.tp_plan!r}: the rules replace "
@@ -28,23 +29,17 @@ def sharding_problems(cfg: Config, model_ok: bool = True) -> list[str]:
         out.append(f"model.dropout = {m.dropout} with [sharding] over layout.tp = {lay.tp}: the ranks would draw "
                    f"the same masks for different heads (no tensor-parallel generator); set model.dropout = 0")
     try:
-        rules = rules_of(cfg.sharding)
+        rules = rules_of(sharding)
     except ShardingError as exc:
         return out + [str(exc)]
-    from shardlab.parallel.sharding.rules import split_seq
-
     if lay.cp > 1 and split_seq(rules.compute)[0] is None:
         out.append(f"layout.cp = {lay.cp} with [sharding] rules that keep seq off cp (compute: "
-                   f"{cfg.sharding.compute or '-'}): under rules, context parallelism is the rule seq=cp (or "
+                   f"{sharding.compute or '-'}): under rules, context parallelism is the rule seq=cp (or "
                    f"seq=cp+tp with sequence parallelism); add it, or set layout.cp = 1")
     if any(v == "dp" for v in rules.params.values()) and lay.zero in (1, 2):
         out.append(f"sharding.params stores weights over dp (FSDP, ZeRO-3) but layout.zero = {lay.zero}; "
                    f"leave layout.zero at 0 or 3")
-    if out or not model_ok:
-        return out
-    try:
-        vocab = model_vocab(cfg) if m.name == "gpt" else 0
-    except (OSError, ValueError, ImportError):
+    if out or not model_ok or vocab is None:
         return out
     model = empty_model(m, vocab)
     rows = max(1, t.global_batch // max(1, lay.dp * lay.ep * t.micro_batches))  # per batch rank (dp x ep)

@@ -5,7 +5,8 @@ model (dp_size 1, the whole global batch), a verified layout is verified in the 
 actually runs: micro-batching, gradient sync, clipping and the AdamW update included.
 
     optimizer = make_optimizer(model, cfg.optim)
-    result = train_step(model, optimizer, task, step, lr=lr_at(step, cfg), dp_rank=r, dp_size=n, ...)
+    setup = StepSetup(dp_rank=r, dp_size=n, micro_batches=m, grad_clip=cfg.optim.grad_clip, ...)  # once
+    result = train_step(model, optimizer, task, step, lr_at(step, cfg.optim, cfg.train), setup)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from shardlab.parallel.precision import (
     restore_fp32_sources,
 )
 from shardlab.parallel.tensor import tensor_sharding
-from shardlab.train.config import Config, OptimSection
+from shardlab.train.sections import OptimSection, TrainSection
 from shardlab.train.task import Task, skip_layer
 
 
@@ -91,9 +92,8 @@ def adamw_implementation(device: torch.device, whole: bool) -> dict:
     return {"fused": True} if whole else {"foreach": True}
 
 
-def lr_at(step: int, cfg: Config) -> float:
+def lr_at(step: int, o: OptimSection, t: TrainSection) -> float:
     """Linear warm-up over train.warmup_steps to optim.lr, then decay to optim.min_lr at the last step."""
-    o, t = cfg.optim, cfg.train
     if step < t.warmup_steps:
         return o.lr * (step + 1) / t.warmup_steps
     if t.decay == "constant" or t.steps - t.warmup_steps <= 1:
@@ -156,25 +156,46 @@ def device_skip(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | Non
     return inner if fused else None
 
 
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    task: Task,
-    step: int,
-    *,
-    lr: float,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    micro_batches: int = 1,
-    grad_clip: float = 0.0,
-    skip_layer_every: int = 0,
-    device: torch.device | None = None,
-    before_update: Callable[[], None] | None = None,
-    after_backward: Callable[[], None] | None = None,
-    on_nonfinite: str = "stop",
-    precision: str = "fp32",
-    check_now: bool = True,
-) -> StepResult:
+@dataclass(frozen=True)
+class StepSetup:
+    """How every step of a run is taken, decided once before the first: this rank's share of the batch,
+    clipping, the model options the step applies, the device and precision, and what a non-finite
+    gradient norm does."""
+
+    dp_rank: int = 0
+    """This rank's index among the batch ranks (dp x ep): which rows of the global batch it takes."""
+    dp_size: int = 1
+    """How many batch ranks split the global batch."""
+    micro_batches: int = 1
+    """Forward/backward passes per step (train.micro_batches): accumulation, or a pipeline's microbatches."""
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this (optim.grad_clip); 0: only measure it."""
+    skip_layer_every: int = 0
+    """model.skip_layer_every: bypass layer 0 on every K-th step (0: never)."""
+    device: torch.device | None = None
+    """Where the batches go (None: where they are made, the CPU)."""
+    on_nonfinite: str = "stop"
+    """optim.on_nonfinite: 'stop', 'skip' (or 'apply', for verify only)."""
+    precision: str = "fp32"
+    """layout.precision: 'bf16-autocast' runs forward and backward under torch.autocast."""
+    check_now: bool = True
+    """Read the gradient norm back at once to decide on a non-finite one (False: the trainer's loop,
+    which reads its steps' numbers later)."""
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """Callers' looks into a step: `after_backward` when the last backward has finished, before any
+    synchronisation the wrapper leaves to `finish_gradient_sync` (where model-state memory peaks;
+    `shardlab memory` measures it there); `before_update` after the gradients are final and before the
+    optimizer uses them (verify compares gradients there)."""
+
+    before_update: Callable[[], None] | None = None
+    after_backward: Callable[[], None] | None = None
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, task: Task, step: int, lr: float,
+               setup: StepSetup = StepSetup(), hooks: StepHooks = StepHooks()) -> StepResult:
     """Forward and backward over this rank's micro-batches, gradient sync, clip, AdamW update.
 
     `model` is a plain module or a parallel wrapper, whose side of the step (no_sync, the gradient
@@ -182,12 +203,10 @@ def train_step(
     type; the wrapper's communication happens only after the last micro-batch. A pipeline
     stage (`run_schedule`, parallel/pipeline/model.py) takes this rank's rows whole and runs its
     schedule's `micro_batches` microbatches itself; the rest of the step happens at the schedule's
-    STEP, in the same code. `after_backward` runs when the last backward has finished, before any
-    synchronisation the wrapper leaves to `finish_gradient_sync` (where model-state memory peaks;
-    `shardlab memory` measures it there); `before_update` runs after the gradients are final and
-    before the optimizer uses them (verify compares gradients there). `precision` 'bf16-autocast'
-    runs forward and backward under torch.autocast on `device` (the other precisions are in the
-    parameters' dtype already: apply_precision).
+    STEP, in the same code. `setup` says how (StepSetup, the same every step); `hooks` run at the
+    step's two points of interest (StepHooks). Precision 'bf16-autocast' runs forward and backward
+    under torch.autocast on the device (the other precisions are in the parameters' dtype already:
+    apply_precision).
 
     Non-finite gradients (outside fp16 loss scaling, which skips by itself): with `check_now` (the
     default) the step reads the norm and raises NonFiniteError before the update, or with
@@ -199,6 +218,10 @@ def train_step(
     synchronisation per step, the price of that choice).
     """
     start = time.perf_counter()
+    dp_rank, dp_size, micro_batches, device = setup.dp_rank, setup.dp_size, setup.micro_batches, setup.device
+    grad_clip, on_nonfinite, check_now = setup.grad_clip, setup.on_nonfinite, setup.check_now
+    skip_layer_every, precision = setup.skip_layer_every, setup.precision
+    before_update, after_backward = hooks.before_update, hooks.after_backward
     for group in optimizer.param_groups:
         group["lr"] = lr
     layout, opt = step_contract(model), optimizer_contract(optimizer)

@@ -17,26 +17,26 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from shardlab.checkpoint.hf import read_hf
+from shardlab.data.tokenizer import Tokenizer
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel.precision import apply_precision
-from shardlab.train.config import Config, ModelSection
-from shardlab.train.batches import VOCAB_SIZE, BatchSampler, load_tokens, split_tokens
-
-if TYPE_CHECKING:
-    from shardlab.data.tokenizer import Tokenizer
+from shardlab.train.corpus import DataSource, check_token_ids, load_corpus
+from shardlab.train.batches import VOCAB_SIZE, BatchSampler, split_tokens
+from shardlab.train.sections import ModelSection
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def build_model(m: ModelSection, vocab_size: int = 0) -> nn.Module:
     """The plain model a configuration describes (no parallelism applied). The GPT's vocabulary:
-    vocab_size, else model.vocab_size, else bytes' 256 (train/corpus.py's model_vocab reads the data's)."""
+    vocab_size, else model.vocab_size, else bytes' 256 (train/resolve.py's Run.vocab is the data's, resolved)."""
     if m.name == "mlp":
         return DeepMLP(MLPConfig(d_model=m.d_model, n_layer=m.n_layer, bias=m.bias))
     return GPT(gpt_config(m, vocab_size))
@@ -95,20 +95,19 @@ def gpt_config(m: ModelSection, vocab_size: int = 0) -> GPTConfig:
     return GPTConfig.from_section(m, vocab_size or m.vocab_size or VOCAB_SIZE)
 
 
-def prepare_model(cfg: Config) -> nn.Module:
+def prepare_model(m: ModelSection, vocab: int, seed: int, precision: str) -> nn.Module:
     """Build the model from the run's seed and apply the model options that are not architecture:
-    frozen parameters and the compute precision (layout.precision). Every rank and every reference built
-    this way starts from identical weights."""
-    from shardlab.train.corpus import model_vocab
-
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, model_vocab(cfg) if cfg.model.name == "gpt" else 0)
-    if cfg.model.init_from_hf:
-        load_hf_weights(model, cfg.model.init_from_hf)
+    frozen parameters (model.freeze) and the compute precision (layout.precision). Every rank and every
+    reference built this way starts from identical weights. `vocab`: the GPT's resolved vocabulary
+    (train/resolve.py's Run.vocab)."""
+    torch.manual_seed(seed)
+    model = build_model(m, vocab if m.name == "gpt" else 0)
+    if m.init_from_hf:
+        load_hf_weights(model, m.init_from_hf)
     for name, p in model.named_parameters():
-        if cfg.frozen(name):
+        if m.frozen(name):
             p.requires_grad_(False)
-    return apply_precision(model, cfg.layout.precision)
+    return apply_precision(model, precision)
 
 
 @torch.no_grad()
@@ -116,8 +115,6 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
     """Copy the Hugging Face checkpoint in `path` into the plain GPT `model` (checkpoint/hf.py maps
     the names); a ValueError names the tensors whose shapes or names do not fit the model.*
     fields (`shardlab train --init-from-hf` sets them from the checkpoint's config.json)."""
-    from shardlab.checkpoint.hf import read_hf
-
     if not isinstance(model, GPT):
         raise ValueError(f"model.init_from_hf = {path!r}: only the GPT loads Hugging Face weights")
     state = read_hf(path, model.cfg)
@@ -197,67 +194,49 @@ class Task:
         return self.train.global_batch(step)
 
 
-def build_task(cfg: Config, model: nn.Module, tokens: np.ndarray | None = None) -> Task:
-    """Samplers for the configuration. `tokens` may be passed in (already loaded) to skip reading
-    the corpus again; otherwise it is read from cfg.data."""
-    t = cfg.train
+@dataclass(frozen=True)
+class Batches:
+    """What the samplers need from the schedule: sequences (or rows) per step over all ranks, the seed
+    that orders them, and the GPT's window (model.seq_len)."""
+
+    global_batch: int
+    seed: int
+    seq_len: int = 0
+
+
+def build_task(model: nn.Module, data: DataSource | None, batches: Batches,
+               tokens: np.ndarray | None = None) -> Task:
+    """Samplers for the plain model: the GPT's over `data` (its ids checked against the model's
+    vocabulary), the MLP's synthetic rows (data None). `tokens` may be passed in (already loaded) to skip reading the
+    corpus again."""
     if isinstance(model, DeepMLP):
         # Validation rows use another seed: fresh inputs from the same teacher.
-        train = RegressionSampler(cfg.model.d_model, t.global_batch, t.seed)
-        val = RegressionSampler(cfg.model.d_model, t.global_batch, t.seed + 1_000_000, teacher_seed=t.seed)
+        d, b = model.cfg.d_model, batches
+        train = RegressionSampler(d, b.global_batch, b.seed)
+        val = RegressionSampler(d, b.global_batch, b.seed + 1_000_000, teacher_seed=b.seed)
         return Task(train, val, tokens_per_row=1, flops_per_token=model.flops_per_sample())
-    from shardlab.train.corpus import bytes_per_token, check_token_ids, corpus_tokenizer, needs_preparing
-
-    if needs_preparing(cfg):
-        raise ValueError(f"data.source = {cfg.data.source!r} with data.tokenizer = {cfg.data.tokenizer!r} must be "
+    assert data is not None, "a GPT trains on data (DataSource)"
+    d = data.section
+    if data.needs_preparing:
+        raise ValueError(f"data.source = {d.source!r} with data.tokenizer = {d.tokenizer!r} must be "
                          f"encoded first (a tokenizer other than bytes, or JSONL/Parquet records): shardlab train "
-                         f"does it before launch (train.corpus.resolve_data), or make a token file with "
+                         f"does it before launch (train.resolve.resolve_data), or make a token file with "
                          f"`shardlab data prepare`")
+    seq = batches.seq_len
     if tokens is None:
-        tokens = load_corpus(cfg)
-    check_token_ids(cfg, tokens, scan=False)  # a token file's header; raw ids are scanned (they have none)
-    if cfg.data.val_source:  # a separate validation file: the training source is used whole
-        train_tokens, val_tokens = tokens, load_val_corpus(cfg)
+        tokens = load_corpus(data, seq, split=not d.val_source)
+    # A token file's header; raw ids are scanned.
+    check_token_ids(data, model.cfg.vocab_size, tokens, scan=False)
+    val_src = data.val()
+    if val_src is not None:  # a separate validation file: the training source is used whole
+        train_tokens, val_tokens = tokens, load_corpus(val_src, seq, split=False)
     else:
-        train_tokens, val_tokens = split_tokens(tokens, cfg.data.val_fraction)
-    seq = cfg.model.seq_len
+        train_tokens, val_tokens = split_tokens(tokens, d.val_fraction)
     return Task(
-        BatchSampler(train_tokens, seq, t.global_batch, seed=t.seed),
-        BatchSampler(val_tokens, seq, t.global_batch, seed=t.seed + 1),
+        BatchSampler(train_tokens, seq, batches.global_batch, seed=batches.seed),
+        BatchSampler(val_tokens, seq, batches.global_batch, seed=batches.seed + 1),
         tokens_per_row=seq,
         flops_per_token=model.flops_per_token(seq),
-        tokenizer=corpus_tokenizer(cfg),
-        bytes_per_token=bytes_per_token(cfg),
+        tokenizer=data.tokenizer,
+        bytes_per_token=data.bytes_per_token,
     )
-
-
-def load_val_corpus(cfg: Config) -> np.ndarray:
-    """The ids of data.val_source, read as data.source is (train/corpus.py's val_config)."""
-    from shardlab.train.corpus import val_config
-
-    return load_corpus(val_config(cfg), split=False, field="data.val_source")
-
-
-def load_corpus(cfg: Config, split: bool | None = None, field: str = "data.source") -> np.ndarray:
-    """The ids of data.source. split (default: unless data.val_source is set): the validation
-    split is this corpus's tail, so both parts need a window."""
-    from shardlab.train.corpus import bin_dtype, source_kind
-
-    source = None if cfg.data.source in ("", "stdlib") else cfg.data.source
-    split = not cfg.data.val_source if split is None else split
-    # Enough tokens that both splits (or the one corpus) hold at least one window.
-    min_tokens = int((cfg.model.seq_len + 2) / min(cfg.data.val_fraction, 1 - cfg.data.val_fraction)) + 1 \
-        if split else cfg.model.seq_len + 2
-    dtype = bin_dtype(cfg) if source_kind(cfg) == "bin" else None
-    if cfg.data.max_bytes:
-        tokens = load_tokens(source, max_bytes=cfg.data.max_bytes, token_dtype=dtype, min_tokens=0)
-    else:
-        tokens = load_tokens(source, token_dtype=dtype, min_tokens=0)
-    if len(tokens) < min_tokens:  # named in the fields that set both numbers, not in load_tokens' terms
-        capped = f" (read up to data.max_bytes = {cfg.data.max_bytes:,})" if 0 < cfg.data.max_bytes <= tokens.nbytes else ""
-        where = (f"in both the training and the validation split (data.val_fraction = {cfg.data.val_fraction})"
-                 if split else "")
-        raise ValueError(f"{field} = {cfg.data.source!r} holds {len(tokens):,} tokens{capped}, fewer than the "
-                         f"{min_tokens:,} needed for a window of model.seq_len = {cfg.model.seq_len} tokens and its "
-                         f"targets {where}: use more data or a shorter model.seq_len".replace(" :", ":"))
-    return tokens

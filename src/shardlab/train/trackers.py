@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from shardlab.train.sections import LogSection
+
 PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 """log field -> (module imported, the shardlab extra that installs it)."""
 WANDB_MODES = ("", "online", "offline", "disabled")
@@ -43,30 +45,31 @@ def tracker_problems(log: Any) -> list[str]:
     return out
 
 
-def open_trackers(cfg: Any) -> list[Tracker]:
-    """The trackers the configuration switches on (train/config.py's Config), each started."""
+def open_trackers(log: LogSection, config: dict[str, dict[str, Any]], config_toml: str) -> list[Tracker]:
+    """The trackers log.* switches on, each started, recording `config` (Config.to_dict) and, where
+    a tracker keeps files, `config_toml` (Config.to_toml)."""
     out: list[Tracker] = []
-    if cfg.log.wandb:
-        out.append(WandbTracker(cfg))
-    if cfg.log.mlflow:
-        out.append(MlflowTracker(cfg))
+    if log.wandb:
+        out.append(WandbTracker(log, config))
+    if log.mlflow:
+        out.append(MlflowTracker(log, config, config_toml))
     return out
 
 
-def flat_config(cfg: Any) -> dict[str, Any]:
-    """{"model.n_layer": 4, ...}: every field of the configuration, by its dotted name."""
-    return {f"{section}.{key}": value for section, fields in cfg.to_dict().items() for key, value in fields.items()}
+def flat_config(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """{"model.n_layer": 4, ...}: every field of the configuration (Config.to_dict), by its dotted name."""
+    return {f"{section}.{key}": value for section, fields in config.items() for key, value in fields.items()}
 
 
 class WandbTracker:
     """A W&B run in log.wandb_project, named and grouped after log.out_dir, written under out_dir/wandb."""
 
-    def __init__(self, cfg: Any) -> None:
-        import wandb
+    def __init__(self, log: LogSection, config: dict[str, dict[str, Any]]) -> None:
+        import wandb  # optional (shardlab[wandb]): imported only when log.wandb is on
 
-        out_dir = Path(cfg.log.out_dir)
-        self._run = wandb.init(project=cfg.log.wandb_project, name=out_dir.name, group=out_dir.name,
-                               dir=str(out_dir), mode=cfg.log.wandb_mode or None, config=cfg.to_dict(),
+        out_dir = Path(log.out_dir)
+        self._run = wandb.init(project=log.wandb_project, name=out_dir.name, group=out_dir.name,
+                               dir=str(out_dir), mode=log.wandb_mode or None, config=config,
                                reinit="create_new")
 
     def log(self, scalars: dict[str, float], step: int) -> None:
@@ -79,23 +82,23 @@ class WandbTracker:
 class MlflowTracker:
     """An MLflow run in log.mlflow_experiment, at log.mlflow_uri (default: a file store, out_dir/mlruns)."""
 
-    def __init__(self, cfg: Any) -> None:
-        import mlflow
+    def __init__(self, log: LogSection, config: dict[str, dict[str, Any]], config_toml: str) -> None:
+        import mlflow  # optional (shardlab[mlflow]): imported only when log.mlflow is on
 
-        out_dir = Path(cfg.log.out_dir)
+        out_dir = Path(log.out_dir)
         self._mlflow = mlflow
-        if not cfg.log.mlflow_uri:
+        if not log.mlflow_uri:
             # MLflow 3 refuses its file store unless opted in (it prefers a database, which
             # mlflow-skinny cannot open): a local store needing no server is what the default promises.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        mlflow.set_tracking_uri(cfg.log.mlflow_uri or (out_dir / "mlruns").resolve().as_uri())
-        mlflow.set_experiment(cfg.log.mlflow_experiment)
+        mlflow.set_tracking_uri(log.mlflow_uri or (out_dir / "mlruns").resolve().as_uri())
+        mlflow.set_experiment(log.mlflow_experiment)
         self._run = mlflow.start_run(run_name=out_dir.name)
-        params = {k: ("" if v is None else v) for k, v in flat_config(cfg).items()}
+        params = {k: ("" if v is None else v) for k, v in flat_config(config).items()}
         names = sorted(params)
         for i in range(0, len(names), 100):  # MLflow takes at most 100 parameters per call
             mlflow.log_params({k: params[k] for k in names[i:i + 100]})
-        mlflow.log_text(cfg.to_toml(), "config.toml")
+        mlflow.log_text(config_toml, "config.toml")
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self._mlflow.log_metrics(scalars, step=step)

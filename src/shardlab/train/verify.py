@@ -25,6 +25,7 @@ every replica is checked, not just rank 0's.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any
 
@@ -39,8 +40,10 @@ from shardlab.parallel.precision import get_precision
 from shardlab.train.compile import compile_model, compile_stats, fresh_compile_state
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
-from shardlab.train.step import lr_at, make_optimizer, train_step
-from shardlab.train.task import build_task, prepare_model
+from shardlab.train.resolve import resolve_run
+from shardlab.train.sections import ModelSection
+from shardlab.train.step import StepHooks, StepSetup, lr_at, make_optimizer, train_step
+from shardlab.train.task import prepare_model
 from shardlab.parallel.gradnorm import clip_coefficient
 from shardlab.train.verify_noise import AdamBound, bound_report, compare, format_bars, merge, table_worst
 from shardlab.train.verify_terms import TermMass, chain_length, mass_floors
@@ -172,15 +175,17 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     sign drawn from a generator seeded by the step (the same on every rank).
     """
     cfg = Config.from_dict(cfg_dict)
+    run = resolve_run(cfg)  # what will run, decided once
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
-    t = cfg.train
+    t, o = cfg.train, cfg.optim
 
-    plain = prepare_model(cfg).to(device)
+    plain = run.build_model().to(device)
     reference = copy.deepcopy(plain)
-    task = build_task(cfg, plain)
+    task = run.build_task(plain)
     mesh = build_mesh(cfg.layout)
     (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
+    # apply_layout by name, not Run.apply: tests put a faulty layout here (verify must catch it).
     model = apply_layout(plain, cfg.layout, mesh, cfg.sharding)
     if t.compile:  # the layout compiled as the trainer compiles it (train/compile.py); the reference stays eager
         fresh_compile_state()
@@ -189,8 +194,10 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     ref_opt = make_optimizer(reference, cfg.optim, cfg.layout.precision)
     # on_nonfinite "apply": a layout that produces nan is compared as it is (nan fails every bound,
     # step by step) rather than stopped at its first nan, so the report shows where it went wrong.
-    common = dict(grad_clip=cfg.optim.grad_clip, skip_layer_every=cfg.model.skip_layer_every, device=device,
-                  on_nonfinite="apply", precision=cfg.layout.precision)
+    common = StepSetup(grad_clip=o.grad_clip, skip_layer_every=cfg.model.skip_layer_every, device=device,
+                       on_nonfinite="apply", precision=cfg.layout.precision)
+    layout_setup = dataclasses.replace(common, dp_rank=dp_rank, dp_size=dp_size, micro_batches=t.micro_batches)
+    ref_setup = dataclasses.replace(common, micro_batches=ref_micro_batches)
     # bf16 autocast rounds like bf16 parameters do: allowances from the same comparison with fp32.
     mixed = get_precision(cfg.layout.precision).mixed or get_precision(cfg.layout.precision).autocast is not None
     bound = AdamBound() if noise_floor and not mixed else None
@@ -201,9 +208,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     grad_floor_top = (0.0, "")
     bound_table: dict[str, dict[str, float]] = {}
     if mixed:
-        cfg32 = copy.deepcopy(cfg)
-        cfg32.layout.precision = "fp32"
-        exact = prepare_model(cfg32).to(device)
+        exact = prepare_model(cfg.model, run.vocab, t.seed, "fp32").to(device)
         exact_opt = make_optimizer(exact, cfg.optim)
 
     rows = []
@@ -217,11 +222,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                     p.copy_(held[n])
         # fp16: gradients are held multiplied by the loss scale; they are compared divided by it.
         scales = (getattr(opt, "loss_scale", 1.0), getattr(ref_opt, "loss_scale", 1.0))
-        res = train_step(model, opt, task, step, lr=lr_at(step, cfg), dp_rank=dp_rank, dp_size=dp_size,
-                         micro_batches=t.micro_batches,
+        res = train_step(model, opt, task, step, lr_at(step, o, t), layout_setup,
                          # Sharded gradients are gathered whole for the comparison.
-                         before_update=lambda: captured.update(par=_unscaled(full_gradients(model), scales[0])),
-                         **common)
+                         StepHooks(before_update=lambda: captured.update(par=_unscaled(full_gradients(model), scales[0]))))
 
         def ref_grads() -> None:
             if ref_noise_ulps:
@@ -231,8 +234,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         if terms is not None:
             terms.reset()
             terms.enabled = True
-        ref = train_step(reference, ref_opt, task, step, lr=lr_at(step, cfg), micro_batches=ref_micro_batches,
-                         before_update=ref_grads, **common)
+        ref = train_step(reference, ref_opt, task, step, lr_at(step, o, t), ref_setup, StepHooks(before_update=ref_grads))
         ref_params = dict(reference.named_parameters())
         floors = None
         if terms is not None:
@@ -259,8 +261,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         if mixed:
             if step > 0 or uses_tensor_parallel(cfg.layout):
                 loss_floor = torch.finfo(get_precision(cfg.layout.precision).matmul_dtype).eps / 2 * abs(ref.loss)
-            ex = train_step(exact, exact_opt, task, step, lr=lr_at(step, cfg),
-                            before_update=lambda: captured.update(exact=_grads(exact)), **{**common, "precision": "fp32"})
+            ex = train_step(exact, exact_opt, task, step, lr_at(step, o, t), dataclasses.replace(common, precision="fp32"),
+                            StepHooks(before_update=lambda: captured.update(exact=_grads(exact))))
             exact_params = dict(exact.named_parameters())
             for n in captured["ref"]:
                 d, scale = _diff(captured["ref"][n], captured["exact"][n])
@@ -350,7 +352,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                    "virtual_stages": cfg.layout.virtual_stages, "ep": cfg.layout.ep, "cp": cfg.layout.cp,
                    "mesh_order": cfg.layout.mesh_order},
         "model": cfg.model.name,
-        "family": _family(cfg),
+        "family": _family(cfg.model),
         "world_size": world,
         "steps": t.steps,
         "tolerance": tol,
@@ -385,9 +387,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     return report
 
 
-def _family(cfg: Config) -> str:
+def _family(m: ModelSection) -> str:
     """' (rmsnorm, swiglu, rotary, 2 kv heads)' for the GPT's non-default options; '' otherwise."""
-    m = cfg.model
     if m.name != "gpt":
         return ""
     parts = [p for p, on in ((m.norm, m.norm != "layernorm"), (m.mlp, m.mlp != "gelu"), ("rotary", m.rotary),

@@ -1,7 +1,7 @@
 """The trainer's steps between two reads: what each step measured, kept on the device until the
 loop needs the numbers.
 
-    window = StepWindow(world, device, lr_of=lambda s: lr_at(s, cfg))
+    window = StepWindow(world, device, lr_of=lambda s: lr_at(s, cfg.optim, cfg.train))
     window.started(step)                                    # every step, before train_step
     window.add(step, res, tracker)                          # after it: nothing read back
     if logged or saving or stopping or last:
