@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from shardlab.plan.calibrate import REFERENCE, reference_efficiency
+from shardlab.plan.validate_local import REFERENCE, reference_efficiency
 
 GRID_M = (128, 512, 2048)
 GRID_KN = (64, 256, 1024)
