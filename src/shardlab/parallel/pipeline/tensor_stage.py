@@ -31,6 +31,7 @@ import torch.nn as nn
 from shardlab.comm.dispatch import Group
 from shardlab.dist.mesh import DeviceMesh
 from shardlab.parallel.placement import Placement
+from shardlab.parallel.tensor import apply_tensor_parallel, named_plan
 
 
 def tensor_parallel_for_stages(model: nn.Module, mesh: DeviceMesh, plan_name: str,
@@ -38,8 +39,6 @@ def tensor_parallel_for_stages(model: nn.Module, mesh: DeviceMesh, plan_name: st
                                sequence_parallel: bool = False) -> tuple[nn.Module, Group]:
     """`model` converted in place to its tensor-parallel form over the mesh's "tp" axis, ready for
     build_stage (its `placement` the record to split); and the tp group."""
-    from shardlab.parallel.tensor import apply_tensor_parallel, named_plan
-
     group = mesh.group("tp")
     return apply_tensor_parallel(model, group, named_plan(model, plan_name), sequence_parallel=sequence_parallel,
                                  base=base), group

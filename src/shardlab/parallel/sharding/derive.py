@@ -34,6 +34,8 @@ from collections.abc import Mapping
 import torch.nn as nn
 
 from shardlab.models.axes import GPT_ACTIVATIONS, TensorAxes, mlp_activation_axes, mlp_layer_axes, param_axes
+from shardlab.models.gpt import GPT
+from shardlab.models.mlp import DeepMLP
 from shardlab.parallel.placement import Shard
 from shardlab.parallel.sharding.plan import Collective, ModulePlan, Plan
 from shardlab.parallel.sharding.rules import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, Rules, ShardingError, axes_of, split_seq
@@ -52,9 +54,6 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
     degree}); `rows` per micro-batch per data-parallel rank and `seq` tokens (GPT) size the bytes.
     `zero`: layout.zero, the data-parallel engine's stage (1 and 2 reduce-scatter and all-gather where
     plain data parallelism all-reduces). Raises ShardingError naming every problem. Needs no process group."""
-    from shardlab.models.gpt import GPT
-    from shardlab.models.mlp import DeepMLP
-
     problems = rules.problems()
     axes = param_axes(model)
     cp, seq_tp = split_seq(rules.compute)
@@ -66,6 +65,7 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
         _twice(f"parameter {name}", ta, compute, problems)
         _divides(name, ta, dict(model.named_parameters())[name].shape, compute, sizes, problems)
     if isinstance(model, GPT):
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.parallel.sharding.context import add_context, context_problems
 
         t_all = seq or model.cfg.seq_len
