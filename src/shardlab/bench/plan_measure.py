@@ -19,16 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardlab.bench.plan_calibrate import probe_rate, reference_step
+from shardlab.dist.env import synchronize
+from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.train.config import Config
+from shardlab.train.memory import MemoryTracker, tensor_bytes
+from shardlab.train.step import lr_at, make_optimizer, train_step
+from shardlab.train.task import build_task, prepare_model
+
 
 def measure_rank(cfg_dict: dict, steps: int = 5) -> dict[str, Any]:
-    from shardlab.bench.plan_calibrate import probe_rate, reference_step
-    from shardlab.dist.env import synchronize
-    from shardlab.parallel.layout import apply_layout, build_mesh
-    from shardlab.train.config import Config
-    from shardlab.train.memory import MemoryTracker, tensor_bytes
-    from shardlab.train.step import lr_at, make_optimizer, train_step
-    from shardlab.train.task import build_task, prepare_model
-
     # Tensors this process already holds (a long-lived test rank keeps earlier work's) are not the
     # layout's: counted now and taken off the peak.
     gc.collect()
