@@ -1,5 +1,5 @@
 """The chunked head + cross-entropy (model.loss = "chunked", models/fused_loss.py) against the full one
-on CPU, fp32: peak tensor memory of one forward and backward (train/memory.py's tracker, parameters
+on CPU, fp32: peak tensor memory of one forward and backward (train/memory_tracker.py's tracker, parameters
 aside) beside what the arithmetic predicts, and the step's time, the two variants interleaved.
 
     python benchmarks/fused_loss.py                       # vocab 50304, seq 1024, batch 2, 2 layers of d 128
@@ -22,7 +22,7 @@ import time
 import torch
 
 from shardlab.models import GPT, GPTConfig
-from shardlab.train.memory import MemoryTracker
+from shardlab.train.memory_tracker import MemoryTracker
 
 MIB = 2 ** 20
 

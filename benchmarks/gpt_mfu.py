@@ -6,7 +6,7 @@ the trainer's own step (`shardlab train`'s train_step) on the same model and bat
     python benchmarks/gpt_mfu.py --step trainer [--compile]  # the trainer's step, same model and batch
     python benchmarks/gpt_mfu.py --step trainer --compile --loss chunked   # head and loss fused in chunks
 
-MFU = model FLOPs per step (6N + attention over s/2, models/flops.py, GPT.flops_per_token) / step time /
+MFU = model FLOPs per step (6N + attention over s/2, models/model_flops.py, GPT.flops_per_token) / step time /
 peak bf16 dense FLOP/s of the device. The stand-alone step is forward + backward + fused AdamW under bf16
 autocast with fp32 weights, the whole model compiled with --compile. `--step trainer` times what
 `shardlab train --config configs/gpt-350m-gpu.toml` runs per step: train/step.py's train_step (the

@@ -4,7 +4,7 @@ step time, for --recompute none / selective / full (parallel/recompute.py; docs/
     flock -x -w 1200 /tmp/shardlab-cpu.lock python benchmarks/recompute_bench.py      # ~3 min, 1 thread
     python benchmarks/recompute_bench.py --d-model 64 --seq 64 --reps 2                # a quick look
 
-Memory is train/memory.py's MemoryTracker (live tensor storages, each counted once; not RSS),
+Memory is train/memory_tracker.py's MemoryTracker (live tensor storages, each counted once; not RSS),
 parameters as the baseline: "held" is what one forward leaves alive for backward, "peak" the most
 alive during forward and backward. Per layer = (held at n_layer L - held at L/2) / (L - L/2), which
 cancels the embedding, head and loss. Time is one forward and backward (median of --reps after a
@@ -26,7 +26,7 @@ import torch
 
 from shardlab.models.gpt import GPT, GPTConfig
 from shardlab.parallel.recompute import MODES, apply_recompute
-from shardlab.train.memory import held_and_peak
+from shardlab.train.memory_tracker import held_and_peak
 
 F32 = 4  # bytes per element
 

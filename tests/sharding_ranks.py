@@ -160,3 +160,45 @@ def engine_under_rules(sets: list[str]) -> dict:
     return {"engine": type(model).__name__, "stage": getattr(model, "stage", None),
             "replicas": dist.get_world_size(model.group), "context": inner.derived_plan.context_axis,
             "swapped": [type(inner.tokens).__name__, type(inner.blocks[0].attn.attend).__name__]}
+
+
+def layout_traces(sets: list[str]) -> dict:
+    """One training step of verify's GPT laid out by the hand-written flags `sets` and again with the
+    [sharding] rules among them (layers over pp, experts over ep, ...): every shardlab.comm operation
+    of each in issue order, what apply_layout built, and the derived plan's axes."""
+    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.train.config import load_config
+    from shardlab.train.step import lr_at, make_optimizer, train_step
+    from shardlab.train.task import build_task, prepare_model
+    from shardlab.train.verify import VERIFY_BASE
+
+    out: dict = {}
+    for name, extra in (("hand", [s for s in sets if not s.startswith("sharding.")]), ("derived", sets)):
+        cfg = load_config(None, extra, base=VERIFY_BASE)
+        cfg.validate(dist.get_world_size())
+        plain = prepare_model(cfg)
+        task = build_task(cfg, plain)
+        model = apply_layout(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+        opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
+        out[name] = _flight_trace(lambda: train_step(model, opt, task, 0, lr=lr_at(0, cfg), grad_clip=cfg.optim.grad_clip))
+        out[name + " built"] = sorted({type(m).__name__ for m in model.modules()
+                                       if type(m).__name__ in ("PipelineParallel", "ExpertParallelMoE",
+                                                               "ExpertDataParallel", "RingAttend")})
+        plan = getattr(model, "derived_plan", None) or getattr(getattr(model, "module", None), "derived_plan", None)
+        if name == "derived":
+            out["plan_axes"] = [plan.pipeline_axis, plan.expert_axis, plan.context_axis] if plan else None
+    return out
+
+
+def built(sets: list[str]) -> list[str]:
+    """The classes apply_layout builds for verify's model under `sets` (with [sharding] rules: the
+    derived leaves, DerivedLinear and the like, where the rules cut tensors)."""
+    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.train.config import load_config
+    from shardlab.train.task import prepare_model
+    from shardlab.train.verify import VERIFY_BASE
+
+    cfg = load_config(None, sets, base=VERIFY_BASE)
+    cfg.validate(dist.get_world_size())
+    model = apply_layout(prepare_model(cfg), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+    return sorted({type(m).__name__ for m in model.modules()})

@@ -15,14 +15,14 @@ from shardlab.cli.main import main
 from shardlab.dist import RankFailure
 from shardlab.parallel.pipeline import Timeline, schedule, simulate
 from shardlab.parallel.pipeline.actions import F, SEND_F
-from shardlab.bench.pipeline_measure import ModelSpec
+from shardlab.bench.pipeline_measure import MeasuredModel
 from shardlab.parallel.pipeline.timeline import Event
 
 KINDS = ["1f1b", "gpipe", "interleaved", "zb1"]
 
 
 def _tiny(**kw: object) -> PipelineBenchConfig:
-    base = dict(model=ModelSpec("mlp", d_model=32, n_layer=4, batch=64), stages=[2], kinds=KINDS,
+    base = dict(model=MeasuredModel("mlp", d_model=32, n_layer=4, batch=64), stages=[2], kinds=KINDS,
                 microbatches=4, virtual=2, runs=1, reps=1, steps=2, warmup=1)
     return PipelineBenchConfig(**{**base, **kw})
 

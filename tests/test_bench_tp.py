@@ -150,7 +150,7 @@ def test_prediction_and_the_split_of_counts_into_layers_and_edges():
     assert ours["per_layer"]["all_reduce"]["bytes"] == (4 + 2) * 16 * 4  # with biases: the row layers' too
     assert ours["edges"]["all_gather"]["calls"] == 3 and ours["edges"]["all_reduce"]["calls"] == 3
     assert {a["why"] for a in ours["added"]} >= {"head's input gathered again in backward"}
-    rotary = predicted_comm(Shapes(4, 8, 16, learned_positions=False), 2, True, "ours")
+    rotary = predicted_comm(Shapes(4, 8, 16, rotary=True), 2, True, "ours")
     assert rotary["edges"]["all_reduce"]["bytes"] == 4 * 8 * 4 * 3 + 2 * 16 * 4  # the loss, then ln_f only
     torch_sp = predicted_comm(shapes, 2, True, "torch")
     assert torch_sp["per_layer"] == predicted_comm(shapes, 2, True)["per_layer"] and torch_sp["edges"]["all_gather"]["calls"] == 3

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardlab.train import BatchSampler, decode, load_tokens, split_tokens
-from shardlab.train.data import FILE_SEPARATOR
+from shardlab.train.batches import FILE_SEPARATOR
 
 
 @pytest.fixture(scope="module")

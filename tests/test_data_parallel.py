@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from shardlab import comm
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel import MODES, DataParallel, SyncBatchNorm, build_buckets, trainable_params
-from shardlab.train.data import BatchSampler
+from shardlab.train.batches import BatchSampler
 
 BATCH = 12          # divides by 1, 2, 3 and 4
 STEPS = 5

@@ -108,26 +108,33 @@ def test_moe_in_pipeline_stages(pools):
     (["layout.ep=2", "model.experts=3"], "does not divide over layout.ep = 2"),
     (["model.experts=4", "model.top_k=5"], "model.top_k = 5"),
     (["layout.ep=2", "model.experts=4", "layout.zero=3"], "layout.zero = 3 and layout.ep = 2 is not supported"),
-    (["model.experts=4", "layout.tp=2", "layout.sp=true"], "sequence parallelism with experts is not supported"),
 ])
 def test_refusals(extra, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_config(None, extra).validate()
 
 
-def test_experts_with_sp_refusal_says_only_its_reason():
-    with pytest.raises(ConfigError) as info:
-        load_config(None, ["model.experts=4", "layout.tp=2", "layout.sp=true"]).validate()
-    lines = [line for line in str(info.value).splitlines() if "experts" in line]
-    assert len(lines) == 1, lines
-    # The reason, what Megatron-LM does instead and what to change; no hint about the dense MLP's
-    # size (model.d_ff), which the plan check used to append because the problem names blocks.*.mlp.
-    assert lines[0].endswith(
-        "blocks.*.mlp: sequence parallelism with experts is not supported: the router would read the tokens "
-        "gathered over tp, whose backward (a reduce-scatter) sums the load-balancing term's gradient, already "
-        "whole on every rank, tp times (Megatron-LM routes each tp rank's own slice of the sequence instead, its "
-        "load-balancing counts summed over tp; not done here yet); use layout.sp = false"), lines[0]
-    assert "d_ff" not in str(info.value)
+@pytest.mark.parametrize("ep", [1, 2])
+def test_experts_with_sequence_parallelism(pools, ep):
+    # tp 2 + sp (x ep 2): the layer's tokens gathered over tp for router and experts alike, the output
+    # reduce-scattered; the router's gradient of the tokens enters the gather's reduce-scatter from
+    # tp rank 0 only. A large load-balancing coefficient, so that counting its gradient tp times
+    # (what the refusal this replaces guarded against) fails the routers' and the norms' gradients.
+    report = _verify(pools, 1, ep, "model.experts=4", "model.top_k=2", "model.aux_loss_coef=0.5",
+                     "layout.sp=true", "model.capacity_factor=1.0", tp=2)
+    assert report["layout"]["sp"] is True
+
+
+def test_experts_with_sequence_parallelism_need_cut_experts():
+    from shardlab.models.gpt import GPT, GPTConfig
+    from shardlab.parallel.tensor import check_plan
+    from shardlab.parallel.tensor.gpt import gpt_plan
+
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16, n_experts=2))
+    plan = {**gpt_plan(model), "blocks.*.mlp.experts.*.fc": "replicate", "blocks.*.mlp.experts.*.proj": "replicate"}
+    problems = check_plan(model, plan, 2, True)
+    assert any("sequence parallelism needs the experts' fc column and proj row" in p for p in problems), problems
+    assert not check_plan(model, gpt_plan(model), 2, True)
 
 
 @pytest.mark.parametrize("argv", [
@@ -143,6 +150,7 @@ def test_experts_with_sp_refusal_says_only_its_reason():
     ["--cp", "2", "--recompute", "selective"],
     ["--cp", "2", "--ep", "2", "--experts", "4"],
     ["--tp", "2", "--ep", "2", "--experts", "4", "--set", "model.mlp='swiglu'"],
+    ["--tp", "2", "--ep", "2", "--experts", "4", "--sp"],
 ])
 def test_lifted_dry_run_accepted(argv, capfd):
     from shardlab.cli.main import main

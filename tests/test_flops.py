@@ -1,5 +1,5 @@
-"""MFU as papers mean it (train/flops.py): the peak of the precision the matmuls run in, on a mocked
-H100, and the FLOPs per token of models/flops.py's one formula against counts made by hand."""
+"""MFU as papers mean it (train/mfu.py): the peak of the precision the matmuls run in, on a mocked
+H100, and the FLOPs per token of models/model_flops.py's one formula against counts made by hand."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from shardlab.models import GPT, GPTConfig
 from shardlab.plan.models import spec_from_config
 from shardlab.train.config import load_config
-from shardlab.train.flops import FlopsAccounting, peak_precision, run_flops
+from shardlab.train.mfu import FlopsAccounting, peak_precision, run_flops
 from shardlab.train.metrics import step_line
 
 H100 = "NVIDIA H100 80GB HBM3"  # what the driver reports for an H100 SXM

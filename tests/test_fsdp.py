@@ -190,7 +190,7 @@ def test_custom_model_equals_one_process(pools, policy, min_numel):
 def _step_peak(zero: int) -> dict[str, int]:
     from shardlab.parallel.layout import apply_layout
     from shardlab.train.config import Config
-    from shardlab.train.memory import MemoryTracker
+    from shardlab.train.memory_tracker import MemoryTracker
     from shardlab.train.step import lr_at, make_optimizer, train_step
     from shardlab.train.task import build_task, prepare_model
 

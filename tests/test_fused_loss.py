@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from shardlab.models import GPT, GPTConfig
 from shardlab.models.fused_loss import ChunkedCrossEntropy, chunked_linear_cross_entropy
-from shardlab.train.memory import MemoryTracker
+from shardlab.train.memory_tracker import MemoryTracker
 
 
 def _inputs(n: int = 45, d: int = 32, v: int = 96, bias: bool = True, seed: int = 0):

@@ -139,7 +139,7 @@ def test_fused_adamw_and_prefetched_batches_on_cuda():
 
     from shardlab.models import GPT, GPTConfig
     from shardlab.train.config import OptimSection
-    from shardlab.train.data import BatchSampler
+    from shardlab.train.batches import BatchSampler
     from shardlab.train.prefetch import Prefetcher
     from shardlab.train.step import make_optimizer
 

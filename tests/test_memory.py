@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shardlab.train.memory import MemoryTracker, peak_memory, state_bytes, tensor_bytes
+from shardlab.train.memory_tracker import MemoryTracker, peak_memory, state_bytes, tensor_bytes
 
 F32 = 4
 

@@ -91,12 +91,12 @@ def _nccl_layout_task() -> str:
     from shardlab.parallel.layout_section import LayoutSection
 
     section = LayoutSection(pp=2, schedule="1f1b")
-    real = lay.dist.get_backend
-    lay.dist.get_backend = lambda *a, **k: "nccl"  # what apply_pipeline refused on, until the grouped path
+    real = dist.get_backend
+    dist.get_backend = lambda *a, **k: "nccl"  # what the pipeline step refused on, until the grouped path
     try:
         model = lay.apply_layout(_model(), section, lay.build_mesh(section))
     finally:
-        lay.dist.get_backend = real
+        dist.get_backend = real
     return type(model).__name__
 
 

@@ -55,9 +55,9 @@ def test_text_chart_falls_back_to_letters_when_too_wide():
 
 
 def _measure_task() -> list:
-    from shardlab.bench.pipeline_measure import ModelSpec, measure_rank
+    from shardlab.bench.pipeline_measure import MeasuredModel, measure_rank
 
-    return measure_rank([("gpipe", 4, 1), ("1f1b", 4, 1)], ModelSpec("mlp", d_model=32, n_layer=4, batch=512),
+    return measure_rank([("gpipe", 4, 1), ("1f1b", 4, 1)], MeasuredModel("mlp", d_model=32, n_layer=4, batch=512),
                         steps=1, warmup=0)
 
 

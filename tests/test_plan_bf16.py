@@ -18,7 +18,7 @@ def test_mpt_shapes_and_the_tables_flop_convention():
     # MFU = (6 N + 12 L d s) x tokens/s / (GPUs x 989 TFLOP/s) for every row: a misread row breaks it.
     for run in FOUNDRY_H100:
         s = run.spec
-        mfu = (6 * s.params() + 12 * s.layers * s.hidden * s.seq) * run.tokens_per_s / run.gpus / 989e12
+        mfu = (6 * s.params() + 12 * s.n_layer * s.d_model * s.seq_len) * run.tokens_per_s / run.gpus / 989e12
         assert mfu * 100 == pytest.approx(run.mfu, rel=0.005), run.case
 
 

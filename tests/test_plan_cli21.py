@@ -35,10 +35,10 @@ def test_llama3_405b_published_layout_is_accepted_and_fits():
 
 def test_shape_flags_alone_build_that_shape_not_an_edited_preset():
     spec = build_spec(_args("--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128"))
-    assert (spec.name, spec.layers, spec.hidden, spec.seq, spec.vocab) == ("custom", 4, 256, 128, 51200)
+    assert (spec.name, spec.n_layer, spec.d_model, spec.seq_len, spec.vocab_size) == ("custom", 4, 256, 128, 51200)
     with pytest.raises(ValueError, match="needs --layers, --hidden, --heads"):
         build_spec(_args("--seq", "4096"))
-    assert build_spec(_args("--model", "gpt3-175b", "--seq", "4096")).hidden == 12288   # a preset, edited
+    assert build_spec(_args("--model", "gpt3-175b", "--seq", "4096")).d_model == 12288   # a preset, edited
 
 
 def test_cluster_flags_and_checks(capsys):

@@ -10,7 +10,7 @@ import json
 from shardlab.cli.main import main
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.plan.hardware import get_hardware
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 from shardlab.plan.search import search
 from shardlab.train.config import load_config
@@ -20,19 +20,20 @@ TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--voc
 
 
 def test_one_layout_type_trainer_names_and_axes():
-    lay = PlanLayout(dp=2, ep=2, tp=2, pp=2, schedule="zb-h1", stage_layers=[3, 2])
+    lay = Execution(dp=2, ep=2, tp=2, pp=2, schedule="zb-h1", stage_layers=[3, 2])
     assert isinstance(lay, LayoutSection)
     assert lay.schedule == "zb1" and lay.stage_layers == (3, 2)     # the paper's name read as the trainer's
     assert lay.world == 16 and lay.batch_ranks == 4 and lay.replicas == 4   # dp does not count ep
-    spec = ModelSpec("moe", layers=4, hidden=64, heads=4, seq=32, vocab=256, experts=4, top_k=2)
+    spec = ModelSpec(name="moe", n_layer=4, d_model=64, n_head=4, seq_len=32, vocab_size=256, n_experts=4, top_k=2)
     cfg = config_from_plan(spec, lay, 32)
     assert cfg.world_size == lay.world and cfg.layout.ep == 2 and cfg.model.experts == 4
     assert cfg.train.micro_batches == lay.micro_batches(32) == 8
-    assert PlanLayout.from_section(cfg.layout, micro_batch=1).section() == cfg.layout
+    assert Execution.from_section(cfg.layout, micro_batch=1).section() == cfg.layout
 
 
 def test_search_ranks_only_what_the_trainer_runs():
-    spec = ModelSpec("tiny", layers=4, hidden=64, heads=4, seq=32, vocab=256, attention="flash", dropout=False)
+    spec = ModelSpec(name="tiny", n_layer=4, d_model=64, n_head=4, seq_len=32, vocab_size=256, attention="flash",
+                     dropout=0.0)
     hw = get_hardware("a100-80gb").sized(8)
     admit = trainer_rules(spec, 16)
     every = search(spec, hw, 8, 16)

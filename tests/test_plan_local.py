@@ -14,7 +14,7 @@ import pytest
 
 from shardlab.bench.plan_local import LOCAL_LAYOUTS, local_config
 from shardlab.bench.plan_measure import measure_rank
-from shardlab.plan.memory import rank_memory
+from shardlab.plan.memory_model import rank_memory
 from shardlab.plan.validate_local import plan_from_config
 
 # A cheap subset of docs/planner.md's table: ZeRO-1 over data parallelism (whose replicated

@@ -72,15 +72,15 @@ def test_moe_active_parameters_and_megatron_flop_formula():
     # Megatron-LM's count (Narayanan et al. 2021, eq. 3) per token: 72 l h^2 (1 + s/(6h) + V/(12 l h)),
     # for the full attention square; ours differs only by biases and norms (13 l h + 2h parameters).
     spec = get_model("megatron-175b")
-    s, h, l, v = spec.seq, spec.hidden, spec.layers, spec.vocab
+    s, h, l, v = spec.seq_len, spec.d_model, spec.n_layer, spec.vocab_size
     assert spec.flops_per_token() == pytest.approx(72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)), rel=1e-3)
 
 
 def test_bad_shapes_are_refused_with_reasons():
-    with pytest.raises(ValueError, match="not a multiple of heads"):
-        ModelSpec("x", layers=2, hidden=100, heads=3)
-    with pytest.raises(ValueError, match="kv_heads"):
-        ModelSpec("x", layers=2, hidden=64, heads=4, kv_heads=3)
+    with pytest.raises(ValueError, match="not a multiple of n_head"):
+        ModelSpec(name="x", n_layer=2, d_model=100, n_head=3)
+    with pytest.raises(ValueError, match="n_kv_head"):
+        ModelSpec(name="x", n_layer=2, d_model=64, n_head=4, n_kv_head=3)
     with pytest.raises(ValueError, match="unknown model"):
         get_model("gpt-5")
     assert set(PRESETS) >= {"gpt3-175b", "megatron-22b", "llama2-70b", "llama3-8b", "mixtral-8x7b"}

@@ -70,7 +70,7 @@ def test_layouts_are_table3s():
     for run in KORTHIKANTI_TABLE5:
         lay = run.layout()
         assert (lay.tp, lay.pp, lay.world, run.global_batch, lay.micro_batch, lay.virtual) == want[run.model]
-        assert lay.dp == 1 and run.spec.seq == 2048 and run.spec.vocab == 51200
+        assert lay.dp == 1 and run.spec.seq_len == 2048 and run.spec.vocab_size == 51200
         assert lay.schedule == ("interleaved" if lay.virtual > 1 else "1f1b")
         lay.check(run.spec, world=run.gpus, global_batch=run.global_batch)
 

@@ -11,9 +11,9 @@ import pytest
 from shardlab.cli.main import main
 from shardlab.plan.alphabeta import AlphaBeta
 from shardlab.plan.comm import Group, collective_time, groups, layer_comms
-from shardlab.plan.flops import backward, layer_forward, recompute, tiles_efficiency
+from shardlab.plan.op_costs import backward, layer_forward, recompute, tiles_efficiency
 from shardlab.plan.hardware import get_hardware
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import get_model
 from shardlab.plan.search import evaluate, search
 from shardlab.plan.steptime import step_time
@@ -22,9 +22,9 @@ A100 = get_hardware("a100-80gb")
 
 
 def test_groups_sit_where_the_rank_order_puts_them():
-    g = groups(PlanLayout(dp=4, tp=8, pp=4))
+    g = groups(Execution(dp=4, tp=8, pp=4))
     assert not g["tp"].crosses_nodes(8) and g["dp"].crosses_nodes(8) and g["pp"].crosses_nodes(8)
-    g = groups(PlanLayout(dp=4, tp=2, pp=2))
+    g = groups(Execution(dp=4, tp=2, pp=2))
     assert g["dp"].per_node(8) == 4 and not g["dp"].crosses_nodes(8)   # 4 dp ranks 2 apart share a node
 
 
@@ -45,11 +45,11 @@ def test_collective_costs_follow_the_algorithm_and_the_link():
 
 def test_ops_and_their_backward():
     spec = get_model("megatron-22b")
-    lay = PlanLayout(tp=8, sp=True, recompute="selective")
+    lay = Execution(tp=8, sp=True, recompute="selective")
     fwd = layer_forward(spec, lay, 4)
     mm = sum(op.flops for op in fwd)
     # 24 b s h^2 + 4 b s^2 h per layer, split over tp (Narayanan et al. 2021).
-    b, s, h = 4, spec.seq, spec.hidden
+    b, s, h = 4, spec.seq_len, spec.d_model
     assert mm == pytest.approx((24 * b * s * h * h + 4 * b * s * s * h) / 8)
     assert sum(op.flops for op in backward(fwd)) == pytest.approx(2 * mm)
     assert sum(op.flops for op in recompute(fwd, lay)) == pytest.approx(4 * b * s * s * h / 8)
@@ -60,18 +60,18 @@ def test_ops_and_their_backward():
 
 def test_sequence_parallelism_trades_all_reduces_for_the_same_bytes():
     spec = get_model("megatron-22b")
-    ar = layer_comms(spec, PlanLayout(tp=8), 4)
-    sp = layer_comms(spec, PlanLayout(tp=8, sp=True), 4)
+    ar = layer_comms(spec, Execution(tp=8), 4)
+    sp = layer_comms(spec, Execution(tp=8, sp=True), 4)
     assert [c.op for c in ar].count("all_reduce") == 4
     assert sorted(c.op for c in sp if c.phase == "fwd") == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
-    t_ar = step_time(spec, PlanLayout(tp=8, micro_batch=4), A100, 4)
-    t_sp = step_time(spec, PlanLayout(tp=8, sp=True, micro_batch=4), A100, 4)
+    t_ar = step_time(spec, Execution(tp=8, micro_batch=4), A100, 4)
+    t_sp = step_time(spec, Execution(tp=8, sp=True, micro_batch=4), A100, 4)
     assert t_sp.total_s < t_ar.total_s   # norms and dropout on 1/tp of the tokens
 
 
 def test_schedules_order_by_bubble():
     spec = get_model("megatron-175b")
-    base = PlanLayout(tp=8, pp=8, sp=True, recompute="selective")
+    base = Execution(tp=8, pp=8, sp=True, recompute="selective")
     t = {name: step_time(spec, replace(base, **kw), A100, 64) for name, kw in [
         ("1f1b", {}), ("interleaved", dict(schedule="interleaved", virtual_stages=2)), ("zb-h1", dict(schedule="zb-h1"))]}
     assert t["interleaved"].bubble_s < t["1f1b"].bubble_s and t["zb-h1"].bubble_s < t["1f1b"].bubble_s
@@ -94,7 +94,7 @@ def test_search_ranks_fitting_layouts_and_agrees_with_evaluate():
     top = result.ranked[0]
     again = evaluate(spec, top.layout, hw, 64)
     assert again.time.total_s == pytest.approx(top.time.total_s) and again.fits
-    pinned = search(spec, hw, gpus=16, global_batch=64, base=PlanLayout(tp=2), pinned={"tp"})
+    pinned = search(spec, hw, gpus=16, global_batch=64, base=Execution(tp=2), pinned={"tp"})
     assert {e.layout.tp for e in pinned.ranked} == {2}
 
 
@@ -131,16 +131,16 @@ def test_hfu_is_the_average_rank_with_uneven_stages():
     """Issue 33: HFU counts each stage's own layers (and the head on the last stage only), so HFU x
     time x peak x ranks is the step's executed FLOPs whatever the split; the slowest stage's layers
     counted for every rank would overstate it."""
-    from shardlab.plan import flops
+    from shardlab.plan import op_costs
 
-    spec = replace(get_model("llama2-7b"), layers=8)
+    spec = replace(get_model("llama2-7b"), n_layer=8)
     for split in ((4, 4), (6, 2)):
-        lay = PlanLayout(pp=2, micro_batch=1, stage_layers=split)
+        lay = Execution(pp=2, micro_batch=1, stage_layers=split)
         st = step_time(spec, lay, A100, 8)
         fwd = layer_forward(spec, lay, 1)
-        head = flops.head_forward(spec, lay, 1)
-        executed = st.micro_batches * (spec.layers * flops.flops_of(fwd + recompute(fwd, lay) + backward(fwd))
-                                       + flops.flops_of(head + backward(head)))
+        head = op_costs.head_forward(spec, lay, 1)
+        executed = st.micro_batches * (spec.n_layer * op_costs.flops_of(fwd + recompute(fwd, lay) + backward(fwd))
+                                       + op_costs.flops_of(head + backward(head)))
         assert st.hfu * st.total_s * A100.peak("bf16") * lay.world == pytest.approx(executed, rel=1e-9), split
 
 
@@ -149,7 +149,7 @@ def test_tp_overlap_switch_orders_the_exposed_communication():
     gradients) >= --tp-comm-overlap (all behind their GEMMs), on a Hopper preset's kernel model too."""
     spec = get_model("llama2-70b")
     for hw in (A100, get_hardware("h100-sxm")):
-        base = PlanLayout(tp=8, sp=True, micro_batch=1)
+        base = Execution(tp=8, sp=True, micro_batch=1)
         times = [step_time(spec, replace(base, **kw), hw, 8).comm_exposed_s
                  for kw in ({"tp_overlap": False}, {}, {"tp_comm_overlap": True})]
         assert times[0] > times[1] > times[2] >= 0, (hw.name, times)
@@ -164,7 +164,7 @@ def test_search_over_a_billion_gpus_returns_bounded():
     assert _divisors(10**9)[:8] == [1, 2, 4, 5, 8, 10, 16, 20] and len(_divisors(10**9)) == 100
     assert _divisors(999999937) == [1, 999999937]  # a prime: trial division to its square root only
     assert all(_divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 200))
-    spec = replace(get_model("llama2-7b"), layers=4)
+    spec = replace(get_model("llama2-7b"), n_layer=4)
     result = search(spec, get_hardware("h100-sxm"), gpus=10**9, global_batch=2 * 10**9)
     assert result.ranked and {e.layout.pp for e in result.ranked} <= {1, 2, 4}
     assert all(e.layout.dp * e.layout.tp * e.layout.pp * e.layout.cp * e.layout.ep == 10**9 for e in result.ranked)

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import torch
 
-from shardlab.train.data import BatchSampler
+from shardlab.train.batches import BatchSampler
 from shardlab.train.prefetch import Prefetcher
 
 

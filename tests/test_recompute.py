@@ -91,7 +91,7 @@ def test_deep_mlp_and_pipeline_chunk_full():
 
 
 def _held_bytes(model: torch.nn.Module, *batch: torch.Tensor) -> tuple[int, int]:
-    from shardlab.train.memory import held_and_peak
+    from shardlab.train.memory_tracker import held_and_peak
 
     return held_and_peak(model, *batch)
 

@@ -380,3 +380,108 @@ def test_checkpoint_of_a_derived_layout_loads_into_the_hand_written_one(pools, t
     got = pools(2).run(checkpoint_across, str(tmp_path / "ck"))[0]
     assert got["hand-written"] == [] and got["derived"] == []
     assert got["hand-written trained"] and got["derived trained"]  # a fresh model differs: the load did it
+
+
+# ------------------------------------------------------------- whole modules: layers over pp, experts over ep
+def test_rules_place_layers_over_pp_and_experts_over_ep():
+    plan = derive(_gpt(n_layer=4, n_experts=4), Rules.parse("layers=pp, experts=ep"), {"pp": 2, "ep": 2}, rows=2,
+                  micro_batches=2)
+    assert (plan.pipeline_axis, plan.expert_axis) == ("pp", "ep")
+    # The trainer's even split: embedding + blocks 0-1 on pp rank 0, blocks 2-3 + head on pp rank 1.
+    owner = {m.name: m.stage for m in plan.modules}
+    assert owner["tok_emb"] == owner["blocks.1.mlp"] == 0 and owner["blocks.2.ln1"] == owner["head"] == 1
+    (stage,) = [m for m in plan.modules if m.kind == "pipeline"]
+    (boundary,) = stage.exit
+    hidden = 2 * 16 * 32 * 4   # rows x tokens x d_model x fp32, one micro-batch
+    assert (stage.name, boundary.fwd, boundary.bwd, boundary.axis, boundary.nbytes) == \
+        ("stage 0 -> 1", "p2p", "p2p", "pp", hidden)
+    mlp = plan.module("blocks.0.mlp")
+    assert mlp.kind == "experts" and [c.fn for c in mlp.collectives()] == \
+        ["expert_counts", "expert_dispatch", "expert_combine"]
+    # Per layer: the counts forward, dispatch and combine forward and backward; rows x top_k (2) x d each.
+    assert plan.counts(axis="ep") == {"all_to_all": {"calls": 4 * 5, "bytes": 4 * (4 * 8 + 4 * 2 * hidden)}}
+    # The boundary's message and its gradient, and the tied embedding's (64 x 32 fp32) gradient exchange.
+    assert plan.counts(axis="pp") == {"p2p": {"calls": 2 + 1, "bytes": 2 * hidden + 64 * 32 * 4}}
+    # Dense weights over dp x ep (rank 0: its stage's only), experts over dp (1 rank: none); the tied
+    # embedding's copies exchange gradients over pp.
+    data = {(c.module, c.axis, c.bwd) for c in plan.data}
+    assert data == {("(dense weights)", "dp+ep", "all_reduce"), ("(tied tok_emb / head)", "pp", "p2p")}
+    # Interleaved: 2 chunks per rank, chunk c on pp rank c mod 2.
+    plan = derive(_gpt(n_layer=4), Rules.parse("layers=pp"), {"pp": 2}, rows=2, virtual_stages=2)
+    assert [m.name for m in plan.modules if m.kind == "pipeline"] == ["stage 0 -> 1", "stage 1 -> 2", "stage 2 -> 3"]
+    assert [plan.module(f"blocks.{i}.ln1").stage for i in range(4)] == [0, 1, 0, 1]
+    # Refused, each with its reason.
+    assert "no mixture of experts" in _refusal(_gpt(), "experts=ep", {"ep": 2})
+    assert "3 experts cannot be placed whole over ep = 2" in _refusal(_gpt(n_experts=3, top_k=1), "experts=ep", {"ep": 2})
+    assert "derived for dense models only" in _refusal(_gpt(n_experts=4), f"{MEGATRON}, experts=ep", {"tp": 2, "ep": 2})
+    assert "pipeline split of a model whose sequence the rules cut" in _refusal(
+        _gpt(), f"layers=pp, {MEGATRON}, seq=tp", {"pp": 2, "tp": 2})
+    # The deep MLP's 3 layers over 2 stages: the boundary after layer 0 (column: features cut over tp).
+    assert "layers.0: a pipeline boundary (layers=pp) falls where the rules leave the hidden state (batch, mlp/tp)" \
+        in _refusal(DeepMLP(MLPConfig(d_model=16, n_layer=3)), "layers=pp, mlp=tp", {"pp": 2, "tp": 2})
+    assert "under rules, the pipeline is the rule layers=pp" in _refusal(_gpt(), MEGATRON, {"pp": 2, "tp": 2})
+    assert "expert parallelism is the rule experts=ep" in _refusal(_gpt(n_experts=4), "seq=cp", {"ep": 2, "cp": 2})
+    assert "layers index whole modules" in _refusal(_gpt(), "layers=tp", {"tp": 2})
+    assert "'ep' places whole modules" in _refusal(_gpt(), "mlp=ep", {"ep": 2})
+    cfg = load_config(None, ["layout.pp=2", "train.micro_batches=2", "sharding.compute=batch=dp"], base=VERIFY_BASE)
+    with pytest.raises(ConfigError, match="the pipeline is the rule layers=pp"):
+        cfg.validate()
+
+
+@pytest.mark.parametrize("world,sets", [
+    (4, ["layout.pp=2", "layout.ep=2", "train.micro_batches=2", "model.experts=4", "sharding.compute=layers=pp, experts=ep"]),
+    (2, ["layout.ep=2", "model.experts=4", "sharding.compute=experts=ep"]),
+    (4, ["layout.cp=2", "layout.ep=2", "model.experts=4", "model.capacity_factor=0.5", "sharding.compute=seq=cp, experts=ep"]),
+])
+def test_placing_rules_issue_the_hand_written_trace(pools, world, sets):
+    """Layers over pp and experts over ep (and with seq over cp) issue what `--pp 2 --ep 2` (`--ep 2`,
+    `--cp 2 --ep 2`) issues over one whole training step, operation for operation in issue order
+    (kind, group, bytes, peer): the pipeline's messages, the all-to-alls, the gradient reductions."""
+    from sharding_ranks import layout_traces
+
+    got = pools(world).run(layout_traces, sets)[0]
+    assert got["hand"] == got["derived"] and got["hand built"] == got["derived built"], json.dumps(got)
+    ops = {op for op, *_ in got["derived"]}
+    # Point-to-point: the pipeline's messages, or the ring attention's.
+    assert "all_to_all" in ops and ("send" in ops) == ("layout.pp=2" in sets or "layout.cp=2" in sets), ops
+    assert got["plan_axes"] == ["pp" if "layout.pp=2" in sets else None, "ep", "cp" if "layout.cp=2" in sets else None]
+
+
+def test_verify_pipeline_and_experts_rules(pools):
+    # The issue's done-when: a pipeline-and-experts layout from rules (pp 2 x ep 2, 4 ranks) equal to one process.
+    report = _verify(pools, _cfg("gpt", 1, 1, "layout.pp=2", "layout.ep=2", "train.micro_batches=2", "model.experts=4",
+                                 "model.aux_loss_coef=0.1", "sharding.compute=layers=pp, experts=ep"), 4)
+    assert report["max_rel_loss_diff"] < 1e-6
+
+
+def test_verify_layers_over_pp_with_megatron_rules(pools):
+    """pp 2 x tp 2 from rules (4 ranks): the Megatron rules compiled onto the whole GPT, then split into
+    the trainer's stages. Not trace-equal to `--pp 2 --tp 2` (the derived head gathers the logits, as
+    at pp 1), so held to one process; and the stages are known to hold the derived leaves."""
+    from sharding_ranks import built
+
+    sets = ["layout.pp=2", "train.micro_batches=2", "layout.schedule='interleaved'", "layout.virtual_stages=2",
+            "model.n_layer=4", f"sharding.compute=layers=pp, {MEGATRON}"]
+    assert {"PipelineParallel", "DerivedLinear", "DerivedEmbedding"} <= set(pools(4).run(built, ["layout.tp=2", *sets])[0])
+    _verify(pools, _cfg("gpt", 1, 2, *sets), 4)
+
+
+def test_explain_prints_a_pipeline_and_experts_layout_from_rules(capsys):
+    from shardlab.cli.main import main
+
+    assert main(["explain", "--config", "configs/gpt-moe-rules.toml", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["rules"] == "compute: layers=pp, experts=ep" and d["mesh"].startswith("pp 2 x ep 2 (4 ranks")
+    assert [m["stage"] for m in d["modules"] if m["name"] in ("tok_emb", "head")] == [0, 1]
+    (boundary,) = [c for m in d["modules"] if m["kind"] == "pipeline" for c in m["collectives"]]
+    assert (boundary["fwd"], boundary["bwd"], boundary["group"]) == ("p2p", "p2p", "pp[2] [0, 2]")
+    dispatch = next(c for m in d["modules"] if m["kind"] == "experts" for c in m["collectives"]
+                    if c["function"] == "expert_dispatch")
+    assert (dispatch["fwd"], dispatch["bwd"], dispatch["group"]) == ("all_to_all", "all_to_all", "ep[2] [0, 1]")
+    assert dispatch["predicted_s"] > 0 and boundary["predicted_s"] > 0
+    # Rank 0's step: per micro-batch (2) its 2 mixtures' 5 all-to-alls and the boundary's 2 messages; then
+    # the dense gradients' all-reduce over dp x ep and the tied embedding's exchange.
+    assert d["per_step"]["calls"] == 2 * (2 * 5 + 2) + 2
+    assert main(["explain", "--config", "configs/gpt-moe-rules.toml"]) == 0
+    text = capsys.readouterr().out
+    assert "stage 0 -> 1" in text and "[pp rank 1]" in text and "expert_combine" in text

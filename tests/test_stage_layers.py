@@ -11,7 +11,7 @@ import torch
 
 from shardlab.parallel.pipeline import plan_split
 from shardlab.parallel.pipeline.partition import even_layers, layout_balance
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.train.config import ConfigError, load_config
 from shardlab.train.task import build_model
 from shardlab.train.verify import VERIFY_BASE, verify_base
@@ -28,7 +28,7 @@ def test_even_split_and_the_trainer_agrees_with_the_planner():
         plan = plan_split(model, pp, v, layout_balance(model, pp, v))
         blocks = [sum(plan.pieces[i].startswith("blocks.") for i in plan.chunk_range(c)) for c in range(pp * v)]
         per_stage = [sum(blocks[s::pp]) for s in range(pp)]
-        assert per_stage == PlanLayout(pp=pp, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b") \
+        assert per_stage == Execution(pp=pp, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b") \
             .stage_layer_counts(n_layer)
         assert plan.pieces[plan.chunk_range(0)[0]] == "embed" and plan.pieces[-1] == "head"
     with torch.device("meta"):

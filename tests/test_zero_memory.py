@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardlab.plan.memory import model_state_bytes
+from shardlab.plan.memory_model import model_state_bytes
 from shardlab.train.config import load_config
 
 
@@ -23,7 +23,7 @@ def test_formulas_match_the_paper():
 # The formula at 4 ranks is the same arithmetic as at 2 (the shards' sizes divide by the degree): `long`.
 @pytest.mark.parametrize("ws,precision", [(2, "fp32"), pytest.param(4, "fp32", marks=pytest.mark.long), (2, "bf16")])
 def test_measured_model_state_equals_the_formula(pools, ws, precision):
-    from shardlab.bench.memory import measure_stages_rank
+    from shardlab.bench.memory_measure import measure_stages_rank
 
     cfg = load_config(None, ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "train.global_batch=8",
                              "data.max_bytes=1048576", f"layout.dp={ws}", "model.freeze=pos_emb.*",

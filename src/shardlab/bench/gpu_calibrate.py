@@ -11,7 +11,7 @@ Measured on the current CUDA device, in bf16, timed with CUDA events after a war
 - fused attention (torch's scaled_dot_product_attention, causal) for sequences 1k-32k at head sizes 64
   and 128, forward and forward + backward (the backward by difference);
 - bandwidth-bound kernels: GELU and LayerNorm over (tokens x width) bf16 tensors, counted as
-  plan/flops.py counts them (read + write), and the fused AdamW over fp32 parameters (28 bytes each).
+  plan/op_costs.py counts them (read + write), and the fused AdamW over fp32 parameters (28 bytes each).
 Every size is capped so that the whole sweep takes well under three minutes on an H100-class GPU
 (about 60 s measured-time estimate at 790 TFLOP/s; the rest is launches and warm-ups).
 

@@ -53,10 +53,10 @@ from shardlab.bench.pipeline_variants import OURS, TORCH, TORCH_KINDS, build_var
 from shardlab.parallel.pipeline import Timeline, bubble_theory, compute_order, in_flight_theory
 from shardlab.parallel.pipeline.actions import B, BI, BW, F
 from shardlab.parallel.pipeline.check import simulate
-from shardlab.bench.pipeline_measure import ModelSpec
+from shardlab.bench.pipeline_measure import MeasuredModel
 from shardlab.parallel.pipeline.schedules import schedule
 from shardlab.parallel.pipeline.timeline import Event
-from shardlab.train.memory import MemoryTracker, tensor_bytes
+from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 
 
 
@@ -64,7 +64,7 @@ from shardlab.train.memory import MemoryTracker, tensor_bytes
 class PipelineBenchConfig:
     """What one `bench pipeline` measures (the CLI's flags, cli/bench_pipeline.py)."""
 
-    model: ModelSpec = field(default_factory=lambda: ModelSpec("mlp", d_model=1024, n_layer=8, batch=256))
+    model: MeasuredModel = field(default_factory=lambda: MeasuredModel("mlp", d_model=1024, n_layer=8, batch=256))
     """The plain model both sides cut with plan_split, and the batch of a step."""
     stages: list[int] = field(default_factory=lambda: [2, 4])
     """Pipeline sizes P: a launch of P ranks per run each."""
@@ -117,7 +117,7 @@ class PipelineBenchConfig:
 
 
 # --------------------------------------------------------------------------------------- on a rank
-def _latency(spec: ModelSpec, rows: int, iters: int = 20) -> float:
+def _latency(spec: MeasuredModel, rows: int, iters: int = 20) -> float:
     """Half the median round trip of one microbatch's activation between ranks 0 and 1."""
     shape = (rows, spec.d_model) if spec.name == "mlp" else (rows, spec.seq_len, spec.d_model)
     buf = torch.zeros(shape)
@@ -198,7 +198,7 @@ def pipeline_bench_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def config_from_dict(d: dict[str, Any]) -> PipelineBenchConfig:
-    return PipelineBenchConfig(**{**d, "model": ModelSpec(**d["model"])})
+    return PipelineBenchConfig(**{**d, "model": MeasuredModel(**d["model"])})
 
 
 # --------------------------------------------------------------------------------------- aggregation

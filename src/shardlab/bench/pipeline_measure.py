@@ -27,13 +27,13 @@ from shardlab.parallel.pipeline.executor import PipelineExecutor
 from shardlab.parallel.pipeline.schedules import bubble_theory, in_flight_theory, schedule
 from shardlab.parallel.pipeline.stages import build_stage, plan_split
 from shardlab.parallel.pipeline.timeline import Event, Timeline
-from shardlab.train.memory import MemoryTracker
+from shardlab.train.memory_tracker import MemoryTracker
 
 Case = tuple[str, int, int]  # (schedule kind, microbatches, virtual stages)
 
 
 @dataclass
-class ModelSpec:
+class MeasuredModel:
     """The model a measurement trains. The default MLP is wide in rows and narrow in features so
     that activations, not weight-gradient temporaries, dominate the memory figures."""
 
@@ -104,7 +104,7 @@ class Report:
         return {k: v for k, v in self.__dict__.items() if k != "timeline"}
 
 
-def measure_rank(cases: list[Case], spec: ModelSpec, steps: int = 3, warmup: int = 1) -> list[dict]:
+def measure_rank(cases: list[Case], spec: MeasuredModel, steps: int = 3, warmup: int = 1) -> list[dict]:
     """On every rank of the default group (the pipeline): each case timed over `steps` steps after
     `warmup`, then one step under the memory tracker. Rank 0 returns the gathered figures."""
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -160,12 +160,12 @@ def summarise(kind: str, stages: int, m: int, v: int, per_rank: list) -> Report:
                   timelines[median])
 
 
-def measure(cases: list[Case], stages: int, spec: ModelSpec | None = None, steps: int = 3, warmup: int = 1,
+def measure(cases: list[Case], stages: int, spec: MeasuredModel | None = None, steps: int = 3, warmup: int = 1,
             **launch_kwargs: object) -> list[Report]:
     """Launch `stages` local ranks and measure every case on them (one launch for all cases)."""
     from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
-    spec = spec or ModelSpec()
+    spec = spec or MeasuredModel()
     results = launch(measure_rank, stages, cases, spec, steps, warmup, **launch_kwargs)[0]
     reports = []
     for r in results or []:  # under torchrun only rank 0 holds the figures

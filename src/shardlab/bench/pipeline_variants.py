@@ -33,7 +33,7 @@ import torch.nn.functional as F_
 
 from shardlab.parallel.pipeline import PipelineExecutor, build_stage, gather_gradients, plan_split, schedule, sum_tied_grads
 from shardlab.parallel.pipeline.actions import B, F
-from shardlab.bench.pipeline_measure import ModelSpec
+from shardlab.bench.pipeline_measure import MeasuredModel
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.pipeline.timeline import Event
 
@@ -61,7 +61,7 @@ def split_name(name: str) -> tuple[str, str]:
     return side, kind
 
 
-def loss_fn(spec: ModelSpec) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def loss_fn(spec: MeasuredModel) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss our last chunk computes from its output (stages.py), for torch's schedules."""
     if spec.name == "mlp":
         return lambda out, target: F_.mse_loss(out.float(), target.float())
@@ -83,7 +83,7 @@ class Variant(abc.ABC):
         this rank knows it (ours: every rank; torch's: the last stage's rank) and this rank's events."""
 
 
-def _stage(spec: ModelSpec, stages: int, virtual: int) -> PipelineStage:
+def _stage(spec: MeasuredModel, stages: int, virtual: int) -> PipelineStage:
     torch.manual_seed(0)  # the same initial weights for every variant
     model = spec.build()
     return build_stage(model, plan_split(model, stages, virtual), dist.get_rank())
@@ -94,7 +94,7 @@ def _adamw(stage: PipelineStage) -> torch.optim.Optimizer:
 
 
 class Ours(Variant):
-    def __init__(self, name: str, spec: ModelSpec, stages: int, microbatches: int, virtual: int) -> None:
+    def __init__(self, name: str, spec: MeasuredModel, stages: int, microbatches: int, virtual: int) -> None:
         kind = split_name(name)[1]
         self.name, self.stage = name, _stage(spec, stages, virtual if kind == "interleaved" else 1)
         self.optimizer = _adamw(self.stage)
@@ -109,7 +109,7 @@ class Ours(Variant):
 
 
 class Torch(Variant):
-    def __init__(self, name: str, spec: ModelSpec, stages: int, microbatches: int, virtual: int,
+    def __init__(self, name: str, spec: MeasuredModel, stages: int, microbatches: int, virtual: int,
                  loss_scale: float = 1.0) -> None:
         from torch.distributed import pipelining
 
@@ -188,7 +188,7 @@ class Torch(Variant):
         return loss, self.events
 
 
-def build_variant(name: str, spec: ModelSpec, stages: int, microbatches: int, virtual: int,
+def build_variant(name: str, spec: MeasuredModel, stages: int, microbatches: int, virtual: int,
                   loss_scale: float = 1.0) -> Variant:
     side, _ = split_name(name)
     if side == OURS:
@@ -198,7 +198,7 @@ def build_variant(name: str, spec: ModelSpec, stages: int, microbatches: int, vi
     raise ValueError(f"unknown variant {name!r}: expected ours_<schedule> or torch_<schedule>")
 
 
-def check_equal(names: list[str], spec: ModelSpec, p: int, microbatches: int, virtual: int, x: torch.Tensor,
+def check_equal(names: list[str], spec: MeasuredModel, p: int, microbatches: int, virtual: int, x: torch.Tensor,
                 y: torch.Tensor, loss_scale: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """Before any timing: every variant takes one step (no update) on the same batch from the same
     weights; its loss and every gradient (gathered by name) must equal the reference's (torch_1f1b,

@@ -39,10 +39,10 @@ from shardlab.bench.comm import bench_on_ranks
 from shardlab.bench.sweep import CommBenchConfig
 from shardlab.models import GPT, GPTConfig
 from shardlab.plan.alphabeta import fit_rows
-from shardlab.plan.flops import backward, embedding_forward, head_forward, layer_forward
+from shardlab.plan.execution import Execution
 from shardlab.plan.hardware import fits_from_bench
-from shardlab.plan.layout import PlanLayout
 from shardlab.plan.models import ModelSpec
+from shardlab.plan.op_costs import backward, embedding_forward, head_forward, layer_forward
 from shardlab.plan.validate_local import REFERENCE, reference_efficiency
 
 GRID_M = (128, 512, 2048)
@@ -98,7 +98,7 @@ def copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
 
 
 def attention_rate(b: int = 8, heads: int = 4, s: int = 128, d: int = 64) -> float:
-    """Fused causal attention forward + backward, in FLOP/s as flops.py counts it (forward
+    """Fused causal attention forward + backward, in FLOP/s as op_costs.py counts it (forward
     4 b s (s/2) heads d, backward 2.5x that)."""
     import torch.nn.functional as F
 
@@ -112,7 +112,7 @@ def attention_rate(b: int = 8, heads: int = 4, s: int = 128, d: int = 64) -> flo
 
 
 def activation_rate(n: int = 2**21) -> float:
-    """GELU forward + backward in bytes/s as flops.py counts them (forward reads and writes n
+    """GELU forward + backward in bytes/s as op_costs.py counts them (forward reads and writes n
     values, backward 1.5x that): on a CPU the error function is compute-bound."""
     import torch.nn.functional as F
 
@@ -140,9 +140,9 @@ def op_overhead(threads: int) -> tuple[float, float, int]:
         opt.zero_grad(set_to_none=True)
 
     seconds = _timed(step, 0.1, reps=3)
-    spec = ModelSpec("tiny", layers=2, hidden=16, heads=2, vocab=32, seq=4, bias=False, dropout=False,
+    spec = ModelSpec(name="tiny", n_layer=2, d_model=16, n_head=2, vocab_size=32, seq_len=4, bias=False, dropout=0.0,
                      attention="flash")
-    lay = PlanLayout(precision="fp32")
+    lay = Execution(precision="fp32")
     fwd = [op for op in layer_forward(spec, lay, 1)] * 2 + embedding_forward(spec, lay, 1) + head_forward(spec, lay, 1)
     ops = len(fwd) + len(backward(fwd))
     n_tensors = sum(1 for _ in model.parameters())

@@ -3,7 +3,7 @@
 `measure_rank(cfg_dict, steps)` runs on every rank (launch() or a RankPool): the trainer's own
 pieces (the plain model, the layout applied over the mesh, the optimizer, train/step.py's
 train_step), one warm-up step, `steps` timed steps (the slowest rank's time per step; the median
-is reported), then one step under the MemoryTracker (train/memory.py: live tensor storages, the
+is reported), then one step under the MemoryTracker (train/memory_tracker.py: live tensor storages, the
 measure `shardlab memory` and the trainer use). Before and after the timed steps every rank times
 the calibration's reference matmul (plan_calibrate.probe_rate), and before each timed step the
 calibration's reference training step (plan_calibrate.reference_step): the machine's speed during the
@@ -23,7 +23,7 @@ from shardlab.bench.plan_calibrate import probe_rate, reference_step
 from shardlab.dist.env import synchronize
 from shardlab.parallel.layout import apply_layout, build_mesh
 from shardlab.train.config import Config
-from shardlab.train.memory import MemoryTracker, tensor_bytes
+from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import build_task, prepare_model
 

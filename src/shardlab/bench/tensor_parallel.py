@@ -4,7 +4,7 @@ memory per rank with and without sequence parallelism.
     python -m shardlab.bench.tensor_parallel            # tp 1, 2 and 4 on local gloo ranks
 
 Communication is counted by comm.autograd's `count_comm` around one forward and backward (every
-tensor-parallel collective goes through it). Activation memory is shardlab.train.memory's
+tensor-parallel collective goes through it). Activation memory is shardlab.train.memory_tracker's
 MemoryTracker with the parameters as baseline: `held` is what the graph keeps alive from the end
 of forward until backward (the activations saved for backward, and the loss), `peak` the highest
 figure during forward and backward (gradients included).
@@ -21,7 +21,7 @@ import torch.nn as nn
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel.tensor.lecture_mlp import LECTURE_MLP_PLAN, MEGATRON_MLP_PLAN, step_comm
 from shardlab.parallel.tensor.plan import apply_tensor_parallel
-from shardlab.train.memory import MemoryTracker
+from shardlab.train.memory_tracker import MemoryTracker
 
 MLP_FORMS = {"lecture": (LECTURE_MLP_PLAN, False), "megatron": (MEGATRON_MLP_PLAN, False),
              "megatron+sp": (MEGATRON_MLP_PLAN, True)}

@@ -54,16 +54,16 @@ class Shapes:
     seq_len: int
     d_model: int
     bias: bool = False
-    learned_positions: bool = True
+    rotary: bool = False  # rotary positions: no position table whose gradient is summed
     kv_elements: int = 0  # the fused key/value weight's elements, when its heads are replicated; else 0
 
     @classmethod
     def of(cls, model_cfg: Any, rows: int, tp: int) -> Shapes:
-        """From a ModelConfig (train/config.py) at tensor-parallel degree tp."""
+        """From a `[model]` section (train/sections.py) at tensor-parallel degree tp."""
         kv_heads = model_cfg.n_kv_head or model_cfg.n_head
         replicated = kv_heads % tp != 0
         kv = 2 * kv_heads * (model_cfg.d_model // model_cfg.n_head) * model_cfg.d_model if replicated else 0
-        return cls(rows, model_cfg.seq_len, model_cfg.d_model, model_cfg.bias, not model_cfg.rotary, kv)
+        return cls(rows, model_cfg.seq_len, model_cfg.d_model, model_cfg.bias, model_cfg.rotary, kv)
 
 
 @dataclass(frozen=True)
@@ -102,19 +102,19 @@ def _added(s: Shapes, sp: bool, implementation: str, element: int) -> list[Term]
     terms = []
     if implementation == "ours" and sp:
         block = 4 * h + (2 * h if s.bias else 0)  # ln1, ln2 gain and bias; the two row layers' biases
-        rest = (s.seq_len * h if s.learned_positions else 0) + 2 * h  # positions, ln_f
+        rest = (0 if s.rotary else s.seq_len * h) + 2 * h  # positions, ln_f
         terms += [Term("per_layer", "all_gather", 2, act, "attention's and MLP's inputs gathered again in backward"),
                   Term("per_layer", "all_reduce", 1, block * element, "partial gradients of the norms"
                        + (" and row biases" if s.bias else "") + " (one sum per block)"),
                   Term("edges", "all_gather", 1, act, "head's input gathered again in backward"),
                   Term("edges", "all_reduce", 1, rest * element, "partial gradients of the "
-                       + ("positions and " if s.learned_positions else "") + "final norm")]
+                       + ("" if s.rotary else "positions and ") + "final norm")]
     if implementation == "ours" and s.kv_elements:
         terms.append(Term("per_layer", "all_reduce", 1, s.kv_elements * element, "replicated key/value weight's gradient"))
         if s.bias:
             terms.append(Term("per_layer", "all_reduce", 1, s.kv_elements // h * element,
                               "replicated key/value bias's gradient"))
-    if implementation == "torch" and sp and s.learned_positions:
+    if implementation == "torch" and sp and not s.rotary:
         terms.append(Term("edges", "all_gather", 1, s.seq_len * h * element,
                           "position table's output gradient (Shard(0) -> whole)"))
     return terms

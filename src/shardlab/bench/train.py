@@ -39,7 +39,7 @@ from shardlab.dist.env import synchronize
 from shardlab.parallel import DataParallel, ZeroDataParallel
 from shardlab.parallel.fsdp import FullyShardedDataParallel
 from shardlab.train.config import Config
-from shardlab.train.memory import MemoryTracker, tensor_bytes
+from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import adamw_kwargs, decay_groups, lr_at, make_optimizer, train_step
 from shardlab.train.task import build_task, prepare_model
 

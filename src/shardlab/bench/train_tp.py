@@ -61,7 +61,7 @@ from shardlab.parallel.layout import apply_layout, build_mesh
 from shardlab.parallel.sharding import ShardingSection
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
-from shardlab.train.memory import MemoryTracker, tensor_bytes
+from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import Task, build_task, prepare_model
 

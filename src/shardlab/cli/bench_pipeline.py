@@ -173,14 +173,14 @@ def run_pipeline(args: argparse.Namespace) -> int:
     # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.pipeline import PipelineBenchConfig, load_raw, report_from_raw, run_pipeline_bench, save_raw
     from shardlab.bench import pipeline_report as report
-    from shardlab.bench.pipeline_measure import ModelSpec
+    from shardlab.bench.pipeline_measure import MeasuredModel
 
     if under_torchrun():
         print("shardlab bench pipeline launches its own ranks (a fresh launch per run and P); run it without "
               "torchrun", file=sys.stderr)
         return 2
     base = MODEL_DEFAULTS[args.model]
-    spec = ModelSpec(args.model, d_model=args.d_model or base["d_model"], n_layer=args.layers or base["layers"],
+    spec = MeasuredModel(args.model, d_model=args.d_model or base["d_model"], n_layer=args.layers or base["layers"],
                      batch=args.batch or base["batch"], seq_len=args.seq_len, n_head=args.heads)
     cfg = PipelineBenchConfig(model=spec, stages=args.stages, kinds=list(dict.fromkeys(args.schedules)),
                               microbatches=args.microbatches, virtual=args.virtual_stages, runs=args.runs,

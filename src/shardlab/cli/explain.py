@@ -24,7 +24,11 @@ time for it on --hardware (plan/comm.py's alpha-beta model of the group's links)
 (seq over cp) shows each attention core's ring: the key/value messages sent to the next cp rank
 ('sendrecv xN': N steps of one message each way, forward and again backward) and the key/value
 gradients passed back in backward, each step timed as one point-to-point exchange (plan/comm.py
-p2p_time). Totals per step at the end (model-axis and cp collectives x micro-batches, plus the
+p2p_time). Rules that place whole modules show where they go: with layers over pp, each module's
+pipeline rank and, at every chunk boundary, the hidden states sent on ('p2p', and their gradient
+back); with experts over ep, each mixture's three all-to-alls (per-expert counts, dispatch, combine;
+the rows' size is the most that can move, top_k rows per token) and the dense and expert weights'
+separate gradient reductions. Totals per step at the end (model-axis and cp collectives x micro-batches, plus the
 data-parallel engine's, once per step).
 
 The rules are sharding.compute (how activations and weights in compute are laid out) and
@@ -38,6 +42,7 @@ examples:
       --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=tp' --set sharding.params=embed=dp
   shardlab explain --model gpt --dp 2 --tp 2 --cp 2 \
       --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=cp' --set sharding.params=embed=dp
+  shardlab explain --config configs/gpt-moe-rules.toml     # layers over pp, experts over ep
 """
 
 
@@ -79,10 +84,11 @@ def explain(cfg: Any, hardware: str) -> dict[str, Any]:
 
     lay, t = cfg.layout, cfg.train
     model = empty_model(cfg.model, model_vocab(cfg) if cfg.model.name == "gpt" else 0)
-    rows = max(1, t.global_batch // max(1, lay.dp * t.micro_batches))
+    rows = max(1, t.global_batch // max(1, lay.dp * lay.ep * t.micro_batches))  # per batch rank (dp x ep)
     itemsize = 2 if lay.precision in ("bf16", "fp16") else 4
     plan = derive(model, rules_of(cfg.sharding), mesh_sizes(lay), rows=rows, itemsize=itemsize,
-                  micro_batches=t.micro_batches, zero=lay.zero)
+                  micro_batches=t.micro_batches, zero=lay.zero, virtual_stages=lay.virtual_stages,
+                  stage_layers=lay.stage_layers)
     mesh = build_mesh(lay, world_size=cfg.world_size, rank=0, create_groups=False)
     order = mesh_order(lay)
     hw = get_hardware(hardware)
@@ -97,9 +103,9 @@ def explain(cfg: Any, hardware: str) -> dict[str, Any]:
 
     def seconds(op: str, nbytes: int, axis: str, steps: int = 1) -> float:
         group = Group(axis, mesh.size(_axes(axis)), stride(axis))
-        if op == "sendrecv":  # a ring's steps: one exchange with the neighbours each, one after another
+        if op in ("sendrecv", "p2p"):  # a ring's steps (one exchange with the neighbours each), a stage's message
             return steps * p2p_time(hw, nbytes, group)
-        if op not in ("all_reduce", "all_gather", "reduce_scatter"):
+        if op not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
             return 0.0
         return collective_time(hw, op, nbytes, group)
 
@@ -110,10 +116,12 @@ def explain(cfg: Any, hardware: str) -> dict[str, Any]:
                 "predicted_s": seconds(c.fwd, c.nbytes, c.axis, c.steps_fwd)
                 + seconds(c.bwd, c.nbytes, c.axis, c.steps_bwd), "why": c.why}
 
-    modules = [{"name": m.name, "kind": m.kind, "in": m.inp, "out": m.out, "weights": m.weights,
+    modules = [{"name": m.name, "kind": m.kind, "in": m.inp, "out": m.out, "weights": m.weights, "stage": m.stage,
                 "collectives": [row(c) for c in m.collectives()]} for m in plan.modules]
     data = [row(c) for c in plan.data]
-    per_mb = [c for m in modules for c in m["collectives"]]
+    # Under a pipeline a rank runs its own stage's modules: the totals are rank 0's (pp rank 0).
+    mine = [m for m, p in zip(modules, plan.modules) if p.stage is None or p.stage == 0 or 0 in p.peers]
+    per_mb = [c for m in mine for c in m["collectives"]]
     mb = t.micro_batches
     total = {"calls": mb * sum(c["fwd_calls"] * (c["fwd_bytes"] > 0) + c["bwd_calls"] * (c["bwd_bytes"] > 0)
                                for c in per_mb)
@@ -134,7 +142,8 @@ def render(d: dict[str, Any]) -> str:
              + f", {d['itemsize']}-byte "
              f"elements; {d['micro_batches']} micro-batch(es) per step; times: {d['hardware']}", ""]
     for m in d["modules"]:
-        lines.append(f"{m['name']:<22} {m['kind']:<9} in {m['in']}  out {m['out']}")
+        where = "" if m.get("stage") is None else f"  [pp rank {m['stage']}]"
+        lines.append(f"{m['name']:<22} {m['kind']:<9} in {m['in']}  out {m['out']}{where}")
         if m["weights"]:
             short = ", ".join(f"{w.removeprefix(m['name'] + '.')} {p}" for w, p in m["weights"].items())
             lines.append(f"{'':<24}weights {short}")
@@ -150,7 +159,8 @@ def render(d: dict[str, Any]) -> str:
             lines.append(f"{'':<24}{c['at']:<9} {c['group']:<14} fwd {c['fwd']:<14} {_fmt_bytes(c['fwd_bytes']):>10}  "
                          f"bwd {c['bwd']:<14} {_fmt_bytes(c['bwd_bytes']):>10}  {c['predicted_s'] * 1e6:8.1f} us")
     tot = d["per_step"]
-    lines += ["", f"per step: {tot['calls']} collective calls, {_fmt_bytes(tot['bytes'])} "
+    who = " (rank 0: pp rank 0's stage)" if any(m.get("stage") is not None for m in d["modules"]) else ""
+    lines += ["", f"per step{who}: {tot['calls']} collective calls, {_fmt_bytes(tot['bytes'])} "
                   f"(nccl-tests sizes), predicted {tot['predicted_s'] * 1e3:.3f} ms of communication"
                   f" on {d['hardware']} (before any overlap)"]
     return "\n".join(lines)

@@ -54,7 +54,7 @@ def _mib(n: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from shardlab.dist import launch, under_torchrun  # looked up when called: tests put a pool of ranks in its place
     # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.plan.memory import model_state_bytes
+    from shardlab.plan.memory_model import model_state_bytes
 
     bad = [s for s in args.stages if s not in (0, 1, 2, 3)]
     if bad:
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     measured: dict[int, dict] = {}
     if not args.predict_only:
         # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.bench.memory import measure_stages_rank
+        from shardlab.bench.memory_measure import measure_stages_rank
 
         rows = launch(measure_stages_rank, None if under_torchrun() else n, cfg.to_dict(), args.stages,
                       **launch_kwargs(args))[0]

@@ -10,10 +10,10 @@ from dataclasses import replace
 from shardlab.cli.plan_inputs import build_hardware, build_spec
 from shardlab.plan.alphabeta import load_fits
 from shardlab.plan.devices import match_device
-from shardlab.plan.hardware import ALIASES, PRESETS, PRESETS as HW
-from shardlab.plan.layout import (
-    PRECISIONS, RECOMPUTE, SCHEDULES, SCHEDULE_ALIASES, TORCHTITAN_OP, LayoutError, PlanLayout,
+from shardlab.plan.execution import (
+    PRECISIONS, RECOMPUTE, SCHEDULES, SCHEDULE_ALIASES, TORCHTITAN_OP, Execution, LayoutError,
 )
+from shardlab.plan.hardware import ALIASES, PRESETS, PRESETS as HW
 from shardlab.plan.models import PRESETS as MODELS
 from shardlab.train.config import load_config
 
@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if "virtual" in given:
         given["virtual_stages"] = given.pop("virtual")
-    base, config_batch, config = PlanLayout(precision="bf16"), None, None
+    base, config_batch, config = Execution(precision="bf16"), None, None
     if args.config:
         # A shardlab configuration brings its layout and batch; flags override them.
         # lazy: `shardlab --help` imports this file but need not import these modules
@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     print(spec.summary())
     print(f"{gpus} x {hw.name} ({hw.memory_bytes / 2 ** 30:,.1f} GiB = {hw.memory_bytes / 1e9:.1f} GB, "
           f"{hw.devices_per_node} per node), "
-          f"global batch {gb} x {spec.seq} tokens, {base.precision}")
+          f"global batch {gb} x {spec.seq_len} tokens, {base.precision}")
     if hw.network:
         print("network: " + "; ".join(lv.describe() for lv in hw.network))
     if base.recompute == "selective" and spec.attention == "flash" and not base.recompute_keep:

@@ -11,30 +11,56 @@ from shardlab.plan.models import ModelSpec, get_model, spec_from_config
 from shardlab.plan.network import parse_link
 from shardlab.train.config import load_config
 
-# Shape flags (argparse's names) -> ModelSpec fields.
-_SHAPE = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads", "ffn": "ffn",
-          "vocab": "vocab", "seq": "seq", "experts": "experts", "top_k": "top_k", "gated": "gated_mlp",
-          "attention": "attention", "dropout": "dropout", "norm": "norm", "tied": "tied_embeddings"}
+# Shape flags (argparse's names) -> ModelSpec (GPTConfig) fields; --gated, --experts and --dropout
+# are translated by _shape_changes.
+_SHAPE = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "kv_heads": "n_kv_head", "ffn": "d_ff",
+          "vocab": "vocab_size", "seq": "seq_len", "experts": "n_experts", "top_k": "top_k", "gated": "mlp",
+          "attention": "attention", "dropout": "dropout", "norm": "norm", "tied": "tie_embeddings"}
+DROPOUT = 0.1  # --dropout says dropout layers exist, not their probability: GPT-3's and Megatron-LM's 0.1
 
+
+def _shape_changes(args: argparse.Namespace) -> dict[str, object]:
+    """The shape flags given, as ModelSpec fields: --gated is a SwiGLU MLP, --experts 1 a dense one
+    (GPTConfig's n_experts 0), --dropout a probability of 0.1."""
+    changes = {field: getattr(args, arg) for arg, field in _SHAPE.items() if getattr(args, arg) is not None}
+    if "mlp" in changes:
+        changes["mlp"] = "swiglu" if changes["mlp"] else "gelu"
+    if "n_experts" in changes and changes["n_experts"] <= 1:
+        changes["n_experts"] = 0
+    if "dropout" in changes:
+        changes["dropout"] = DROPOUT if changes["dropout"] else 0.0
+    return changes
 
 
 def build_spec(args: argparse.Namespace):
     """The model: a configuration's or a preset's, with shape flags overriding its fields; shape
     flags alone build exactly that shape (a fused-attention, dropout-free GPT with the defaults of
     ModelSpec for whatever is not given), never an edited gpt3-175b."""
-    changes = {field: getattr(args, arg) for arg, field in _SHAPE.items() if getattr(args, arg) is not None}
+    changes = _shape_changes(args)
     if args.config:
         spec = spec_from_config(load_config(args.config, []).model)
     elif args.model or not changes:
         spec = get_model(args.model or "gpt3-175b")
     else:
-        missing = [f for f in ("layers", "hidden", "heads") if f not in changes]
+        missing = [flag for flag in ("layers", "hidden", "heads") if _SHAPE[flag] not in changes]
         if missing:
             raise ValueError(f"shape flags without --model or --config build that shape, which needs "
-                             f"--{', --'.join(missing)} (given: {', '.join('--' + k for k in changes)})")
-        base = {"attention": "flash", "dropout": False}
-        return ModelSpec("custom", **{**base, **changes})
-    return replace(spec, **changes) if changes else spec
+                             f"--{', --'.join(missing)} (given: {', '.join(_given(args))})")
+        base = {"attention": "flash", "dropout": 0.0}
+        return ModelSpec(name="custom", **{**base, **changes})
+    if not changes:
+        return spec
+    # GPTConfig holds d_ff and n_kv_head resolved: a preset's 4 x d_model and multi-head attention
+    # follow a new --hidden and --heads unless those are given too.
+    if "d_ff" not in changes and spec.d_ff == 4 * spec.d_model:
+        changes["d_ff"] = None
+    if "n_kv_head" not in changes and spec.n_kv_head == spec.n_head:
+        changes["n_kv_head"] = None
+    return replace(spec, **changes)
+
+
+def _given(args: argparse.Namespace) -> list[str]:
+    return ["--" + arg.replace("_", "-") for arg in _SHAPE if getattr(args, arg) is not None]
 
 
 def build_hardware(args: argparse.Namespace, gpus: int | None = None):

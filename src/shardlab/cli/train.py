@@ -376,7 +376,10 @@ def dry_run(cfg) -> int:
     print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
           + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
     # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.train.flops import run_flops
+    from shardlab.parallel.layout import layout_steps
+    from shardlab.train.mfu import run_flops
+
+    print(f"# apply_layout's steps, in order: {', '.join(layout_steps(lay, cfg.sharding))}")
 
     # FLOPs from the meta model's shapes; the peak is the one this machine's first device would use.
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

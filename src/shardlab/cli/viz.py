@@ -160,7 +160,7 @@ def _suffixed(path: str, case: str, many: bool) -> str:
 def run_measure(args: argparse.Namespace) -> int:
     # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.pipeline_gantt import draw_gantt
-    from shardlab.bench.pipeline_measure import ModelSpec, measure
+    from shardlab.bench.pipeline_measure import MeasuredModel, measure
 
     cases = []
     for kind in args.schedule:
@@ -178,7 +178,7 @@ def run_measure(args: argparse.Namespace) -> int:
                 print(f"shardlab viz measure: --batch {args.batch} cannot make {m} microbatches", file=sys.stderr)
                 return 2
             cases.append((kind, m, v))
-    spec = ModelSpec(args.model, args.d_model, args.layers, args.batch, args.seq_len, sleep_us=args.sleep_us)
+    spec = MeasuredModel(args.model, args.d_model, args.layers, args.batch, args.seq_len, sleep_us=args.sleep_us)
     reports = measure(cases, args.stages, spec, steps=args.steps, **launch_kwargs(args))
     if not reports:
         return 0

@@ -1,6 +1,6 @@
 """Raw id files (nanoGPT's `train.bin`): ids and nothing else, so their type must be stated or found.
 
-    layout = raw_bin_layout(path, token_dtype="", vocab_size=50257)   # uint16, vocabulary 50,257
+    fmt = raw_bin_format(path, token_dtype="", vocab_size=50257)   # uint16, vocabulary 50,257
 
 A raw file cannot say whether it holds uint8, uint16 or uint32 ids, and reading one as another
 is not an error: uint16 ids read as bytes are valid byte ids ([3 417] arrives as [3 0 161 1]). So
@@ -36,7 +36,9 @@ _SNIFF = 1 << 16  # ids read to check a found type: enough that a real corpus ha
 
 
 @dataclass
-class RawBinLayout:
+class RawBinFormat:
+    """How a raw id file is stored: the ids' type, the vocabulary, and what decided them."""
+
     dtype: np.dtype
     vocab_size: int
     """The vocabulary stated or found (0: none; then only uint8's 256 is known)."""
@@ -73,9 +75,9 @@ def _vocab_dtype(vocab: int) -> np.dtype | None:
     return None  # uint8 or uint16: nanoGPT writes 65 characters as uint16
 
 
-def raw_bin_layout(path: str | os.PathLike[str], *, token_dtype: str | np.dtype | type | None = None,
+def raw_bin_format(path: str | os.PathLike[str], *, token_dtype: str | np.dtype | type | None = None,
                    vocab_size: int = 0, tokenizer_vocab: int = 0, names: dict[str, str] | None = None
-                   ) -> RawBinLayout:
+                   ) -> RawBinFormat:
     """The type and vocabulary of the raw id file `path` (see the module docstring); ValueError naming
     the file and what to state when nothing decides or two statements disagree.
 
@@ -123,7 +125,7 @@ def raw_bin_layout(path: str | os.PathLike[str], *, token_dtype: str | np.dtype 
         raise ValueError(f"{path}: {vocabs[0][1]} does not fit {dtype.name} ids (decided by {how})")
     if stated is None:
         _check_not_wider(path, dtype, how, say["token_dtype"])
-    return RawBinLayout(dtype, vocab, how)
+    return RawBinFormat(dtype, vocab, how)
 
 
 def _check_not_wider(path: Path, dtype: np.dtype, how: str, field: str) -> None:

@@ -15,6 +15,10 @@ The names, as in JAX/Flax's logical axis annotations (MaxText, Levanter):
   mlp       the feed-forward width (d_ff; the deep MLP's odd layers' input, even layers' output)
   vocab     token ids: the embedding's rows, the head's outputs
   pos       the learned position table's rows
+  layers    which block: the index of the GPT's `blocks` (the deep MLP's `layers`); a rule over it places
+            whole blocks (pipeline stages), it cuts no tensor
+  experts   which expert: the index of a mixture of experts' `experts` (and the router's output rows,
+            one score per expert); a rule over it places whole experts (expert parallelism)
 
 Two different names for the sequence (`seq` between blocks, `ctx` inside them) are what lets rules say
 "sequence parallel between blocks, whole inside attention" (Korthikanti et al. 2022), as MaxText's
@@ -34,7 +38,17 @@ import torch.nn as nn
 from shardlab.models.gpt import GPT
 from shardlab.models.mlp import DeepMLP
 
-LOGICAL_AXES = ("batch", "seq", "ctx", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "pos")
+LOGICAL_AXES = ("batch", "seq", "ctx", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "pos", "layers",
+               "experts")
+
+MODULE_AXES: dict[str, str] = {
+    "blocks": "layers",                 # the GPT's blocks
+    "layers": "layers",                 # the deep MLP's layers
+    "blocks.*.mlp.experts": "experts",  # a mixture of experts' experts (models/moe.py)
+}
+"""Logical axes that index a list of modules rather than a tensor's dimension: a rule over one of them
+places whole modules on the ranks of a mesh axis (layers over pp: pipeline stages; experts over ep:
+expert parallelism), as torchtitan's pipeline split and Megatron-LM's expert parallelism place them."""
 
 
 @dataclass(frozen=True)
@@ -63,10 +77,18 @@ GPT_PARAMS: dict[str, TensorAxes] = {
     "blocks.*.mlp.gate.bias": TensorAxes(("mlp",)),
     "blocks.*.mlp.proj.weight": TensorAxes(("embed", "mlp")),
     "blocks.*.mlp.proj.bias": TensorAxes(("embed",)),
+    # A mixture of experts (models/moe.py): the router scores every expert; each expert is an MLP.
+    "blocks.*.mlp.router.weight": TensorAxes(("experts", "embed")),
+    "blocks.*.mlp.experts.*.fc.weight": TensorAxes(("mlp", "embed")),
+    "blocks.*.mlp.experts.*.gate.weight": TensorAxes(("mlp", "embed")),
+    "blocks.*.mlp.experts.*.fc.bias": TensorAxes(("mlp",)),
+    "blocks.*.mlp.experts.*.gate.bias": TensorAxes(("mlp",)),
+    "blocks.*.mlp.experts.*.proj.weight": TensorAxes(("embed", "mlp")),
+    "blocks.*.mlp.experts.*.proj.bias": TensorAxes(("embed",)),
     "ln_f.*": TensorAxes(("embed",)),
     "head.weight": TensorAxes(("vocab", "embed")),
 }
-"""Every parameter of models/gpt.py's GPT (dense MLPs) by plain-name pattern."""
+"""Every parameter of models/gpt.py's GPT (dense MLPs or mixtures of experts) by plain-name pattern."""
 
 GPT_ACTIVATIONS: dict[str, TensorAxes] = {
     "tokens": TensorAxes(("batch", "seq")),                 # the ids the embedding reads
@@ -104,9 +126,6 @@ def param_axes(model: nn.Module) -> dict[str, TensorAxes]:
     """{plain parameter name: its logical axes} for a GPT or a DeepMLP (tied names once)."""
     names = [n for n, _ in model.named_parameters()]
     if isinstance(model, GPT):
-        if model.cfg.n_experts:
-            raise ValueError("logical axes are declared for dense GPTs only (model.experts = 0): a mixture of "
-                             "experts' parameters have none (models/axes.py)")
         return {n: gpt_param_axes(n) for n in names}
     if isinstance(model, DeepMLP):
         out = {}

@@ -7,68 +7,22 @@ load-balancing loss the forward adds to the cross-entropy. The family options (m
 norm 'layernorm' or 'rmsnorm', mlp 'gelu', 'gelu_tanh' or 'swiglu', bias, rope_theta, so that
 GPT-2 (layernorm, gelu, biases, learned positions, tied head) and Llama 3 (rmsnorm, swiglu, no
 biases, rotary, grouped-query attention, untied head) are both this class. `flops_per_token` gives the model FLOPs
-used for MFU (6N of the active parameters plus attention, by models/flops.py's one formula).
+used for MFU (6N of the active parameters plus attention, by models/model_flops.py's one formula).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardlab.models.layers import MLPS, NORMS, GeluMLP, make_mlp, make_norm
-from shardlab.models.flops import model_flops_per_token, recompute_flops_per_token
 from shardlab.models.fused_loss import ChunkedCrossEntropy, CrossEntropy
+from shardlab.models.gpt_config import GPTConfig
+from shardlab.models.layers import GeluMLP, make_mlp, make_norm
+from shardlab.models.model_flops import model_flops_per_token, recompute_flops_per_token
 from shardlab.models.moe import MoE, with_aux_losses
-
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 256          # byte-level tokens by default
-    seq_len: int = 256             # longest sequence the position table covers
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int | None = None   # None: same as n_head (multi-head); 1: multi-query
-    d_model: int = 256
-    d_ff: int | None = None        # None: 4 x d_model
-    rotary: bool = False           # rotary position embedding instead of a learned table
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    bias: bool = True
-    n_experts: int = 0             # > 0: every block's MLP is a mixture of experts (models/moe.py)
-    top_k: int = 2                 # experts per token
-    capacity_factor: float = 1.25  # per expert per sequence: ceil(factor x t x k / E); <= 0: no limit
-    aux_loss_coef: float = 0.01    # the load-balancing loss's weight in the model's loss
-    norm: str = "layernorm"        # or "rmsnorm" (gain only)
-    mlp: str = "gelu"              # exact GELU; "gelu_tanh" (GPT-2's approximation); "swiglu" (Llama)
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0    # rotary base: 10000 (RoFormer, Llama 2), 500000 (Llama 3)
-    loss: str = "full"             # "chunked": head and cross-entropy fused over chunks of tokens (fused_loss.py)
-    loss_chunk: int = 1024         # tokens per chunk of the chunked loss
-
-    def __post_init__(self) -> None:
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
-        if self.d_ff is None:
-            self.d_ff = 4 * self.d_model
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model {self.d_model} does not divide into n_head {self.n_head} heads")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
-        if self.norm not in NORMS or self.mlp not in MLPS:
-            raise ValueError(f"norm {self.norm!r} / mlp {self.mlp!r}: norm is one of {NORMS}, mlp one of {MLPS}")
-        if self.rotary and (self.d_model // self.n_head) % 2:
-            raise ValueError(f"rotary needs an even head size, got {self.d_model // self.n_head}")
-        if self.loss not in LOSSES or self.loss_chunk <= 0:
-            raise ValueError(f"loss {self.loss!r} / loss_chunk {self.loss_chunk}: loss is one of {LOSSES}, "
-                             f"loss_chunk a positive number of tokens")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,7 +60,6 @@ class CausalSelfAttention(nn.Module):
         )
 
 
-LOSSES = ("full", "chunked")
 MLP = GeluMLP  # the GPT-2 family's MLP (models/layers.py has both families')
 
 
@@ -279,7 +232,7 @@ class GPT(nn.Module):
         return n
 
     def active_params(self, blocks_only: bool = False) -> float:
-        """Weights a token's matmuls pass through (models/flops.py): the blocks' (top-k experts of a
+        """Weights a token's matmuls pass through (models/model_flops.py): the blocks' (top-k experts of a
         mixture), the final norm and the output projection (tied or not, once); no lookup tables.
         blocks_only: the blocks' alone (what full recomputation reruns)."""
         blocks: float = sum(p.numel() for p in self.blocks.parameters())
@@ -292,7 +245,7 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None, causal: bool = True) -> float:
         """Model FLOPs per token for forward + backward: 6N of the active weights plus the attention
-        scores and weighted sum, over half the sequence (causal) or all of it (models/flops.py)."""
+        scores and weighted sum, over half the sequence (causal) or all of it (models/model_flops.py)."""
         return model_flops_per_token(active_params=self.active_params(), layers=self.cfg.n_layer,
                                      q_dim=self.cfg.n_head * self.cfg.head_dim, seq=seq_len or self.cfg.seq_len,
                                      causal=causal)

@@ -20,8 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "gelu_tanh", "swiglu")
+from shardlab.models.gpt_config import MLPS, NORMS  # the options GPTConfig accepts
 
 
 def make_norm(kind: str, d_model: int, eps: float) -> nn.Module:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from shardlab.parallel.data import DataParallel
-from shardlab.parallel.expert.data import ExpertDataParallel
+from shardlab.parallel.expert.data_parallel import ExpertDataParallel
 from shardlab.parallel.fsdp import FullyShardedDataParallel
 from shardlab.parallel.optim import PieceOptimizer
 from shardlab.parallel.pipeline.model import PipelineParallel

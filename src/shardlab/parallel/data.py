@@ -60,7 +60,7 @@ class DataParallel(nn.Module):
     average: divide the summed gradients by the group size (the usual choice: each rank's loss is a
         mean over its rows, so the average of the ranks' gradients is the whole batch's gradient).
     params: synchronise these parameters only (default: all of the module's trainable ones), so
-        that parameters replicated over different groups (expert parallelism: parallel/expert/data.py)
+        that parameters replicated over different groups (expert parallelism: parallel/expert/data_parallel.py)
         get one wrapper per group; only these are broadcast at the start.
     pipelined: the module is a pipeline stage whose schedule runs many backward passes per step
         (pipeline/model.py). In overlap mode the hooks then act only inside `final_backward()` (each

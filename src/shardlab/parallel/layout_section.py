@@ -85,3 +85,19 @@ class LayoutSection:
     Korthikanti et al. 2022) or 'full' (each transformer block keeps only its input and is rerun in
     backward; the deep MLP: each pair of layers). Same numbers, less memory, more compute:
     docs/recompute.md."""
+
+    @property
+    def world(self) -> int:
+        """Ranks the layout needs: pp x dp x ep x cp x tp (dp does not count ep)."""
+        return self.dp * self.ep * self.tp * self.pp * self.cp
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks that take different rows of the batch: dp x ep."""
+        return self.dp * self.ep
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same dense parameters, over which their gradients are reduced and ZeRO
+        shards: dp x ep x cp."""
+        return self.dp * self.ep * self.cp

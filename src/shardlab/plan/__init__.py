@@ -1,6 +1,6 @@
 """Planning: what the machine is (topo), what its collectives cost (alphabeta), and the planner that
 predicts a layout's memory and step time before it runs (models, hardware, layout, activations,
-memory, flops, comm, steptime, search, report; validate checks it against published and measured runs).
+memory_model, op_costs, comm, steptime, search, report; validate checks it against published and measured runs).
 
 Names are loaded on first use: the planner itself needs no torch, and `shardlab plan` should not
 pay for importing it.
@@ -17,8 +17,8 @@ _EXPORTS = {
     "discover": "topo", "format_topology": "topo", "parse_nvidia_smi_topo": "topo_parse",
     "ModelSpec": "models", "get_model": "models", "spec_from_config": "models",
     "Hardware": "hardware", "get_hardware": "hardware",
-    "PlanLayout": "layout", "LayoutError": "layout",
-    "rank_memory": "memory", "step_time": "steptime", "search": "search", "evaluate": "search",
+    "Execution": "execution", "LayoutError": "execution",
+    "rank_memory": "memory_model", "step_time": "steptime", "search": "search", "evaluate": "search",
 }
 
 __all__ = sorted(_EXPORTS)

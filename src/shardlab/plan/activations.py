@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 
 
@@ -38,19 +38,19 @@ class Saved:
 def local_kv_dim(spec: ModelSpec, tp: int) -> int:
     """Key/value width on one tp rank: split by tp, or one head each when tp exceeds the kv heads
     (each rank keeps the kv head its query heads use)."""
-    return spec.kv_dim // tp if spec.n_kv % tp == 0 else spec.head_dim
+    return spec.kv_dim // tp if spec.n_kv_head % tp == 0 else spec.head_dim
 
 
-def layer_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
+def layer_tensors(spec: ModelSpec, lay: Execution, b: int) -> list[Saved]:
     """Tensors one transformer layer saves for backward, on one rank, for one micro-batch of b
     sequences, before any recomputation. Sizes in bytes."""
-    s = spec.seq / lay.cp                     # tokens of a sequence on this rank
-    sb, h, e, t = s * b, spec.hidden, lay.act_bytes, lay.tp
+    s = spec.seq_len / lay.cp                     # tokens of a sequence on this rank
+    sb, h, e, t = s * b, spec.d_model, lay.act_bytes, lay.tp
     rs = t if lay.sp else 1                   # residual-stream tensors: split by tp only under sp
     # Under bf16 autocast the residual stream stays fp32 (fp32 weights; layer_norm runs in fp32), so the
     # norms keep fp32 inputs; the matmuls keep the bf16 casts of theirs.
     er = 4 if lay.precision == "bf16-autocast" else e
-    a_loc = spec.heads / t
+    a_loc = spec.n_head / t
     stats = 8 if spec.norm == "layernorm" else 4   # fp32 mean and 1/std (rmsnorm: 1/rms) per token
     out: list[Saved] = []
 
@@ -81,40 +81,40 @@ def layer_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
     if spec.dropout:
         add("attention residual dropout mask", sb * h / rs, "residual1")
     # MLP block. A mixture of experts processes each token top_k times, spread over the ep ranks.
-    k = spec.top_k if spec.experts > 1 else 1
+    k = spec.top_k if spec.moe else 1
     f = spec.d_ff / t
     add("norm2 input", sb * h * er / rs, "residual1")
     add("norm2 statistics", sb * stats / rs, "input")
     add("fc1 input (norm2 output)", sb * h * e / rs, "norm2")
-    if spec.experts > 1:
-        add("router logits", sb * spec.experts * 4 / rs, "norm2")
+    if spec.moe:
+        add("router logits", sb * spec.n_experts * 4 / rs, "norm2")
         add("dispatched tokens (expert fc1 input)", k * sb * h * e / rs, "norm2")
-    add("activation input" + (" (gate and up)" if spec.gated_mlp else ""),
-        k * sb * f * e * (2 if spec.gated_mlp else 1), "fc1")
+    add("activation input" + (" (gate and up)" if spec.mlp == "swiglu" else ""),
+        k * sb * f * e * (2 if spec.mlp == "swiglu" else 1), "fc1")
     add("fc2 input", k * sb * f * e, "activation")
     if spec.dropout:
         add("MLP residual dropout mask", sb * h / rs, "fc2")
     return out
 
 
-def kept(lay: PlanLayout, x: Saved) -> bool:
+def kept(lay: Execution, x: Saved) -> bool:
     """Whether per-op selective recomputation (lay.recompute_keep) keeps tensor `x`."""
     return x.op == "input" or x.op in lay.recompute_keep
 
 
-def layer_activation_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
+def layer_activation_bytes(spec: ModelSpec, lay: Execution, b: int) -> float:
     """Bytes one layer holds for backward per micro-batch, after the layout's recomputation."""
     if lay.recompute == "full":
         # Only the layer's input is checkpointed; under sp it is the rank's shard of the sequence.
         e = 4 if lay.precision == "bf16-autocast" else lay.act_bytes   # the fp32 residual stream under autocast
-        return spec.seq / lay.cp * b * spec.hidden * e / (lay.tp if lay.sp else 1)
+        return spec.seq_len / lay.cp * b * spec.d_model * e / (lay.tp if lay.sp else 1)
     if lay.recompute_keep:
         return sum(x.bytes for x in layer_tensors(spec, lay, b) if kept(lay, x))
     keep = [x for x in layer_tensors(spec, lay, b) if not (lay.recompute == "selective" and x.recomputed_by_selective)]
     return sum(x.bytes for x in keep)
 
 
-def recompute_peak_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
+def recompute_peak_bytes(spec: ModelSpec, lay: Execution, b: int) -> float:
     """Full recomputation rebuilds one layer's tensors at a time during backward: that layer's
     full set is live on top of the checkpoints."""
     if lay.recompute_keep:   # the tensors not kept are rebuilt, one layer at a time
@@ -124,31 +124,31 @@ def recompute_peak_bytes(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
     return sum(x.bytes for x in layer_tensors(spec, lay, b))
 
 
-def embedding_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
+def embedding_tensors(spec: ModelSpec, lay: Execution, b: int) -> list[Saved]:
     """The first stage's extra tensors per micro-batch (Korthikanti et al. sec. 4.3: the embedding
     dropout mask)."""
-    sb = spec.seq / lay.cp * b
-    return [Saved("embedding dropout mask", sb * spec.hidden / (lay.tp if lay.sp else 1))] if spec.dropout else []
+    sb = spec.seq_len / lay.cp * b
+    return [Saved("embedding dropout mask", sb * spec.d_model / (lay.tp if lay.sp else 1))] if spec.dropout else []
 
 
-def head_tensors(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Saved]:
+def head_tensors(spec: ModelSpec, lay: Execution, b: int) -> list[Saved]:
     """The last stage's extra tensors per micro-batch: final norm input, the head's input and the
     fp32 log-softmax of the cross-entropy over this rank's vocabulary slice (Korthikanti et al.
     sec. 4.3: 4 s b h / t (1 + v / h) under sp)."""
-    sb, h, e = spec.seq / lay.cp * b, spec.hidden, lay.act_bytes
+    sb, h, e = spec.seq_len / lay.cp * b, spec.d_model, lay.act_bytes
     rs = lay.tp if lay.sp else 1
     return [
         Saved("final norm input", sb * h * (4 if lay.precision == "bf16-autocast" else e) / rs),
         Saved("head input (final norm output)", sb * h * e / rs),
-        Saved("logits and log-sum-exp (fused loss)", sb * (spec.vocab / lay.tp * e + 4)) if spec.fused_loss
-        else Saved("log-softmax (fp32)", sb * spec.vocab / lay.tp * 4),
+        Saved("logits and log-sum-exp (fused loss)", sb * (spec.vocab_size / lay.tp * e + 4)) if spec.fused_loss
+        else Saved("log-softmax (fp32)", sb * spec.vocab_size / lay.tp * 4),
     ]
 
 
-def korthikanti_table2(spec: ModelSpec, lay: PlanLayout, b: int) -> float:
+def korthikanti_table2(spec: ModelSpec, lay: Execution, b: int) -> float:
     """Table 2's closed form for this layout (16-bit, dropout, eager attention, no GQA, ffn 4h):
     the published reference our tensor list is checked against."""
-    s, h, a, t = spec.seq, spec.hidden, spec.heads, lay.tp
+    s, h, a, t = spec.seq_len, spec.d_model, spec.n_head, lay.tp
     sbh = s * b * h
     if lay.recompute == "full":
         return 2 * sbh

@@ -23,7 +23,7 @@ from shardlab.plan import network
 from shardlab.plan.activations import local_kv_dim
 from shardlab.plan.alphabeta import AlphaBeta, model_for
 from shardlab.plan.hardware import Hardware, Link
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 
 
@@ -45,7 +45,7 @@ class Group:
         return self.size > 1 and self.per_node(devices_per_node) < self.size
 
 
-def groups(lay: PlanLayout) -> dict[str, Group]:
+def groups(lay: Execution) -> dict[str, Group]:
     return {
         "tp": Group("tp", lay.tp, 1),
         "cp": Group("cp", lay.cp, lay.tp),
@@ -119,7 +119,7 @@ class Comm:
     hides_behind: str = ""      # "" (exposed), "wgrad", "dgrad" or "attention": compute it can overlap
 
 
-def layer_comms(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Comm]:
+def layer_comms(spec: ModelSpec, lay: Execution, b: int) -> list[Comm]:
     """Per-layer collectives of tensor, sequence, context and expert parallelism.
 
     Tensor parallelism without sp (Shoeybi et al. 2019): an all-reduce after the attention and
@@ -129,9 +129,9 @@ def layer_comms(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Comm]:
     forward; backward all-gathers the row-parallel outputs' gradients (exposed), reduce-scatters the
     column-parallel inputs' gradients (behind the weight gradient) and re-gathers the saved input
     shard (behind the input gradient). Full recomputation repeats the forward's collectives."""
-    tok = b * spec.seq / lay.cp
+    tok = b * spec.seq_len / lay.cp
     e = lay.act_bytes
-    act = tok * spec.hidden * e
+    act = tok * spec.d_model * e
     out: list[Comm] = []
     if lay.tp > 1:
         if lay.sp:
@@ -151,7 +151,7 @@ def layer_comms(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Comm]:
         kv = 2 * tok * local_kv_dim(spec, lay.tp) * e
         out += [Comm("ring attention k/v", "sendrecv", "cp", kv * (lay.cp - 1), "fwd", "attention"),
                 Comm("ring attention k/v + grads", "sendrecv", "cp", 2 * kv * (lay.cp - 1), "bwd", "attention")]
-    if spec.experts > 1 and lay.ep > 1:
+    if spec.moe and lay.ep > 1:
         moved = spec.top_k * act / (lay.tp if lay.sp else 1)
         out += [Comm("expert dispatch", "all_to_all", "ep", moved, "fwd"),
                 Comm("expert combine", "all_to_all", "ep", moved, "fwd"),
@@ -169,15 +169,15 @@ def layer_comms(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Comm]:
     return out
 
 
-def edge_comms(spec: ModelSpec, lay: PlanLayout, b: int, first: bool, last: bool) -> list[Comm]:
+def edge_comms(spec: ModelSpec, lay: Execution, b: int, first: bool, last: bool) -> list[Comm]:
     """Tensor parallelism's collectives outside the layers, per micro-batch: the vocabulary-parallel
     embedding's sum (a reduce-scatter under sp), the head's input gradient (the f operator before a
     column-parallel layer), and the vocabulary-parallel cross-entropy's three all-reduces of one
     fp32 number per token (maximum, sum of exponentials, target logit)."""
     if lay.tp == 1:
         return []
-    tok = b * spec.seq / lay.cp
-    act = tok * spec.hidden * lay.act_bytes
+    tok = b * spec.seq_len / lay.cp
+    act = tok * spec.d_model * lay.act_bytes
     out = []
     if first:
         out.append(Comm("embedding sum", "reduce_scatter" if lay.sp else "all_reduce", "tp", act, "fwd"))
@@ -188,7 +188,7 @@ def edge_comms(spec: ModelSpec, lay: PlanLayout, b: int, first: bool, last: bool
     return out
 
 
-def comm_time(hw: Hardware, lay: PlanLayout, c: Comm) -> float:
+def comm_time(hw: Hardware, lay: Execution, c: Comm) -> float:
     g = groups(lay)[c.axis]
     if c.op == "sendrecv":
         # A ring's passes are sequential point-to-point exchanges: one alpha each.

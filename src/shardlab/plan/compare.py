@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from shardlab.plan import comm, network
 from shardlab.plan.hardware import Hardware, get_hardware
-from shardlab.plan.layout import LayoutError, PlanLayout
+from shardlab.plan.execution import Execution, LayoutError
 from shardlab.plan.models import ModelSpec
 from shardlab.plan.search import DEFAULT_MEM_FRACTION, Evaluation, evaluate, search
 
@@ -57,7 +57,7 @@ def _total_share(e: Evaluation | None) -> float:
     return (t.comm_exposed_s + t.comm_hidden_s + t.p2p_s + t.dp_comm_total_s) / t.total_s
 
 
-def crossings(hw: Hardware, lay: PlanLayout) -> dict[str, str]:
+def crossings(hw: Hardware, lay: Execution) -> dict[str, str]:
     """For each parallel axis with more than one rank: the network levels its group spans."""
     out = {}
     for axis, g in comm.groups(lay).items():
@@ -71,14 +71,14 @@ def crossings(hw: Hardware, lay: PlanLayout) -> dict[str, str]:
     return out
 
 
-def compare_networks(spec: ModelSpec, gpus: int, global_batch: int, base: PlanLayout | None = None,
+def compare_networks(spec: ModelSpec, gpus: int, global_batch: int, base: Execution | None = None,
                      pinned: set[str] | None = None, mem_fraction: float = DEFAULT_MEM_FRACTION,
                      networks: list[tuple[str, str]] | None = None) -> list[NetworkRow]:
     rows: list[NetworkRow] = []
-    reference: PlanLayout | None = None
+    reference: Execution | None = None
     for label, name in networks or NETWORKS:
         hw = get_hardware(name).sized(gpus)
-        result = search(spec, hw, gpus, global_batch, base or PlanLayout(), pinned or set(), mem_fraction)
+        result = search(spec, hw, gpus, global_batch, base or Execution(), pinned or set(), mem_fraction)
         best = result.ranked[0] if result.ranked else None
         if reference is None and best is not None:
             reference = best.layout

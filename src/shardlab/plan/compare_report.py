@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardlab.plan.compare import NETWORKS, compare_networks, explain_comparison, format_comparison
 from shardlab.plan.hardware import get_hardware
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 from shardlab.plan.plot import plot_breakdown
 from shardlab.plan.validate_report import write_json
@@ -19,7 +19,7 @@ def _networks(choice: str) -> list[tuple[str, str]]:
     return [(n, n) for n in names]
 
 
-def print_comparison(spec: ModelSpec, gpus: int, global_batch: int, base: PlanLayout, pinned: set[str],
+def print_comparison(spec: ModelSpec, gpus: int, global_batch: int, base: Execution, pinned: set[str],
                      mem_fraction: float, choice: str, json_path: str | None, plot_path: str | None) -> int:
     import sys
 
@@ -30,7 +30,7 @@ def print_comparison(spec: ModelSpec, gpus: int, global_batch: int, base: PlanLa
         print(f"shardlab plan --compare-networks: {exc}", file=sys.stderr)
         return 2
     print(spec.summary())
-    print(f"{gpus} devices, global batch {global_batch} x {spec.seq} tokens: the fastest layout on each network, "
+    print(f"{gpus} devices, global batch {global_batch} x {spec.seq_len} tokens: the fastest layout on each network, "
           f"MFU against the bf16 peak (causal attention counted as half); 'comm exp' is the exposed share of "
           f"the step, 'comm all' every collective's time over the step (hidden included); 'same layout' is "
           f"the first network's best on each (* does not fit there)")

@@ -7,7 +7,7 @@ preset's.
 
 Fitted from the file: gemm_frac and gemm_k0 (all GEMMs, kernels.fit_gemm), the attention levels and
 span ramp (kernels.fit_attention), mem_frac (the median share of memory bandwidth the GELU and
-LayerNorm kernels reach, as flops.py counts their bytes) and opt_frac (the fused AdamW's). Kept from
+LayerNorm kernels reach, as op_costs.py counts their bytes) and opt_frac (the fused AdamW's). Kept from
 the preset: the launch gap between kernels (a property of a whole step, not of a kernel timed alone),
 the fp8 share (the sweep is bf16) and the head-size ramp. Kernels timed alone are taken as running at
 the rate they reach inside a step; the profiled H200 step (validate_gpu.py) is where that is checked.

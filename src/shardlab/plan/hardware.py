@@ -57,7 +57,7 @@ class Hardware:
     tile: tuple[int, int] = (256, 128)  # output tile of a large 16-bit matmul
     fits: tuple[AlphaBeta, ...] = ()    # measured collectives (override the link model)
     matmul_grid: tuple[dict, ...] = ()  # measured matmul FLOP/s by shape (override peak x mm_eff)
-    attention_flops: float = 0.0        # measured fused-attention FLOP/s, as flops.py counts them (0: roofline)
+    attention_flops: float = 0.0        # measured fused-attention FLOP/s, as op_costs.py counts them (0: roofline)
     attn_eff: float = 0.0               # fused attention's share of the 16-bit peak (0: mm_eff, as a GEMM)
     fp8_eff: float = 0.0                # fp8 GEMMs' share of the fp8 peak (0: mm_eff)
     network: tuple[Level, ...] = ()     # the cluster as levels (network.py); () = the intra/inter two-link model

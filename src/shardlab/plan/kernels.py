@@ -142,7 +142,7 @@ def fit_gemm(k: Kernels, peak: float, sms: int, rows: list[dict], k0_grid: tuple
 
 def fit_attention(k: Kernels, peak16: float, rows: list[dict]) -> Kernels:
     """(attn_fwd, attn_bwd, attn_span0) from measured attention ({batch, heads, seq, head_dim, causal,
-    fwd_s, bwd_s}); the head-size ramp is kept. FLOPs as flops.py counts them: 4 b s span d heads
+    fwd_s, bwd_s}); the head-size ramp is kept. FLOPs as op_costs.py counts them: 4 b s span d heads
     forward, 2.5x that backward."""
     if not rows:
         raise ValueError("fit_attention: no attention measurements")

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import PRESETS, ModelSpec
 
 SOURCE = "Korthikanti et al. 2022, arXiv 2205.05198"
@@ -65,9 +65,9 @@ class PublishedRun:
     def spec(self) -> ModelSpec:
         return PRESETS[self.model]
 
-    def layout(self) -> PlanLayout:
+    def layout(self) -> Execution:
         full = self.variant == "full recompute"
-        return PlanLayout(dp=self.gpus // (self.tp * self.pp), tp=self.tp, pp=self.pp, sp=not full,
+        return Execution(dp=self.gpus // (self.tp * self.pp), tp=self.tp, pp=self.pp, sp=not full,
                           recompute="full" if full else "selective", micro_batch=self.micro_batch,
                           precision="bf16", grad_fp32=True, virtual_stages=self.virtual,
                           schedule="interleaved" if self.virtual > 1 else "1f1b")
@@ -125,5 +125,5 @@ KORTHIKANTI_TABLE4_22B: list[tuple[str, dict, float, float]] = [
 def paper_model_flops(spec: ModelSpec, global_batch: int, hardware: bool = False) -> float:
     """The paper's FLOPs per iteration: 72 B s l h^2 (1 + s/(6h) + V/(12hl)); hardware FLOPs with
     selective recomputation use s/(3h)."""
-    s, h, l, v = spec.seq, spec.hidden, spec.layers, spec.vocab
+    s, h, l, v = spec.seq_len, spec.d_model, spec.n_layer, spec.vocab_size
     return 72 * global_batch * s * l * h * h * (1 + s / ((3 if hardware else 6) * h) + v / (12 * h * l))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import PRESETS, ModelSpec
 
 FOUNDRY = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md, 'H100 80GB BF16' "
@@ -44,8 +44,8 @@ MPT = {"760m": (24, 1536), "1b": (24, 2048), "3b": (32, 2560), "7b": (32, 4096),
 
 def mpt_spec(size: str, seq: int) -> ModelSpec:
     layers, d = MPT[size]
-    return ModelSpec(f"mpt-{size}", layers=layers, hidden=d, heads=d // 128, vocab=50368, seq=seq, bias=True,
-                     tied_embeddings=True, learned_positions=True, attention="flash", dropout=False,
+    return ModelSpec(name=f"mpt-{size}", n_layer=layers, d_model=d, n_head=d // 128, vocab_size=50368, seq_len=seq,
+                     bias=True, tie_embeddings=True, rotary=False, attention="flash", dropout=0.0,
                      fused_loss=True, source=FOUNDRY)
 
 
@@ -77,7 +77,7 @@ class Bf16Run:
             return mpt_spec(self.size, self.seq)
         from dataclasses import replace
 
-        return replace(PRESETS[self.size], seq=self.seq)
+        return replace(PRESETS[self.size], seq_len=self.seq)
 
     @property
     def dp(self) -> int:
@@ -91,13 +91,13 @@ class Bf16Run:
     def step_s(self) -> float:
         return self.global_batch * self.seq / self.tokens_per_s
 
-    def layout(self) -> PlanLayout:
+    def layout(self) -> Execution:
         if self.source == FOUNDRY:
             # FSDP FULL_SHARD with bf16 gathers and reductions: ZeRO-3, 16 bytes of state per parameter.
-            return PlanLayout(dp=self.gpus, zero=3, micro_batch=self.micro_batch, precision="bf16",
+            return Execution(dp=self.gpus, zero=3, micro_batch=self.micro_batch, precision="bf16",
                               recompute="full" if self.checkpointing else "none", tp_overlap=False)
         # Llama 3 as published_h100.llama3_405b_layout describes it, at this scale.
-        return PlanLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, micro_batch=self.micro_batch, sp=True,
+        return Execution(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, micro_batch=self.micro_batch, sp=True,
                           zero=2, precision="bf16", tp_comm_overlap=True)
 
 
@@ -142,7 +142,7 @@ def _llama(gpus: int, seq: int, dp: int, cp: int, per_dp: int, tflops: float, in
     spec = PRESETS["llama3-405b"]
     from dataclasses import replace
 
-    per_token = replace(spec, seq=seq).flops_per_token(causal=False)
+    per_token = replace(spec, seq_len=seq).flops_per_token(causal=False)
     tokens_per_s = tflops * 1e12 * gpus / per_token
     return Bf16Run("llama3-405b", seq, gpus, 1, per_dp, tokens_per_s, False, tflops / 9.89, source=LLAMA3, tp=8,
                    pp=16, cp=cp, in_mean=in_mean)

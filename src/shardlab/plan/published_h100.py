@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import PRESETS, ModelSpec
 
 NEMO = "NVIDIA NeMo Framework performance summary, NeMo 24.07, DGX-H100, fp8 (github.com/NVIDIA/NeMo " \
@@ -61,11 +61,11 @@ class H100Run:
     @property
     def step_s(self) -> float:
         """The step time the published throughput implies."""
-        return self.global_batch * self.spec.seq / (self.tokens_per_s_gpu * self.gpus)
+        return self.global_batch * self.spec.seq_len / (self.tokens_per_s_gpu * self.gpus)
 
-    def layout(self) -> PlanLayout:
+    def layout(self) -> Execution:
         dp = self.gpus // (self.tp * self.pp * self.cp)
-        return PlanLayout(dp=dp, tp=self.tp, pp=self.pp, cp=self.cp, micro_batch=self.micro_batch,
+        return Execution(dp=dp, tp=self.tp, pp=self.pp, cp=self.cp, micro_batch=self.micro_batch,
                           virtual_stages=self.vp, schedule="interleaved" if self.vp > 1 else "1f1b",
                           sp=self.tp > 1, zero=1 if dp * self.cp > 1 else 0, precision=self.precision,
                           grad_fp32=False, tp_comm_overlap=self.tp > 1, param_gather_overlap=True)
@@ -89,9 +89,9 @@ LLAMA3_405B = H100Run("Llama 3 405B (bf16)", "llama3-405b", 8192, 2048, 1, 8, 16
                       precision="bf16", source=LLAMA3)
 
 
-def llama3_405b_layout() -> PlanLayout:
+def llama3_405b_layout() -> Execution:
     """The published layout with what the paper describes around it: bf16, ZeRO-2-like sharding of
     gradients and optimizer state over DP (the paper's FSDP without re-sharding parameters), one layer
     fewer on the first and last stages (126 over 16: our default uneven split), no recomputation."""
-    return PlanLayout(dp=64, tp=8, pp=16, micro_batch=1, sp=True, zero=2, precision="bf16",
+    return Execution(dp=64, tp=8, pp=16, micro_batch=1, sp=True, zero=2, precision="bf16",
                       tp_comm_overlap=True, param_gather_overlap=False)

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from shardlab.plan.hardware import Hardware
-from shardlab.plan.layout import LayoutError, PlanLayout
-from shardlab.plan.memory import RankMemory, rank_memory
+from shardlab.plan.execution import Execution, LayoutError
+from shardlab.plan.memory_model import RankMemory, rank_memory
 from shardlab.plan.models import ModelSpec
 from shardlab.plan.steptime import StepTime, step_time
 
@@ -39,7 +39,7 @@ DEFAULT_MEM_FRACTION = 0.9   # of device memory: the rest for the framework, all
 
 @dataclass
 class Evaluation:
-    layout: PlanLayout
+    layout: Execution
     memory: RankMemory
     time: StepTime | None       # None when it does not fit (not timed)
     capacity: float
@@ -54,7 +54,7 @@ class Evaluation:
                 "time": self.time.to_dict() if self.time else None}
 
 
-def evaluate(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int,
+def evaluate(spec: ModelSpec, lay: Execution, hw: Hardware, global_batch: int,
              mem_fraction: float = DEFAULT_MEM_FRACTION, time_always: bool = True) -> Evaluation:
     """Memory and (if it fits, or `time_always`) step time of one checked layout."""
     lay.check(spec, global_batch=global_batch)
@@ -102,8 +102,8 @@ def _divisors(n: int) -> list[int]:
     return sorted(out)
 
 
-def candidates(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, base: PlanLayout,
-               pinned: set[str], rejected: Counter) -> list[PlanLayout]:
+def candidates(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, base: Execution,
+               pinned: set[str], rejected: Counter) -> list[Execution]:
     """Every layout over `gpus` ranks; fields named in `pinned` keep `base`'s value."""
     def choices(name: str, options: list) -> list:
         return [getattr(base, name)] if name in pinned else options
@@ -114,16 +114,16 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, base
             # pp at most the layers (a stage holds at least one): a layout checks that too, but over a
             # billion GPUs the divisors above it would each be built and refused, variant by variant.
             pps = [p for p in _divisors(gpus // (tp * cp)) if gpus % (tp * cp) == 0]
-            if "pp" not in pinned and any(p > spec.layers for p in pps):
-                rejected[f"pp above the {spec.layers} layers"] += sum(p > spec.layers for p in pps)
-                pps = [p for p in pps if p <= spec.layers]
+            if "pp" not in pinned and any(p > spec.n_layer for p in pps):
+                rejected[f"pp above the {spec.n_layer} layers"] += sum(p > spec.n_layer for p in pps)
+                pps = [p for p in pps if p <= spec.n_layer]
             for pp in choices("pp", pps):
                 if gpus % (tp * cp * pp):
                     rejected["tp x cp x pp does not divide the GPUs"] += 1
                     continue
                 rest = gpus // (tp * cp * pp)   # dp x ep: ep is its own axis, as in the trainer's mesh
                 # ep divides both the experts and dp x ep: the experts' divisors, not rest's (few, bounded)
-                eps = [e for e in _divisors(spec.experts) if rest % e == 0] if spec.experts > 1 else [1]
+                eps = [e for e in _divisors(spec.n_experts) if rest % e == 0] if spec.moe else [1]
                 for ep in choices("ep", eps):
                     if rest % ep or ("dp" in pinned and rest // ep != base.dp):
                         continue
@@ -132,8 +132,8 @@ def candidates(spec: ModelSpec, gpus: int, global_batch: int, hw: Hardware, base
     return out
 
 
-def _variants(spec: ModelSpec, shape: PlanLayout, global_batch: int, pinned: set[str],
-              rejected: Counter) -> list[PlanLayout]:
+def _variants(spec: ModelSpec, shape: Execution, global_batch: int, pinned: set[str],
+              rejected: Counter) -> list[Execution]:
     def choices(name: str, options: list) -> list:
         return [getattr(shape, name)] if name in pinned else options
 
@@ -162,15 +162,15 @@ def _variants(spec: ModelSpec, shape: PlanLayout, global_batch: int, pinned: set
     return out
 
 
-Admit = Callable[[PlanLayout], list[str]]   # the reasons a layout cannot run (empty: it can)
+Admit = Callable[[Execution], list[str]]   # the reasons a layout cannot run (empty: it can)
 
 
-def search(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, base: PlanLayout | None = None,
+def search(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, base: Execution | None = None,
            pinned: set[str] | None = None, mem_fraction: float = DEFAULT_MEM_FRACTION,
            admit: Admit | None = None, keep: int = 50) -> SearchResult:
     """Every layout over `gpus` ranks that fits, fastest first; with `admit`, only those it admits
     (at least `keep` of them when there are, and every one within 3% of the fastest)."""
-    base = base or PlanLayout()
+    base = base or Execution()
     rejected: Counter = Counter()
     layouts = candidates(spec, gpus, global_batch, hw, base, pinned or set(), rejected)
     cap = hw.memory_bytes * mem_fraction
@@ -194,7 +194,7 @@ def _rank_key(e: Evaluation) -> tuple[float, float]:
     return (-e.time.tokens_per_s, e.memory.total)
 
 
-def fallbacks(lay: PlanLayout, pinned: set[str]) -> list[PlanLayout]:
+def fallbacks(lay: Execution, pinned: set[str]) -> list[Execution]:
     """What to try when the trainer refuses `lay`: the same layout without sequence parallelism,
     with its data-parallel gradients reduced after backward ('bucketed', not overlapped: the cost
     model times it so), or both, unless the caller pinned that choice."""
@@ -215,7 +215,7 @@ def _reason(problem: str) -> str:
 
 
 def _admit(result: SearchResult, admit: Admit, keep: int, pinned: set[str],
-           evaluate_one: Callable[[PlanLayout], Evaluation]) -> None:
+           evaluate_one: Callable[[Execution], Evaluation]) -> None:
     """Replace result.ranked by the admitted layouts, walking the ranking fastest first (a heap:
     a refused layout's fallbacks are timed and join the walk where they rank)."""
     heap = [(_rank_key(e), i, e) for i, e in enumerate(result.ranked)]
@@ -249,5 +249,5 @@ def _admit(result: SearchResult, admit: Admit, keep: int, pinned: set[str],
     result.ranked = sorted(ranked, key=_rank_key)
 
 
-def miss_key(lay: PlanLayout) -> tuple:
+def miss_key(lay: Execution) -> tuple:
     return (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.zero, lay.recompute)

@@ -6,7 +6,7 @@ standard library's `time`.)
     t = step_time(spec, layout, hw, global_batch)
     t.total_s, t.tokens_per_s, t.mfu, t.breakdown()
 
-One micro-batch on one pipeline stage takes t_f + t_b: the roofline time of each op (flops.py)
+One micro-batch on one pipeline stage takes t_f + t_b: the roofline time of each op (op_costs.py)
 plus the communication that does not hide behind compute (comm.py). The schedule turns m of them
 into the pipeline's time:
 
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from shardlab.plan import comm, flops, kernels
+from shardlab.plan import comm, kernels, op_costs
 from shardlab.plan.hardware import Hardware, grid_rate
-from shardlab.plan.layout import PlanLayout, compute_precision
-from shardlab.plan.memory import stage_params
+from shardlab.plan.execution import Execution, compute_precision
+from shardlab.plan.memory_model import stage_params
 from shardlab.plan.models import ModelSpec
 
 
@@ -52,7 +52,7 @@ def matmul_precision(precision: str, linear: bool) -> str:
     return compute_precision(precision)
 
 
-def _kernel_time(hw: Hardware, precision: str, op: flops.Op) -> float:
+def _kernel_time(hw: Hardware, precision: str, op: op_costs.Op) -> float:
     """A GPU with a kernel model (kernels.py): each op timed from its shape."""
     k = hw.kernels
     if op.shape:
@@ -67,7 +67,7 @@ def _kernel_time(hw: Hardware, precision: str, op: flops.Op) -> float:
     return kernels.memory_time(k, hw.memory_bw, op.bytes, op.kernels)
 
 
-def op_time(hw: Hardware, precision: str, op: flops.Op) -> float:
+def op_time(hw: Hardware, precision: str, op: op_costs.Op) -> float:
     """Roofline: the op is bound by its matmul FLOPs or by its memory traffic, whichever is slower.
     A matmul's rate is the achievable fraction of peak times its wave-quantization efficiency; a GPU
     with a kernel model (hw.kernels) times each op from its shape instead (kernels.py)."""
@@ -89,7 +89,7 @@ def op_time(hw: Hardware, precision: str, op: flops.Op) -> float:
         rate = matmul_precision(precision, bool(op.shape))
         eff = hw.fp8_eff if (rate == "fp8" and hw.fp8_eff) else hw.mm_eff
         if op.shape and hw.sms:
-            eff *= flops.tiles_efficiency(op.shape[0], op.shape[2], hw.sms, hw.tile)
+            eff *= op_costs.tiles_efficiency(op.shape[0], op.shape[2], hw.sms, hw.tile)
         compute = op.flops / (eff * hw.peak(rate))
     memory = op.bytes / (hw.mem_eff * hw.memory_bw)
     return max(compute, memory) + op.kernels * hw.kernel_overhead_s
@@ -113,7 +113,7 @@ class Phase:
         return self.compute + self.comm_exposed
 
 
-def _phase(hw: Hardware, lay: PlanLayout, ops: list[flops.Op], comms: list[comm.Comm]) -> Phase:
+def _phase(hw: Hardware, lay: Execution, ops: list[op_costs.Op], comms: list[comm.Comm]) -> Phase:
     ph = Phase()
     for op in ops:
         t = op_time(hw, lay.precision, op)
@@ -146,7 +146,7 @@ def _phase(hw: Hardware, lay: PlanLayout, ops: list[flops.Op], comms: list[comm.
 _PHASES: dict[tuple, tuple[ModelSpec, Hardware, tuple[Phase, Phase]]] = {}
 
 
-def layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase, Phase]:
+def layer_phases(spec: ModelSpec, lay: Execution, hw: Hardware) -> tuple[Phase, Phase]:
     """(forward, backward incl. recomputation) of one layer on one rank, per micro-batch. Cached:
     a search times thousands of layouts that differ only in ZeRO stage or schedule."""
     key = (id(spec), id(hw), lay.tp, lay.cp, lay.ep, lay.sp, lay.recompute, lay.micro_batch, lay.precision,
@@ -161,10 +161,10 @@ def layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase,
     return phases
 
 
-def _layer_phases(spec: ModelSpec, lay: PlanLayout, hw: Hardware) -> tuple[Phase, Phase]:
+def _layer_phases(spec: ModelSpec, lay: Execution, hw: Hardware) -> tuple[Phase, Phase]:
     b = lay.micro_batch
-    fwd_ops = flops.layer_forward(spec, lay, b)
-    bwd_ops = flops.recompute(fwd_ops, lay) + flops.backward(fwd_ops)
+    fwd_ops = op_costs.layer_forward(spec, lay, b)
+    bwd_ops = op_costs.recompute(fwd_ops, lay) + op_costs.backward(fwd_ops)
     comms = comm.layer_comms(spec, lay, b)
     return (_phase(hw, lay, fwd_ops, [c for c in comms if c.phase == "fwd"]),
             _phase(hw, lay, bwd_ops, [c for c in comms if c.phase == "bwd"]))
@@ -206,7 +206,7 @@ class StepTime:
         return d
 
 
-def _optimizer_time(hw: Hardware, lay: PlanLayout, n_params: float, n_tensors: int) -> float:
+def _optimizer_time(hw: Hardware, lay: Execution, n_params: float, n_tensors: int) -> float:
     """AdamW's bytes per parameter: the update (gradient read; parameter or fp32 master, momentum and
     variance read and written), the 16-bit copy written back from the master (16-bit weights), the
     gradient-norm read (when clipping), the gradients zeroed (when their buffers persist; otherwise
@@ -222,24 +222,24 @@ def _optimizer_time(hw: Hardware, lay: PlanLayout, n_params: float, n_tensors: i
 
 
 def _param_tensors(spec: ModelSpec, layers: float) -> int:
-    per_layer = 2 * (2 if spec.norm == "layernorm" else 1) + 4 + spec.mlp_mats * spec.experts
+    per_layer = 2 * (2 if spec.norm == "layernorm" else 1) + 4 + spec.mlp_mats * spec.mlps_per_layer
     if spec.bias:
-        per_layer += 3 + spec.mlp_mats * spec.experts
+        per_layer += 3 + spec.mlp_mats * spec.mlps_per_layer
     return int(layers * per_layer) + 3
 
 
-def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int) -> StepTime:
+def step_time(spec: ModelSpec, lay: Execution, hw: Hardware, global_batch: int) -> StepTime:
     b, m, p = lay.micro_batch, lay.micro_batches(global_batch), lay.pp
     fwd, bwd = layer_phases(spec, lay, hw)
-    counts = lay.stage_layer_counts(spec.layers)
-    head = flops.head_forward(spec, lay, b)
+    counts = lay.stage_layer_counts(spec.n_layer)
+    head = op_costs.head_forward(spec, lay, b)
 
     def edges(first: bool, last: bool) -> Phase:
         """The embedding (first stage) and head and loss (last stage), forward + backward."""
-        ops = (flops.embedding_forward(spec, lay, b) if first else []) + (head if last else [])
+        ops = (op_costs.embedding_forward(spec, lay, b) if first else []) + (head if last else [])
         comms = comm.edge_comms(spec, lay, b, first, last)
         f = _phase(hw, lay, ops, [c for c in comms if c.phase == "fwd"])
-        bk = _phase(hw, lay, flops.backward(ops), [c for c in comms if c.phase == "bwd"])
+        bk = _phase(hw, lay, op_costs.backward(ops), [c for c in comms if c.phase == "bwd"])
         return Phase(f.compute + bk.compute, f.comm_exposed + bk.comm_exposed, f.comm_total + bk.comm_total)
 
     kinds = {(i == 0, i == p - 1) for i in range(p)}
@@ -247,7 +247,7 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
     extra = [edge[(i == 0, i == p - 1)] for i in range(p)]
     # Pipeline neighbours exchange one activation (or its gradient) per micro-batch each way; the
     # sender's tp ranks each send their 1/tp of it (sp's shards, or Megatron-LM's scatter-gather).
-    p2p_one = comm.p2p_time(hw, b * spec.seq / lay.cp * spec.hidden * lay.act_bytes / lay.tp, comm.groups(lay)["pp"])
+    p2p_one = comm.p2p_time(hw, b * spec.seq_len / lay.cp * spec.d_model * lay.act_bytes / lay.tp, comm.groups(lay)["pp"])
     p2p_mb = 2 * p2p_one * lay.virtual if p > 1 else 0.0
     stages = [counts[i] * (fwd.total + bwd.total) + extra[i].total + p2p_mb for i in range(p)]
     slow = max(range(p), key=lambda i: stages[i])
@@ -307,9 +307,9 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
     if lay.zero in (1, 2) and lay.param_gather_overlap:
         dp_exposed += separate
         dp_total += gather_total
-    if p > 1 and spec.tied_embeddings:
+    if p > 1 and spec.tie_embeddings:
         pair = comm.Group("pp", 2, lay.tp * lay.cp * lay.ep * lay.dp * (p - 1))
-        tied = comm.collective_time(hw, "all_reduce", spec.vocab * spec.hidden / lay.tp * lay.grad_bytes, pair)
+        tied = comm.collective_time(hw, "all_reduce", spec.vocab_size * spec.d_model / lay.tp * lay.grad_bytes, pair)
         dp_exposed += tied
         dp_total += tied
     n_params = dense + experts
@@ -320,11 +320,11 @@ def step_time(spec: ModelSpec, lay: PlanLayout, hw: Hardware, global_batch: int)
     stragglers = hw.jitter * expected_max_normal(lay.world) * compute
     total = pipeline + dp_exposed + optimizer + stragglers + lay.step_overhead_s
 
-    tokens = global_batch * spec.seq
+    tokens = global_batch * spec.seq_len
     model_flops = spec.flops_per_token() * tokens
     # Executed FLOPs per rank, averaged over the pipeline stages (uneven stages: each its own layers;
     # the head on the last stage only), not the slowest stage's for every rank.
-    hw_flops_rank = m * (sum(counts) / p * (fwd.flops + bwd.flops) + 3 * flops.flops_of(head) / p)
+    hw_flops_rank = m * (sum(counts) / p * (fwd.flops + bwd.flops) + 3 * op_costs.flops_of(head) / p)
     peak = hw.peak(compute_precision(lay.precision))
     # The published conventions side by side, against the dense 16-bit peak (what papers call "BF16
     # MFU", and what NeMo's TFLOP/s/GPU and Llama 3's 38-43% are quoted against): causal attention

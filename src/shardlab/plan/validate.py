@@ -7,7 +7,7 @@
 
 The only parameter fitted to these runs is the A100's achievable fraction of peak for large matmuls
 (`mm_eff`), one number for all cases, chosen to minimise the mean absolute relative error of the
-eight Table 5 iteration times. Everything else is fixed beforehand (hardware.py, flops.py, comm.py).
+eight Table 5 iteration times. Everything else is fixed beforehand (hardware.py, op_costs.py, comm.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import replace
 
 from shardlab.plan import activations as act
 from shardlab.plan.hardware import Hardware
-from shardlab.plan.layout import PlanLayout
-from shardlab.plan.memory import stage_memory
+from shardlab.plan.execution import Execution
+from shardlab.plan.memory_model import stage_memory
 from shardlab.plan.published import (FIGURE1_GIB, KORTHIKANTI_TABLE4_22B, KORTHIKANTI_TABLE5, PublishedRun,
                                      paper_model_flops)
 from shardlab.plan.steptime import layer_phases, step_time
@@ -115,7 +115,7 @@ def table4_rows(hw: Hardware) -> list[dict]:
     spec = KORTHIKANTI_TABLE5[0].spec
     rows = []
     for name, kw, fwd_ms, bwd_ms in KORTHIKANTI_TABLE4_22B:
-        lay = PlanLayout(tp=8, micro_batch=4, grad_fp32=True, **kw)
+        lay = Execution(tp=8, micro_batch=4, grad_fp32=True, **kw)
         f, b = layer_phases(spec, lay, hw)
         rows.append({"variant": name, "published_fwd_ms": fwd_ms, "predicted_fwd_ms": f.total * 1e3,
                      "published_bwd_ms": bwd_ms, "predicted_bwd_ms": b.total * 1e3})
@@ -144,12 +144,12 @@ def memory_rows() -> list[dict]:
                                       fig_present)):
             lay = replace(run.layout(), **kw)
             ours = stage_memory(spec, lay, run.global_batch, 0)
-            s, b, h = spec.seq, run.micro_batch, spec.hidden
+            s, b, h = spec.seq_len, run.micro_batch, spec.d_model
             interleave = 1 + (run.pp - 1) / (run.pp * run.virtual) if run.virtual > 1 else 1.0
-            paper_act = interleave * (spec.layers * act.korthikanti_table2(spec, lay, b)
+            paper_act = interleave * (spec.n_layer * act.korthikanti_table2(spec, lay, b)
                                       + s * b * h * run.pp / (run.tp if lay.sp else 1))
             if run.pp == 1:  # one stage: it also holds the output layer's 4 s b h / t (1 + v / h) (sec. 4.3)
-                paper_act += 4 * s * b * h / (run.tp if lay.sp else 1) + 4 * s * b * spec.vocab / run.tp
+                paper_act += 4 * s * b * h / (run.tp if lay.sp else 1) + 4 * s * b * spec.vocab_size / run.tp
             paper_state = 18 * spec.params() / (run.tp * run.pp)
             # Like for like: the even split is a mean over stages; ours is the mean of our per-stage
             # figures (the first stage, with the embedding, holds more: shown beside it).

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardlab.plan.hardware import Hardware
-from shardlab.plan.memory import rank_memory
+from shardlab.plan.memory_model import rank_memory
 from shardlab.plan.published_bf16 import Bf16Run
 from shardlab.plan.stackfit import decompose, fit, with_kernel_values
 from shardlab.plan.steptime import step_time

@@ -19,7 +19,7 @@ What is fitted to what (fit_hopper):
   two equations; the tile and wave arithmetic of kernels.py is fixed beforehand);
 - attn_fwd, attn_bwd: the step's attention forward and backward times (head size 64, causal span
   512); the span and head-size ramps (kernels.Kernels defaults) are assumed, not fitted here;
-- mem_frac: the rest of the GPU's busy time over the bytes flops.py counts for the memory-bound ops;
+- mem_frac: the rest of the GPU's busy time over the bytes op_costs.py counts for the memory-bound ops;
 - opt_frac: the fused AdamW's time over the bytes of its update (28 per parameter: no clipping, no
   zeroing in that script);
 - launch_s: the step's idle GPU time (wall minus busy) over the ops the planner counts.
@@ -32,18 +32,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardlab.plan import flops, kernels
+from shardlab.plan import kernels, op_costs
 from shardlab.plan.devices import device_spec
 from shardlab.plan.kernels import Kernels
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 from shardlab.plan.steptime import step_time
 
 H200_RUN = "one H200 (141 GB), torch 2.11.0+cu130, driver 580.159.04, 2026-11-28 (docs/planner.md, One GPU)"
 
 # GPT-2 medium's shape as configs/gpt-350m-gpu.toml builds it (what plan.models.spec_from_config gives).
-GPT_350M = ModelSpec("shardlab-gpt-24x1024", layers=24, hidden=1024, heads=16, vocab=50304, seq=1024, bias=True,
-                     tied_embeddings=True, learned_positions=True, attention="flash", dropout=False,
+GPT_350M = ModelSpec(name="shardlab-gpt-24x1024", n_layer=24, d_model=1024, n_head=16, vocab_size=50304, seq_len=1024,
+                     bias=True, tie_embeddings=True, rotary=False, attention="flash", dropout=0.0,
                      attention_output_copied=True, source="configs/gpt-350m-gpu.toml")
 BATCH = 16
 
@@ -76,19 +76,19 @@ H100_RUN = "one H100 80GB HBM3, torch 2.11.0+cu130, driver 580.159.04, 2026-11-2
 MEASURED_H100 = {"stand-alone, compiled": 0.0920, "stand-alone, eager": 0.1200}
 
 
-def standalone_layout() -> PlanLayout:
+def standalone_layout() -> Execution:
     """benchmarks/gpt_mfu.py's step: bf16 autocast over fp32 weights, one micro-batch of 16, fused
     AdamW without clipping, gradients set to None (no buffer to zero)."""
-    return PlanLayout(precision="bf16-autocast", micro_batch=BATCH, grad_clip=False, grads_persist=False)
+    return Execution(precision="bf16-autocast", micro_batch=BATCH, grad_clip=False, grads_persist=False)
 
 
-def step_ops(spec: ModelSpec, lay: PlanLayout) -> list[tuple[int, flops.Op]]:
+def step_ops(spec: ModelSpec, lay: Execution) -> list[tuple[int, op_costs.Op]]:
     """(count, op) for one step of one micro-batch: the layers' forward and backward, the edges'."""
     b = lay.micro_batch
-    fwd = flops.layer_forward(spec, lay, b)
-    layer = fwd + flops.recompute(fwd, lay) + flops.backward(fwd)
-    edges = flops.embedding_forward(spec, lay, b) + flops.head_forward(spec, lay, b)
-    return [(spec.layers, op) for op in layer] + [(1, op) for op in edges + flops.backward(edges)]
+    fwd = op_costs.layer_forward(spec, lay, b)
+    layer = fwd + op_costs.recompute(fwd, lay) + op_costs.backward(fwd)
+    edges = op_costs.embedding_forward(spec, lay, b) + op_costs.head_forward(spec, lay, b)
+    return [(spec.n_layer, op) for op in layer] + [(1, op) for op in edges + op_costs.backward(edges)]
 
 
 def _gemm_total(k: Kernels, peak: float, sms: int, ops) -> float:
@@ -139,10 +139,10 @@ def fit_hopper(profile: dict | None = None) -> Kernels:
                    source=f"fitted to the profile of a compiled GPT-2-medium step on {H200_RUN} (plan/validate_gpu.py)")
 
 
-def config_layout(lay: PlanLayout | None = None) -> PlanLayout:
+def config_layout(lay: Execution | None = None) -> Execution:
     """configs/gpt-350m-gpu.toml as `shardlab train` runs it (plan/validate_local.trainer_layout's view:
     bf16 autocast, gradient clipping; one replica, so no persistent gradient buffers)."""
-    return lay or PlanLayout(precision="bf16-autocast", micro_batch=BATCH, grad_clip=True, grads_persist=False)
+    return lay or Execution(precision="bf16-autocast", micro_batch=BATCH, grad_clip=True, grads_persist=False)
 
 
 def gpu_rows(hw, measured_runs: dict[str, float] | None = None) -> list[dict]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardlab.plan.hardware import Hardware
-from shardlab.plan.memory import rank_memory
+from shardlab.plan.memory_model import rank_memory
 from shardlab.plan.published_h100 import LLAMA3_405B, NEMO_H100, H100Run, llama3_405b_layout
 from shardlab.plan.stackfit import decompose, fit, with_kernel_values
 from shardlab.plan.steptime import step_time

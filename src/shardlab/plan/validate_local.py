@@ -14,10 +14,11 @@ None after each step, as a plain loop's are).
 from __future__ import annotations
 
 from shardlab.plan.hardware import Hardware, this_cpu
-from shardlab.plan.layout import PlanLayout
-from shardlab.plan.memory import RankMemory, rank_memory
+from shardlab.plan.execution import Execution
+from shardlab.plan.memory_model import RankMemory, rank_memory
 from shardlab.plan.models import ModelSpec, spec_from_config
 from shardlab.plan.steptime import StepTime, step_time
+
 
 # The reference step, timed at calibration: a GPT of another shape than any layout validated here.
 REFERENCE = dict(n_layer=2, d_model=320, n_head=5, seq_len=64, batch=12)
@@ -29,15 +30,15 @@ def reference_efficiency(cal: dict, measured_s: float) -> float:
     from memory other ops have just written, autograd and the optimizer add their own work: a step
     runs slower than the same kernels in a loop. Applied to every layout, like a GPU's mm_eff."""
     r = REFERENCE
-    spec = ModelSpec("reference", layers=r["n_layer"], hidden=r["d_model"], heads=r["n_head"], vocab=256,
-                     seq=r["seq_len"], bias=False, dropout=False, attention="flash")
+    spec = ModelSpec(name="reference", n_layer=r["n_layer"], d_model=r["d_model"], n_head=r["n_head"], vocab_size=256,
+                     seq_len=r["seq_len"], bias=False, dropout=0.0, attention="flash")
     hw = this_cpu({**cal, "step_efficiency": 1.0})
-    predicted = step_time(spec, PlanLayout(micro_batch=r["batch"], precision="fp32", grads_persist=False,
+    predicted = step_time(spec, Execution(micro_batch=r["batch"], precision="fp32", grads_persist=False,
                                            tp_overlap=False), hw, r["batch"]).total_s
     return predicted / measured_s
 
 
-def plan_from_config(cfg) -> tuple[ModelSpec, PlanLayout, int]:
+def plan_from_config(cfg) -> tuple[ModelSpec, Execution, int]:
     """The planner's view of a shardlab run configuration: (model, layout, global batch)."""
     lay, t = cfg.layout, cfg.train
     if getattr(lay, "pp", 1) > 1:
@@ -46,10 +47,10 @@ def plan_from_config(cfg) -> tuple[ModelSpec, PlanLayout, int]:
     return spec, trainer_layout(cfg), t.global_batch
 
 
-def trainer_layout(cfg) -> PlanLayout:
+def trainer_layout(cfg) -> Execution:
     """A run configuration's `[layout]` as the planner sees shardlab's trainer run it (any layout)."""
     lay, t = cfg.layout, cfg.train
-    return PlanLayout.from_section(
+    return Execution.from_section(
         lay, micro_batch=max(1, t.global_batch // (lay.dp * lay.ep * t.micro_batches)),
         # shardlab overlaps gradient reduction with backward in dp_mode "overlap" and in ZeRO-2/3.
         dp_overlap=(lay.zero == 0 and lay.dp_mode == "overlap") or lay.zero in (2, 3),

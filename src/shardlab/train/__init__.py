@@ -1,6 +1,6 @@
 """Training: data, and (later) the loop that trains a model with any parallel plan."""
 
-from shardlab.train.data import (
+from shardlab.train.batches import (
     VOCAB_SIZE,
     BatchSampler,
     decode,

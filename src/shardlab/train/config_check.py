@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 def problems(cfg: Config) -> list[str]:
     """Every reason `cfg` cannot run, each naming its fields and values (empty: it can)."""
     from shardlab.comm.algorithms import ALGORITHMS
-    from shardlab.models.gpt import LOSSES
-    from shardlab.models.layers import MLPS, NORMS
+    from shardlab.models.gpt_config import LOSSES, MLPS, NORMS
     from shardlab.parallel.data import MODES
     from shardlab.parallel.layout import uses_tensor_parallel
     from shardlab.parallel.pipeline.schedules import KINDS
@@ -392,7 +391,7 @@ def expert_problems(cfg: Config) -> list[str]:
                    f"experts / ep of every MoE layer)")
     # Not supported yet, each with its reason:
     # tp > 1: every expert's MLP cut column/row, the router replicated (parallel/tensor/moe.py); with
-    # sp the tensor-parallel plan check refuses it (tensor_plan_problems), giving its reason.
+    # sp the tokens gathered for router and experts alike (its plan check wants the experts cut).
     if lay.zero == 3 and lay.ep > 1:
         out.append(f"model.experts = {m.experts} with layout.zero = 3 and layout.ep = {lay.ep} is not supported yet: "
                    f"FSDP's units are flat vectors sharded over one group, but an expert is replicated over dp x cp "

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlab.data.rawbin import RawBinLayout, raw_bin_layout
+from shardlab.data.rawbin import RawBinFormat, raw_bin_format
 from shardlab.data.tokenfile import is_token_file, read_header, read_token_file
 from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_file_tokenizer
 from shardlab.train.config import Config
@@ -64,13 +64,13 @@ def source_kind(cfg: Config) -> str:
     return "text"
 
 
-def raw_layout(cfg: Config) -> RawBinLayout:
+def raw_layout(cfg: Config) -> RawBinFormat:
     """A raw .bin's id type and vocabulary, from what the configuration, the file's name, a nanoGPT
     meta.pkl beside it and data.tokenizer state (data/rawbin.py); ValueError naming the file and the
     fields when nothing does or two disagree."""
     d = cfg.data
     tok_vocab = load_tokenizer(d.tokenizer).vocab_size if d.tokenizer not in ("", "bytes", "bpe") else 0
-    return raw_bin_layout(_source_path(cfg), token_dtype=d.token_dtype or None, vocab_size=d.vocab_size,
+    return raw_bin_format(_source_path(cfg), token_dtype=d.token_dtype or None, vocab_size=d.vocab_size,
                           tokenizer_vocab=tok_vocab,
                           names={"token_dtype": "data.token_dtype", "vocab_size": "data.vocab_size",
                                  "tokenizer": f"data.tokenizer = {d.tokenizer!r}"})

@@ -33,8 +33,8 @@ from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, repli
 from shardlab.parallel.precision import autocast_context, get_precision
 from shardlab.train.compile import compile_model
 from shardlab.train.config import Config
-from shardlab.train.flops import FlopsAccounting, run_flops
-from shardlab.train.memory import MemoryTracker
+from shardlab.train.mfu import FlopsAccounting, run_flops
+from shardlab.train.memory_tracker import MemoryTracker
 from shardlab.train.metrics import MetricsWriter, step_line
 from shardlab.train.prefetch import Prefetcher
 from shardlab.train.step import lr_at, make_optimizer, train_step
@@ -108,7 +108,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
     # Each replica's loss, counted once: the ranks of a tp group and the stages of a pipeline all hold it.
     dp_leaders = [r for r in range(world) if mesh.coords(r)["pp"] == 0 and mesh.coords(r)["tp"] == 0]
-    flops = run_flops(plain, cfg, device)  # MFU's FLOPs and peak, of the whole model (train/flops.py)
+    flops = run_flops(plain, cfg, device)  # MFU's FLOPs and peak, of the whole model (train/mfu.py)
     model = apply_layout(plain, lay, mesh, cfg.sharding)
     if t.compile:
         compile_model(model, backend=t.compile_backend)

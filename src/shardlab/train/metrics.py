@@ -6,7 +6,7 @@ x axis, metrics.jsonl's "step", TensorBoard's step, and the checkpoint step_0000
 
 MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM appendix B) = the model's FLOPs per
 second (flops_per_token x tokens/s) over the peak of the devices the job uses, at the precision the
-matmuls run in (train/flops.py picks it and states the FLOP convention). It is shown only
+matmuls run in (train/mfu.py picks it and states the FLOP convention). It is shown only
 where the peak is known: a GPU in plan/devices.py's table, or `log.peak_tflops` given by the user (a CPU's peak
 depends on its vector units and clocks and is not discoverable reliably).
 """
@@ -52,7 +52,7 @@ def step_line(rec: dict[str, Any], steps: int) -> str:
         f"comm wait {rec['comm_wait_share'] * 100:.0f}%",
     ]
     if rec.get("mfu") is not None:
-        # train/flops.py: causal attention counted over s/2; the whole square and recomputation beside it.
+        # train/mfu.py: causal attention counted over s/2; the whole square and recomputation beside it.
         text = f"MFU {rec['mfu'] * speedup * 100:.1f}%"
         if rec.get("hfu") is not None:
             text += f" (HFU {rec['hfu'] * speedup * 100:.1f}%)"

@@ -5,7 +5,7 @@
     admit = trainer_rules(spec, global_batch)              # layout -> the trainer's reasons (empty: runs)
     result = search(spec, hw, gpus, global_batch, admit=admit)
 
-The planner's layout is the trainer's own `[layout]` section (plan/layout.py's PlanLayout is a
+The planner's layout is the trainer's own `[layout]` section (plan/execution.py's Execution is a
 LayoutSection), so the configuration carries it field for field; the model and the batch are the
 planner's: the GPT of the spec, `train.global_batch` and `train.micro_batches` (the global batch over
 dp x ep batch ranks of `micro_batch` rows each). This module sits in train/, above plan/: the planner
@@ -20,28 +20,26 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from shardlab.parallel.layout_section import LayoutSection
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 from shardlab.train.config import Config
 
-# A preset with dropout layers (GPT-3, Megatron's) says they exist, not their probability: 0.1 is
-# GPT-3's and Megatron-LM's default.
-DROPOUT = 0.1
-
-
 def model_fields(spec: ModelSpec) -> dict[str, object]:
-    """`model.*` of shardlab's GPT with the spec's shape (spec_from_config's inverse)."""
+    """`model.*` of shardlab's GPT with the spec's shape (spec_from_config's inverse): the spec is a
+    GPTConfig, in the section's words but for `experts` (GPTConfig's n_experts)."""
     return {
-        "name": "gpt", "n_layer": spec.layers, "d_model": spec.hidden, "n_head": spec.heads,
-        "n_kv_head": spec.kv_heads, "d_ff": spec.ffn, "vocab_size": spec.vocab, "seq_len": spec.seq,
-        "bias": spec.bias, "mlp": "swiglu" if spec.gated_mlp else "gelu", "norm": spec.norm,
-        "tie_embeddings": spec.tied_embeddings, "rotary": not spec.learned_positions,
-        "dropout": DROPOUT if spec.dropout else 0.0,
-        "experts": spec.experts if spec.experts > 1 else 0, "top_k": spec.top_k if spec.experts > 1 else 2,
+        "name": "gpt", "n_layer": spec.n_layer, "d_model": spec.d_model, "n_head": spec.n_head,
+        # 0: the section's "same as n_head" and "4 x d_model", as the spec's defaults are written
+        "n_kv_head": 0 if spec.n_kv_head == spec.n_head else spec.n_kv_head,
+        "d_ff": 0 if spec.d_ff == 4 * spec.d_model else spec.d_ff,
+        "vocab_size": spec.vocab_size, "seq_len": spec.seq_len,
+        "bias": spec.bias, "mlp": spec.mlp, "norm": spec.norm,
+        "tie_embeddings": spec.tie_embeddings, "rotary": spec.rotary, "dropout": spec.dropout,
+        "experts": spec.n_experts, "top_k": spec.top_k if spec.moe else 2,
     }
 
 
-def config_from_plan(spec: ModelSpec, lay: PlanLayout, global_batch: int, base: Config | None = None) -> Config:
+def config_from_plan(spec: ModelSpec, lay: Execution, global_batch: int, base: Config | None = None) -> Config:
     """A run configuration for `lay`: `base` (default: the defaults) with the spec's model, the
     layout's [layout] fields and the batch split the planner assumed. A `base` that came from a
     configuration file keeps its model (the spec was read from it) and its other sections."""
@@ -56,7 +54,7 @@ def config_from_plan(spec: ModelSpec, lay: PlanLayout, global_batch: int, base: 
     return cfg
 
 
-def write_config(spec: ModelSpec, lay: PlanLayout, global_batch: int, path: str, base: Config | None = None) -> list[str]:
+def write_config(spec: ModelSpec, lay: Execution, global_batch: int, path: str, base: Config | None = None) -> list[str]:
     """Write `lay`'s configuration to `path` (TOML, headed by the layout's name); return the
     trainer's reasons to refuse it (empty: `shardlab train --config path` runs it)."""
     from shardlab.train.config_check import problems
@@ -68,14 +66,14 @@ def write_config(spec: ModelSpec, lay: PlanLayout, global_batch: int, path: str,
     return problems(cfg)
 
 
-def trainer_rules(spec: ModelSpec, global_batch: int, base: Config | None = None) -> Callable[[PlanLayout], list[str]]:
+def trainer_rules(spec: ModelSpec, global_batch: int, base: Config | None = None) -> Callable[[Execution], list[str]]:
     """`admit` for plan/search.py: the trainer's reasons (Config.validate's problems) for the
     configuration of a layout, remembered per configuration (a search asks about many)."""
     from shardlab.train.config_check import problems
 
     seen: dict[str, list[str]] = {}
 
-    def admit(lay: PlanLayout) -> list[str]:
+    def admit(lay: Execution) -> list[str]:
         cfg = config_from_plan(spec, lay, global_batch, base)
         key = repr(cfg)
         if key not in seen:

@@ -12,6 +12,7 @@ preset has exactly the parameter count the planner computes for it.
 
 from __future__ import annotations
 
+from shardlab.models.gpt_config import GPTConfig
 from shardlab.plan.models import PRESETS, ModelSpec
 
 # The Llama family on the trainer's default (tiny) sizes: RMSNorm, SwiGLU, no biases, rotary
@@ -27,10 +28,6 @@ GPT2_FAMILY = [
 ]
 FAMILIES = {"gpt": ['model.name="gpt"'], "mlp": ['model.name="mlp"'], "llama": LLAMA_FAMILY, "gpt2": GPT2_FAMILY}
 
-# Rotary bases from the released configurations (not part of the planner's shape).
-ROPE_THETA = {"llama3-8b": 500000.0, "llama3-70b": 500000.0, "mixtral-8x7b": 1000000.0}
-
-
 def model_names() -> list[str]:
     """What --model accepts: the families, then the planner's presets."""
     return [*FAMILIES, *PRESETS]
@@ -39,19 +36,19 @@ def model_names() -> list[str]:
 def spec_assignments(spec: ModelSpec) -> list[str]:
     """The `model.*` assignments that build `spec`'s shape in the trainer."""
     out = [
-        'model.name="gpt"', f"model.n_layer={spec.layers}", f"model.d_model={spec.hidden}",
-        f"model.n_head={spec.heads}", f"model.n_kv_head={spec.n_kv}", f"model.d_ff={spec.d_ff}",
-        f"model.vocab_size={spec.vocab}", f"model.seq_len={spec.seq}",
-        f'model.norm="{spec.norm}"', f'model.mlp="{"swiglu" if spec.gated_mlp else "gelu"}"',
-        f"model.bias={str(spec.bias).lower()}", f"model.tie_embeddings={str(spec.tied_embeddings).lower()}",
-        f"model.rotary={str(not spec.learned_positions).lower()}",
-        f"model.dropout={0.1 if spec.dropout else 0.0}",  # Megatron-LM's GPTs trained with 0.1
-        f"model.experts={spec.experts if spec.experts > 1 else 0}",
+        'model.name="gpt"', f"model.n_layer={spec.n_layer}", f"model.d_model={spec.d_model}",
+        f"model.n_head={spec.n_head}", f"model.n_kv_head={spec.n_kv_head}", f"model.d_ff={spec.d_ff}",
+        f"model.vocab_size={spec.vocab_size}", f"model.seq_len={spec.seq_len}",
+        f'model.norm="{spec.norm}"', f'model.mlp="{spec.mlp}"',
+        f"model.bias={str(spec.bias).lower()}", f"model.tie_embeddings={str(spec.tie_embeddings).lower()}",
+        f"model.rotary={str(spec.rotary).lower()}",
+        f"model.dropout={spec.dropout}",  # Megatron-LM's GPTs trained with 0.1
+        f"model.experts={spec.n_experts}",
     ]
-    if spec.experts > 1:
+    if spec.moe:
         out.append(f"model.top_k={spec.top_k}")
-    if spec.name in ROPE_THETA:
-        out.append(f"model.rope_theta={ROPE_THETA[spec.name]}")
+    if spec.rope_theta != GPTConfig.rope_theta:   # the rotary bases of the released configurations
+        out.append(f"model.rope_theta={spec.rope_theta}")
     return out
 
 

@@ -1,5 +1,8 @@
 """The rules `validate()` applies to a `[sharding]` section: the plan derived before any rank starts, on
-the model built on the meta device (no memory), and the layouts it cannot be combined with yet."""
+the model built on the meta device (no memory), and the layouts it cannot be combined with yet. A
+pipeline (layout.pp > 1) or expert parallelism (layout.ep > 1) needs the rule that places the layers
+over pp or the experts over ep; the derivation says so (parallel/sharding/placed.py), as it says what
+it does not combine them with yet."""
 
 from __future__ import annotations
 
@@ -18,15 +21,9 @@ def sharding_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     if lay.sp or lay.tp_plan != "megatron":
         out.append(f"[sharding] rules with layout.sp = {lay.sp}, layout.tp_plan = {lay.tp_plan!r}: the rules replace "
                    f"both (sequence parallel is seq=tp in sharding.compute); leave them at false and 'megatron'")
-    if lay.pp > 1 or lay.ep > 1:
-        out.append(f"[sharding] rules with layout.pp = {lay.pp}, ep = {lay.ep}: derived sharding covers tp, cp and "
-                   f"dp here; pipelines and expert parallelism stay the hand-written layouts (use them without "
-                   f"[sharding])")
     if m.name == "mlp" and lay.recompute == "full":
         out.append("[sharding] rules on the deep MLP with layout.recompute = 'full': recompute's pairs of layers are "
                    "the plain MLP's forms, not the derived one's; use layout.recompute = 'none' (the GPT takes both)")
-    if m.experts:
-        out.append(f"[sharding] rules with model.experts = {m.experts}: logical axes are declared for dense models")
     if lay.tp > 1 and m.dropout > 0 and lay.cp == 1:  # with cp the derivation refuses it, naming the ring
         out.append(f"model.dropout = {m.dropout} with [sharding] over layout.tp = {lay.tp}: the ranks would draw "
                    f"the same masks for different heads (no tensor-parallel generator); set model.dropout = 0")
@@ -50,9 +47,10 @@ def sharding_problems(cfg: Config, model_ok: bool = True) -> list[str]:
     except (OSError, ValueError, ImportError):
         return out
     model = empty_model(m, vocab)
-    rows = max(1, t.global_batch // max(1, lay.dp * t.micro_batches))
+    rows = max(1, t.global_batch // max(1, lay.dp * lay.ep * t.micro_batches))  # per batch rank (dp x ep)
     try:
-        derive(model, rules, mesh_sizes(lay), rows=rows)
+        derive(model, rules, mesh_sizes(lay), rows=rows, virtual_stages=lay.virtual_stages,
+               stage_layers=lay.stage_layers)
     except ShardingError as exc:
         out.append(str(exc))
     return out

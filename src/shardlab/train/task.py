@@ -5,7 +5,7 @@ which model they drive: `task.batch(step, dp_rank, dp_size, micro_batches, micro
 (inputs, targets), `task.global_batch(step)` the whole batch a single process would see, and
 `tokens_per_row` / `flops_per_token` turn step times into tokens/s and MFU.
 
-  gpt  text as bytes or a token file's ids (train/data.py, train/corpus.py), held-out tail for
+  gpt  text as bytes or a token file's ids (train/batches.py, train/corpus.py), held-out tail for
        validation loss; the vocabulary comes from the data (model.vocab_size = 0).
   mlp  the lecture's deep MLP regressing a fixed random "teacher" network's output on Gaussian
        inputs: synthetic (the lecture's model has no natural dataset) but learnable, so the loss
@@ -26,7 +26,7 @@ import torch.nn as nn
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel.precision import apply_precision
 from shardlab.train.config import Config, ModelSection
-from shardlab.train.data import VOCAB_SIZE, BatchSampler, load_tokens, split_tokens
+from shardlab.train.batches import VOCAB_SIZE, BatchSampler, load_tokens, split_tokens
 
 if TYPE_CHECKING:
     from shardlab.data.tokenizer import Tokenizer
@@ -92,13 +92,7 @@ def _unchanged(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.T
 def gpt_config(m: ModelSection, vocab_size: int = 0) -> GPTConfig:
     """The GPT's configuration for a model section (one mapping, used by the trainer, the Hugging
     Face export and import, and the planner's presets)."""
-    return GPTConfig(
-        vocab_size=vocab_size or m.vocab_size or VOCAB_SIZE, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
-        n_kv_head=m.n_kv_head or None, d_model=m.d_model, d_ff=m.d_ff or None, rotary=m.rotary,
-        tie_embeddings=m.tie_embeddings, dropout=m.dropout, bias=m.bias, n_experts=m.experts, top_k=m.top_k,
-        capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef, norm=m.norm, mlp=m.mlp,
-        norm_eps=m.norm_eps, rope_theta=m.rope_theta, loss=m.loss, loss_chunk=m.loss_chunk,
-    )
+    return GPTConfig.from_section(m, vocab_size or m.vocab_size or VOCAB_SIZE)
 
 
 def prepare_model(cfg: Config) -> nn.Module:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from shardlab import comm
-from shardlab.train.memory import MemoryTracker
+from shardlab.train.memory_tracker import MemoryTracker
 from shardlab.train.step import NonFiniteError, StepResult
 
 COLUMNS = ("loss", "seconds", "comm_wait", "peak", "reserved", "nonfinite", "skipped", "grad_norm")

@@ -52,7 +52,7 @@ def resolve_ranks_per_node(world: int, ranks_per_node: int | None = None) -> int
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _Peers:
     """Who works with whom, for one rank, in ranks of the parent group."""
 
     node: list[int]  # the ranks of this rank's node
@@ -74,13 +74,13 @@ def _cross_members(nodes: list[list[int]], chunk: int, per_node: int) -> list[in
     return [_owner(node, chunk, per_node) for node in nodes]
 
 
-def _plan(world: int, per_node: int, rank: int) -> _Plan:
+def _peers(world: int, per_node: int, rank: int) -> _Peers:
     nodes = _nodes(world, per_node)
     node = nodes[rank // per_node]
     segments = split_bounds(per_node, len(node))
     local = node.index(rank)
     mine = range(segments[local], segments[local + 1])
-    return _Plan(node, segments, [(c, _cross_members(nodes, c, per_node)) for c in mine])
+    return _Peers(node, segments, [(c, _cross_members(nodes, c, per_node)) for c in mine])
 
 
 # (ranks_per_node) -> ranks tuple -> process group, for the whole-job group. Stored with the WORLD
@@ -136,7 +136,7 @@ def all_reduce(tensor: torch.Tensor, op: str, group: ProcessGroup | None = None,
     if world == 1 or tensor.numel() == 0:
         return
     per_node = resolve_ranks_per_node(world, ranks_per_node)
-    plan = _plan(world, per_node, rank)
+    plan = _peers(world, per_node, rank)
     groups = _job_groups(world, per_node) if _spans_job(group) else {}
     chunks = split_bounds(tensor.numel(), per_node)
     seg_bounds = [chunks[c] for c in plan.segments]  # element bounds of each node rank's chunks

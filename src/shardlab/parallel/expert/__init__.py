@@ -2,14 +2,14 @@
 
 layer.py     ExpertParallelMoE, convert_expert_parallel: route, dispatch, local experts, combine
 alltoall.py  the differentiable uneven all-to-all and its byte counts
-data.py      ExpertDataParallel: dense gradients over dp x ep x cp, experts' over dp x cp / ep
+data_parallel.py  ExpertDataParallel: dense gradients over dp x ep x cp, experts' over dp x cp / ep
 zero.py      ZeRO-1/2 under ep: each kind sharded over its own replicas, one optimizer over both
 rows.py      under context parallelism: routing over whole rows (counts and probabilities summed over cp)
 docs/expert-parallel.md describes the design.
 """
 
 from shardlab.parallel.expert.alltoall import A2AStats, all_to_all_rows
-from shardlab.parallel.expert.data import ExpertDataParallel
+from shardlab.parallel.expert.data_parallel import ExpertDataParallel
 from shardlab.parallel.expert.layer import (
     ExpertParallelMoE,
     comm_stats,

@@ -17,7 +17,7 @@ everything outside the MoE layers stay whole on every rank. A forward, per layer
      them weighted by the router's probabilities, as the plain MoE does.
 
 Both all-to-alls are differentiable (alltoall.py), so backward runs them in reverse. The experts'
-gradients then hold the contributions of every ep rank's tokens; parallel/expert/data.py says how
+gradients then hold the contributions of every ep rank's tokens; parallel/expert/data_parallel.py says how
 they are averaged.
 """
 
@@ -32,7 +32,7 @@ from shardlab.comm.graph_break import graph_break
 from shardlab.models.moe import MoE, combine, route, run_experts
 from shardlab.parallel.expert.alltoall import A2AStats, all_to_all_rows, exchange_counts
 from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
-from shardlab.parallel.tensor.moe import TensorParallelMoE, tp_output, tp_rows, tp_weights
+from shardlab.parallel.tensor.moe import TensorParallelMoE, tp_inputs, tp_output, tp_weights
 from shardlab.parallel.tensor.shards import SharesGroups  # a pipeline's chunks are deep copies: groups shared
 
 
@@ -62,24 +62,32 @@ class ExpertParallelMoE(SharesGroups, nn.Module):
         # partial outputs through f, and the combined output is all-reduced over tp once.
         self.tp_cut = isinstance(moe, TensorParallelMoE)
         self.tp_group = moe.tp_group if self.tp_cut else None  # (None is also the world group: tp_cut says which)
+        # Under sequence parallelism the tp ranks gather their tokens first and route them all alike
+        # (parallel/tensor/moe.py, 5. and 6.), so the exchanges below are the same as without it.
+        self.sequence_parallel = self.tp_cut and moe.sequence_parallel
         self.stats = A2AStats()
 
     @graph_break  # routing, dispatch and all-to-all as Python; the experts compiled (models/moe.py's MoE.forward)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if self.tp_cut:
+            x_route, x = tp_inputs(x, self.tp_group, self.sequence_parallel)
+        else:
+            x_route = x
         b, t, d = x.shape
-        r = route(self.router, x, self.top_k, self.capacity_factor, self.aux_loss_coef, self.rows)
+        r = route(self.router, x_route, self.top_k, self.capacity_factor, self.aux_loss_coef, self.rows)
         self.aux_loss, self.dropped = r.aux_loss, r.dropped
         got = exchange_counts(r.counts, self.group, self.stats)             # (ep, E/ep): [source, local expert]
         send = r.counts.view(self.ep, self.per_rank).sum(1).tolist()
         recv = got.sum(1).tolist()
-        rows = (tp_rows(x, self.tp_group) if self.tp_cut else x).reshape(b * t, d)[r.token]
-        arrived = all_to_all_rows(rows, self.group, send, recv, self.stats)
+        arrived = all_to_all_rows(x.reshape(b * t, d)[r.token], self.group, send, recv, self.stats)
         order = _expert_major(got)
         y = run_experts(list(self.experts.values()), arrived[order], got.sum(0).tolist())
         back = all_to_all_rows(y[torch.argsort(order)], self.group, recv, send, self.stats)
         if not self.tp_cut:
-            return combine(back, r, b * t).view(b, t, d)
-        return tp_output(combine(back, tp_weights(r, self.tp_group), b * t), self.tp_group).view(b, t, d)
+            return combine(back, r, b * t).view(shape)
+        out = combine(back, tp_weights(r, self.tp_group), b * t)
+        return tp_output(out, self.tp_group, self.sequence_parallel).view(shape)
 
 
 def _expert_major(counts: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """ZeRO-1/2 around an expert-parallel model: each kind of parameter sharded over its own replicas.
 
 A dense parameter is replicated over ("dp", "ep", "cp") and an expert over ("dp", "cp") only
-(data.py), so one set of flat buckets cut over one group cannot hold both: an expert's chunk would be
+(data_parallel.py), so one set of flat buckets cut over one group cannot hold both: an expert's chunk would be
 owned by a rank of another ep index, which holds other experts. Each kind gets its own ZeroDataParallel
 (zero.py, `params=`): the dense buckets cut over the replica group, the experts' over their replicas
 (Megatron-LM's distributed optimizer does the same with its expert data-parallel group). The experts'
-reduce-scatter averages over (dp, cp); dividing by ep after it gives the whole batch's mean (data.py
+reduce-scatter averages over (dp, cp); dividing by ep after it gives the whole batch's mean (data_parallel.py
 says why). An expert no token reached on any replica keeps no gradient: each wrapper all-reduces its
 "has a gradient" flags over its own group, so AdamW skips it as one process does.
 
@@ -31,7 +31,7 @@ from shardlab.parallel.placement import Placement
 from shardlab.parallel.zero import ShardLayout, ZeroDataParallel, gather_chunks
 
 
-class _BothLayouts:
+class _DenseAndExpertPieces:
     """The dense and the expert ShardLayouts as one PieceLayout (rank and world: the dense group's)."""
 
     def __init__(self, dense: ShardLayout, experts: ShardLayout) -> None:
@@ -49,7 +49,8 @@ class ExpertZeroOptimizer(PieceOptimizer):
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], dense: ZeroDataParallel,
                  experts: ZeroDataParallel, placement: Placement, **optimizer_kwargs: Any) -> None:
-        super().__init__(param_groups(params), optimizer_cls, _BothLayouts(dense.layout, experts.layout), dense.group,
+        pieces = _DenseAndExpertPieces(dense.layout, experts.layout)
+        super().__init__(param_groups(params), optimizer_cls, pieces, dense.group,
                          impl=dense.impl, tp=placement, **optimizer_kwargs)
         self.wrappers = (dense, experts)
 
@@ -94,7 +95,7 @@ def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn
     """The two ZeRO wrappers of ExpertDataParallel: dense parameters over `group` at `stage`, experts
     over `expert_group` (their replicas) at stage 1 whatever `stage` (see below). `deferred`: dense
     parameters reduced only at finish_gradient_sync (a pipeline stage's tied embedding copies, whose
-    whole gradients are summed over pp first: parallel/layout.py stage_data_parallel)."""
+    whole gradients are summed over pp first: parallel/data_factory.py wrap_data_parallel)."""
     # The experts' buckets are reduced once, after backward (stage 1), even under ZeRO-2: ranks route
     # their tokens to different experts, so a bucket of experts fills at different points of each
     # replica's backward (or never: an expert no token reached has no gradient), and reductions

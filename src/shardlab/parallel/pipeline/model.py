@@ -30,7 +30,7 @@ import torch.nn as nn
 from shardlab import comm
 from shardlab.models.moe import aux_loss_scope
 from shardlab.parallel.data import DataParallel
-from shardlab.parallel.expert.data import ExpertDataParallel
+from shardlab.parallel.expert.data_parallel import ExpertDataParallel
 from shardlab.parallel.fsdp import FullyShardedDataParallel
 from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import PieceOptimizer, WholeLayout, param_groups, unique_trainable
@@ -133,7 +133,7 @@ class StageOptimizer(PieceOptimizer):
 
 def _expert_zero(dp: nn.Module | None) -> tuple[ZeroDataParallel, ZeroDataParallel] | None:
     """The (dense, experts) ZeRO wrappers of an ExpertDataParallel under ZeRO-1/2 (parallel/expert/
-    data.py), else None."""
+    data_parallel.py), else None."""
     if isinstance(dp, ExpertDataParallel) and dp.zero:
         return dp._dense, dp._experts
     return None
@@ -144,7 +144,7 @@ class PipelineParallel(nn.Module):
     the stage's plan gives the stages and the virtual chunks per rank), with `data_parallel` (a
     DataParallel wrapping the same stage) over its replicas. The microbatch count is the step's:
     a schedule is made and checked the first time each count is asked for. `tp_group`: the stage's
-    layers are tensor-parallel over it (pipeline/tensor_stage.py); whole views gather over it too."""
+    layers are tensor-parallel over it (pipeline/step.py); whole views gather over it too."""
 
     def __init__(self, stage: PipelineStage, kind: str, group: dist.ProcessGroup | None = None,
                  *, data_parallel: nn.Module | None = None, tp_group: dist.ProcessGroup | None | bool = False) -> None:

@@ -6,7 +6,7 @@ pieces are a model's units in order (embedding, blocks, head); a piece is never 
 gets at least one, and a count that does not divide (7 blocks on 2 stages) gives unequal chunks
 rather than dropping or duplicating a layer.
 
-The trainer's default and the planner's (plan/layout.py) are one rule, `even_layers`: the layers
+The trainer's default and the planner's (plan/execution.py) are one rule, `even_layers`: the layers
 (GPT blocks, MLP layers) spread over the chunks as evenly as possible, the chunks with one layer
 fewer at the two ends (the GPT's first chunk also holds the embedding and its last the head), or an
 explicit count per chunk (layout.stage_layers). `split_sizes` turns either into pieces per chunk;

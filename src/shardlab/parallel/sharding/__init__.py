@@ -9,8 +9,8 @@ compiled onto the model (compile.py) with shardlab.comm's differentiable collect
 
 from shardlab.parallel.sharding.compile import compile_plan
 from shardlab.parallel.sharding.derive import derive
-from shardlab.parallel.sharding.plan import Collective, ModulePlan, Plan
+from shardlab.parallel.sharding.plan import Collective, ModulePlan, ShardingPlan
 from shardlab.parallel.sharding.rules import Rules, ShardingError
 from shardlab.parallel.sharding.section import ShardingSection
 
-__all__ = ["Collective", "ModulePlan", "Plan", "Rules", "ShardingError", "ShardingSection", "compile_plan", "derive"]
+__all__ = ["Collective", "ModulePlan", "Rules", "ShardingError", "ShardingPlan", "ShardingSection", "compile_plan", "derive"]

@@ -22,7 +22,7 @@ from shardlab.comm import autograd as ops
 from shardlab.comm.dispatch import Group
 from shardlab.parallel.placement import MeshAxis, Placement, tied_aliases
 from shardlab.parallel.precision import carry_fp32_source
-from shardlab.parallel.sharding.plan import Collective, ModulePlan, Plan
+from shardlab.parallel.sharding.plan import Collective, ModulePlan, ShardingPlan
 from shardlab.parallel.tensor.shards import SharesGroups, TensorParallelModel
 
 _FNS: dict[str, Callable[[torch.Tensor, Group, int | None], torch.Tensor]] = {
@@ -114,7 +114,7 @@ def _entry_hook(entry: tuple[Collective, ...], group: Group) -> Callable:
     return hook
 
 
-def compile_plan(model: nn.Module, plan: Plan, group: Group, base: Placement | None = None,
+def compile_plan(model: nn.Module, plan: ShardingPlan, group: Group, base: Placement | None = None,
                  cp_group: Group = None) -> nn.Module:
     """Apply `plan` to the plain `model` in place over `group` (the mesh's model axis) and return it,
     carrying `placement` (`base` with the model axis added from the plan's shards), `tp_group`,
@@ -137,7 +137,7 @@ def compile_plan(model: nn.Module, plan: Plan, group: Group, base: Placement | N
 
         compile_context(model, plan.modules, cp_group)
     for mp in plan.modules:
-        if mp.context_axis:
+        if mp.context_axis or mp.kind in ("experts", "pipeline"):  # placed by parallel/expert, parallel/pipeline
             continue
         module = modules[mp.name]
         if mp.kind in ("attention", "mlp"):

@@ -29,16 +29,20 @@ a cut sequence is finished by the ring, the loss's mean by an average over cp.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch.nn as nn
 
 from shardlab.models.axes import GPT_ACTIVATIONS, TensorAxes, mlp_activation_axes, mlp_layer_axes, param_axes
 from shardlab.models.gpt import GPT
 from shardlab.models.mlp import DeepMLP
+from shardlab.models.moe import MoE
 from shardlab.parallel.placement import Shard
-from shardlab.parallel.sharding.plan import Collective, ModulePlan, Plan
-from shardlab.parallel.sharding.rules import CONTEXT_AXIS, DATA_AXIS, MODEL_AXIS, Rules, ShardingError, axes_of, split_seq
+from shardlab.parallel.sharding.placed import add_stages, expert_module, placed, placed_problems, rank0_params, tied_sum
+from shardlab.parallel.sharding.plan import Collective, ModulePlan, ShardingPlan
+from shardlab.parallel.sharding.rules import (
+    CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, MODEL_AXIS, PIPELINE_AXIS, Rules, ShardingError, axes_of, split_seq,
+)
 
 
 def fmt(axes: TensorAxes | tuple[str, ...], mapping: Mapping[str, str | None], partial: str | None = None) -> str:
@@ -49,16 +53,22 @@ def fmt(axes: TensorAxes | tuple[str, ...], mapping: Mapping[str, str | None], p
 
 
 def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: int, seq: int | None = None,
-           itemsize: int = 4, micro_batches: int = 1, zero: int = 0) -> Plan:
+           itemsize: int = 4, micro_batches: int = 1, zero: int = 0, virtual_stages: int = 1,
+           stage_layers: Sequence[int] = ()) -> ShardingPlan:
     """The plan of `rules` for the plain `model` (a GPT or a DeepMLP) on a mesh of `sizes` ({axis:
     degree}); `rows` per micro-batch per data-parallel rank and `seq` tokens (GPT) size the bytes.
     `zero`: layout.zero, the data-parallel engine's stage (1 and 2 reduce-scatter and all-gather where
-    plain data parallelism all-reduces). Raises ShardingError naming every problem. Needs no process group."""
+    plain data parallelism all-reduces). `virtual_stages`, `stage_layers`: the layout's, for the split
+    of layers over pp (placed.py). Raises ShardingError naming every problem. Needs no process group."""
     problems = rules.problems()
     axes = param_axes(model)
     cp, seq_tp = split_seq(rules.compute)
-    # The tp derivation below sees seq's tp part (sequence parallelism); its cp part is context.py's.
-    compute = {k: v for k, v in rules.compute.items() if k not in ("batch", "ctx", "seq")}
+    pp, ep = placed(rules.compute)
+    if not problems:
+        problems += placed_problems(model, rules, sizes)
+    # The tp derivation below sees seq's tp part (sequence parallelism); its cp part is context.py's, and
+    # the rules placing whole modules (layers, experts) are placed.py's.
+    compute = {k: v for k, v in rules.compute.items() if k not in ("batch", "ctx", "seq", "layers", "experts")}
     if seq_tp:
         compute["seq"] = seq_tp
     for name, ta in axes.items():
@@ -73,16 +83,20 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
         if cp:
             problems += context_problems(model, t_all, sizes, seq_tp)
         # Bytes per rank: its t / cp tokens (the zigzag chunks) run through every module.
-        modules = _gpt(model, compute, sizes, rows, max(1, t_all // n_cp), itemsize, problems, cp)
+        modules = _gpt(model, compute, sizes, rows, max(1, t_all // n_cp), itemsize, problems, cp, ep)
         if cp:
             modules = add_context(model, modules, sizes, rows, t_all, itemsize, bool(compute.get("kv_heads")))
+        hidden = rows * max(1, t_all // n_cp) * model.cfg.d_model * itemsize
     elif isinstance(model, DeepMLP):
         if cp:
             problems.append(f"seq over {cp!r}: the deep MLP has no sequence (its activations are (batch, embed) "
                             f"and (batch, mlp)); context parallelism is the GPT's")
         modules = _mlp(model, compute, sizes, rows, itemsize, problems)
+        hidden = rows * model.cfg.d_model * itemsize
     else:
         raise ShardingError(f"no derivation for {type(model).__name__}: GPT and DeepMLP declare logical axes")
+    if pp and sizes.get(PIPELINE_AXIS, 1) > 1 and not problems:
+        modules = add_stages(model, modules, sizes, virtual_stages, stage_layers, hidden, problems)
     if problems:
         # One line per kind of module: blocks.0 and blocks.3 fail alike.
         lines = dict.fromkeys(re.sub(r"blocks\.\d+\.", "blocks.*.", p) for p in problems)
@@ -91,10 +105,13 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
     shards = {n: Shard(ta.names.index(logical), ta.blocks if ta.names.index(logical) == 0 else 1)
               for n, ta in axes.items() for logical in ta.names if compute.get(logical) == MODEL_AXIS}
     fsdp = any(v == DATA_AXIS for k, v in rules.params.items())
-    data = _data_collectives(model, axes, shards, sizes, itemsize, fsdp, zero)
+    data = _data_collectives(model, axes, shards, sizes, itemsize, fsdp, zero,
+                             rank0_params(model, sizes, pp, ep, virtual_stages, stage_layers))
+    if pp:
+        data += tied_sum(model, sizes, itemsize, "tok_emb.weight" in shards)
     t = (seq or model.cfg.seq_len) if isinstance(model, GPT) else 0
-    return Plan(rules.describe(), dict(sizes), modules, shards, data, fsdp, rows, t, itemsize, micro_batches,
-                context_axis=cp)
+    return ShardingPlan(rules.describe(), dict(sizes), modules, shards, data, fsdp, rows, t, itemsize,
+                        micro_batches, context_axis=cp, pipeline_axis=pp, expert_axis=ep)
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -133,11 +150,13 @@ def _coll(sizes: Mapping[str, int], module: str, at: str, fn: str, dim: int | No
 
 # ------------------------------------------------------------------------------------------- GPT
 def _gpt(model: nn.Module, c: dict[str, str], sizes: Mapping[str, int], rows: int, t: int, item: int,
-         problems: list[str], cp: str | None = None) -> list[ModulePlan]:
-    """`t`: the tokens this rank runs (the whole sequence / cp under context parallelism)."""
+         problems: list[str], cp: str | None = None, ep: str | None = None) -> list[ModulePlan]:
+    """`t`: the tokens this rank runs (the whole sequence / cp under context parallelism); `ep`: the
+    experts' axis, when the rules place them (placed.py)."""
     cfg, n = model.cfg, sizes.get(MODEL_AXIS, 1)
     S, H, KV, M, V = (c.get(k) for k in ("seq", "heads", "kv_heads", "mlp", "vocab"))
-    amap = dict(c, batch=DATA_AXIS if sizes.get(DATA_AXIS, 1) > 1 else None)
+    # The batch's rows over dp, and over ep too when the experts are placed there (dp x ep batch ranks).
+    amap = dict(c, batch="+".join(a for a in (DATA_AXIS, ep) if a and sizes.get(a, 1) > 1) or None)
     if cp:  # placements as text: the sequence over cp everywhere (ctx too), then over tp between blocks
         amap.update(seq="+".join(a for a in (cp, S) if a), ctx=cp)
     for key, ta in GPT_ACTIVATIONS.items():
@@ -219,6 +238,9 @@ def _gpt(model: nn.Module, c: dict[str, str], sizes: Mapping[str, int], rows: in
                   f"{p}.attn.proj.weight": fmt(("embed", "heads"), c)}
         mods += region(f"{p}.attn", "attention", H, "heads", attn_w, f"{p}.attn.proj", cfg.d_model)
         mods.append(norm(f"{p}.ln2", block.ln2))
+        if isinstance(block.mlp, MoE):
+            mods.append(expert_module(f"{p}.mlp", block.mlp, rtext, sizes, ep, rows * t, item))
+            continue
         mlp_w = {f"{p}.mlp.{k}.weight": fmt(("mlp", "embed") if k != "proj" else ("embed", "mlp"), c)
                  for k, _ in block.mlp.named_children()}
         mods += region(f"{p}.mlp", "mlp", M, "mlp", mlp_w, f"{p}.mlp.proj", cfg.d_model)
@@ -284,35 +306,50 @@ def _mlp(model: nn.Module, c: dict[str, str], sizes: Mapping[str, int], rows: in
 
 # --------------------------------------------------------------------------------- data parallel
 def _data_collectives(model: nn.Module, axes: Mapping[str, TensorAxes], shards: Mapping[str, Shard],
-                      sizes: Mapping[str, int], item: int, fsdp: bool, zero: int = 0) -> list[Collective]:
+                      sizes: Mapping[str, int], item: int, fsdp: bool, zero: int = 0,
+                      held: tuple[set[str], set[str]] | None = None) -> list[Collective]:
     """The batch is cut over dp and every weight replicated over it: each weight's gradient is a
     partial sum over dp, reduced once per step by the data-parallel engine (all-reduce), or, stored over
-    dp, gathered for forward and backward and reduce-scattered (FSDP)."""
+    dp, gathered for forward and backward and reduce-scattered (FSDP). `held`: (dense, experts) names
+    rank 0 holds (placed.py: its pipeline stage, its ep rank's experts); under expert parallelism the
+    dense weights' replicas are dp x ep (x cp) and the experts' dp (x cp): one reduction each."""
     # The weights' replicas: dp, and cp (the sequence cut, the weights whole): one group, "dp+cp".
-    cp = sizes.get(CONTEXT_AXIS, 1)
-    n = sizes.get(DATA_AXIS, 1) * cp
-    if n <= 1:
-        return []
-    axis = DATA_AXIS if cp == 1 else f"{DATA_AXIS}+{CONTEXT_AXIS}"
-    cut = "batch cut over dp" if cp == 1 else ("sequence cut over cp" if n == cp else "batch over dp, sequence over cp")
+    cp, ep = sizes.get(CONTEXT_AXIS, 1), sizes.get(EXPERT_AXIS, 1)
     tp = sizes.get(MODEL_AXIS, 1)
-    local = sum(p.numel() // (tp if name in shards else 1) for name, p in model.named_parameters() if p.requires_grad)
-    nbytes = local * item
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    dense, experts = held if held is not None else ({n for n, _ in params}, set())
+    out = []
+    for names, with_ep, what in ((dense, True, "(all weights)" if not experts else "(dense weights)"),
+                                 (experts, False, "(this rank's experts)")):
+        members = [DATA_AXIS] + ([EXPERT_AXIS] if with_ep and ep > 1 else []) + ([CONTEXT_AXIS] if cp > 1 else [])
+        n = sizes.get(DATA_AXIS, 1) * cp * (ep if with_ep else 1)
+        local = sum(p.numel() // (tp if name in shards else 1) for name, p in params if name in names)
+        if n <= 1 or not local:
+            continue
+        rows = [a for a in members if a != CONTEXT_AXIS and sizes.get(a, 1) > 1]
+        cut = (f"batch cut over {' x '.join(rows)}" if rows else "") + \
+            (", sequence over cp" if rows and cp > 1 else "sequence cut over cp" if cp > 1 else "")
+        out += _engine(what, "+".join(members), local * item, cut, cp, fsdp, zero)
+    return out
+
+
+def _engine(what: str, axis: str, nbytes: int, cut: str, cp: int, fsdp: bool, zero: int) -> list[Collective]:
+    """The data-parallel engine's collectives for one kind of weight replicated over `axis`."""
     if fsdp:
         where = "dp" if cp == 1 else "dp x cp (every rank holding them whole: the ZeRO-3 engine's replica group)"
-        return [Collective("(all weights)", "weights", "fsdp", axis, None, nbytes,
+        return [Collective(what, "weights", "fsdp", axis, None, nbytes,
                            f"stored over {where}, computed whole: gathered for forward, again for backward",
                            fwd="all_gather", bwd="all_gather"),
-                Collective("(all weights)", "gradients", "fsdp", axis, None, nbytes,
+                Collective(what, "gradients", "fsdp", axis, None, nbytes,
                            f"{cut}: partial gradients, each rank keeps its stored chunk",
                            fwd="-", bwd="reduce_scatter")]
     if zero in (1, 2):  # ZeRO-1/2 (parallel/zero.py): each rank updates its 1/n chunk of the flat buckets
-        return [Collective("(all weights)", "gradients", "zero", axis, None, nbytes,
+        return [Collective(what, "gradients", "zero", axis, None, nbytes,
                            f"{cut}, weights replicated: partial gradients, reduce-scattered (ZeRO-{zero}: "
                            f"{'during backward' if zero == 2 else 'after backward'}), each rank keeping its chunk",
                            fwd="-", bwd="reduce_scatter"),
-                Collective("(all weights)", "weights", "zero", axis, None, nbytes,
+                Collective(what, "weights", "zero", axis, None, nbytes,
                            "after the optimizer step: each rank's updated chunk all-gathered (once per step, "
                            "shown in the forward column)", fwd="all_gather", bwd="-")]
-    return [Collective("(all weights)", "gradients", "grad_all_reduce", axis, None, nbytes,
+    return [Collective(what, "gradients", "grad_all_reduce", axis, None, nbytes,
                        f"{cut}, weights replicated: partial gradients", fwd="-", bwd="all_reduce")]

@@ -28,7 +28,15 @@ CONTEXT_FUNCTIONS: dict[str, tuple[str, str]] = {
     "ring_kv_grad": ("-", "sendrecv"),       # RingAttention's backward: the running key/value gradients, fp32
     "whole_loss": ("all_reduce", "-"),       # the loss's value averaged over the cp ranks (no gradient through it)
 }
-COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
+PLACED_FUNCTIONS: dict[str, tuple[str, str]] = {
+    # whole modules placed over pp and ep (placed.py), run by parallel/pipeline and parallel/expert
+    "stage_boundary": ("p2p", "p2p"),           # hidden states to the next stage, their gradient back
+    "tied_grad_exchange": ("-", "p2p"),         # the tied embedding's copies (first, last stage) swap gradients
+    "expert_counts": ("all_to_all", "-"),       # per-expert row counts (not differentiable)
+    "expert_dispatch": ("all_to_all", "all_to_all"),   # rows to their experts' ranks; gradients back
+    "expert_combine": ("all_to_all", "all_to_all"),    # outputs back to their tokens' ranks; gradients out
+}
+COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv", "all_to_all", "p2p")
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class Collective:
     steps_bwd: int = 1
 
     def __post_init__(self) -> None:
-        table = FUNCTIONS if self.fn in FUNCTIONS else CONTEXT_FUNCTIONS
+        table = next((t for t in (FUNCTIONS, CONTEXT_FUNCTIONS, PLACED_FUNCTIONS) if self.fn in t), {})
         if self.fn in table:
             fwd, bwd = table[self.fn]
             object.__setattr__(self, "fwd", self.fwd or fwd)
@@ -91,13 +99,15 @@ class ModulePlan:
     partial_out: bool = False
     vocab_axis: str | None = None   # an embedding cut by rows: masked lookup over this axis
     context_axis: str | None = None  # the tokens / attention core / loss swapped for context parallelism's
+    stage: int | None = None         # layers over pp: the pipeline rank that holds it (placed.py)
+    peers: tuple[int, ...] = ()      # a stage boundary's sending and receiving pipeline ranks
 
     def collectives(self) -> list[Collective]:
         return self.entry + self.weight_sync + self.exit
 
 
 @dataclass
-class Plan:
+class ShardingPlan:
     """What the rules derive for one model on one mesh: every module's plan in forward order, every
     parameter's shards over the model axis, the data-parallel engine's collectives, and the figures
     the bytes were computed for."""
@@ -113,6 +123,8 @@ class Plan:
     itemsize: int
     micro_batches: int = 1
     context_axis: str | None = None   # "cp" when the rules cut the sequence over cp (context parallelism)
+    pipeline_axis: str | None = None  # "pp" when the rules place the layers over pp (pipeline stages)
+    expert_axis: str | None = None    # "ep" when the rules place the experts over ep (expert parallelism)
 
     def module(self, name: str) -> ModulePlan:
         for m in self.modules:

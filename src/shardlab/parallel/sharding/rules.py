@@ -5,6 +5,7 @@
     rules = Rules.parse(compute="", params="embed=dp")                              # FSDP (ZeRO-3)
     rules = Rules.parse(compute="heads=tp, mlp=tp, vocab=tp, seq=cp")              # + context parallel
     rules = Rules.parse(compute="heads=tp, mlp=tp, vocab=tp, seq=cp+tp")           # + both (cp outer)
+    rules = Rules.parse(compute="layers=pp, experts=ep")                           # pipeline stages + experts
 
 `compute` says how activations, and the weights used in compute, are laid out; `params` how weights
 are stored between uses, given as the entries that differ from `compute` (the storage mapping is the
@@ -14,7 +15,9 @@ before each use and its gradient reduce-scattered back (FSDP; Zhao et al. 2023).
 What the derivation executes (parallel/sharding/derive.py says why each other rule is refused):
 model dimensions over the mesh's "tp" axis, the batch over "dp" (always: the trainer splits rows over
 the data-parallel ranks), the sequence over "cp" (context parallelism: the whole model on this rank's
-zigzag chunks, attention by the ring; parallel/sharding/context.py), and storage over "dp". One logical
+zigzag chunks, attention by the ring; parallel/sharding/context.py), storage over "dp", and whole modules:
+the blocks over "pp" (layers=pp: pipeline stages) and a mixture's experts over "ep" (experts=ep: expert
+parallelism; parallel/sharding/placed.py). One logical
 axis may name several mesh axes joined by '+', outer first: only `seq=cp+tp` is derived (the sequence
 over cp everywhere, and each cp share further over tp between blocks: sequence parallelism). The
 `[sharding]` section of a configuration holds the same two mappings as text ("heads=tp, mlp=tp") or
@@ -34,6 +37,12 @@ DATA_AXIS = "dp"
 """The mesh axis the batch is split over, and that storage may shard weights over (FSDP)."""
 CONTEXT_AXIS = "cp"
 """The mesh axis the sequence may be cut over for the whole model (context parallelism)."""
+PIPELINE_AXIS = "pp"
+"""The mesh axis the blocks (logical axis `layers`) may be placed over: pipeline stages."""
+EXPERT_AXIS = "ep"
+"""The mesh axis a mixture's experts (logical axis `experts`) may be placed over: expert parallelism."""
+PLACED = {"layers": PIPELINE_AXIS, "experts": EXPERT_AXIS}
+"""The logical axes that index modules (models/axes.py MODULE_AXES) and the one mesh axis each may name."""
 
 
 def axes_of(value: str | None) -> tuple[str, ...]:
@@ -89,6 +98,16 @@ class Rules:
                 elif logical == "batch" and axis != DATA_AXIS:
                     out.append(f"sharding.{where}: batch={axis!r}: the batch is split over {DATA_AXIS!r} (the "
                                f"trainer's rows per data-parallel rank); no other axis is derived")
+                elif logical in PLACED and (where == "params" or axis != PLACED[logical]):
+                    out.append(f"sharding.{where}: {logical}={axis!r}: {logical} index whole modules (the "
+                               f"{'blocks' if logical == 'layers' else 'experts'}), placed over "
+                               f"{PLACED[logical]!r} in compute ({'pipeline stages' if logical == 'layers' else 'expert parallelism'})"
+                               f"{'; storage follows compute for whole modules' if where == 'params' else ''}")
+                elif logical not in PLACED and axis in (PIPELINE_AXIS, EXPERT_AXIS):
+                    out.append(f"sharding.{where}: {logical}={axis!r}: {axis!r} places whole modules (layers={PIPELINE_AXIS}, "
+                               f"experts={EXPERT_AXIS}); it cuts no tensor dimension")
+                elif logical in PLACED:
+                    continue
                 elif where == "compute" and logical == "seq":
                     parts = axes_of(axis)
                     if parts not in ((MODEL_AXIS,), (CONTEXT_AXIS,), (CONTEXT_AXIS, MODEL_AXIS)):
@@ -107,8 +126,9 @@ class Rules:
                                f"{CONTEXT_AXIS!r}; the weights stay whole over it (their gradients summed over cp)")
                 elif where == "compute" and logical != "batch" and axis != MODEL_AXIS:
                     out.append(f"sharding.compute: {logical}={axis!r}: model dimensions are derived over the mesh's "
-                               f"{MODEL_AXIS!r} axis, the sequence also over {CONTEXT_AXIS!r} (pp and ep stay the "
-                               f"hand-written layout.pp/ep; storage over {DATA_AXIS!r} goes in sharding.params)")
+                               f"{MODEL_AXIS!r} axis, the sequence also over {CONTEXT_AXIS!r}, whole modules over "
+                               f"{PIPELINE_AXIS!r} and {EXPERT_AXIS!r} (layers, experts); storage over {DATA_AXIS!r} goes in "
+                               f"sharding.params)")
                 elif where == "params" and axis not in (DATA_AXIS, MODEL_AXIS):
                     out.append(f"sharding.params: {logical}={axis!r}: weights are stored over {DATA_AXIS!r} "
                                f"(FSDP) or as computed ({MODEL_AXIS!r}); other axes are not derived")

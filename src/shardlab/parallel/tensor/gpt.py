@@ -153,14 +153,10 @@ def _moe_problems(moe: MoE, name: str, styles: dict[str, str], sequence_parallel
     if len(cuts) > 1:
         problems.append(f"{name}.experts: every expert must be cut alike (the layer ends in one all-reduce "
                         f"or none), got fc styles {sorted(map(str, cuts))}")
-    if sequence_parallel:
-        # Megatron-LM (megatron/core/transformer/moe) requires sp with tp and experts: each tp rank routes
-        # its own slice of the sequence, and the load-balancing counts are summed over the tp group.
-        problems.append(f"{name}: sequence parallelism with experts is not supported: the router would read "
-                        f"the tokens gathered over tp, whose backward (a reduce-scatter) sums the "
-                        f"load-balancing term's gradient, already whole on every rank, tp times (Megatron-LM "
-                        f"routes each tp rank's own slice of the sequence instead, its load-balancing counts "
-                        f"summed over tp; not done here yet); use layout.sp = false")
+    if sequence_parallel and cuts != {"column"}:
+        # The layer gathers the tokens and reduce-scatters its output as the cut experts' exit (tensor/moe.py).
+        problems.append(f"{name}: sequence parallelism needs the experts' fc column and proj row (the layer "
+                        f"gathers the tokens and reduce-scatters its output), not {sorted(map(str, cuts))}")
     return problems
 
 
@@ -279,7 +275,7 @@ def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_paral
             shard_attention(block.attn, group, sp)
         if isinstance(block.mlp, MoE):
             if _effective(styles, f"blocks.{i}.mlp.experts.0.fc") == "column":
-                shard_moe(block.mlp, group)
+                shard_moe(block.mlp, group, sp)
         elif _effective(styles, f"blocks.{i}.mlp.fc") == "column" and isinstance(block.mlp, SwiGLU):
             shard_swiglu(block.mlp, group, sp)
         elif _effective(styles, f"blocks.{i}.mlp.fc") == "column":

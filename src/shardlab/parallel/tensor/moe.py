@@ -25,10 +25,22 @@ Per MoE layer and tp rank, with the layer's input x whole on every rank of the g
 Expert parallelism composes unchanged: the tp ranks of one ep rank route the same tokens, so they
 exchange the same rows with their ep peers of the same tp rank (the ep group is one tp rank's),
 each runs its slice of the same experts, and the all-reduce over tp comes after the combine
-(parallel/expert/layer.py calls `tp_rows`, `tp_weights` and `tp_output` when the MoE was cut).
+(parallel/expert/layer.py calls `tp_inputs`, `tp_weights` and `tp_output` when the MoE was cut).
 
-Sequence parallelism with experts is refused (plan check): the gathered input's backward is a
-reduce-scatter, which would sum the whole load-balancing gradient of every rank as in 1. above.
+With sequence parallelism (layout.sp) the layer's input holds only this rank's 1/n of the batch's
+tokens, flattened (parallel/tensor/gpt.py's SequenceParallelEmbedding). As Megatron-LM's all-gather
+token dispatcher does, the tokens are gathered over tp once, for router and experts alike, so every
+rank routes every token of every row (per-row capacity and load-balancing term as one process has
+them), and the layer's output is reduce-scattered back to the rank's tokens instead of all-reduced:
+
+  5. the gather is sequence parallelism's f-bar (all-gather forward, reduce-scatter backward): the
+     experts' partial input gradients are summed over tp and split back to the ranks' tokens;
+  6. the router reads the gathered tokens through `_first_rank_grad` (identity forward; backward, the
+     gradient on tp rank 0 only, zeros elsewhere). Its gradient of the tokens comes from the
+     load-balancing term and the combine weights, both already whole and equal on every rank (1. and
+     3.); entering the reduce-scatter from every rank it would be counted tp times, from rank 0
+     alone it is counted once, exactly (a sum with zeros; scaling by 1/tp would round for tp = 3).
+     The router's own weight gradient is whole on every rank (every rank routes every token).
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardlab.comm.autograd import copy_to_group, reduce_from_group
+from shardlab.comm.autograd import copy_to_group, gather_from_sequence, reduce_from_group, reduce_scatter_to_sequence
 from shardlab.comm.dispatch import Group
 from shardlab.comm.graph_break import graph_break
 from shardlab.models.layers import GeluMLP, SwiGLU, swiglu
@@ -98,9 +110,37 @@ def tp_weights(r: Routing, group: Group) -> Routing:
     return Routing(r.token, r.expert, copy_to_group(r.weight, group), r.counts, r.aux_loss, r.dropped)
 
 
-def tp_output(out: torch.Tensor, group: Group) -> torch.Tensor:
-    """The layer's output: the ranks' partial sums all-reduced over tp (g)."""
+def tp_output(out: torch.Tensor, group: Group, sequence_parallel: bool = False) -> torch.Tensor:
+    """The layer's output from the ranks' partial sums over all its (b t, d) tokens: all-reduced over
+    tp (g), or under sequence parallelism reduce-scattered to this rank's 1/n of them (g-bar)."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence(out, group, 0)
     return reduce_from_group(out, group)
+
+
+class _FirstRankGrad(torch.autograd.Function):
+    """Forward: identity. Backward: the gradient on rank 0 of `group`, zeros on the others (6. above)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.first = dist.get_rank(group) == 0
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad if ctx.first else torch.zeros_like(grad)), None
+
+
+def tp_inputs(x: torch.Tensor, group: Group, sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the router's input, the experts' input), each (b, t, d) with every token of the rows, from the
+    layer's input `x`: whole already (the experts' through f), or under sequence parallelism this
+    rank's (b, t / n, d) share of the flattened tokens, gathered once (5. and 6. above)."""
+    if not sequence_parallel:
+        return x, tp_rows(x, group)
+    b, local, d = x.shape
+    n = dist.get_world_size(group)
+    whole = gather_from_sequence(x.reshape(b * local, d), group, 0).view(b, local * n, d)
+    return _FirstRankGrad.apply(whole, group), whole
 
 
 class TensorParallelMoE(SharesGroups, MoE):
@@ -108,21 +148,25 @@ class TensorParallelMoE(SharesGroups, MoE):
     expert parallelism, applied after, finds and wraps it)."""
 
     tp_group: Group
+    sequence_parallel: bool = False
 
     @graph_break  # routing and dispatch as Python; the experts compiled (models/moe.py's MoE.forward)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_route, x = tp_inputs(x, self.tp_group, self.sequence_parallel)
         b, t, d = x.shape
-        r = route(self.router, x, self.top_k, self.capacity_factor, self.aux_loss_coef, self.rows)
+        r = route(self.router, x_route, self.top_k, self.capacity_factor, self.aux_loss_coef, self.rows)
         self.aux_loss, self.dropped = r.aux_loss, r.dropped
-        rows = tp_rows(x, self.tp_group).reshape(b * t, d)[r.token]
-        y = run_experts(list(self.experts), rows, r.counts.tolist())
-        return tp_output(combine(y, tp_weights(r, self.tp_group), b * t), self.tp_group).view(b, t, d)
+        y = run_experts(list(self.experts), x.reshape(b * t, d)[r.token], r.counts.tolist())
+        out = combine(y, tp_weights(r, self.tp_group), b * t)
+        return tp_output(out, self.tp_group, self.sequence_parallel).view(shape)
 
 
-def shard_moe(moe: MoE, group: Group) -> TensorParallelMoE:
-    """Cut every expert of `moe` over `group`, in place (router replicated, names kept)."""
+def shard_moe(moe: MoE, group: Group, sequence_parallel: bool = False) -> TensorParallelMoE:
+    """Cut every expert of `moe` over `group`, in place (router replicated, names kept); under
+    `sequence_parallel` the layer reads and writes this rank's share of the tokens (5. and 6. above)."""
     for expert in moe.experts:
         shard_expert(expert, group)
     moe.__class__ = TensorParallelMoE
-    moe.tp_group = group
+    moe.tp_group, moe.sequence_parallel = group, sequence_parallel
     return moe

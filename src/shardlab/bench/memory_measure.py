@@ -1,4 +1,4 @@
-"""Measured model-state memory per rank for each ZeRO stage, beside the formulas (plan/memory.py).
+"""Measured model-state memory per rank for each ZeRO stage, beside the formulas (plan/memory_model.py).
 
 For each stage the same model (same seed) is wrapped by the layout, trained two steps, and on the
 second, when its last backward has finished and again when its gradients are final, the tensors
@@ -22,7 +22,7 @@ from shardlab.dist.env import synchronize
 from shardlab.parallel.layout import apply_layout, build_mesh
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
-from shardlab.train.memory import MemoryTracker, storage_of
+from shardlab.train.memory_tracker import MemoryTracker, storage_of
 from shardlab.train.step import lr_at, make_optimizer, train_step
 from shardlab.train.task import build_task, prepare_model
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardlab.data.rawbin import raw_bin_layout
+from shardlab.data.rawbin import raw_bin_format
 from shardlab.data.sources import FILE_SEPARATOR, TEXT_EXTENSIONS, stdlib_files
 from shardlab.data.tokenfile import is_token_file, read_token_file
 
@@ -136,7 +136,7 @@ def load_tokens(
                     tokens = tokens[: mapped_cap // tokens.dtype.itemsize]
                 dtype = None  # already in its stored dtype
             elif path.suffix == ".bin":
-                tokens = _load_bin(path, mapped_cap, raw_bin_layout(path, token_dtype=dtype).dtype)
+                tokens = _load_bin(path, mapped_cap, raw_bin_format(path, token_dtype=dtype).dtype)
                 dtype = None  # already in its stored dtype
             else:
                 tokens = _concat_files([path], max_bytes)

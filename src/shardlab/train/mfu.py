@@ -13,7 +13,7 @@ MFU (Chowdhery et al. 2022, app. B) = model FLOPs per second / peak FLOP/s. Two 
   (`torch.backends.cuda.matmul.allow_tf32` or `torch.set_float32_matmul_precision("high")`), then
   at the TF32 rate (494.5). Reporting fp32 MFU against the bf16 peak, or bf16 MFU against the fp32
   peak (15x too high), is what this module exists to prevent.
-- the attention convention (models/flops.py): causal attention counted over half the sequence
+- the attention convention (models/model_flops.py): causal attention counted over half the sequence
   (what a causal flash kernel computes; the figure `mfu` reports) or the whole square (Megatron's
   formula; `mfu_full_attention`). Both are recorded; they differ by 6 L s d / (6N + ...) per token.
 

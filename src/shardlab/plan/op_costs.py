@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shardlab.plan.activations import local_kv_dim
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 
 BWD_MEMORY_FACTOR = 1.5
@@ -64,13 +64,13 @@ def _memory(name: str, nbytes: float, core: bool = False) -> Op:
     return Op(name, 0.0, nbytes, attention_core=core)
 
 
-def layer_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
+def layer_forward(spec: ModelSpec, lay: Execution, b: int) -> list[Op]:
     """One transformer layer's forward on one rank for a micro-batch of b sequences."""
-    seq, h, t, e, w = spec.seq, spec.hidden, lay.tp, lay.act_bytes, lay.param_bytes
+    seq, h, t, e, w = spec.seq_len, spec.d_model, lay.tp, lay.act_bytes, lay.param_bytes
     tok = b * seq / lay.cp                  # this rank's tokens (context parallelism splits the sequence)
     rs = t if lay.sp else 1                 # residual-stream ops run on 1/tp of the tokens under sp
     q, kv = spec.q_dim / t, local_kv_dim(spec, t)
-    a = spec.heads / t
+    a = spec.n_head / t
     res = tok * h * e / rs                  # one residual-stream tensor
     mask = tok * h / rs if spec.dropout else 0.0
     ops = [
@@ -95,16 +95,16 @@ def layer_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
         _memory("bias, dropout, residual add", 3 * res + mask),
         _memory("norm2", 2 * res),
     ]
-    k = spec.top_k if spec.experts > 1 else 1
+    k = spec.top_k if spec.moe else 1
     f = spec.d_ff / t
-    if spec.experts > 1:
-        ops += [_matmul("router", tok / rs, h, spec.experts, e, w),
+    if spec.moe:
+        ops += [_matmul("router", tok / rs, h, spec.n_experts, e, w),
                 _memory("dispatch permute", 2 * k * tok * h * e)]
-    ops.append(_matmul("fc1" + (" (gate, up)" if spec.gated_mlp else ""), k * tok, h, f * (spec.mlp_mats - 1), e, w))
-    ops.append(replace(_memory("activation" + (" x gate" if spec.gated_mlp else ""),
-                               k * tok * f * e * (3 if spec.gated_mlp else 2)), kind="activation"))
+    ops.append(_matmul("fc1" + (" (gate, up)" if spec.mlp == "swiglu" else ""), k * tok, h, f * (spec.mlp_mats - 1), e, w))
+    ops.append(replace(_memory("activation" + (" x gate" if spec.mlp == "swiglu" else ""),
+                               k * tok * f * e * (3 if spec.mlp == "swiglu" else 2)), kind="activation"))
     ops.append(_matmul("fc2", k * tok, f, h, e, w))
-    if spec.experts > 1:
+    if spec.moe:
         ops.append(_memory("combine permute", 2 * k * tok * h * e))
     ops.append(_memory("bias, dropout, residual add", 3 * res + mask))
     if lay.precision == "bf16-autocast":
@@ -164,7 +164,7 @@ def op_key(name: str, position: int) -> str:
     return ""
 
 
-def recompute(ops: list[Op], lay: PlanLayout) -> list[Op]:
+def recompute(ops: list[Op], lay: Execution) -> list[Op]:
     """Forward ops the backward redoes: all of them (full), the attention core (selective: only
     eager attention has one worth redoing; a fused kernel already recomputes inside its backward),
     or, per op (lay.recompute_keep), every op up to the MLP whose output is not kept."""
@@ -185,22 +185,22 @@ def recompute(ops: list[Op], lay: PlanLayout) -> list[Op]:
     return []
 
 
-def embedding_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
+def embedding_forward(spec: ModelSpec, lay: Execution, b: int) -> list[Op]:
     """Token (and position) lookup on the first stage: rows read from the table, written out."""
-    tok = b * spec.seq / lay.cp
-    res = tok * spec.hidden * lay.act_bytes / (lay.tp if lay.sp else 1)
-    ops = [_memory("embedding lookup", tok * spec.hidden * (lay.param_bytes + lay.act_bytes))]
-    if spec.learned_positions:
+    tok = b * spec.seq_len / lay.cp
+    res = tok * spec.d_model * lay.act_bytes / (lay.tp if lay.sp else 1)
+    ops = [_memory("embedding lookup", tok * spec.d_model * (lay.param_bytes + lay.act_bytes))]
+    if not spec.rotary:
         ops.append(_memory("add positions", 3 * res))
     if spec.dropout:
         ops.append(_memory("embedding dropout", res * 2 + res / lay.act_bytes))
     return ops
 
 
-def head_forward(spec: ModelSpec, lay: PlanLayout, b: int) -> list[Op]:
+def head_forward(spec: ModelSpec, lay: Execution, b: int) -> list[Op]:
     """Final norm, output projection over this rank's vocabulary slice, fp32 cross-entropy."""
-    tok, h, e = b * spec.seq / lay.cp, spec.hidden, lay.act_bytes
-    v = spec.vocab / lay.tp
+    tok, h, e = b * spec.seq_len / lay.cp, spec.d_model, lay.act_bytes
+    v = spec.vocab_size / lay.tp
     return [
         _memory("final norm", 2 * tok * h * e / (lay.tp if lay.sp else 1)),
         _matmul("output projection", tok, h, v, e, lay.param_bytes),

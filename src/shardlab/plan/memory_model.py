@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from shardlab.plan import activations as act
-from shardlab.plan.layout import PlanLayout
+from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
 
 # Bytes per parameter for (parameters, gradients, optimizer state) with AdamW, by precision.
@@ -74,7 +74,7 @@ def shard_state(psi: float, n: int, stage: int, p: int, g: int, k: int, trainabl
 
 
 # ------------------------------------------------------------------------------- planner: one rank
-def stage_params(spec: ModelSpec, lay: PlanLayout, stage: int) -> tuple[float, float]:
+def stage_params(spec: ModelSpec, lay: Execution, stage: int) -> tuple[float, float]:
     """(dense, expert) parameters one rank of pipeline stage `stage` holds after tp and ep splits.
 
     Matrices are split over tp; norm gains and the row-parallel layers' output biases are
@@ -82,27 +82,27 @@ def stage_params(spec: ModelSpec, lay: PlanLayout, stage: int) -> tuple[float, f
     first stage holds the embedding (vocabulary split over tp, positions replicated), the last the
     final norm and the head; a head tied to the embedding is a second copy when they are on
     different stages (Megatron-LM keeps both and all-reduces their gradients)."""
-    t, h = lay.tp, spec.hidden
+    t, h = lay.tp, spec.d_model
     replicated = 2 * spec.norm_params() + ((2 * h) if spec.bias else 0)
     attention = (spec.attention_params() - ((h if spec.bias else 0))) / t
-    if spec.experts > 1:
-        expert = spec.experts / lay.ep * spec.expert_params() / t
-        dense_mlp = h * spec.experts  # the router, replicated
+    if spec.moe:
+        expert = spec.n_experts / lay.ep * spec.expert_params() / t
+        dense_mlp = h * spec.n_experts  # the router, replicated
     else:
         expert, dense_mlp = 0.0, (spec.expert_params() - (h if spec.bias else 0)) / t
     per_layer = replicated + attention + dense_mlp
-    layers = lay.layers_on(spec.layers, stage)
+    layers = lay.layers_on(spec.n_layer, stage)
     dense, experts = layers * per_layer, layers * expert
     if stage == 0:
-        dense += spec.vocab * h / t + (spec.seq * h if spec.learned_positions else 0)
+        dense += spec.vocab_size * h / t + (spec.seq_len * h if not spec.rotary else 0)
     if stage == lay.pp - 1:
         dense += spec.norm_params()
-        if not spec.tied_embeddings or lay.pp > 1:
-            dense += spec.vocab * h / t
+        if not spec.tie_embeddings or lay.pp > 1:
+            dense += spec.vocab_size * h / t
     return dense, experts
 
 
-def in_flight(lay: PlanLayout, micro_batches: int, stage: int) -> float:
+def in_flight(lay: Execution, micro_batches: int, stage: int) -> float:
     """Micro-batches whose activations stage `stage` holds at its peak, in units of the stage's
     layers (an interleaved chunk counts 1/virtual).
 
@@ -158,7 +158,7 @@ class RankMemory:
         return {**asdict(self), "model_state": self.model_state, "total": self.total, "peak_at": self.peak_at}
 
 
-def stage_memory(spec: ModelSpec, lay: PlanLayout, global_batch: int, stage: int) -> RankMemory:
+def stage_memory(spec: ModelSpec, lay: Execution, global_batch: int, stage: int) -> RankMemory:
     """Predicted bytes of one rank of pipeline stage `stage`."""
     b, m = lay.micro_batch, lay.micro_batches(global_batch)
     dense, experts = stage_params(spec, lay, stage)
@@ -168,7 +168,7 @@ def stage_memory(spec: ModelSpec, lay: PlanLayout, global_batch: int, stage: int
     zd = shard_state(dense, lay.replicas, lay.zero, p, g, k)
     ze = shard_state(experts, lay.dp * lay.cp, lay.zero, p, g, k)
     flight = in_flight(lay, m, stage)
-    layers = lay.layers_on(spec.layers, stage)
+    layers = lay.layers_on(spec.n_layer, stage)
     activations = layers * flight * act.layer_activation_bytes(spec, lay, b)
     if stage == 0:
         activations += flight * sum(x.bytes for x in act.embedding_tensors(spec, lay, b))
@@ -179,29 +179,29 @@ def stage_memory(spec: ModelSpec, lay: PlanLayout, global_batch: int, stage: int
                       buffer_bytes(spec, lay, b, last), stage, lay.grads_persist or m > 1)
 
 
-def buffer_bytes(spec: ModelSpec, lay: PlanLayout, b: int, last: bool) -> float:
+def buffer_bytes(spec: ModelSpec, lay: Execution, b: int, last: bool) -> float:
     """What is live beside parameters and saved activations at the step's peak (the start of the
     last stage's backward): the loss gradient over the vocabulary (fp32, as the log-softmax), the
     layer full recomputation is rebuilding, pipeline send/receive buffers, ZeRO-3's gathered units
     (the last layer's, gathered again for its backward) and expert all-to-all buffers."""
-    sb = spec.seq / lay.cp * b
-    h, e = spec.hidden, lay.act_bytes
+    sb = spec.seq_len / lay.cp * b
+    h, e = spec.d_model, lay.act_bytes
     total = act.recompute_peak_bytes(spec, lay, b)
     if last:
-        total += sb * spec.vocab / lay.tp * (lay.act_bytes if spec.fused_loss else 4)
+        total += sb * spec.vocab_size / lay.tp * (lay.act_bytes if spec.fused_loss else 4)
     if lay.pp > 1:
         total += 2 * sb * h * e / (lay.tp if lay.sp else 1)
     if lay.zero == 3:
         total += spec.layer_params() / lay.tp * lay.param_bytes   # the unit whose backward is starting
-    if spec.experts > 1:
+    if spec.moe:
         total += 2 * spec.top_k * sb * h * e
     return total
 
 
-def rank_memory(spec: ModelSpec, lay: PlanLayout, global_batch: int) -> RankMemory:
+def rank_memory(spec: ModelSpec, lay: Execution, global_batch: int) -> RankMemory:
     """The busiest rank: the pipeline stage whose total is largest (usually the first, which holds
     the embedding and the most micro-batches in flight, or the last, with the head)."""
     stages = {0, lay.pp - 1} | ({1} if lay.pp > 2 else set())
-    counts = lay.stage_layer_counts(spec.layers)
+    counts = lay.stage_layer_counts(spec.n_layer)
     stages.add(counts.index(max(counts)))   # uneven stages: the first of the fullest
     return max((stage_memory(spec, lay, global_batch, i) for i in sorted(stages)), key=lambda r: r.total)

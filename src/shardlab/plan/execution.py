@@ -1,11 +1,12 @@
-"""The planner's layout: the trainer's own `[layout]` (parallel/layout_section.py's LayoutSection),
-with the few facts the cost model also needs (micro-batch size, overlap of the modelled
-implementation, gradient precision).
+"""A layout as the cost model runs it (`Execution`): the trainer's own `[layout]`
+(parallel/layout_section.py's LayoutSection, the one layout type), plus the facts of the run the
+planner times that are not a layout: the micro-batch size and the modelled implementation's knobs
+(overlaps, gradient precision and buffers, host overhead).
 
-    lay = PlanLayout(tp=8, pp=8, sp=True, recompute="selective", micro_batch=1)
+    lay = Execution(tp=8, pp=8, sp=True, recompute="selective", micro_batch=1)
     lay.check(spec, world=64, global_batch=64)   # raises LayoutError naming every degree that does not fit
 
-One type for both: a PlanLayout *is* a LayoutSection (dp, tp, pp, cp, ep, zero, schedule,
+One layout type for both: an Execution *is* a LayoutSection (dp, tp, pp, cp, ep, zero, schedule,
 virtual_stages, stage_layers, sp, recompute, precision, dp_mode ... mean what the trainer means),
 so the layout the planner picks is written as a configuration the trainer runs
 (train/plan_config.py, `shardlab plan --emit-config`), and the trainer's own rules
@@ -31,7 +32,7 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb1")
 SCHEDULE_ALIASES = {"zb-h1": "zb1"}
 RECOMPUTE = ("none", "selective", "full")
 # Per-op selective recomputation (torchtitan's "op" policy, Korthikanti's selective generalised): the
-# ops of a layer whose outputs may be kept (PlanLayout.recompute_keep), in order. The MLP's down
+# ops of a layer whose outputs may be kept (Execution.recompute_keep), in order. The MLP's down
 # projection and the residual add after it are never redone (nothing in the layer's backward needs
 # their outputs).
 OP_KEYS = ("norm1", "qkv", "attention", "out_proj", "residual1", "norm2", "fc1", "activation")
@@ -57,8 +58,9 @@ class LayoutError(ValueError):
 
 
 @dataclass
-class PlanLayout(LayoutSection):
-    """The trainer's LayoutSection plus what only the cost model reads."""
+class Execution(LayoutSection):
+    """The trainer's LayoutSection (inherited as it is) plus what only the cost model reads: how
+    the layout is executed, not how the work is spread."""
 
     precision: str = "bf16"      # parameters and activations; bf16/fp16 keep fp32 master weights
     micro_batch: int = 1         # sequences per micro-batch on one batch rank (the trainer's
@@ -79,7 +81,7 @@ class PlanLayout(LayoutSection):
                                           # outputs are kept (flops.OP_KEYS); every other one is redone in backward
 
     @classmethod
-    def from_section(cls, section: LayoutSection, micro_batch: int = 1, **knobs) -> PlanLayout:
+    def from_section(cls, section: LayoutSection, micro_batch: int = 1, **knobs) -> Execution:
         """The trainer's `[layout]` as the planner's layout: every field as it is, plus the cost
         model's knobs (`micro_batch`: the rows of one micro-batch on one batch rank)."""
         return cls(**{f.name: getattr(section, f.name) for f in fields(LayoutSection)},
@@ -98,21 +100,6 @@ class PlanLayout(LayoutSection):
     def virtual(self) -> int:
         """Model chunks per pipeline rank (the trainer's virtual_stages)."""
         return self.virtual_stages
-
-    @property
-    def batch_ranks(self) -> int:
-        """Ranks that take different rows of the batch: dp x ep (the trainer's batch ranks)."""
-        return self.dp * self.ep
-
-    @property
-    def replicas(self) -> int:
-        """Ranks holding the same dense parameters, over which their gradients are reduced and ZeRO
-        shards: dp x ep x cp."""
-        return self.dp * self.ep * self.cp
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.ep * self.tp * self.pp * self.cp
 
     @property
     def act_bytes(self) -> int:
@@ -195,31 +182,31 @@ class PlanLayout(LayoutSection):
                            f"not {self.recompute!r}")
         if self.precision not in PRECISIONS:
             bad.append(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if spec.heads % self.tp:
-            bad.append(f"tp {self.tp} does not divide the {spec.heads} attention heads")
-        elif spec.n_kv % self.tp and self.tp % spec.n_kv:
-            bad.append(f"tp {self.tp} and the {spec.n_kv} key-value heads: neither divides the other")
+        if spec.n_head % self.tp:
+            bad.append(f"tp {self.tp} does not divide the {spec.n_head} attention heads")
+        elif spec.n_kv_head % self.tp and self.tp % spec.n_kv_head:
+            bad.append(f"tp {self.tp} and the {spec.n_kv_head} key-value heads: neither divides the other")
         if spec.d_ff % self.tp:
             bad.append(f"tp {self.tp} does not divide the feed-forward size {spec.d_ff}")
-        if spec.vocab % self.tp:
-            bad.append(f"tp {self.tp} does not divide the vocabulary {spec.vocab}")
+        if spec.vocab_size % self.tp:
+            bad.append(f"tp {self.tp} does not divide the vocabulary {spec.vocab_size}")
         if self.stage_layers:
             chunks = self.pp * self.virtual
-            if len(self.stage_layers) != chunks or sum(self.stage_layers) != spec.layers \
+            if len(self.stage_layers) != chunks or sum(self.stage_layers) != spec.n_layer \
                     or min(self.stage_layers) < 1:
                 bad.append(f"stage layers {list(self.stage_layers)} must be {chunks} positive counts summing to "
-                           f"the {spec.layers} layers" + (" (one per chunk: pp x virtual)" if self.virtual > 1 else ""))
-        elif spec.layers < self.pp * self.virtual:
-            bad.append(f"pp {self.pp} x virtual {self.virtual} exceeds the {spec.layers} layers")
+                           f"the {spec.n_layer} layers" + (" (one per chunk: pp x virtual)" if self.virtual > 1 else ""))
+        elif spec.n_layer < self.pp * self.virtual:
+            bad.append(f"pp {self.pp} x virtual {self.virtual} exceeds the {spec.n_layer} layers")
         if self.virtual > 1 and self.schedule != "interleaved":
             bad.append(f"virtual {self.virtual} needs the interleaved schedule")
         if self.schedule == "interleaved" and self.pp == 1:
             bad.append("the interleaved schedule needs pp > 1")
-        if spec.seq % (self.cp * (self.tp if self.sp else 1)):
-            bad.append(f"sequence {spec.seq} does not divide into cp {self.cp}"
+        if spec.seq_len % (self.cp * (self.tp if self.sp else 1)):
+            bad.append(f"sequence {spec.seq_len} does not divide into cp {self.cp}"
                        + (f" x tp {self.tp} (sp)" if self.sp else ""))
-        if self.ep > 1 and spec.experts % self.ep:
-            bad.append(f"ep {self.ep} must divide the {spec.experts} experts")
+        if self.ep > 1 and spec.mlps_per_layer % self.ep:
+            bad.append(f"ep {self.ep} must divide the {spec.mlps_per_layer} experts")
         if self.sp and self.tp == 1:
             bad.append("sequence parallelism needs tp > 1")
         if global_batch is not None:
