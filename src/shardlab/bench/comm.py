@@ -38,6 +38,8 @@ from shardlab import comm
 
 from shardlab.bench.cases import Case
 from shardlab.bench.sweep import DTYPES, CommBenchConfig, Point, busbw_factor, format_size, plan_points
+from shardlab.dist.env import read_torchrun_env
+from shardlab.plan.alphabeta import fit_rows
 
 
 class _Clock:
@@ -149,6 +151,7 @@ def bench_on_ranks(cfg: CommBenchConfig, done_before: int = 0, total: int | None
 
     `done_before` and `total` number the progress lines across the world sizes of one run.
     """
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.ceiling import exchange_bandwidth_gbps, memcpy_ceilings
 
     group = None
@@ -199,8 +202,7 @@ def run_comm_bench(cfg: CommBenchConfig, **launch_kwargs) -> dict | None:
     When a launch fails or is interrupted, the rows measured so far are kept and the result says
     `incomplete: true` with the `error`.
     """
-    from shardlab.dist import launch, under_torchrun
-    from shardlab.dist.env import read_torchrun_env
+    from shardlab.dist import launch, under_torchrun  # looked up when called: tests put a pool of ranks in its place
 
     world_sizes: list[int | None]
     if under_torchrun():
@@ -237,7 +239,6 @@ def run_comm_bench(cfg: CommBenchConfig, **launch_kwargs) -> dict | None:
     finally:
         os.unlink(log)
     add_ceiling_fractions(result)
-    from shardlab.plan.alphabeta import fit_rows
 
     result["fits"] = [f.to_dict() for f in fit_rows(result["rows"])]
     return result
@@ -245,6 +246,7 @@ def run_comm_bench(cfg: CommBenchConfig, **launch_kwargs) -> dict | None:
 
 def add_ceiling_fractions(result: dict) -> None:
     """Fill each world size's p2p ceiling from its sendrecv rows, then every row's fractions."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.ceiling import link_ceiling
 
     link = None
@@ -257,6 +259,7 @@ def add_ceiling_fractions(result: dict) -> None:
             c["p2p_source"] = f"sendrecv busbw at the sweep's largest size, {format_size(biggest)} ({best['dtype']})"
         if c.get("backend") == "nccl":
             if link is None:
+                # lazy: `shardlab --help` imports this file but need not import these modules
                 from shardlab.plan.topo import gpu_links
 
                 link = link_ceiling(gpu_links())
@@ -275,6 +278,7 @@ def _meta(cfg: CommBenchConfig) -> dict:
     import datetime
     import platform
 
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.plan.topo import cpu_info
 
     cpu = cpu_info()

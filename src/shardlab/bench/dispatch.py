@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import shardlab.comm.handle as handle
+
 # Events that are communication, all on the calling thread: the c10d dispatcher ops that launch a
 # collective (allreduce_, allgather_, _reduce_scatter_base_), the functional collectives DTensor uses
 # (_c10d_functional::all_reduce, and wait_tensor, where it blocks), and shardlab's own waits (every
@@ -83,8 +85,6 @@ def split_events(events: Any) -> tuple[float, float]:
 def _marked_waits() -> Iterator[None]:
     """shardlab's blocking waits as profiler spans named WAIT_SPAN, while profiling."""
     from torch.profiler import record_function
-
-    import shardlab.comm.handle as handle
 
     original = handle.wait_work
 

@@ -27,6 +27,11 @@ from typing import Any
 
 import torch
 
+from shardlab.train.config import Config
+from shardlab.train.loop import train_rank
+from shardlab.train.step import adamw_kwargs
+from shardlab.train.resolve import resolve_run
+
 READS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__")
 """The Tensor methods that hand a value (or a copy) to the host."""
 
@@ -78,8 +83,6 @@ def counting() -> Iterator[dict[str, int]]:
 
 
 def _trainer(cfg_dict: dict[str, dict[str, Any]], steps: int) -> dict[str, int]:
-    from shardlab.train.loop import train_rank
-
     cfg = copy.deepcopy(cfg_dict)
     cfg["train"]["steps"] = steps
     cfg["log"]["out_dir"] = f"{cfg['log']['out_dir']}/steps-{steps}"  # each run its own directory
@@ -90,10 +93,6 @@ def _trainer(cfg_dict: dict[str, dict[str, Any]], steps: int) -> dict[str, int]:
 
 def _bare(cfg_dict: dict[str, dict[str, Any]], steps: int) -> dict[str, int]:
     """nanoGPT's inner loop on the trainer's model, batches and AdamW hyper-parameters."""
-    from shardlab.train.config import Config
-    from shardlab.train.step import adamw_kwargs
-    from shardlab.train.resolve import resolve_run
-
     cfg = Config.from_dict(cfg_dict)
     model = resolve_run(cfg).build_model()
     task = resolve_run(cfg).build_task(model)

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from shardlab.bench.pipeline_gaps import idle_breakdown, message_delays
 from shardlab.bench.pipeline_replay import replay
+from shardlab.bench.pipeline_report import environment
 from shardlab.bench.pipeline_variants import OURS, TORCH, TORCH_KINDS, build_variant, check_equal, split_name, variant_names
 from shardlab.parallel.pipeline import Timeline, bubble_theory, compute_order, in_flight_theory
 from shardlab.parallel.pipeline.actions import B, BI, BW, F
@@ -55,6 +56,7 @@ from shardlab.parallel.pipeline.check import simulate
 from shardlab.bench.pipeline_measure import MeasuredModel
 from shardlab.parallel.pipeline.schedules import schedule
 from shardlab.parallel.pipeline.timeline import Event
+from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 
 
 
@@ -137,8 +139,6 @@ def _latency(spec: MeasuredModel, rows: int, iters: int = 20) -> float:
 
 def _memory_step(var: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
     """(activation bytes, held bytes) of one untimed step: see the module docstring."""
-    from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
-
     gc.collect()
     dist.barrier()
     # Without the update: AdamW's temporaries (a few parameter-sized buffers) would set the peak
@@ -339,7 +339,7 @@ def _say(text: str) -> None:
 def run_pipeline_bench(cfg: PipelineBenchConfig, progress: bool = True, **launch_kwargs: Any) -> dict[str, Any]:
     """`runs` launches per stage count (runs alternate between stage counts), aggregated. The
     result's "raw" holds every run's figures, every step's events included (see save_raw)."""
-    from shardlab.dist import launch
+    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
     cfg.validate()
     d = asdict(cfg)
@@ -357,8 +357,6 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, progress: bool = True, **launch
 
 
 def report_from_raw(raws: dict[int, list[dict[str, Any]]], cfg: PipelineBenchConfig) -> dict[str, Any]:
-    from shardlab.bench.pipeline_report import environment
-
     result = aggregate(raws, cfg)
     result["meta"] = environment(raws[cfg.stages[0]][0])
     result["config"] = asdict(cfg)

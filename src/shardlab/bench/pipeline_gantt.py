@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from shardlab.bench.plot import save_figure
 from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECVS, SENDS
 from shardlab.parallel.pipeline.timeline import WAIT, Event, Timeline
 
@@ -32,8 +33,6 @@ def draw_gantt(timeline: Timeline, path: str | Path, title: str | None = None) -
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch
-
-    from shardlab.bench.plot import save_figure
 
     comp = timeline.compute()
     ranks = timeline.ranks

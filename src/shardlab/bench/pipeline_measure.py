@@ -27,6 +27,7 @@ from shardlab.parallel.pipeline.executor import PipelineExecutor
 from shardlab.parallel.pipeline.schedules import bubble_theory, in_flight_theory, schedule
 from shardlab.parallel.pipeline.stages import build_stage, plan_split
 from shardlab.parallel.pipeline.timeline import Event, Timeline
+from shardlab.train.memory_tracker import MemoryTracker
 
 Case = tuple[str, int, int]  # (schedule kind, microbatches, virtual stages)
 
@@ -106,8 +107,6 @@ class Report:
 def measure_rank(cases: list[Case], spec: MeasuredModel, steps: int = 3, warmup: int = 1) -> list[dict]:
     """On every rank of the default group (the pipeline): each case timed over `steps` steps after
     `warmup`, then one step under the memory tracker. Rank 0 returns the gathered figures."""
-    from shardlab.train.memory_tracker import MemoryTracker
-
     rank, p = dist.get_rank(), dist.get_world_size()
     x, y = spec.batch_data()
     out = []
@@ -164,7 +163,7 @@ def summarise(kind: str, stages: int, m: int, v: int, per_rank: list) -> Report:
 def measure(cases: list[Case], stages: int, spec: MeasuredModel | None = None, steps: int = 3, warmup: int = 1,
             **launch_kwargs: object) -> list[Report]:
     """Launch `stages` local ranks and measure every case on them (one launch for all cases)."""
-    from shardlab.dist import launch
+    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
     spec = spec or MeasuredModel()
     results = launch(measure_rank, stages, cases, spec, steps, warmup, **launch_kwargs)[0]

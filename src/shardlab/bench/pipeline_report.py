@@ -6,6 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from shardlab.bench import common_report
+from shardlab.bench.pipeline_gantt import draw_gantt
+from shardlab.bench.pipeline_replay import replay
+from shardlab.bench.plot import save_figure
+from shardlab.plan.topo import cpu_info
 
 MiB = 2**20
 BUBBLE_BAR = 0.05   # measured bubble within this of the time-aware replay
@@ -18,8 +22,6 @@ def environment(first: dict[str, Any]) -> dict[str, Any]:
     import platform
 
     import torch
-
-    from shardlab.plan.topo import cpu_info
 
     cpu = cpu_info()
     return {
@@ -184,8 +186,6 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from shardlab.bench.plot import save_figure
-
     stages = sorted({r["stages"] for r in result["rows"]})
     gpt = result["config"]["model"]["name"] == "gpt"
     key = "tokens_per_s" if gpt else "samples_per_s"
@@ -224,9 +224,6 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
 
 def draw_gantts(result: dict[str, Any], prefix: str | Path, variants: list[str]) -> list[Path]:
     """The median-bubble step of a median run, per stage count and listed variant: PREFIX-p2-ours_1f1b.png."""
-    from shardlab.bench.pipeline_replay import replay
-    from shardlab.bench.pipeline_gantt import draw_gantt
-
     prefix = Path(prefix)
     latency = {r["stages"]: r["latency_s"] for r in result["runs"]}
     cores = {r["stages"]: r["cores"] for r in result["runs"]}

@@ -35,7 +35,15 @@ from typing import Callable
 
 import torch
 
-from shardlab.plan.calibrate import REFERENCE, reference_efficiency
+from shardlab.bench.comm import bench_on_ranks
+from shardlab.bench.sweep import CommBenchConfig
+from shardlab.models import GPT, GPTConfig
+from shardlab.plan.alphabeta import fit_rows
+from shardlab.plan.execution import Execution
+from shardlab.plan.hardware import fits_from_bench
+from shardlab.plan.models import ModelSpec
+from shardlab.plan.op_costs import backward, embedding_forward, head_forward, layer_forward
+from shardlab.plan.validate_local import REFERENCE, reference_efficiency
 
 GRID_M = (128, 512, 2048)
 GRID_KN = (64, 256, 1024)
@@ -120,11 +128,6 @@ def activation_rate(n: int = 2**21) -> float:
 def op_overhead(threads: int) -> tuple[float, float, int]:
     """(seconds per counted op, the tiny step's seconds, ops counted): a 2-layer GPT of width 16 on
     4 tokens, whose matmuls take nanoseconds, so its step is almost all per-op cost."""
-    from shardlab.models import GPT, GPTConfig
-    from shardlab.plan.op_costs import backward, embedding_forward, head_forward, layer_forward
-    from shardlab.plan.execution import Execution
-    from shardlab.plan.models import ModelSpec
-
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=32, seq_len=4, n_layer=2, n_head=2, d_model=16, bias=False)
     model = GPT(cfg)
@@ -150,8 +153,6 @@ def op_overhead(threads: int) -> tuple[float, float, int]:
 def calibrate(threads: int = 1, bench_comm: str | Path | None = None) -> dict:
     """Measure this machine with `threads` intra-op threads (what each rank gets); collective fits
     from a `shardlab bench comm --json` file when given (calibrate_rank measures its own)."""
-    from shardlab.plan.hardware import fits_from_bench
-
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -187,10 +188,6 @@ def comm_fits_rank() -> list[dict]:
     """A short `shardlab bench comm` sweep (gloo, fp32, three sizes) and its alpha-beta fits, so a
     calibration never depends on a stale file; every rank runs it, all return the same fits."""
     import torch.distributed as dist
-
-    from shardlab.bench.comm import bench_on_ranks
-    from shardlab.bench.sweep import CommBenchConfig
-    from shardlab.plan.alphabeta import fit_rows
 
     cfg = CommBenchConfig(ops=COMM_OPS, impls=["torch"], sizes=COMM_SIZES, target_s=0.05, warmup=1, probe=2,
                           min_iters=3, max_iters=200, check=False, ceiling_bytes=0, p2p_bytes=0, progress=False)
@@ -238,8 +235,6 @@ def overlap_cost_rank(nbytes: int = 4 * 2**20) -> float:
 def reference_step() -> Callable[[], float]:
     """A function that runs one fp32 AdamW training step of the REFERENCE GPT on this rank and
     returns its seconds (the model is built, and one step run, before it is returned)."""
-    from shardlab.models import GPT, GPTConfig
-
     r = REFERENCE
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, seq_len=r["seq_len"], n_layer=r["n_layer"], n_head=r["n_head"],

@@ -9,9 +9,13 @@ code (plan_measure.py); the prediction and the comparison are the planner's (pla
 
 from __future__ import annotations
 
+from shardlab.bench.plan_calibrate import calibrate_rank
+from shardlab.bench.plan_measure import measure_rank
 from shardlab.plan.calibrate import load_calibration
+from shardlab.plan.plot import plot_agreement
 from shardlab.plan.validate_local import compare_row, run_hardware
 from shardlab.plan.validate_report import write_json
+from shardlab.train.config import load_config
 
 # A GPT big enough that matmuls dominate a step on one core (3.2 M parameters, 0.3-0.7 s a step),
 # small enough that a layout measures in seconds.
@@ -29,8 +33,6 @@ LOCAL_LAYOUTS: dict[str, list[str]] = {
 
 
 def local_config(overrides: list[str]):
-    from shardlab.train.config import load_config
-
     cfg = load_config(None, LOCAL_BASE + overrides)
     cfg.validate()
     return cfg
@@ -38,15 +40,13 @@ def local_config(overrides: list[str]):
 
 def calibrate_here(threads: int = 1, world_size: int = 2, **launch_kwargs) -> dict:
     """Calibrate on `world_size` ranks of this machine (bench/plan_calibrate.py's calibrate_rank)."""
-    from shardlab.bench.plan_calibrate import calibrate_rank
-    from shardlab.dist import launch
+    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
     return launch(calibrate_rank, world_size, threads, threads=threads, **launch_kwargs)[0]
 
 
 def measure(cfg, steps: int = 5, threads: int = 1, **launch_kwargs) -> dict:
-    from shardlab.bench.plan_measure import measure_rank
-    from shardlab.dist import launch
+    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
     return launch(measure_rank, cfg.world_size, cfg.to_dict(), steps, threads=threads, **launch_kwargs)[0]
 
@@ -79,8 +79,6 @@ def print_local_validation(calibration: str | None, json_path: str | None, plot_
     print(local_report(rows, cal))
     write_json(json_path, {"calibration": cal, "rows": rows})
     if plot_path:
-        from shardlab.plan.plot import plot_agreement
-
         pts = [(r["layout"], r["measured_step_s"], r["predicted_step_s"]) for r in rows]
         print(f"wrote {plot_agreement(pts, plot_path, 'This machine: seconds per step, predicted vs measured', 's', 0.25)}")
     return 0

@@ -19,16 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardlab.bench.plan_calibrate import probe_rate, reference_step
+from shardlab.dist.env import synchronize
+from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.train.config import Config
+from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
+from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
+from shardlab.train.resolve import resolve_run
+
 
 def measure_rank(cfg_dict: dict, steps: int = 5) -> dict[str, Any]:
-    from shardlab.bench.plan_calibrate import probe_rate, reference_step
-    from shardlab.dist.env import synchronize
-    from shardlab.parallel.layout import apply_layout, build_mesh
-    from shardlab.train.config import Config
-    from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
-    from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
-    from shardlab.train.resolve import resolve_run
-
     # Tensors this process already holds (a long-lived test rank keeps earlier work's) are not the
     # layout's: counted now and taken off the peak.
     gc.collect()

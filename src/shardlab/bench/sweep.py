@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardlab import comm
+from shardlab.comm.algorithms import ALGORITHMS
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "sendrecv")
 # Ops whose size is the whole buffer of n equal blocks: the element count must divide by n.
@@ -150,10 +151,6 @@ def impl_ops(impl: str) -> set[str] | None:
     """
     if impl == comm.TORCH:
         return set(OPS)
-    try:
-        from shardlab.comm.algorithms import ALGORITHMS
-    except ImportError:
-        return None
     if impl not in ALGORITHMS:
         return None
     return set(ALGORITHMS[impl]) & set(OPS)
@@ -161,10 +158,6 @@ def impl_ops(impl: str) -> set[str] | None:
 
 def registered_impls() -> list[str]:
     """"torch" and every algorithm in the registry, in registry order."""
-    try:
-        from shardlab.comm.algorithms import ALGORITHMS
-    except ImportError:
-        return [comm.TORCH]
     return [comm.TORCH] + [name for name in ALGORITHMS if name != comm.TORCH]
 
 

@@ -70,7 +70,7 @@ def _kib(n: float) -> str:
 
 
 def main() -> None:
-    from shardlab.dist import launch
+    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
     # By module name, not __main__'s copies: the ranks are fresh processes that import them.
     from shardlab.bench.tensor_parallel import gpt_rank, mlp_comm_rank
 

@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardlab.comm.autograd import CommCounter
 from shardlab.models.gpt import GPT
+from shardlab.train.step import adamw_kwargs, decay_groups
 
 
 def fuse_kv_by_rank(model: GPT, n: int) -> None:
@@ -122,8 +123,6 @@ def torch_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
     into its DTensor and plain parameters (a foreach op cannot mix them; the position table and,
     without SP, the norms stay plain)."""
     from torch.distributed.tensor import DTensor
-
-    from shardlab.train.step import adamw_kwargs, decay_groups
 
     groups = []
     for g in decay_groups(model, optim_cfg):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import gc
 import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import torch
@@ -34,11 +33,14 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from shardlab.bench.train_timing import DrawnBatches, timed_steps
+from shardlab.dist import under_torchrun
 from shardlab.dist.env import synchronize
+from shardlab.parallel import DataParallel, ZeroDataParallel
+from shardlab.parallel.fsdp import FullyShardedDataParallel
 from shardlab.train.config import Config
 from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import StepSetup, adamw_kwargs, decay_groups, lr_at, make_optimizer, train_step
-from shardlab.train.task import Task
 from shardlab.train.resolve import resolve_run
 
 DDP = "torch_ddp"
@@ -55,8 +57,6 @@ KNOWN: tuple[str, ...] = (*VARIANTS, DDP_VIEW, "zero1", "zero2", "zero3", TORCH_
 
 def _wrap(variant: str, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
     if variant == "zero3":
-        from shardlab.parallel.fsdp import FullyShardedDataParallel
-
         return FullyShardedDataParallel(model, bucket_mb=cfg.layout.bucket_mb, impl=cfg.layout.comm_impl)
     if variant == TORCH_FSDP2:
         from torch.distributed.device_mesh import init_device_mesh
@@ -68,8 +68,6 @@ def _wrap(variant: str, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
             fully_shard(unit, mesh=mesh)
         return fully_shard(model, mesh=mesh)
     if variant in ("zero1", "zero2"):
-        from shardlab.parallel import ZeroDataParallel
-
         return ZeroDataParallel(model, stage=int(variant[-1]), bucket_mb=cfg.layout.bucket_mb,
                                 impl=cfg.layout.comm_impl)
     if variant in (DDP, DDP_VIEW, TORCH_ZERO1):
@@ -79,7 +77,6 @@ def _wrap(variant: str, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         return DistributedDataParallel(model, bucket_cap_mb=cfg.layout.bucket_mb,
                                        find_unused_parameters=cfg.model.skip_layer_every > 0,
                                        gradient_as_bucket_view=variant == DDP_VIEW)
-    from shardlab.parallel import DataParallel
 
     return DataParallel(model, mode=variant, bucket_mb=cfg.layout.bucket_mb, impl=cfg.layout.comm_impl)
 
@@ -100,21 +97,6 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class DrawnBatches:
-    """A task's batches for steps [0, n), drawn and moved to the device in advance (`Task.batch`'s
-    signature, so train_step takes it for the task)."""
-
-    def __init__(self, task: Task, n: int, dp_rank: int, dp_size: int, micro_batches: int,
-                 device: torch.device) -> None:
-        self.batches = {
-            (step, micro): tuple(t.to(device) for t in task.batch(step, dp_rank, dp_size, micro_batches, micro))
-            for step in range(n) for micro in range(micro_batches)
-        }
-
-    def batch(self, step: int, dp_rank: int, dp_size: int, micro_batches: int = 1, micro: int = 0):
-        return self.batches[(step, micro)]
-
-
 def _optimizer(variant: str, wrapped: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     if variant == TORCH_ZERO1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -128,26 +110,11 @@ def _optimizer(variant: str, wrapped: torch.nn.Module, cfg: Config) -> torch.opt
     return make_optimizer(wrapped, cfg.optim, cfg.layout.precision)
 
 
-def timed_steps(run_step: Callable[[int], object], warmup: int, steps: int, device: torch.device) -> list[float]:
-    """Run steps 0 .. warmup + steps - 1 and return the timed ones' seconds. A step's time is its
-    slowest rank's: a barrier before it, an all_reduce MAX of the ranks' times after it."""
-    times = []
-    for step in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
-        run_step(step)
-        synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-        if step >= warmup:
-            times.append(elapsed.item())
-    return times
-
-
 def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, steps: int,
                      warmup: int) -> dict[str, Any] | None:
     """One run on this rank (see the module docstring); rank 0 returns per variant the timed steps'
     times in seconds (all repetitions, in order) and every rank's peak tensor bytes."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.train.loop import rank_device
 
     unknown = [v for v in variants if v not in KNOWN]
@@ -279,14 +246,16 @@ def run_train_bench(cfg: Config, variants: list[str], *, runs: int = 3, reps: in
     bench/train_tp.py's `tp_bench_rank` (tensor parallelism vs torch's). Under torchrun the runs
     share torchrun's processes and only rank 0 gets the result. When a run fails after at least one
     has finished, the finished runs are reported with `incomplete: true` and the `error`."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.train_report import environment
-    from shardlab.dist import launch, under_torchrun
+    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
     if runs < 1:
         raise ValueError(f"runs must be at least 1, got {runs}")
     variants = list(variants)
     tensor_parallel = cfg.layout.tp > 1 or cfg.layout.sp
     if tensor_parallel:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.bench.train_tp import tp_bench_rank as rank_fn
     else:
         rank_fn = train_bench_rank
@@ -311,6 +280,7 @@ def run_train_bench(cfg: Config, variants: list[str], *, runs: int = 3, reps: in
             _progress(i, runs, variants, raw[-1])
     first = raw[0]
     if tensor_parallel:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.bench.tp_report import summarize
         from shardlab.bench.train_tp import YARDSTICK
 

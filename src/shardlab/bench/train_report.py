@@ -6,6 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from shardlab.bench import common_report
+from shardlab.bench.plot import save_figure
+from shardlab.bench.tp_report import format_tp
+from shardlab.plan.topo import cpu_info
 
 MiB = 2**20
 COLUMNS = ["variant", "step ms median", "min-max over runs", "steps/s", "tokens/s", "peak MiB per rank",
@@ -32,8 +35,6 @@ def environment(first: dict[str, Any]) -> dict[str, Any]:
     import platform
 
     import torch
-
-    from shardlab.plan.topo import cpu_info
 
     cpu = cpu_info()
     return {
@@ -135,8 +136,6 @@ def format_markdown(result: dict[str, Any]) -> str:
     rows += ["| " + " | ".join(c) + " |" for c in cells]
     text = f"{format_header(result)}\n\n" + "\n".join(rows) + "\n"
     if "tp" in result:
-        from shardlab.bench.tp_report import format_tp
-
         text += "\n" + format_tp(result, markdown=True) + "\n"
     return text
 
@@ -181,6 +180,5 @@ def plot_throughput(result: dict[str, Any], path: str | Path) -> Path:
     ax.grid(True, axis="y", alpha=0.3)
     header = format_header(result)
     ax.set_title(header.replace(" | ", "\n", 1), fontsize=8)
-    from shardlab.bench.plot import save_figure
 
     return save_figure(fig, path)

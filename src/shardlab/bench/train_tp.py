@@ -54,10 +54,13 @@ import torch.nn as nn
 
 from shardlab.bench import torch_tp as ttp
 from shardlab.bench.dispatch import dispatch_split, profile_steps
-from shardlab.bench.train import DrawnBatches, timed_steps
+from shardlab.bench.train_timing import DrawnBatches, timed_steps
 from shardlab.comm.autograd import count_comm
 from shardlab.dist.env import synchronize
+from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.parallel.sharding import ShardingSection
 from shardlab.train.config import Config
+from shardlab.train.loop import rank_device
 from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import StepHooks, StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.task import Task
@@ -118,16 +121,12 @@ def _with(cfg: Config, **fields: Any) -> Config:
 
 def build(variant: str, s: Setup, n_layer: int | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The variant's model (from the run's seed) and optimizer."""
-    from shardlab.parallel.layout import apply_layout
-
     cfg = s.cfg if n_layer is None else _with(s.cfg, n_layer=n_layer)
     model = resolve_run(cfg).build_model().to(s.device)
     if is_torch(variant):
         model = ttp.torch_tensor_parallel(model, s.torch_mesh, uses_sp(variant), permute_kv=variant != WRONG_KV)
         return model, ttp.torch_optimizer(model, cfg.optim)
     if variant in DECL_RULES:
-        from shardlab.parallel.sharding import ShardingSection
-
         model = apply_layout(model, cfg.layout, s.mesh, ShardingSection(compute=DECL_RULES[variant]))
     else:
         model = apply_layout(model, _with(cfg, sp=uses_sp(variant)).layout, s.mesh)
@@ -235,9 +234,6 @@ def activation_memory(variant: str, model: nn.Module, s: Setup) -> dict[str, int
 
 
 def _setup(cfg: Config, variants: list[str], steps: int) -> Setup:
-    from shardlab.parallel.layout import build_mesh
-    from shardlab.train.loop import rank_device
-
     device = rank_device()
     mesh = build_mesh(cfg.layout)
     torch_mesh = None

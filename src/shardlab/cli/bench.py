@@ -12,9 +12,12 @@ import argparse
 import sys
 from typing import Callable
 
+from shardlab.bench.comm import run_comm_bench
+from shardlab.bench.sweep import OPS, CommBenchConfig, impl_ops, parse_dtype, parse_size, parse_sizes, registered_impls
 from shardlab.cli.bench_pipeline import add_pipeline_parser
 from shardlab.cli.bench_train import add_train_parser
 from shardlab.cli.common import add_launch_options, int_list, launch_kwargs, name_list
+from shardlab.plan.alphabeta import AlphaBeta, format_fits
 
 COMM_DOC = """\
 Sweep collectives over message sizes and report time, algbw and busbw, as nccl-tests does.
@@ -66,8 +69,6 @@ def _no_bench(parser: argparse.ArgumentParser) -> int:
 
 # ------------------------------------------------------------------------------------ bench comm
 def _sizes(text: str) -> list[int]:
-    from shardlab.bench.sweep import parse_sizes
-
     try:
         return parse_sizes(text)
     except ValueError as exc:
@@ -75,8 +76,6 @@ def _sizes(text: str) -> list[int]:
 
 
 def _dtypes(text: str) -> list[str]:
-    from shardlab.bench.sweep import parse_dtype
-
     try:
         return [parse_dtype(d) for d in name_list(text)]
     except ValueError as exc:
@@ -84,8 +83,6 @@ def _dtypes(text: str) -> list[str]:
 
 
 def add_comm_parser(benches: argparse._SubParsersAction) -> None:
-    from shardlab.bench.sweep import OPS
-
     p = benches.add_parser("comm", help="collective bandwidth vs message size (algbw, busbw, checked results)",
                            description=COMM_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", "-n", type=int_list, default=[2],
@@ -125,8 +122,6 @@ def add_comm_parser(benches: argparse._SubParsersAction) -> None:
 
 
 def _single_size(text: str) -> int:
-    from shardlab.bench.sweep import parse_size
-
     if text.strip() == "0":
         return 0
     try:
@@ -136,8 +131,6 @@ def _single_size(text: str) -> int:
 
 
 def _resolve_impls(asked: list[str]) -> list[str]:
-    from shardlab.bench.sweep import impl_ops, registered_impls
-
     impls: list[str] = []
     for name in asked:
         for impl in registered_impls() if name == "all" else [name]:
@@ -150,11 +143,9 @@ def _resolve_impls(asked: list[str]) -> list[str]:
 
 
 def run_comm(args: argparse.Namespace) -> int:
-    from shardlab.bench.comm import run_comm_bench
-    from shardlab.bench.sweep import OPS, CommBenchConfig
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.report import format_ceilings, format_fractions, format_skipped, format_table
     from shardlab.bench.report import write_csv, write_json
-    from shardlab.plan.alphabeta import AlphaBeta, format_fits
 
     unknown = [op for op in args.ops if op not in OPS]
     if unknown:
@@ -189,6 +180,7 @@ def run_comm(args: argparse.Namespace) -> int:
         write_csv(result["rows"], args.csv)
         print(f"wrote {args.csv}", file=out)
     if args.plot:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.bench.plot import plot_busbw
 
         plot_busbw(result, args.plot)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardlab.cli.common import add_launch_options, int_list, name_list
+from shardlab.cli.common import add_launch_options, int_list, launch_kwargs, name_list
+from shardlab.dist import under_torchrun
 
 DOC = """\
 Time our pipeline schedules (PipelineExecutor) beside torch.distributed.pipelining's ScheduleGPipe,
@@ -169,10 +170,9 @@ def run_train_pp(args: argparse.Namespace) -> int:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.pipeline import PipelineBenchConfig, load_raw, report_from_raw, run_pipeline_bench, save_raw
     from shardlab.bench import pipeline_report as report
-    from shardlab.cli.common import launch_kwargs
-    from shardlab.dist import under_torchrun
     from shardlab.bench.pipeline_measure import MeasuredModel
 
     if under_torchrun():

@@ -8,8 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardlab.bench.train import KNOWN, VARIANTS, run_train_bench
 from shardlab.cli.bench_pipeline import add_pp_options, run_train_pp
 from shardlab.cli.common import add_launch_options, launch_kwargs, name_list
+from shardlab.cli.train import add_config_options, resolve_config
+from shardlab.dist import under_torchrun
+from shardlab.dist.env import read_torchrun_env
+from shardlab.train.config import ConfigError
 
 TRAIN_DOC = """\
 Time training steps of our data-parallel variants (naive, bucketed, overlap: shardlab.parallel.
@@ -85,7 +90,7 @@ TP_BAR_BASE = ["model.name=gpt", "model.n_layer=4", "model.d_model=256", "model.
 
 
 def _variants(text: str) -> list[str]:
-    from shardlab.bench.train import KNOWN
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.train_tp import TP_KNOWN
 
     names = name_list(text)
@@ -108,9 +113,6 @@ def _positive(text: str) -> int:
 
 
 def add_train_parser(benches: argparse._SubParsersAction) -> None:
-    from shardlab.bench.train import VARIANTS
-    from shardlab.cli.train import add_config_options
-
     # "resolve": the shared configuration flags' --steps (train.steps) and --dp are replaced below.
     p = benches.add_parser("train", help="training steps/s, tokens/s and memory: our data parallelism vs torch DDP "
                                          "(--tp: tensor, vs DTensor; --pp: pipeline, vs torch.distributed.pipelining)",
@@ -149,10 +151,6 @@ def _train_config(args: argparse.Namespace):
     the file, --set, the flags; validated, with sequence parallelism's rules when an SP variant runs."""
     import copy
 
-    from shardlab.cli.train import resolve_config
-    from shardlab.dist import under_torchrun
-    from shardlab.dist.env import read_torchrun_env
-
     tp_flags = (args.tp or 1) > 1 or bool(args.sp)
     if args.dp is None and under_torchrun():
         args.dp = read_torchrun_env().world_size // (args.tp or 1)
@@ -173,7 +171,7 @@ def _train_config(args: argparse.Namespace):
 
 def _check_variants(cfg, variants: list[str]) -> str | None:
     """Why these variants cannot run on this configuration (None: they can)."""
-    from shardlab.bench.train import KNOWN
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.train_tp import TP_KNOWN
 
     tensor = cfg.layout.tp > 1 or cfg.layout.sp
@@ -196,10 +194,9 @@ def _check_variants(cfg, variants: list[str]) -> str | None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from shardlab.bench.train import VARIANTS, run_train_bench
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.train_report import format_table, plot_throughput, write_json, write_markdown
     from shardlab.bench.train_tp import TORCH_TP_SP, TP_SP, TP_VARIANTS
-    from shardlab.train.config import ConfigError
 
     if args.pp or args.schedules:
         return run_train_pp(args)  # our pipeline schedules vs torch.distributed.pipelining's
@@ -221,6 +218,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 0  # not rank 0 under torchrun: rank 0 reports
     print(format_table(result))
     if tensor:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.bench.tp_report import format_tp
 
         print("\n" + format_tp(result))

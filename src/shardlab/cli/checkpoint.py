@@ -101,6 +101,7 @@ def format_description(d: dict[str, Any], show_all: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.checkpoint import CheckpointError, consolidate, describe
 
     try:
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     """`shardlab checkpoint export PATH --hf OUT | --dcp OUT`."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.checkpoint import read_metadata
     from shardlab.checkpoint.format import resolve_checkpoint
 
@@ -138,11 +140,13 @@ def export(args: argparse.Namespace) -> int:
         return 2
     path = resolve_checkpoint(args.path)
     if args.dcp:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.checkpoint.dcp import export_dcp
 
         out = export_dcp(path, args.dcp, optimizer=not args.no_optimizer)
         print(f"wrote {out} (torch.distributed.checkpoint, step {read_metadata(path).step})")
     if args.hf:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.train.export import export_hf
 
         for line in export_hf(path, args.hf):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from shardlab import comm
 from shardlab.cli.common import add_launch_options, launch_kwargs, name_list
+from shardlab.comm.algorithms import ALGORITHMS
 from shardlab.dist import launch, print_ordered, under_torchrun
 from shardlab.dist.output import print_rank0
 
@@ -44,8 +45,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"shardlab collectives: --ops {','.join(args.ops)}: unknown operation(s) "
                          f"{', '.join(unknown)}; choose from {', '.join(OPS)}")
     if args.impl != comm.TORCH:
-        from shardlab.comm.algorithms import ALGORITHMS
-
         if args.impl not in ALGORITHMS:  # refused before any rank starts
             raise SystemExit(f"shardlab collectives: unknown --impl {args.impl!r}; "
                              f"choose from torch, {', '.join(ALGORITHMS)}")
@@ -62,8 +61,6 @@ def _fmt(t: torch.Tensor | None) -> str:
 
 def _impl_for(impl: str, op: str) -> str:
     """Our algorithm when it provides `op`, else the backend (`run` has refused unknown names)."""
-    from shardlab.comm.algorithms import ALGORITHMS
-
     return impl if op in ALGORITHMS.get(impl, {}) else comm.TORCH
 
 

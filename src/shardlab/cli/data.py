@@ -19,6 +19,9 @@ import argparse
 import json
 import sys
 
+from shardlab.data.tokenfile import read_token_file
+from shardlab.data.tokenizer import token_file_tokenizer
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="tokenize text into a token file (prepare), or describe one (inspect)",
@@ -66,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def prepare(args: argparse.Namespace) -> int:
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.data.prepare import prepare as run_prepare
 
     if args.train_bpe and args.tokenizer != "bytes":
@@ -85,9 +89,6 @@ def prepare(args: argparse.Namespace) -> int:
 
 def inspect(args: argparse.Namespace) -> int:
     from dataclasses import asdict
-
-    from shardlab.data.tokenfile import read_token_file
-    from shardlab.data.tokenizer import token_file_tokenizer
 
     tf = read_token_file(args.path)
     h = tf.header

@@ -17,6 +17,8 @@ import argparse
 import json
 import sys
 
+from shardlab.dist.doctor import DoctorError, diagnose, load_dumps
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="explain a hang or divergence from the ranks' flight records",
@@ -29,8 +31,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardlab.dist.doctor import DoctorError, diagnose, load_dumps
-
     if args.world_size is not None and args.world_size < 1:
         print(f"shardlab doctor: --world-size must be positive, got {args.world_size}", file=sys.stderr)
         return 2

@@ -8,6 +8,11 @@ import sys
 from typing import Any
 
 from shardlab.cli.train import add_config_options, resolve_config
+from shardlab.parallel.sharding.derive import derive
+from shardlab.parallel.sharding.rules import ShardingError
+from shardlab.plan.hardware import get_hardware
+from shardlab.train.config import ConfigError
+from shardlab.train.task import empty_model
 
 EXPLAIN_DOC = """\
 Derives the plan of a configuration's [sharding] rules (docs/sharding.md) on the model it describes
@@ -71,13 +76,11 @@ def _fmt_bytes(n: float) -> str:
 def explain(cfg: Any, hardware: str) -> dict[str, Any]:
     """The plan of `cfg`'s rules as a dict (modules, collectives with group, bytes and predicted
     seconds, totals per step)."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.parallel.layout import build_mesh, mesh_order
     from shardlab.parallel.sharding.apply import mesh_sizes, rules_of
-    from shardlab.parallel.sharding.derive import derive
     from shardlab.plan.comm import Group, collective_time, p2p_time
-    from shardlab.plan.hardware import get_hardware
     from shardlab.train.resolve import resolve_run
-    from shardlab.train.task import empty_model
 
     lay, t = cfg.layout, cfg.train
     model = empty_model(cfg.model, resolve_run(cfg).vocab)
@@ -164,9 +167,6 @@ def render(d: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardlab.parallel.sharding.rules import ShardingError
-    from shardlab.train.config import ConfigError
-
     try:
         cfg = resolve_config(args)
         if not cfg.sharding.active():

@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from shardlab.dist.env import under_torchrun
+
 
 class FlagError(ValueError):
     """A command-line value that cannot work; the message starts with the flag and the value."""
@@ -174,8 +176,6 @@ def check_rendezvous(addr: str | None, port: int) -> None:
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Raise FlagError for the first value of `args` that cannot work (see the module docstring)."""
-    from shardlab.dist.env import under_torchrun
-
     command = getattr(args, "command", "") or ""
     for action in chosen_actions(parser, args):
         value = getattr(args, action.dest, None)

@@ -18,6 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardlab.cli.common import add_launch_options, launch_kwargs
+from shardlab.dist import under_torchrun
+from shardlab.dist.env import read_torchrun_env
+from shardlab.train.config import ConfigError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a trained model (a checkpoint or a Hugging Face "
@@ -40,7 +45,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="one process: where the model runs: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks holding the model (a shardlab checkpoint)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages holding the model (a shardlab checkpoint)")
-    from shardlab.cli.common import add_launch_options
 
     add_launch_options(p)
     p.set_defaults(func=run)
@@ -48,8 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # The numbers' ranges are checked by cli/flags.py (NON_NEGATIVE, RANGES) before this runs.
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.checkpoint import CheckpointError
-    from shardlab.dist import under_torchrun
     from shardlab.train.generate import GenerateError, load_for_generation
 
     if args.tp * args.pp > 1 or under_torchrun():
@@ -76,13 +80,10 @@ def run(args: argparse.Namespace) -> int:
 
 def run_layout(args: argparse.Namespace) -> int:
     """--tp/--pp (or under torchrun): the checkpoint resharded into that layout over its ranks."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.checkpoint import CheckpointError
-    from shardlab.cli.common import launch_kwargs
-    from shardlab.dist import launch, under_torchrun
-    from shardlab.train.config import ConfigError
     from shardlab.train.generate import GenerateError, generate_rank, layout_plan
-
-    from shardlab.dist.env import read_torchrun_env
+    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
     world = read_torchrun_env().world_size if under_torchrun() else args.tp * args.pp
     try:

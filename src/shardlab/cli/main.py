@@ -16,6 +16,9 @@ import os
 import signal
 import sys
 
+from shardlab import __version__
+from shardlab.dist import RankFailure, signals
+
 # Sub-commands, each a module in shardlab.cli with add_parser(subparsers) and run(args) -> int.
 COMMANDS = ["train", "verify", "explain", "memory", "collectives", "bench", "topo", "viz", "checkpoint", "generate", "plan", "data", "doctor"]
 
@@ -48,8 +51,6 @@ def version() -> str:
     try:
         return dist_version("shardlab")
     except PackageNotFoundError:  # run from a source checkout that was never installed
-        from shardlab import __version__
-
         return __version__
 
 
@@ -70,8 +71,8 @@ def _main(argv: list[str] | None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.cli.flags import FlagError, check_flags
-    from shardlab.dist import RankFailure, signals
 
     try:
         check_flags(parser, args)

@@ -8,6 +8,8 @@ import sys
 
 from shardlab.cli.common import add_launch_options, int_list, launch_kwargs
 from shardlab.cli.train import add_config_options, resolve_config
+from shardlab.train.config import ConfigError
+from shardlab.train.task import empty_model
 
 MEMORY_DOC = """\
 For each ZeRO stage, the bytes of parameters, gradients and optimizer state one rank holds:
@@ -50,10 +52,9 @@ def _mib(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardlab.dist import launch, under_torchrun
+    from shardlab.dist import launch, under_torchrun  # looked up when called: tests put a pool of ranks in its place
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.plan.memory_model import model_state_bytes
-    from shardlab.train.config import ConfigError
-    from shardlab.train.task import empty_model
 
     bad = [s for s in args.stages if s not in (0, 1, 2, 3)]
     if bad:
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     n = cfg.layout.dp
     measured: dict[int, dict] = {}
     if not args.predict_only:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.bench.memory_measure import measure_stages_rank
 
         rows = launch(measure_stages_rank, None if under_torchrun() else n, cfg.to_dict(), args.stages,

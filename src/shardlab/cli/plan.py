@@ -8,6 +8,14 @@ import sys
 from dataclasses import replace
 
 from shardlab.cli.plan_inputs import build_hardware, build_spec
+from shardlab.plan.alphabeta import load_fits
+from shardlab.plan.devices import match_device
+from shardlab.plan.execution import (
+    PRECISIONS, RECOMPUTE, SCHEDULES, SCHEDULE_ALIASES, TORCHTITAN_OP, Execution, LayoutError,
+)
+from shardlab.plan.hardware import ALIASES, PRESETS, PRESETS as HW
+from shardlab.plan.models import PRESETS as MODELS
+from shardlab.train.config import load_config
 
 PLAN_DOC = """\
 Predict, before anything runs, which parallel layouts of a model fit in a cluster's memory and how
@@ -56,11 +64,6 @@ examples:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from shardlab.plan.hardware import ALIASES
-    from shardlab.plan.hardware import PRESETS as HW
-    from shardlab.plan.execution import PRECISIONS, RECOMPUTE, SCHEDULE_ALIASES, SCHEDULES
-    from shardlab.plan.models import PRESETS as MODELS
-
     p = sub.add_parser("plan", help="predict memory and step time of parallel layouts; rank those that fit",
                        description=PLAN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model (a preset, a configuration, or a shape; shape flags override the first two)")
@@ -204,8 +207,6 @@ def _fraction(text: str) -> float:
 
 def _bench_comm_fits(path: str) -> tuple:
     """The torch fits of a `shardlab bench comm --json` file; ValueError naming the flag and the file."""
-    from shardlab.plan.alphabeta import load_fits
-
     try:
         fits = load_fits(path)
     except OSError as exc:
@@ -222,16 +223,18 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate_gpu:
         return _calibrate_gpu(args)
     if args.validate_local:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.bench.plan_local import print_local_validation
 
         return print_local_validation(args.calibration, args.json, args.plot, args.threads)
-    from shardlab.plan.execution import Execution, LayoutError
 
     if args.validate_comm:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.report_h100 import print_comm_validation
 
         return print_comm_validation(args.json)
     if args.validate_h100:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.report_h100 import print_h100_validation
 
         return print_h100_validation(args.json, args.plot)
@@ -245,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardlab plan: {exc}", file=sys.stderr)
         return 2
     if args.validate:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.validate_report import print_validation
 
         return print_validation(args.json, args.plot)
@@ -255,15 +259,13 @@ def run(args: argparse.Namespace) -> int:
     base, config_batch, config = Execution(precision="bf16"), None, None
     if args.config:
         # A shardlab configuration brings its layout and batch; flags override them.
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.validate_local import trainer_layout
-        from shardlab.train.config import load_config
 
         config = load_config(args.config, [])
         base, config_batch = trainer_layout(config), config.train.global_batch
         given.setdefault("dp", base.dp)
     if args.recompute_keep:
-        from shardlab.plan.execution import TORCHTITAN_OP
-
         keep = TORCHTITAN_OP if args.recompute_keep == "torchtitan-op" else tuple(
             k.strip() for k in args.recompute_keep.split(",") if k.strip())
         if given.get("recompute", "selective") != "selective":
@@ -296,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardlab plan: --gpus {gpus} on {hw.name}: {exc}", file=sys.stderr)
         return 2
     if args.compare_networks:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.compare_report import print_comparison
 
         return print_comparison(spec, gpus, gb, base, set(given) | ({"stage_layers"} if stage_layers else set()),
@@ -325,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
 def _one(spec, lay, hw, gpus, gb, args, config=None) -> int:
     from dataclasses import asdict
 
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.plan.report import format_one
     from shardlab.plan.search import evaluate
 
@@ -343,11 +347,13 @@ def _one(spec, lay, hw, gpus, gb, args, config=None) -> int:
 
 
 def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.plan.report import explain, format_ranked, result_json
     from shardlab.plan.search import search
 
     admit = None
     if not args.any_layout:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.train.plan_config import trainer_rules
 
         admit = trainer_rules(spec, gb, config)
@@ -364,6 +370,7 @@ def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
     if args.json:
         _write(args.json, result_json(result, spec, hw, gpus, gb))
     if args.plot and result.ranked:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.plot import plot_breakdown
 
         title = f"{spec.name} on {gpus} x {hw.name}, global batch {gb}: the fastest layouts"
@@ -379,6 +386,7 @@ def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
 
 def _emit(spec, lay, gb, path: str, config=None) -> int:
     """Write `lay` as a configuration the trainer runs; say so if the trainer's rules refuse it."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.train.plan_config import write_config
 
     try:
@@ -403,6 +411,7 @@ def _write(path: str, data: dict) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.plan_local import calibrate_here
     from shardlab.plan.calibrate import save_calibration
 
@@ -417,11 +426,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _calibrate_gpu(args: argparse.Namespace) -> int:
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.gpu_calibrate import calibrate_gpu
     from shardlab.plan.calibrate import save_calibration
-    from shardlab.plan.devices import match_device
     from shardlab.plan.gpu_calibration import fit_calibration
-    from shardlab.plan.hardware import PRESETS
 
     cal = calibrate_gpu()
     spec = match_device(cal["device"]) if not cal["smoke"] else None

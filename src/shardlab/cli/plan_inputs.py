@@ -6,6 +6,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from shardlab.plan.hardware import get_hardware
+from shardlab.plan.models import ModelSpec, get_model, spec_from_config
+from shardlab.plan.network import parse_link
+from shardlab.train.config import load_config
+
 # Shape flags (argparse's names) -> ModelSpec (GPTConfig) fields; --gated, --experts and --dropout
 # are translated by _shape_changes.
 _SHAPE = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "kv_heads": "n_kv_head", "ffn": "d_ff",
@@ -31,12 +36,8 @@ def build_spec(args: argparse.Namespace):
     """The model: a configuration's or a preset's, with shape flags overriding its fields; shape
     flags alone build exactly that shape (a fused-attention, dropout-free GPT with the defaults of
     ModelSpec for whatever is not given), never an edited gpt3-175b."""
-    from shardlab.plan.models import ModelSpec, get_model, spec_from_config
-
     changes = _shape_changes(args)
     if args.config:
-        from shardlab.train.config import load_config
-
         spec = spec_from_config(load_config(args.config, []).model)
     elif args.model or not changes:
         spec = get_model(args.model or "gpt3-175b")
@@ -65,11 +66,9 @@ def _given(args: argparse.Namespace) -> list[str]:
 def build_hardware(args: argparse.Namespace, gpus: int | None = None):
     """The cluster: a preset, its peak and memory replaced if asked, its network replaced by --link
     levels, shaped for the device count."""
-    from shardlab.plan.hardware import get_hardware
-    from shardlab.plan.network import parse_link
-
     gpu_cal = None
     if args.calibration and args.hardware != "this-cpu":
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.gpu_calibration import is_gpu_calibration, load_gpu_calibration
 
         from pathlib import Path
@@ -83,6 +82,7 @@ def build_hardware(args: argparse.Namespace, gpus: int | None = None):
         gpu_cal = load_gpu_calibration(args.calibration)
     hw = get_hardware(args.hardware, None if gpu_cal else args.calibration)
     if gpu_cal is not None:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.gpu_calibration import apply_gpu_calibration
 
         hw = apply_gpu_calibration(hw, gpu_cal, args.calibration)

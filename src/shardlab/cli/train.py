@@ -9,6 +9,14 @@ from shardlab.cli.common import add_launch_options, launch_kwargs
 from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, memory and tests use them)
     check_before_launch, check_data_before_launch, hf_assignments, ignored_flags)
 from shardlab.cli.train_report import rank_table, result_table, utilisation_line  # noqa: F401
+from shardlab.dist import signals, under_torchrun
+from shardlab.dist.env import read_torchrun_env
+from shardlab.dist.signals import Terminated
+from shardlab.parallel.pipeline import plan_split
+from shardlab.parallel.pipeline.partition import layout_balance
+from shardlab.train.config import ConfigError, load_config
+from shardlab.train.presets import model_assignments, model_names
+from shardlab.train.task import empty_model
 
 TRAIN_DOC = """\
 Train the GPT (on text, by default the Python standard library's sources on this machine, as bytes or
@@ -55,7 +63,6 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", "-c", default=None, metavar="FILE", help="TOML configuration (see configs/)")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one field, e.g. --set optim.lr=3e-4 (repeatable; values are TOML literals)")
-    from shardlab.train.presets import model_names
 
     g.add_argument("--model", choices=model_names(), default=None, metavar="NAME",
                    help="gpt, mlp (model.name), llama (the GPT with RMSNorm, SwiGLU, no biases, rotary positions, "
@@ -203,9 +210,6 @@ def warmup_capped(cfg, args: argparse.Namespace) -> str | None:
 
 def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags."""
-    from shardlab.train.config import ConfigError, load_config
-    from shardlab.train.presets import model_assignments
-
     flags = []
     # --model expands to model.* assignments placed before --set, so that --set refines a preset.
     family = model_assignments(args.model) if getattr(args, "model", None) else []
@@ -237,6 +241,7 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     if ignored:
         raise ConfigError("flags this layout would ignore:\n  - " + "\n  - ".join(ignored))
     if cfg.model.name == "gpt" and not cfg.model.vocab_size:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.train.resolve import resolve_run
 
         try:  # the data's vocabulary, padded for tp: what every rank and the dry run will build
@@ -267,10 +272,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardlab.dist import launch, under_torchrun
-    from shardlab.dist.env import read_torchrun_env
-    from shardlab.train.config import ConfigError
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.train.config_help import describe_fields
+    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
     if args.help_config:
         print(describe_fields())
@@ -288,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
-    from shardlab.dist.signals import Terminated
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.train.loop import checkpoint_dir, train_rank
     from shardlab.train.run_dir import RunDirError, claim_run_dir
 
@@ -339,8 +343,6 @@ def run(args: argparse.Namespace) -> int:
     if summary.get("stopped_by"):
         import signal
 
-        from shardlab.dist import signals
-
         signum = signal.Signals[summary["stopped_by"]]
         print(f"shardlab train: {signals.describe(signum)}: stopped after {summary['steps']} of "
               f"{summary['steps_planned']} steps; the summary, metrics and plot cover the steps done", file=sys.stderr)
@@ -352,6 +354,7 @@ def discard_partial_save(cfg) -> None:
     """After ranks were killed (a stop signal's grace period ran out, or a second signal), remove a
     save they left half-written (.tmp-step_N/; never a checkpoint: only a rename publishes one)
     rather than leave it for the next save to clear. Every rank is gone: nothing writes there now."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.checkpoint.save import clear_leftovers
     from shardlab.train.loop import checkpoint_dir
 
@@ -363,8 +366,6 @@ def discard_partial_save(cfg) -> None:
 def dry_run(cfg) -> int:
     import torch
 
-    from shardlab.train.task import empty_model
-
     # The meta device builds the model without allocating its weights: counts for any size.
     model = empty_model(cfg.model)
     total = sum(p.numel() for p in model.parameters())
@@ -375,6 +376,7 @@ def dry_run(cfg) -> int:
                if k == "dp" or getattr(lay, k) > 1]
     print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
           + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.parallel.layout import layout_steps
     from shardlab.train.mfu import run_flops
 
@@ -384,9 +386,6 @@ def dry_run(cfg) -> int:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     print("# " + run_flops(model, lay, cfg.model.seq_len, cfg.log.peak_tflops, device).describe())
     if lay.pp > 1:
-        from shardlab.parallel.pipeline import plan_split
-        from shardlab.parallel.pipeline.partition import layout_balance
-
         # The split is pure (layer counts, or parameter counts of the meta model): what each rank will hold.
         split = layout_balance(model, lay.pp, lay.virtual_stages, lay.stage_layers)
         print("# " + plan_split(model, lay.pp, lay.virtual_stages, split).describe().replace("\n", "\n# "))

@@ -4,12 +4,15 @@ vocabulary. Each raises ConfigError naming the field and the value."""
 
 from __future__ import annotations
 
+from shardlab.train.config import ConfigError, toml_value
+from shardlab.train.task import empty_model, hf_misfit
+
 
 def hf_assignments(path: str) -> list[str]:
     """`--init-from-hf DIR` as model.* assignments: the checkpoint's shape, then where to load it from."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.checkpoint import CheckpointError
     from shardlab.checkpoint.hf import hf_model_fields
-    from shardlab.train.config import ConfigError, toml_value
 
     try:
         fields = hf_model_fields(path)
@@ -20,6 +23,7 @@ def hf_assignments(path: str) -> list[str]:
 
 def hf_problems(m) -> list[str]:
     """Where the model.* fields differ from the Hugging Face checkpoint model.init_from_hf names."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.checkpoint import CheckpointError
     from shardlab.checkpoint.hf import hf_model_fields
 
@@ -45,9 +49,9 @@ def hf_tensor_misfit(m) -> str | None:
     in every rank after launch. None when they fit."""
     from safetensors import SafetensorError
 
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.checkpoint import CheckpointError
     from shardlab.checkpoint.hf import read_hf
-    from shardlab.train.task import empty_model, hf_misfit
 
     model = empty_model(m)
     try:
@@ -62,9 +66,6 @@ def check_before_launch(cfg, make_out_dir: bool = True) -> None:
     touching the disk; raises ConfigError."""
     import fnmatch
     from pathlib import Path
-
-    from shardlab.train.config import ConfigError
-    from shardlab.train.task import empty_model
 
     if cfg.model.init_from_hf:
         problems = hf_problems(cfg.model)
@@ -82,6 +83,7 @@ def check_before_launch(cfg, make_out_dir: bool = True) -> None:
         raise ConfigError(f"model.freeze = {cfg.model.freeze!r} freezes all {len(names)} parameters of the "
                           f"{cfg.model.name}: nothing would train")
     if make_out_dir:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.cli.flags import FlagError, check_writable_dir
 
         try:
@@ -101,7 +103,7 @@ def check_data_before_launch(cfg) -> None:
     """The data, before any rank starts: text for a tokenizer other than bytes is encoded (once,
     cached), every id is checked against model.vocab_size (naming the id and the file), and a sample
     needs a tokenizer to be read. Raises ConfigError."""
-    from shardlab.train.config import ConfigError
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.train.corpus import check_token_ids, load_corpus
     from shardlab.train.resolve import resolve_data, resolve_run
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 def utilisation_line(summary: dict) -> str:
     """MFU at the median step with its conventions (train/mfu.py), and peak memory."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.train.metrics import fmt_bytes
 
     if summary.get("mfu") is not None:

@@ -10,6 +10,8 @@ from shardlab.cli.common import add_launch_options, launch_kwargs
 from shardlab.cli.train import (
     add_config_options, add_pipeline_options, check_before_launch, pipeline_adjustments, resolve_config,
 )
+from shardlab.dist.env import read_torchrun_env
+from shardlab.train.config import ConfigError
 
 VERIFY_DOC = """\
 Run a parallel layout and a single-process reference from the same initial weights on the same
@@ -95,9 +97,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardlab.dist import launch, under_torchrun
-    from shardlab.dist.env import read_torchrun_env
-    from shardlab.train.config import ConfigError
+    from shardlab.dist import launch, under_torchrun  # looked up when called: tests put a pool of ranks in its place
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.train.verify import VERIFY_BASE, format_report, verify_base, verify_rank
 
     try:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from shardlab.cli.common import add_launch_options, int_list, launch_kwargs, name_list
+from shardlab.parallel.pipeline import ScheduleError, Timeline, bubble_theory, fmt, in_flight_theory, schedule, simulate
+from shardlab.parallel.pipeline.schedules import KINDS, compute_order
 
 SCHEDULE_DOC = """\
 Draw a pipeline schedule as planned: every rank's action list (schedules as data) simulated with
@@ -54,8 +56,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _common(q: argparse.ArgumentParser, many: bool) -> None:
-    from shardlab.parallel.pipeline.schedules import KINDS
-
     if many:
         q.add_argument("--schedule", type=name_list, default=["1f1b"], metavar="KIND[,KIND]",
                        help=f"schedules, comma-separated: {', '.join(KINDS)} (default: 1f1b)")
@@ -113,7 +113,7 @@ def _times(text: str) -> dict[str, float]:
 
 
 def run_schedule(args: argparse.Namespace) -> int:
-    from shardlab.parallel.pipeline import ScheduleError, Timeline, bubble_theory, fmt, in_flight_theory, schedule, simulate
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.pipeline_gantt import draw_gantt, render_text
 
     p, m = args.stages, args.microbatches
@@ -158,9 +158,9 @@ def _suffixed(path: str, case: str, many: bool) -> str:
 
 
 def run_measure(args: argparse.Namespace) -> int:
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.bench.pipeline_gantt import draw_gantt
     from shardlab.bench.pipeline_measure import MeasuredModel, measure
-    from shardlab.parallel.pipeline.schedules import KINDS, compute_order
 
     cases = []
     for kind in args.schedule:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab.comm import validate as v
+from shardlab.comm.algorithms import get_algorithm
 from shardlab.comm.algorithms._p2p import split_bounds
 from shardlab.comm.handle import Handle
 from shardlab.dist import flight
@@ -66,8 +67,6 @@ def algo_op(op: str) -> str:
 
 
 def algorithm(impl: str, op: str) -> Callable:
-    from shardlab.comm.algorithms import get_algorithm  # imported late: algorithms import this layer's helpers
-
     return get_algorithm(impl, op)
 
 

@@ -230,7 +230,7 @@ def prepare(sources: list[str], out: str | os.PathLike[str], tokenizer: str = "b
 
     todo = [i for i in range(len(units)) if i not in reuse]
     workers = workers or min(os.cpu_count() or 1, max(len(todo), 1))
-    from shardlab.data.progress import FileProgress
+    from shardlab.data.progress import FileProgress  # lazy: it imports rich, which only the encoding shows
 
     with FileProgress(sum(units[i].size for i in todo), len(todo), enabled=progress,
                       label=f"encoding with {spec['name']}") as bar:

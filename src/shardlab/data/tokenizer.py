@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from shardlab.data.tokenfile import read_header
+
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 """Special tokens taken as the end-of-document marker, first found wins (GPT-2, Llama 3, T5/Llama 2...)."""
 
@@ -170,8 +172,6 @@ def token_file_tokenizer(path: str | os.PathLike[str], header: Any = None) -> To
     is relative to the file's directory), refused unless its sha256 is the one the header recorded:
     a tokenizer replaced since (another `data prepare` into the same directory, an edit) would
     decode the ids into other text without an error. `header`: the file's, if already read."""
-    from shardlab.data.tokenfile import read_header
-
     path = Path(path)
     spec = dict((header or read_header(path)).tokenizer)
     if spec.get("kind") == "bytes":

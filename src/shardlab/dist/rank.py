@@ -27,6 +27,7 @@ import torch.distributed as dist
 from shardlab.dist import flight
 from shardlab.dist.env import device_for, threads_per_rank
 from shardlab.dist.hang import rank_dir
+from shardlab.dist.signals import stop_grace_s
 from shardlab.dist.start import LauncherState
 
 OUTPUT_MODES = ("rank0", "ranks", "all")
@@ -101,8 +102,6 @@ def stop_with_agent() -> None:
     end (measured: all 500 steps). The agent is watched with a pidfd, as the local launcher's ranks
     watch theirs; not with PR_SET_PDEATHSIG, which fires when the parent *thread* that started the
     process ends, and the agent's threads are not ours to know."""
-    from shardlab.dist.signals import stop_grace_s
-
     if _agent_watch:  # one watch per process, however many launches it makes
         return
     agent = os.getppid()

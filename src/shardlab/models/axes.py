@@ -35,6 +35,9 @@ from fnmatch import fnmatchcase
 
 import torch.nn as nn
 
+from shardlab.models.gpt import GPT
+from shardlab.models.mlp import DeepMLP
+
 LOGICAL_AXES = ("batch", "seq", "ctx", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "pos", "layers",
                "experts")
 
@@ -121,9 +124,6 @@ def gpt_param_axes(name: str) -> TensorAxes:
 
 def param_axes(model: nn.Module) -> dict[str, TensorAxes]:
     """{plain parameter name: its logical axes} for a GPT or a DeepMLP (tied names once)."""
-    from shardlab.models.gpt import GPT
-    from shardlab.models.mlp import DeepMLP
-
     names = [n for n, _ in model.named_parameters()]
     if isinstance(model, GPT):
         return {n: gpt_param_axes(n) for n in names}

@@ -25,7 +25,8 @@ fp32 (a sum over a chunk's tokens of g h could pass fp16's 65,504, and no loss s
 The weight may be a slice of the vocabulary, rows [vocab_start, vocab_start + rows): `combine` then
 makes each token's statistics whole (the max logit; the sum of exponentials and the target's logit),
 as a vocabulary-parallel layout passes it (parallel/tensor/vocab.py). The model itself only ever
-passes the whole weight.
+passes the whole weight. The plain loss, `CrossEntropy` (the GPT's loss swap point, logits whole),
+lives here beside its chunked twin, so that models/gpt.py imports both and this file imports nothing of it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from shardlab.models.gpt import CrossEntropy
 
 # combine(x, op): x made whole over the vocabulary's slices, op "max" or "sum" (in place or not).
 Combine = Callable[[torch.Tensor, str], torch.Tensor]
@@ -132,6 +131,22 @@ def chunked_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: to
         t is not None and t.requires_grad for t in (h, weight, bias))
     return _ChunkedLinearCrossEntropy.apply(h2, weight, bias, t1, chunk, compute_dtype(h), need_grad,
                                             vocab_start, combine)
+
+
+class CrossEntropy(nn.Module):
+    """Swap point: the loss from the head's output, the mean cross-entropy over the tokens; without
+    targets, the logits themselves (a vocabulary-parallel head replaces it: parallel/tensor).
+    `from_hidden` is where the model asks for the loss: from the final norm's output and the head,
+    which this one runs whole; the chunked loss (fused_loss.py) fuses the two instead."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def from_hidden(self, h: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of the hidden states `h` (b, t, d) through `head` against `targets` (b, t)."""
+        return self(head(h), targets)
 
 
 class ChunkedCrossEntropy(CrossEntropy):

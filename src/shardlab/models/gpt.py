@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardlab.models.fused_loss import ChunkedCrossEntropy, CrossEntropy
 from shardlab.models.gpt_config import GPTConfig
 from shardlab.models.layers import GeluMLP, make_mlp, make_norm
 from shardlab.models.model_flops import model_flops_per_token, recompute_flops_per_token
@@ -130,27 +131,9 @@ class Embedding(nn.Module):
         return x.shape[1]
 
 
-class CrossEntropy(nn.Module):
-    """Swap point: the loss from the head's output, the mean cross-entropy over the tokens; without
-    targets, the logits themselves (a vocabulary-parallel head replaces it: parallel/tensor).
-    `from_hidden` is where the model asks for the loss: from the final norm's output and the head,
-    which this one runs whole; the chunked loss (fused_loss.py) fuses the two instead."""
-
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    def from_hidden(self, h: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
-        """The mean loss of the hidden states `h` (b, t, d) through `head` against `targets` (b, t)."""
-        return self(head(h), targets)
-
-
 def make_loss(cfg: GPTConfig) -> CrossEntropy:
     """The loss swap point's module for `cfg.loss`."""
     if cfg.loss == "chunked":
-        from shardlab.models.fused_loss import ChunkedCrossEntropy
-
         return ChunkedCrossEntropy(cfg.loss_chunk)
     return CrossEntropy()
 

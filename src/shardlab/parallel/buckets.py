@@ -28,6 +28,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardlab import comm
+from shardlab.parallel.precision import fp32_source, restore_fp32_sources, set_fp32_source
+
 
 @dataclass
 class Bucket:
@@ -101,9 +104,6 @@ def broadcast_state(module: nn.Module, group: "torch.distributed.ProcessGroup | 
     """Start every rank from rank 0's weights and buffers (e.g. BatchNorm running stats), each tensor
     once, so the replicas are equal from the first step; every data-parallel wrapper begins so.
     The fp32 weights a mixed-precision model keeps for its masters (precision.py) go with them."""
-    from shardlab import comm
-    from shardlab.parallel.precision import fp32_source, restore_fp32_sources, set_fp32_source
-
     restore_fp32_sources(module)
     for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
         comm.broadcast(t.data, 0, group)

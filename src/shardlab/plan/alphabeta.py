@@ -33,7 +33,7 @@ def _log2(n: int) -> int:
 def _nodes(n: int) -> tuple[int, int]:
     """(ranks per node p, nodes m) of the hierarchical all-reduce: ceil(n/2) per node unless
     SHARDLAB_RANKS_PER_NODE says otherwise, as shardlab.comm.algorithms.hierarchical decides."""
-    try:
+    try:  # lazy, and optional: this arithmetic needs no torch until it asks comm/ for the rule
         from shardlab.comm.algorithms.hierarchical import resolve_ranks_per_node
 
         p = resolve_ranks_per_node(n)

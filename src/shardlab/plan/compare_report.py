@@ -6,6 +6,7 @@ from shardlab.plan.compare import NETWORKS, compare_networks, explain_comparison
 from shardlab.plan.hardware import get_hardware
 from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
+from shardlab.plan.plot import plot_breakdown
 from shardlab.plan.validate_report import write_json
 
 
@@ -42,8 +43,6 @@ def print_comparison(spec: ModelSpec, gpus: int, global_batch: int, base: Execut
                                  "same_layout": r.same.to_dict() if r.same else None,
                                  "crossings": r.crossings} for r in rows]})
     if plot_path:
-        from shardlab.plan.plot import plot_breakdown
-
         shown = [r for r in rows if r.best is not None]
         title = f"{spec.name} on {gpus} devices, global batch {global_batch}: best layout per network"
         labels = [f"{r.label}\n{r.best.layout.name()}" for r in shown]

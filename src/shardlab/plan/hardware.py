@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shardlab.plan.alphabeta import AlphaBeta, load_fits
+from shardlab.plan.calibrate import default_calibration_path, load_calibration
 from shardlab.plan.devices import device_spec
 from shardlab.plan.kernels import Kernels
 from shardlab.plan.network import Level, resolve
@@ -210,8 +211,6 @@ ALIASES = {"dgx-a100-hdr": "a100-80gb", "dgx-h100-ndr": "h100-sxm"}
 def get_hardware(name: str, calibration: str | Path | None = None) -> Hardware:
     """A preset by name, or 'this-cpu' built from a calibration file (calibrate.py)."""
     if name == "this-cpu":
-        from shardlab.plan.calibrate import default_calibration_path, load_calibration
-
         return this_cpu(load_calibration(calibration or default_calibration_path()))
     try:
         return PRESETS[ALIASES.get(name, name)]
@@ -225,7 +224,7 @@ def this_cpu(cal: dict) -> Hardware:
 
     `cal` (calibrate.py): measured fp32 matmul FLOP/s, copy bandwidth, per-op overhead, and the
     collective fits of `shardlab bench comm`. The kernels' rates were timed alone; `step_efficiency`,
-    the share of them a reference training step reached (calibrate.reference_efficiency), plays the
+    the share of them a reference training step reached (validate_local.reference_efficiency), plays the
     part mm_eff and mem_eff play for a GPU."""
     fits = tuple(AlphaBeta.from_dict(f) for f in cal.get("fits", []))
     p2p = [f for f in fits if f.op == "sendrecv"]

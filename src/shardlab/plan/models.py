@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from shardlab.data.tokenizer import ByteTokenizer
 from shardlab.models.gpt_config import GPTConfig
 from shardlab.models.model_flops import model_flops_per_token
 
@@ -232,8 +233,6 @@ def spec_from_config(m, name: str | None = None) -> ModelSpec:
     shardlab's GPT: LayerNorm (gain and bias) or RMSNorm, a GELU or SwiGLU MLP, optional linear biases, learned positions unless
     rotary, a head tied to the embedding or not, dropout only when its probability is above 0, and
     torch's fused scaled_dot_product_attention (no s x s matrix kept for backward)."""
-    from shardlab.data.tokenizer import ByteTokenizer  # the default: byte tokens
-
     if m.name != "gpt":
         raise ValueError(f"the planner models GPT-style decoders; model.name is {m.name!r}")
     return ModelSpec.from_section(m, m.vocab_size or ByteTokenizer.vocab_size,

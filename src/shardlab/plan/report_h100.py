@@ -4,8 +4,12 @@ tables as text, JSON and a PNG (docs/planner.md's tables)."""
 from __future__ import annotations
 
 from shardlab.plan.hardware import HOPPER_KERNELS, get_hardware
+from shardlab.plan.plot import plot_agreement
+from shardlab.plan.published_bf16 import FOUNDRY_H100, LLAMA3_H100
 from shardlab.plan.published_h100 import LLAMA3_405B
+from shardlab.plan.validate_bf16 import bf16_rows, fit_stack, leave_one_out as bf16_loo, summary as bf16_summary
 from shardlab.plan.validate_comm import comm_rows, format_comm
+from shardlab.plan.validate_gpu import H100_RUN, H200_RUN, MEASURED_H100, gpu_rows, trainer_overhead_s
 from shardlab.plan.validate_h100 import calibrate, fitted_names, h100_rows, leave_one_out, summary
 from shardlab.plan.validate_report import write_json
 
@@ -49,11 +53,6 @@ def h100_report() -> tuple[str, dict]:
 def bf16_report() -> tuple[str, dict]:
     """llm-foundry's H100 bf16 table (the stack's scales leave-one-out) and Llama 3's Table 4 (nothing
     fitted)."""
-    from shardlab.plan.published_bf16 import FOUNDRY_H100, LLAMA3_H100
-    from shardlab.plan.validate_bf16 import bf16_rows, fit_stack
-    from shardlab.plan.validate_bf16 import leave_one_out as bf16_loo
-    from shardlab.plan.validate_bf16 import summary as bf16_summary
-
     base = get_hardware("h100-sxm")
     _, scales = fit_stack(base, FOUNDRY_H100)
     raw = bf16_rows(base, FOUNDRY_H100)
@@ -88,8 +87,6 @@ def bf16_report() -> tuple[str, dict]:
 
 
 def gpu_report() -> tuple[str, dict]:
-    from shardlab.plan.validate_gpu import H100_RUN, H200_RUN, MEASURED_H100, gpu_rows, trainer_overhead_s
-
     hw = get_hardware("h200")
     rows = gpu_rows(hw)
     lines = [f"One GPU measured ({H200_RUN}): GPT-2 medium's shape, batch 16 x 1024, bf16 autocast; the planner "
@@ -119,8 +116,6 @@ def print_h100_validation(json_path: str | None = None, plot_path: str | None = 
     print(text_gpu)
     write_json(json_path, {**data, "bf16": data_bf16, "one_gpu": data_gpu})
     if plot_path:
-        from shardlab.plan.plot import plot_agreement
-
         points = [(r["case"], r["published_s"], r["predicted_s"]) for r in data["rows"] + [data["held_out"]]]
         points += [(r["case"], r["published_s"], r["predicted_s"])
                    for r in data_bf16["foundry_leave_one_out"] + data_bf16["llama3"]]

@@ -37,6 +37,7 @@ from shardlab.plan.devices import device_spec
 from shardlab.plan.kernels import Kernels
 from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
+from shardlab.plan.steptime import step_time
 
 H200_RUN = "one H200 (141 GB), torch 2.11.0+cu130, driver 580.159.04, 2026-11-28 (docs/planner.md, One GPU)"
 
@@ -147,8 +148,6 @@ def config_layout(lay: Execution | None = None) -> Execution:
 def gpu_rows(hw, measured_runs: dict[str, float] | None = None) -> list[dict]:
     """Every measured way of running the model beside the planner's kernel-time step: what the
     kernels cost, and what each run paid beyond them (its host overhead, unfused kernels)."""
-    from shardlab.plan.steptime import step_time
-
     alone = step_time(GPT_350M, standalone_layout(), hw, BATCH)
     trainer = step_time(GPT_350M, config_layout(), hw, BATCH)
     rows = []

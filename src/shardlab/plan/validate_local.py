@@ -13,11 +13,30 @@ None after each step, as a plain loop's are).
 
 from __future__ import annotations
 
-from shardlab.plan.hardware import Hardware
+from shardlab.plan.hardware import Hardware, this_cpu
 from shardlab.plan.execution import Execution
 from shardlab.plan.memory_model import RankMemory, rank_memory
 from shardlab.plan.models import ModelSpec, spec_from_config
 from shardlab.plan.steptime import StepTime, step_time
+
+
+# The reference step, timed at calibration: a GPT of another shape than any layout validated here.
+REFERENCE = dict(n_layer=2, d_model=320, n_head=5, seq_len=64, batch=12)
+
+
+def reference_efficiency(cal: dict, measured_s: float) -> float:
+    """The share of the kernels' standalone rates a real step reaches on this machine: the
+    reference step predicted from the kernel rates alone, over its measured time. Operands come
+    from memory other ops have just written, autograd and the optimizer add their own work: a step
+    runs slower than the same kernels in a loop. Applied to every layout, like a GPU's mm_eff."""
+    r = REFERENCE
+    spec = ModelSpec(name="reference", n_layer=r["n_layer"], d_model=r["d_model"], n_head=r["n_head"], vocab_size=256,
+                     seq_len=r["seq_len"], bias=False, dropout=0.0, attention="flash")
+    hw = this_cpu({**cal, "step_efficiency": 1.0})
+    predicted = step_time(spec, Execution(micro_batch=r["batch"], precision="fp32", grads_persist=False,
+                                           tp_overlap=False), hw, r["batch"]).total_s
+    return predicted / measured_s
+
 
 def plan_from_config(cfg) -> tuple[ModelSpec, Execution, int]:
     """The planner's view of a shardlab run configuration: (model, layout, global batch)."""
@@ -51,9 +70,6 @@ def run_hardware(cal: dict, measured: dict) -> Hardware:
     (bench/plan_measure.py) instead of at calibration. This machine is shared and its speed drifts by 10-20%
     from minute to minute; the reference step, a GPT of another shape than any layout validated,
     run on the same ranks at the same time, carries that drift and nothing of the layout."""
-    from shardlab.plan.calibrate import reference_efficiency
-    from shardlab.plan.hardware import this_cpu
-
     ref = measured.get("reference_step_s")
     return this_cpu({**cal, "step_efficiency": reference_efficiency(cal, ref)} if ref else cal)
 

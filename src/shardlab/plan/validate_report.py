@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from shardlab.plan.hardware import A100_MM_EFF, get_hardware
+from shardlab.plan.plot import plot_agreement
 from shardlab.plan.validate import (calibrate, leave_one_out, memory_rows, published_rows, sensitivity_rows, summary,
                                     table4_rows)
 
@@ -78,8 +79,6 @@ def print_validation(json_path: str | None = None, plot_path: str | None = None)
     print(text)
     write_json(json_path, data)
     if plot_path:
-        from shardlab.plan.plot import plot_agreement
-
         pts = [(r["case"], r["published_s"], r["predicted_s"]) for r in data["rows"]]
         print(f"wrote {plot_agreement(pts, plot_path, 'Korthikanti et al. 2022, Table 5: seconds per iteration', 's', 0.08)}")
     return 0

@@ -35,6 +35,7 @@ from shardlab.comm.dispatch import Group
 from shardlab.parallel.buckets import trainable_params
 from shardlab.parallel.data import DataParallel
 from shardlab.parallel.expert.layer import expert_layers, expert_parameters
+from shardlab.parallel.optim import MixedPrecisionOptimizer
 from shardlab.parallel.placement import Owned, Placement
 
 
@@ -67,6 +68,7 @@ class ExpertDataParallel(nn.Module):
         self.zero = zero
         # In a tuple, not as attributes: submodules would list the model's parameters twice more.
         if zero:
+            # lazy: `shardlab --help` imports this file but need not import these modules
             from shardlab.parallel.expert.zero import zero_wrappers
 
             self._wrappers = zero_wrappers(module, dense, experts, group, layers[0].expert_replicas, zero, bucket_mb,
@@ -127,11 +129,10 @@ class ExpertDataParallel(nn.Module):
                         **kwargs: Any) -> torch.optim.Optimizer:
         """The unsharded optimizer (parallel/optim.py) told that experts are cut over the ep group,
         so the global gradient norm sums their squares over it and counts dense ones once."""
-        from shardlab.parallel.optim import MixedPrecisionOptimizer
-
         # `tp` (the tensor-parallel record) is part of self.placement, which also has the ep axis: the
         # norm sums the experts' tp shards over tp and their owners over ep from it alone.
         if self.zero:
+            # lazy: `shardlab --help` imports this file but need not import these modules
             from shardlab.parallel.expert.zero import ExpertZeroOptimizer
 
             return ExpertZeroOptimizer(groups, optimizer_cls, self._dense, self._experts, self.placement, **kwargs)

@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from shardlab.parallel.pipeline.actions import (
     B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule,
 )
-from shardlab.parallel.pipeline.deadlock import Desc, ScheduleError, explain_grouped, explain_ops, message_of, show
+from shardlab.parallel.pipeline.deadlock import (
+    DeadlockError, Desc, ScheduleError, explain_grouped, explain_ops, message_of, show,
+)
 from shardlab.parallel.pipeline.streams import Streams
 
 DEFAULT_COSTS: dict[str, float] = {F: 1.0, B: 2.0, BI: 1.0, BW: 1.0}
@@ -301,6 +303,54 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, laten
     return Simulation(schedule, mbs, chunks, owners, start, end, release, groups, peak, cost)
 
 
+# The plan the executor posts: a schedule's receives placed so that NCCL's in-order groups cannot
+# deadlock. The semantics above (one group per run of communication actions, a rank's groups one after
+# another, a transfer once both its groups are active) make a receive posted early a liability: the
+# compute that needs the first message of a group waits for the whole group, and a receive at the head
+# of the stream blocks the sends queued behind it. So the executor does not post receives where a
+# schedule's prefetch puts them; `grouped` moves each to where the proof needs it.
+
+
+def _just_in_time(actions: list[Action]) -> list[Action]:
+    """The list with every receive moved to just before the compute that consumes it."""
+    recvs = {(F if a.op == RECV_F else B, a.microbatch, a.chunk): a for a in actions if a.op in (RECV_F, RECV_B)}
+    out: list[Action] = []
+    for a in actions:
+        if a.op in (RECV_F, RECV_B):
+            continue
+        key = (F if a.op == F else B, a.microbatch, a.chunk)
+        if a.op in (F, B, BI) and key in recvs:
+            out.append(recvs.pop(key))
+        out.append(a)
+    return out + list(recvs.values())  # a receive nothing consumes: left for check() to name
+
+
+def grouped(schedule: Schedule, limit: int = 2_000) -> Schedule:
+    """The schedule as the executor posts it on NCCL's in-order groups (the semantics above).
+
+    Every receive is first posted just before the compute that consumes it (in the group holding
+    the sends of the compute before): a receive posted earlier would make that compute's whole
+    group, and the compute, wait for it. Then, while the simulation finds a cycle of waits in which
+    a send waits for a receive its peer has not posted yet, that receive moves one compute earlier
+    (into the group before), which is how a peer's send and our receive end up in groups active at
+    the same time. Computes and sends keep their places, so the result computes exactly what the
+    schedule does; if no receive in a cycle can move, the schedule deadlocks and that is raised."""
+    plan = [_just_in_time(actions) for actions in schedule]
+    for _ in range(limit):
+        try:
+            simulate(plan, grouped_posts=True)
+            return plan
+        except DeadlockError as exc:
+            if not exc.late:
+                raise
+            r, i = exc.late[0]
+            j = max((k for k in range(i) if not plan[r][k].is_comm), default=None)
+            if j is None:
+                raise
+            plan[r].insert(j, plan[r].pop(i))
+    raise ScheduleError(0, 0, f"could not group the schedule's messages within {limit} moves")
+
+
 def check(schedule: Schedule) -> Simulation:
     """Prove the schedule runs to completion under the executor's semantics, or raise ScheduleError.
 
@@ -308,7 +358,5 @@ def check(schedule: Schedule) -> Simulation:
     actions: a swapped order, a missing send, a cycle of computes); then the plan the executor
     posts, `grouped(schedule)`, under NCCL's grouped semantics. Returns the plan's simulation (its
     `schedule` is the plan, whose indices the executor's release points refer to)."""
-    from shardlab.parallel.pipeline.grouping import grouped  # it builds on simulate(): imported late
-
     simulate(schedule, grouped_posts=False)
     return simulate(grouped(schedule), grouped_posts=True)

@@ -5,7 +5,7 @@
     result = runner.run(x, y, on_step=optimizer_step)   # result.loss on every rank
 
 Semantics (the ones check.py proves a schedule safe under, on gloo and NCCL alike):
-  * The executor runs check()'s plan of the schedule (grouping.grouped: the same computes and
+  * The executor runs check()'s plan of the schedule (check.grouped: the same computes and
     sends, each receive moved to where NCCL's in-order groups cannot deadlock). The sends and
     receives between two computes are one group, posted at once with one `batch_isend_irecv`
     (NCCL runs it as one ncclGroupStart/End, so the sends and receives of a group never wait for

@@ -30,6 +30,7 @@ import torch.nn as nn
 from shardlab import comm
 from shardlab.models.moe import aux_loss_scope
 from shardlab.parallel.data import DataParallel
+from shardlab.parallel.expert.data_parallel import ExpertDataParallel
 from shardlab.parallel.fsdp import FullyShardedDataParallel
 from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import PieceOptimizer, WholeLayout, param_groups, unique_trainable
@@ -133,8 +134,6 @@ class StageOptimizer(PieceOptimizer):
 def _expert_zero(dp: nn.Module | None) -> tuple[ZeroDataParallel, ZeroDataParallel] | None:
     """The (dense, experts) ZeRO wrappers of an ExpertDataParallel under ZeRO-1/2 (parallel/expert/
     data_parallel.py), else None."""
-    from shardlab.parallel.expert.data_parallel import ExpertDataParallel
-
     if isinstance(dp, ExpertDataParallel) and dp.zero:
         return dp._dense, dp._experts
     return None
@@ -224,6 +223,7 @@ class PipelineParallel(nn.Module):
             return self.data_parallel.build_optimizer(params, optimizer_cls, tp=self.placement, **optimizer_kwargs)
         zero = _expert_zero(self.data_parallel)
         if zero is not None:  # experts at ep > 1 under ZeRO-1/2: one optimizer over both kinds' shards
+            # lazy: `shardlab --help` imports this file but need not import these modules
             from shardlab.parallel.expert.zero import ExpertZeroOptimizer
 
             return ExpertZeroOptimizer(params, optimizer_cls, *zero, self.placement, **optimizer_kwargs)

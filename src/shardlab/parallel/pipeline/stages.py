@@ -35,20 +35,10 @@ import torch.nn as nn
 from shardlab.models import GPT, DeepMLP
 from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
 from shardlab.parallel.pipeline.partition import balance as balance_costs
-from shardlab.parallel.pipeline.partition import check_sizes
+from shardlab.parallel.pipeline.partition import check_sizes, model_pieces
 from shardlab.parallel.pipeline.schedules import chunk_owner
 from shardlab.parallel.precision import restore_fp32_sources
-
-
-def model_pieces(model: nn.Module) -> list[tuple[str, list[str]]]:
-    """The model's pieces in order: (piece name, attribute paths of its modules)."""
-    if isinstance(model, GPT):
-        embed = ["tok_emb"] + (["pos_emb"] if model.pos_emb is not None else [])
-        return [("embed", embed)] + [(f"blocks.{i}", [f"blocks.{i}"]) for i in range(len(model.blocks))] + \
-            [("head", ["ln_f", "head"])]
-    if isinstance(model, DeepMLP):
-        return [(f"layers.{i}", [f"layers.{i}"]) for i in range(len(model.layers))]
-    raise TypeError(f"cannot split {type(model).__name__} into pipeline stages: GPT and DeepMLP are supported")
+from shardlab.parallel.tensor.sequence import SumScope, norm_params
 
 
 # Parameter-free swap points every chunk carries a copy of (models/gpt.py, models/mlp.py): a chunk
@@ -230,8 +220,6 @@ def _rest_scope(chunk: GPTChunk) -> GPTChunk:
     """Under sequence parallelism the positions and the final norm sum their partial gradients in one
     all-reduce, in a SumScope opened by the whole model's forward, which a chunk never runs: the chunk
     opens its own over those it holds (the last chunk's norm gain and bias: one sum, not two)."""
-    from shardlab.parallel.tensor.sequence import SumScope, norm_params
-
     owners = []
     if chunk.pos_emb is not None and hasattr(chunk.pos_emb, "_sum_scope"):
         owners.append((chunk.pos_emb, "weight"))

@@ -132,6 +132,7 @@ def compile_plan(model: nn.Module, plan: ShardingPlan, group: Group, base: Place
                 owner, _, attr = name.rpartition(".")
                 carry_fp32_source(p, p, lambda t, n=name: record.local_slice(t, n), modules[owner], attr)
     if plan.context_axis:
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.parallel.sharding.context import compile_context
 
         compile_context(model, plan.modules, cp_group)

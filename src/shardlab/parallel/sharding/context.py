@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 import torch.nn as nn
 
+from shardlab.parallel.context import RingAttend, ZigzagTokens
 from shardlab.parallel.context.zigzag import split_problems
 from shardlab.parallel.sharding.plan import Collective, ModulePlan
 from shardlab.parallel.sharding.rules import CONTEXT_AXIS, MODEL_AXIS
@@ -95,8 +96,6 @@ def compile_context(model: nn.Module, plan_modules: list[ModulePlan], group: obj
     """The plan's context-parallel modules onto the GPT over the cp `group`, in place: its tokens swap
     point becomes ZigzagTokens (this rank's chunks, their positions, the loss averaged over cp) and each
     planned attention core RingAttend (parallel/context: the one ring)."""
-    from shardlab.parallel.context import RingAttend, ZigzagTokens
-
     for mp in plan_modules:
         if mp.context_axis is None or not mp.collectives():
             continue

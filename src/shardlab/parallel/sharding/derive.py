@@ -34,6 +34,9 @@ from collections.abc import Mapping, Sequence
 import torch.nn as nn
 
 from shardlab.models.axes import GPT_ACTIVATIONS, TensorAxes, mlp_activation_axes, mlp_layer_axes, param_axes
+from shardlab.models.gpt import GPT
+from shardlab.models.mlp import DeepMLP
+from shardlab.models.moe import MoE
 from shardlab.parallel.placement import Shard
 from shardlab.parallel.sharding.placed import add_stages, expert_module, placed, placed_problems, rank0_params, tied_sum
 from shardlab.parallel.sharding.plan import Collective, ModulePlan, ShardingPlan
@@ -57,9 +60,6 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
     `zero`: layout.zero, the data-parallel engine's stage (1 and 2 reduce-scatter and all-gather where
     plain data parallelism all-reduces). `virtual_stages`, `stage_layers`: the layout's, for the split
     of layers over pp (placed.py). Raises ShardingError naming every problem. Needs no process group."""
-    from shardlab.models.gpt import GPT
-    from shardlab.models.mlp import DeepMLP
-
     problems = rules.problems()
     axes = param_axes(model)
     cp, seq_tp = split_seq(rules.compute)
@@ -75,6 +75,7 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
         _twice(f"parameter {name}", ta, compute, problems)
         _divides(name, ta, dict(model.named_parameters())[name].shape, compute, sizes, problems)
     if isinstance(model, GPT):
+        # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.parallel.sharding.context import add_context, context_problems
 
         t_all = seq or model.cfg.seq_len
@@ -152,8 +153,6 @@ def _gpt(model: nn.Module, c: dict[str, str], sizes: Mapping[str, int], rows: in
          problems: list[str], cp: str | None = None, ep: str | None = None) -> list[ModulePlan]:
     """`t`: the tokens this rank runs (the whole sequence / cp under context parallelism); `ep`: the
     experts' axis, when the rules place them (placed.py)."""
-    from shardlab.models.moe import MoE
-
     cfg, n = model.cfg, sizes.get(MODEL_AXIS, 1)
     S, H, KV, M, V = (c.get(k) for k in ("seq", "heads", "kv_heads", "mlp", "vocab"))
     # The batch's rows over dp, and over ep too when the experts are placed there (dp x ep batch ranks).

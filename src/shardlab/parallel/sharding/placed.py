@@ -34,6 +34,10 @@ from collections.abc import Mapping, Sequence
 
 import torch.nn as nn
 
+from shardlab.models.moe import MoE
+from shardlab.parallel.pipeline.partition import layout_balance
+from shardlab.parallel.pipeline.schedules import chunk_owner
+from shardlab.parallel.pipeline.stages import plan_split
 from shardlab.parallel.sharding.plan import Collective, ModulePlan
 from shardlab.parallel.sharding.rules import (
     CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, MODEL_AXIS, PIPELINE_AXIS, Rules, axes_of,
@@ -47,8 +51,6 @@ def placed(compute: Mapping[str, str]) -> tuple[str | None, str | None]:
 
 
 def _moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from shardlab.models.moe import MoE
-
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
 
 
@@ -131,10 +133,6 @@ def add_stages(model: nn.Module, modules: list[ModulePlan], sizes: Mapping[str, 
     """`modules` with each one's pipeline rank set and, after the last module of every chunk but the
     last, the boundary's point-to-point messages (`activation_bytes`: one micro-batch's hidden states).
     A boundary where the rules leave the hidden states cut over tp is added to `problems`."""
-    from shardlab.parallel.pipeline.partition import layout_balance
-    from shardlab.parallel.pipeline.schedules import chunk_owner
-    from shardlab.parallel.pipeline.stages import plan_split
-
     n = sizes.get(PIPELINE_AXIS, 1)
     split = plan_split(model, n, virtual, layout_balance(model, n, virtual, stage_layers))
     chunk_of = {split.pieces[i]: c for c in range(split.chunks) for i in split.chunk_range(c)}
@@ -162,9 +160,6 @@ def add_stages(model: nn.Module, modules: list[ModulePlan], sizes: Mapping[str, 
 
 def _split(model: nn.Module, sizes: Mapping[str, int], virtual: int, stage_layers: Sequence[int]) -> tuple[dict, int]:
     """({piece: its chunk}, pp degree) of the trainer's split (parallel/pipeline: the same plan_split)."""
-    from shardlab.parallel.pipeline.partition import layout_balance
-    from shardlab.parallel.pipeline.stages import plan_split
-
     n = sizes.get(PIPELINE_AXIS, 1)
     split = plan_split(model, n, virtual, layout_balance(model, n, virtual, stage_layers))
     return {split.pieces[i]: c for c in range(split.chunks) for i in split.chunk_range(c)}, n
@@ -175,8 +170,6 @@ def rank0_params(model: nn.Module, sizes: Mapping[str, int], pp: str | None, ep:
                  stage_layers: Sequence[int]) -> tuple[set[str], set[str]]:
     """(the dense parameters, the experts' parameters) that rank 0 holds: pp rank 0's chunks, ep rank
     0's experts; every one when neither axis is placed over."""
-    from shardlab.parallel.pipeline.schedules import chunk_owner
-
     names = {n for n, _ in model.named_parameters()}
     if pp and sizes.get(PIPELINE_AXIS, 1) > 1:
         chunk_of, n_pp = _split(model, sizes, virtual, stage_layers)
