@@ -15,7 +15,7 @@ as 1, 2, 3"):
 
 so each element gets the same keep/drop decision in every layout, and recomputation (activation
 checkpointing) replays it by construction. Keep when hash >= p x 2^32; kept values are scaled by
-1 / (1 - p), as nn.Dropout does.
+1 / (1 - p), as nn.Dropout does, and backward keeps a boolean mask, as nn.Dropout's does.
 
 The hash: a chain `h = mix(h ^ coordinate)` over the coordinates, outermost first, so the cheap
 stages run on small broadcast tensors (b x 1, b x t) and only the last on the full tensor. `mix` is an
@@ -79,10 +79,36 @@ def chain(h: int | torch.Tensor, *coords: torch.Tensor) -> torch.Tensor:
     return out  # type: ignore[return-value]
 
 
-def keep_scale(h: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
-    """The mask from hashes `h`: 1 / (1 - p) where kept (h >= p 2^32), 0 where dropped, in `dtype`."""
-    keep = h >= int(round(p * 2**32))
-    return keep.to(dtype) * (1.0 / (1.0 - p))
+def _int32(x: int | torch.Tensor) -> int | torch.Tensor:
+    """Values in [0, 2^32) as int32 with the same 32 bits (two's complement)."""
+    if isinstance(x, int):
+        return x - 2**32 if x >= 2**31 else x
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def keep_mask(h: int | torch.Tensor, last: torch.Tensor, p: float) -> torch.Tensor:
+    """Whether each element is kept, from the hashes `h` of all coordinates but the last and the last,
+    broadcast to the full tensor: keep where mix(h ^ last) >= p 2^32.
+
+    The full-size stage is the cost, so it runs differently from `mix` with the same result (the test
+    checks it against the host's exact arithmetic): in int32, in place on one fresh tensor. CPUs have
+    no vector shift of int64 (AVX2), so int64 ran 70 times slower than this; int32 multiplication
+    wraps modulo 2^32 (two's complement, on CPUs' scalar and vector units and on CUDA alike), right
+    shifts are made logical by masking the sign's copies, and the unsigned comparison is a signed one
+    with the sign bit flipped. It leaves out mix's final xor-shift, which changes only the low 16
+    bits, below where the threshold is decided in all but 1 in 2^16 cases."""
+    x = _int32(h) ^ _int32(last)  # the one full-size allocation
+    x ^= (x >> 16) & 0xFFFF
+    x *= _C1
+    x ^= (x >> 15) & 0x1FFFF
+    x *= _C2
+    x ^= -(2**31)
+    return x >= int(round(p * 2**32)) - 2**31
+
+
+def dropped(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """x / (1 - p) where kept, 0 where dropped (autograd keeps only the boolean mask)."""
+    return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)
 
 
 # ------------------------------------------------------------------------------ the ambient place
@@ -146,8 +172,8 @@ class Coordinates:
     def residual(self, x: torch.Tensor, layer: int, site: int) -> torch.Tensor:
         """Dropout of the residual-stream tensor `x` (..., tokens, width) at a block's `site`."""
         feat = torch.arange(x.shape[-1], device=x.device)
-        h = chain(chain(self.site_key(layer, site), self.res_rows, self.res_pos).unsqueeze(-1), feat)
-        return x * keep_scale(h, self.p, x.dtype)
+        token = chain(self.site_key(layer, site), self.res_rows, self.res_pos).unsqueeze(-1)
+        return dropped(x, keep_mask(token, feat, self.p), self.p)
 
     def attention(self, layer: int, head_offset: int) -> AttentionDropout:
         """The attention probabilities' dropout of `layer`, for query heads from `head_offset`."""
@@ -166,13 +192,15 @@ class AttentionDropout:
     head_offset: int
     positions: torch.Tensor   # (t,) the queries' (and, outside the ring, the keys') positions
 
-    def mask(self, heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
-             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The scaled keep mask (b, heads, len(q_pos), len(k_pos)) in `dtype`."""
+    def mask(self, heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Whether each probability is kept: (b, heads, len(q_pos), len(k_pos)) booleans."""
         head = torch.arange(self.head_offset, self.head_offset + heads, device=q_pos.device)
-        h = chain(self.key, self.rows.view(-1, 1, 1, 1), head.view(1, -1, 1, 1), q_pos.view(1, 1, -1, 1),
-                  k_pos.view(1, 1, 1, -1))
-        return keep_scale(h, self.p, dtype)
+        h = chain(self.key, self.rows.view(-1, 1, 1, 1), head.view(1, -1, 1, 1), q_pos.view(1, 1, -1, 1))
+        return keep_mask(h, k_pos.view(1, 1, 1, -1), self.p)
+
+    def apply(self, probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """`probs` dropped by the mask `keep` (from `mask`)."""
+        return dropped(probs, keep, self.p)
 
 
 def coordinates(p: float, rows: int, positions: torch.Tensor,

@@ -124,7 +124,7 @@ def dropped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop: A
     s = torch.matmul(q32, k32.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     t = s.shape[-1]
     s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    probs = torch.softmax(s, dim=-1) * drop.mask(q.shape[1], drop.positions, drop.positions)
+    probs = drop.apply(torch.softmax(s, dim=-1), drop.mask(q.shape[1], drop.positions, drop.positions))
     return torch.matmul(probs, v32).to(q.dtype)
 
 

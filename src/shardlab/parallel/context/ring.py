@@ -27,6 +27,7 @@ received at step i is only needed after step i+1's compute, so that transfer ove
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,14 +56,15 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t[..., :c, :], t[..., c:, :]
 
 
-def _keep(drop: AttentionDropout | None, heads: int, c: int, q_chunk: int, k_chunk: int,
-          device: torch.device) -> torch.Tensor | None:
-    """The dropout mask of query chunk `q_chunk` over key chunk `k_chunk` (chunks of c tokens), by
-    their global positions: the single process's mask for those (query, key) pairs."""
+def _block_dropout(drop: AttentionDropout | None, heads: int, c: int, q_chunk: int, k_chunk: int,
+          device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The dropout of query chunk `q_chunk`'s probabilities over key chunk `k_chunk` (chunks of c
+    tokens), by their global positions: the single process's masks for those (query, key) pairs."""
     if drop is None:
         return None
     pos = torch.arange(c, device=device)
-    return drop.mask(heads, q_chunk * c + pos, k_chunk * c + pos)
+    keep = drop.mask(heads, q_chunk * c + pos, k_chunk * c + pos)
+    return lambda probs: drop.apply(probs, keep)
 
 
 class RingAttention(torch.autograd.Function):
@@ -88,8 +90,8 @@ class RingAttention(torch.autograd.Function):
                     kind = block_kind(q_chunk, theirs[ki])
                     if kind == SKIP:
                         continue
-                    keep = _keep(drop, q.shape[1], k_blk.shape[-2], q_chunk, theirs[ki], q.device)
-                    o_blk, lse_blk = block_forward(q_parts[qi], k_blk, v_blk, kind, scale, keep)
+                    drop_blk = _block_dropout(drop, q.shape[1], k_blk.shape[-2], q_chunk, theirs[ki], q.device)
+                    o_blk, lse_blk = block_forward(q_parts[qi], k_blk, v_blk, kind, scale, drop_blk)
                     outs[qi], lses[qi] = merge(outs[qi], lses[qi], o_blk, lse_blk)
             if pending is not None:
                 kv = pending[0].wait()
@@ -127,9 +129,9 @@ class RingAttention(torch.autograd.Function):
                     if kind == SKIP:
                         continue
                     sl = slice(ki * c, (ki + 1) * c)
-                    keep = _keep(drop, q.shape[1], c, q_chunk, k_chunk, q.device)  # the forward's, recomputed
+                    drop_blk = _block_dropout(drop, q.shape[1], c, q_chunk, k_chunk, q.device)  # the forward's, recomputed
                     dq_b, dk_b, dv_b = block_backward(q_parts[qi], kv32[0][..., sl, :], kv32[1][..., sl, :], kind,
-                                                      scale, lse_parts[qi], go_parts[qi], delta_parts[qi], keep)
+                                                      scale, lse_parts[qi], go_parts[qi], delta_parts[qi], drop_blk)
                     dq[qi] += dq_b
                     contrib[0][..., sl, :] += dk_b
                     contrib[1][..., sl, :] += dv_b
