@@ -230,6 +230,8 @@ def main() -> int:
     ap.add_argument("--skip-json", default=None, metavar="PATH", help="leave out the cases an earlier --json "
                                                                     "already holds (to continue a run)")
     ap.add_argument("--no-multi", action="store_true", help="skip the 8-rank multi-axis layouts")
+    ap.add_argument("--multi", default=None, metavar="NAMES", help="run these multi-axis layouts only (';'-separated, "
+                                                                 f"of: {'; '.join(MULTI)})")
     ap.add_argument("--no-pairs", action="store_true", help="run the multi-axis layouts only")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (default %(default)s)")
     ap.add_argument("--lock", default=None, metavar="FILE", help="hold this file's lock (flock) during each launch, "
@@ -254,7 +256,10 @@ def main() -> int:
             if bad := [w for w in wanted if len(w) != 2 or any(n not in FEATURES for n in w)]:
                 ap.error(f"--pairs: {bad} are not pairs of known features ({', '.join(FEATURES)})")
             todo = [("pair", w) for w in wanted]
-        todo += [] if args.no_multi else [("multi", m) for m in MULTI]
+        multi = args.multi.split(";") if args.multi else list(MULTI)
+        if bad := [m for m in multi if m not in MULTI]:
+            ap.error(f"--multi: unknown layout(s) {bad}; known: {'; '.join(MULTI)}")
+        todo += [] if args.no_multi else [("multi", m) for m in multi]
         if args.skip_json:
             done = {r["case"] for r in json.loads(Path(args.skip_json).read_text())}
             todo = [(k, w) for k, w in todo if (" + ".join(w) if k == "pair" else w) not in done]
