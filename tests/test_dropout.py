@@ -127,3 +127,16 @@ def test_verify_with_dropout(pools, world, layout):
 
     report = pools(world).run(verify_rank, _cfg(*layout), 1e-6, 1e-5)[0]
     assert report["passed"], json.dumps(report["per_step"], indent=1)
+
+
+def test_accepted_and_refused_before_launch():
+    from shardlab.train.config import ConfigError
+
+    for extra in (["layout.tp=2", "layout.sp=true"], ["layout.cp=2"], ["layout.cp=2", "sharding.compute=seq=cp"]):
+        load_config(None, ["model.dropout=0.1", *extra], base=VERIFY_BASE).validate()
+    # The derived route does not set the head offset or the token coordinates: refused, with why.
+    cfg = load_config(None, ["model.dropout=0.1", "layout.tp=2", "sharding.compute=heads=tp, mlp=tp, vocab=tp"],
+                      base=VERIFY_BASE)
+    with pytest.raises(ConfigError, match=r"model.dropout = 0.1 with \[sharding\] rules at layout.tp = 2: the "
+                                          r"derived route does not tell attention which heads a rank holds"):
+        cfg.validate()

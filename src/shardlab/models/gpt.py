@@ -7,7 +7,9 @@ load-balancing loss the forward adds to the cross-entropy. The family options (m
 norm 'layernorm' or 'rmsnorm', mlp 'gelu', 'gelu_tanh' or 'swiglu', bias, rope_theta, so that
 GPT-2 (layernorm, gelu, biases, learned positions, tied head) and Llama 3 (rmsnorm, swiglu, no
 biases, rotary, grouped-query attention, untied head) are both this class. `flops_per_token` gives the model FLOPs
-used for MFU (6N of the active parameters plus attention, by models/flops.py's one formula).
+used for MFU (6N of the active parameters plus attention, by models/flops.py's one formula). Dropout (on the
+attention and MLP outputs and the attention probabilities) draws masks from each element's place in the run
+(models/dropout.py), which every layout reproduces.
 """
 
 from __future__ import annotations
