@@ -140,3 +140,19 @@ def test_accepted_and_refused_before_launch():
     with pytest.raises(ConfigError, match=r"model.dropout = 0.1 with \[sharding\] rules at layout.tp = 2: the "
                                           r"derived route does not tell attention which heads a rank holds"):
         cfg.validate()
+
+
+def test_compiled_forward_draws_the_same_masks_without_recompiling():
+    # The key is a tensor made outside the graph: a new step is new inputs, not a new graph.
+    import torch._dynamo
+
+    model = _model()
+    ref, idx = copy.deepcopy(model), torch.randint(0, 256, (3, 16))
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=lambda gm, inputs: graphs.append(gm) or gm.forward)
+    for step in range(3):
+        with D.batch_place(0, step, 0):
+            assert compiled(idx, idx).item() == ref(idx, idx).item(), step
+    assert len(graphs) == 2, len(graphs)   # before and after the coordinates (compiler.disable), once
+    torch._dynamo.reset()

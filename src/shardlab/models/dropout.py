@@ -160,14 +160,14 @@ class Coordinates:
     (b, 1) and (1, t), or (b, t/n) each under sequence parallelism."""
 
     p: float
-    key: int
+    key: torch.Tensor   # 0-dim int64 on the device: a tensor, so a compiled forward does not specialise on it
     rows: torch.Tensor
     positions: torch.Tensor
     res_rows: torch.Tensor
     res_pos: torch.Tensor
 
-    def site_key(self, layer: int, site: int) -> int:
-        return mix_int(self.key ^ (layer * 8 + site))
+    def site_key(self, layer: int, site: int) -> torch.Tensor:
+        return mix(self.key ^ (layer * 8 + site))
 
     def residual(self, x: torch.Tensor, layer: int, site: int) -> torch.Tensor:
         """Dropout of the residual-stream tensor `x` (..., tokens, width) at a block's `site`."""
@@ -187,7 +187,7 @@ class AttentionDropout:
     head, query position and key position. `mask` serves any block of queries and keys (the ring's)."""
 
     p: float
-    key: int
+    key: int | torch.Tensor
     rows: torch.Tensor        # (b,)
     head_offset: int
     positions: torch.Tensor   # (t,) the queries' (and, outside the ring, the keys') positions
@@ -203,6 +203,7 @@ class AttentionDropout:
         return dropped(probs, keep, self.p)
 
 
+@torch.compiler.disable  # reads the ambient place on the host; a compiled forward takes its result as inputs
 def coordinates(p: float, rows: int, positions: torch.Tensor,
                 split: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
                 ) -> Coordinates:
@@ -217,8 +218,9 @@ def coordinates(p: float, rows: int, positions: torch.Tensor,
     else:
         key, first = int(torch.randint(0, 2**32, (), dtype=torch.int64)), 0
     row_ids = torch.arange(first, first + rows, device=device)
+    key_t = torch.tensor(key, dtype=torch.int64, device=device)
     pos = positions.to(device=device, dtype=torch.int64)
     res_rows, res_pos = row_ids.view(-1, 1), pos.view(1, -1)
     if split is not None:
         res_rows, res_pos = split(res_rows, res_pos)
-    return Coordinates(p, key, row_ids, pos, res_rows, res_pos)
+    return Coordinates(p, key_t, row_ids, pos, res_rows, res_pos)
