@@ -218,7 +218,7 @@ def coordinates(p: float, rows: int, positions: torch.Tensor,
     else:
         key, first = int(torch.randint(0, 2**32, (), dtype=torch.int64)), 0
     row_ids = torch.arange(first, first + rows, device=device)
-    key_t = torch.tensor(key, dtype=torch.int64, device=device)
+    key_t = torch.full((), key, dtype=torch.int64, device=device)  # a fill: no host-to-device copy
     pos = positions.to(device=device, dtype=torch.int64)
     res_rows, res_pos = row_ids.view(-1, 1), pos.view(1, -1)
     if split is not None:
