@@ -7,7 +7,9 @@ Layouts: `verify_rank` (what `shardlab verify` runs: 5 steps against one process
 1e-5, parameters 1e-7 + 1e-6 of scale) with model.dropout = 0.1, attention dropout included, for
 tp + sp, cp (the ring's blocks), pp (1F1B microbatches) with dp, dp with micro-batches, cp x tp x sp, and
 bf16 (within the mixed-precision single process's own error, as verify measures it).
-Recomputation replaying the masks is tests/test_recompute.py's (one process and tp, bit for bit).
+Also: a compiled forward draws the eager masks without recompiling per step; what is accepted and
+refused before launch. Recomputation replaying the masks is tests/test_recompute.py's (one process and
+tp, bit for bit).
 """
 
 from __future__ import annotations
