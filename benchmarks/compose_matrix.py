@@ -9,8 +9,9 @@
 Features: data parallelism with each ZeRO stage (dp 2, zero 0-3), tensor parallelism (tp 2), tensor +
 sequence parallelism (tp 2 --sp), a pipeline of 2 stages under each schedule (4 microbatches;
 interleaved with 2 virtual stages), context parallelism (cp 2), expert parallelism (ep 2 over 4
-experts), recomputation (full, selective), bf16 mixed precision, and a checkpoint saved under one
-layout and resumed under another. Two features of one family (two ZeRO stages, two schedules, tp
+experts), recomputation (full, selective), bf16 mixed precision, dropout (model.dropout 0.1: on the attention and
+MLP outputs and the attention probabilities), and a checkpoint saved under one layout and resumed
+under another. Two features of one family (two ZeRO stages, two schedules, tp
 and tp + sp, the two recomputation modes) are not a pair. Every case is the GPT of `verify`'s
 default small model (2 layers, or as many as the pipeline's chunks need, d_model 64, 5 steps).
 
@@ -59,6 +60,7 @@ FEATURES: dict[str, tuple[str, list[str]]] = {
     "rc-full": ("rc", ["--recompute", "full"]),
     "rc-selective": ("rc", ["--recompute", "selective"]),
     "bf16": ("precision", ["--precision", "bf16"]),
+    "dropout": ("dropout", ["--set", "model.dropout=0.1"]),  # residual and attention dropout (models/dropout.py)
     "resume": ("resume", []),
 }
 
@@ -69,6 +71,8 @@ MULTI: dict[str, list[str]] = {
                                       "interleaved", "--virtual-stages", "2", "--microbatches", "4"],
     "dp2 ep2 pp2 zero2 experts": ["--dp", "2", "--ep", "2", "--pp", "2", "--zero", "2", "--experts", "4",
                                   "--microbatches", "4"],
+    "tp2 pp2 cp2 sp zero1 dropout": ["--tp", "2", "--pp", "2", "--cp", "2", "--sp", "--zero", "1", "--microbatches",
+                                     "4", "--set", "model.dropout=0.1"],
 }
 
 
@@ -129,12 +133,13 @@ def run_verify(label: str, flags: list[str], workdir: Path, timeout: float) -> d
 
 
 def _train(flags: list[str], out_dir: Path, extra: list[str], timeout: float) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "shardlab", "train", "--model", "gpt", "--steps", "4", *flags,
+    # The fixed settings first, so that a feature's own --set (the dropout feature's) wins over them.
+    cmd = [sys.executable, "-m", "shardlab", "train", "--model", "gpt", "--steps", "4",
            "--set", f"log.out_dir={json.dumps(str(out_dir))}", "--set", "model.n_layer=2", "--set", "model.d_model=64",
            "--set", "model.n_head=4", "--set", "model.seq_len=32", "--set", "model.dropout=0.0",
            "--set", "train.global_batch=8", "--set", "train.warmup_steps=1", "--set", "train.log_every=1",
            "--set", "train.eval_every=0", "--set", "data.max_bytes=200000", "--set", "log.sample_tokens=0",
-           "--set", "log.plot=false", "--set", "log.tensorboard=false", *extra]
+           "--set", "log.plot=false", "--set", "log.tensorboard=false", *flags, *extra]
     with _held():
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
@@ -172,10 +177,11 @@ def run_resume(label: str, partner: str, workdir: Path, timeout: float) -> dict:
 
 
 def _model_flags(flags: list[str]) -> list[str]:
-    """Of a feature's flags, those that describe the model or its arithmetic, not the layout."""
+    """Of a feature's flags, those that describe the model or its arithmetic, not the layout (dropout:
+    the resumed single process draws the masks the layout drew, so its losses must match too)."""
     keep, out = ("--experts", "--precision"), []
     for i, f in enumerate(flags):
-        if f in keep:
+        if f in keep or (f == "--set" and flags[i + 1].startswith("model.")):
             out += [f, flags[i + 1]]
     return out
 
@@ -223,7 +229,9 @@ def main() -> int:
     ap.add_argument("--pairs", default=None, help="run these pairs only, e.g. zero1+pp-1f1b,cp+tp (after --only)")
     ap.add_argument("--skip-json", default=None, metavar="PATH", help="leave out the cases an earlier --json "
                                                                     "already holds (to continue a run)")
-    ap.add_argument("--no-multi", action="store_true", help="skip the three 8-rank multi-axis layouts")
+    ap.add_argument("--no-multi", action="store_true", help="skip the 8-rank multi-axis layouts")
+    ap.add_argument("--multi", default=None, metavar="NAMES", help="run these multi-axis layouts only (';'-separated, "
+                                                                 f"of: {'; '.join(MULTI)})")
     ap.add_argument("--no-pairs", action="store_true", help="run the multi-axis layouts only")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per launch (default %(default)s)")
     ap.add_argument("--lock", default=None, metavar="FILE", help="hold this file's lock (flock) during each launch, "
@@ -248,7 +256,10 @@ def main() -> int:
             if bad := [w for w in wanted if len(w) != 2 or any(n not in FEATURES for n in w)]:
                 ap.error(f"--pairs: {bad} are not pairs of known features ({', '.join(FEATURES)})")
             todo = [("pair", w) for w in wanted]
-        todo += [] if args.no_multi else [("multi", m) for m in MULTI]
+        multi = args.multi.split(";") if args.multi else list(MULTI)
+        if bad := [m for m in multi if m not in MULTI]:
+            ap.error(f"--multi: unknown layout(s) {bad}; known: {'; '.join(MULTI)}")
+        todo += [] if args.no_multi else [("multi", m) for m in multi]
         if args.skip_json:
             done = {r["case"] for r in json.loads(Path(args.skip_json).read_text())}
             todo = [(k, w) for k, w in todo if (" + ".join(w) if k == "pair" else w) not in done]

@@ -42,13 +42,15 @@ def layer_bytes(mode: str, s: int, b: int, h: int, a: int, dropout: float) -> in
     kernel saves views of them), its output sbh (also the output projection's input: a view, the
     kernel writes it in (b, s, heads, d) order) and its log-sum-exp a s b: 16 sbh + 4 sb + a s b
     elements. Korthikanti et al.'s 34 sbh (fp16 bytes) is 16 sbh values plus two 1-byte masks.
-    With dropout, the unfused path: the scaled q, k and v copies 3sbh, softmax(QK^T), its dropout
-    mask (fp32 on CPU) and the dropped probabilities, a s^2 b each; the output projection's input,
-    a copy sbh; the two dropout masks after the projections, fp32 on CPU, 2sbh: 18 sbh + 3 a s^2 b
-    (Korthikanti's 5 a s^2 b in fp16 bytes is two 2-byte tensors and a 1-byte mask).
-    selective: the core's own saved tensors are replaced by its inputs q, k, v: with dropout those
-    are the projections' outputs 3sbh in place of the copies 3sbh, so exactly the 3 a s^2 b go;
-    without, the log-sum-exp goes and the output stays (the projection keeps it anyway).
+    With dropout, the plain attention of models/gpt.py (dropped_attention): q, k and v as views of
+    the projections' outputs 3sbh, softmax(QK^T) and the dropped probabilities, a s^2 b values each,
+    the boolean keep mask a s^2 b bytes and the causal mask s^2 bytes; the output projection's
+    input, a copy sbh; the two residual dropout masks, booleans, 2sbh bytes (models/dropout.py):
+    16 sbh values + 2 sbh + 9 a s^2 b + s^2 bytes (Korthikanti's 5 a s^2 b in fp16 bytes is two
+    2-byte tensors and a 1-byte mask: the same three tensors).
+    selective: the core's own saved tensors are replaced by its inputs q, k, v, the same views, so
+    exactly the 9 a s^2 b + s^2 bytes go; without dropout, the log-sum-exp goes and the output stays
+    (the projection keeps it anyway).
     full: the block's input, sbh.
     """
     sbh, sb = s * b * h, s * b
@@ -56,8 +58,8 @@ def layer_bytes(mode: str, s: int, b: int, h: int, a: int, dropout: float) -> in
         return F32 * sbh
     norms = 4 * sb
     if dropout > 0:
-        core = 3 * a * s * s * b if mode == "none" else 0
-        return F32 * (18 * sbh + core + norms)
+        core = 9 * a * s * s * b + s * s if mode == "none" else 0  # bytes
+        return F32 * (16 * sbh + norms) + 2 * sbh + core
     lse = a * s * b if mode == "none" else 0
     return F32 * (16 * sbh + lse + norms)
 

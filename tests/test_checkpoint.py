@@ -88,7 +88,7 @@ LAYOUTS = {
     "dp2-zero1-fp16": ["layout.dp=2", "layout.zero=1", 'layout.precision="fp16"', *MIXED_VERIFY_BASE],
     "dp2-zero2-bf16": ["layout.dp=2", "layout.zero=2", 'layout.precision="bf16"', *MIXED_VERIFY_BASE],
     "dp2-zero3": ["layout.dp=2", "layout.zero=3"],
-    "tp2": ["layout.tp=2", "model.dropout=0"],  # dropout under tp is refused (no tp RNG yet)
+    "tp2": ["layout.tp=2"],
     "pp2": ["layout.pp=2", "train.micro_batches=2"],
 }
 

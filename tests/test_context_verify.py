@@ -81,7 +81,6 @@ def test_cp2_mixed_precision(pools):
 
 @pytest.mark.parametrize("extra, message", [
     (["model.seq_len=18"], "seq_len 18 must divide by 2 x cp = 4"),
-    (["model.dropout=0.1"], "model.dropout = 0.1"),
     (["layout.tp=4", "layout.sp=true", "model.seq_len=20"], "each rank's zigzag tokens, model.seq_len = 20 / cp"),
     (['model.name="mlp"'], "only the gpt"),
 ])
@@ -91,7 +90,7 @@ def test_refused_before_launch(extra, message):
         cfg.validate()
 
 
-@pytest.mark.parametrize("extra", [["layout.tp=2"], ["layout.tp=2", "layout.sp=true"],
+@pytest.mark.parametrize("extra", [["layout.tp=2"], ["layout.tp=2", "layout.sp=true"], ["model.dropout=0.1"],
                                    ["layout.pp=2", "layout.tp=2", "layout.sp=true", "train.micro_batches=4"]])
 def test_lifted_combinations_accepted_before_launch(extra):
     # cp x tp, cp x tp x sp, pp x cp (x tp x sp): the swap points compose (verified in test_compose.py).

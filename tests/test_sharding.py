@@ -50,7 +50,7 @@ def test_refusals_name_module_tensor_and_axis():
         _refusal(_gpt(seq_len=24), "seq=cp+tp", {"cp": 4, "tp": 4})
     assert "heads='cp': only the sequence (seq) is cut over 'cp'" in _refusal(_gpt(), "heads=cp", {"cp": 2})
     assert "the deep MLP has no sequence" in _refusal(DeepMLP(MLPConfig(d_model=16, n_layer=2)), "seq=cp", {"cp": 2})
-    assert "blocks.*.attn.attend: seq over cp with model.dropout" in _refusal(_gpt(dropout=0.1), "seq=cp", {"cp": 2})
+    derive(_gpt(dropout=0.1), Rules.parse("seq=cp"), {"cp": 2}, rows=2)  # the ring drops too (models/dropout.py)
     assert "'tp+cp'" in _refusal(_gpt(), "seq=tp+cp", {"cp": 2, "tp": 2})
     cfg = load_config(None, ["layout.cp=2", f"sharding.compute={MEGATRON}"], base=VERIFY_BASE)
     with pytest.raises(ConfigError, match="layout.cp = 2 with .sharding. rules that keep seq off cp"):

@@ -7,7 +7,9 @@ load-balancing loss the forward adds to the cross-entropy. The family options (m
 norm 'layernorm' or 'rmsnorm', mlp 'gelu', 'gelu_tanh' or 'swiglu', bias, rope_theta, so that
 GPT-2 (layernorm, gelu, biases, learned positions, tied head) and Llama 3 (rmsnorm, swiglu, no
 biases, rotary, grouped-query attention, untied head) are both this class. `flops_per_token` gives the model FLOPs
-used for MFU (6N of the active parameters plus attention, by models/model_flops.py's one formula).
+used for MFU (6N of the active parameters plus attention, by models/model_flops.py's one formula). Dropout (on the
+attention and MLP outputs and the attention probabilities) draws masks from each element's place in the run
+(models/dropout.py), which every layout reproduces.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardlab.models.dropout import ATTN_OUT, MLP_OUT, AttentionDropout, Coordinates, coordinates
 from shardlab.models.fused_loss import ChunkedCrossEntropy, CrossEntropy
 from shardlab.models.gpt_config import GPTConfig
 from shardlab.models.layers import GeluMLP, make_mlp, make_norm
@@ -32,32 +35,54 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.q = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=cfg.bias)
         self.kv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_head * cfg.head_dim, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=cfg.bias)
-        self.dropout = cfg.dropout
+        self.layer = layer       # the block's index in the whole model: part of its dropout masks' key
+        self.head_offset = 0     # the model's index of this module's first query head (tensor parallelism sets it)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                where: Coordinates | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).view(b, t, 2, -1, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        y = self.attend(q, k, v)
+        y = self.attend(q, k, v, *self.dropout_of(where))
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def dropout_of(self, where: Coordinates | None) -> tuple[AttentionDropout, ...]:
+        """attend's extra argument: the probabilities' dropout, none without coordinates (dropout 0,
+        evaluation), so that attend keeps its three-argument form (and fused kernel) then."""
+        return () if where is None else (where.attention(self.layer, self.head_offset),)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               drop: AttentionDropout | None = None) -> torch.Tensor:
         """Causal attention of (b, heads, t, head_dim) queries over keys and values (fewer heads:
         grouped-query). One method so that a layout can replace or recompute just this part
-        (context parallelism's ring, selective recomputation) and keep the projections."""
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        (context parallelism's ring, selective recomputation) and keep the projections. With `drop`,
+        the probabilities' dropout (models/dropout.py) in plain (unfused) attention."""
+        if drop is not None:
+            return dropped_attention(q, k, v, drop)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def dropped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop: AttentionDropout) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d), causal) with dropout, times v; in fp32 (as the ring's blocks are),
+    the result in q's dtype. Positions are `drop.positions` for queries and keys alike."""
+    groups = q.shape[1] // k.shape[1]
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    if groups > 1:
+        k32, v32 = k32.repeat_interleave(groups, dim=1), v32.repeat_interleave(groups, dim=1)
+    s = torch.matmul(q32, k32.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    t = s.shape[-1]
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    probs = drop.apply(torch.softmax(s, dim=-1), drop.mask(q.shape[1], drop.positions, drop.positions))
+    return torch.matmul(probs, v32).to(q.dtype)
 
 
 MLP = GeluMLP  # the GPT-2 family's MLP (models/layers.py has both families')
@@ -69,16 +94,23 @@ def _moe(cfg: GPTConfig) -> MoE:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """Pre-norm block `layer` of the model. Dropout (on the attention and MLP outputs, and attention's
+    probabilities) only with `where`, this forward's coordinates (models/dropout.py)."""
+
+    def __init__(self, cfg: GPTConfig, layer: int = 0) -> None:
         super().__init__()
-        self.ln1, self.attn = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps), CausalSelfAttention(cfg)
+        self.ln1, self.attn = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps), CausalSelfAttention(cfg, layer)
         self.ln2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.mlp = _moe(cfg) if cfg.n_experts else make_mlp(cfg.mlp, cfg.d_model, cfg.d_ff, cfg.bias)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.layer = layer
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), rope))
-        return x + self.drop(self.mlp(self.ln2(x)))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                where: Coordinates | None = None) -> torch.Tensor:
+        if where is None:  # no dropout: not one op more than the plain block
+            x = x + self.attn(self.ln1(x), rope)
+            return x + self.mlp(self.ln2(x))
+        x = x + where.residual(self.attn(self.ln1(x), rope, where), self.layer, ATTN_OUT)
+        return x + where.residual(self.mlp(self.ln2(x)), self.layer, MLP_OUT)
 
 
 class Tokens(nn.Module):
@@ -130,6 +162,12 @@ class Embedding(nn.Module):
         """Tokens per row the hidden states `x` stand for (what attention sees)."""
         return x.shape[1]
 
+    def token_coordinates(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (row, position) of each token of the hidden states, from the (b, 1) rows and (1, t)
+        positions of the tokens attention sees: broadcastable to hidden_shape without its width
+        (dropout's coordinates, models/dropout.py). Here the same tokens."""
+        return rows, positions
+
 
 def make_loss(cfg: GPTConfig) -> CrossEntropy:
     """The loss swap point's module for `cfg.loss`."""
@@ -157,7 +195,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = None if cfg.rotary else nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -213,8 +251,15 @@ class GPT(nn.Module):
                 positions = self.tokens.positions(t, idx.device)
         # Rotary: attention sees all of this forward's tokens, so the tables cover them all.
         rope = self.rope_tables(positions, x.dtype) if self.cfg.rotary and blocks else None
-        for block in blocks:
-            x = block(x, rope)
+        if self.cfg.dropout > 0 and self.training and blocks:
+            if positions is None:
+                positions = self.tokens.positions(self.tokens.whole_length(t_local), x.device)
+            where = coordinates(self.cfg.dropout, b, positions, self.embedding.token_coordinates)
+            for block in blocks:
+                x = block(x, rope, where)
+        else:
+            for block in blocks:
+                x = block(x, rope)
         if self.head is None:  # the blocks' load-balancing terms ride on x to the backward (models/moe.py)
             return with_aux_losses(x, blocks, is_loss=False)
         h = self.ln_f(x)

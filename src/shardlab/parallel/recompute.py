@@ -19,9 +19,10 @@ al. 2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv
               s x s tensor (a fused, flash-style kernel: torch's CPU SDPA without dropout), selective
               saves only the kernel's own output and log-sum-exp: docs/recompute.md measures both.
 
-Both use torch.utils.checkpoint with use_reentrant=False: it restores the CPU (and CUDA) random
-state before recomputing, so dropout draws the same masks again (tests/test_recompute.py checks it
-bit for bit), and it recomputes lazily, when backward first needs a saved tensor of the segment.
+Both use torch.utils.checkpoint with use_reentrant=False, and recompute lazily, when backward first
+needs a saved tensor of the segment. Dropout's masks are computed from the coordinates the block or
+attention core is called with (models/dropout.py), which the rerun is called with again, so they are
+the same masks (tests/test_recompute.py checks it bit for bit).
 
 How: the modules' classes are swapped in place for subclasses that wrap forward (a Block) or attend
 (an attention), as tensor parallelism swaps its own; parameter names do not change, so checkpoints,
@@ -90,11 +91,11 @@ class SelectiveAttention:
     """Mixed in before an attention's class: its attention core (attend) runs under checkpoint;
     the projections around it keep their outputs as usual."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *drop: Any) -> torch.Tensor:
         inner = super(SelectiveAttention, self).attend
         if not torch.is_grad_enabled():
-            return inner(q, k, v)
-        return checkpoint(inner, q, k, v, use_reentrant=False)
+            return inner(q, k, v, *drop)
+        return checkpoint(inner, q, k, v, *drop, use_reentrant=False)
 
 
 def _pair(x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:

@@ -130,6 +130,12 @@ def problems(*, model: ModelSection, data: DataSection, optim: OptimSection, tra
     model_ok = not any(p.startswith("model.") for p in out)
     if sharding.active():  # derived sharding replaces tp_plan and sp (train/sharding_check.py)
         out += sharding_problems(sharding, lay, m, t, _vocab(m, src, lay.tp), model_ok)
+        if m.dropout > 0 and lay.tp > 1:
+            out.append(f"model.dropout = {m.dropout} with [sharding] rules at layout.tp = {lay.tp}: the derived route "
+                       f"does not tell attention which heads a rank holds, nor dropout which tokens a rank keeps "
+                       f"(the head offset and token coordinates of models/dropout.py, which layout.tp's own "
+                       f"conversion sets), so its masks would not be the single process's; use layout.tp without "
+                       f"[sharding], or model.dropout = 0")
         if m.loss == "chunked":
             out.append("model.loss = 'chunked' with [sharding] rules: the derived head runs its own collectives "
                        "(its input's, the logits' gather), which a loss fused with the head would skip; use "
@@ -203,9 +209,6 @@ def context_parallel_problems(lay: LayoutSection, m: ModelSection) -> list[str]:
                    f"has them")
         return out
     out += [f"{where}: model.{p}" for p in split_problems(m.seq_len, lay.cp)]
-    if m.dropout > 0:
-        out.append(f"{where} with model.dropout = {m.dropout}: the ring attention has no attention dropout (and no "
-                   f"split of the sequence draws the single process's masks); set model.dropout = 0")
     if lay.sp and lay.tp > 0 and m.seq_len % (lay.cp * lay.tp):
         out.append(f"{where} with layout.sp at layout.tp = {lay.tp}: each rank's zigzag tokens, model.seq_len = "
                    f"{m.seq_len} / cp, must divide over tp (sequence parallelism splits them further)")
@@ -316,12 +319,6 @@ def tensor_parallel_problems(lay: LayoutSection, m: ModelSection, t: TrainSectio
     if lay.tp_plan == "lecture" and m.name != "mlp":
         out.append(f"layout.tp_plan = 'lecture' is the deep MLP's form (every layer d x d/tp, gathered after "
                    f"each); the {m.name} takes 'megatron'")
-    if lay.tp > 1 and m.dropout > 0:
-        # Replicated regions draw alike (ranks are seeded by their dp rank), but sharded ones would
-        # draw the same mask for every rank's heads and tokens: Megatron keeps a second generator.
-        out.append(f"model.dropout = {m.dropout} with layout.tp = {lay.tp}: the ranks of a tp group would draw the "
-                   f"same dropout masks for their different heads and tokens (no tensor-parallel random "
-                   f"generator yet); set model.dropout = 0")
     megatron_mlp = m.name == "mlp" and lay.tp_plan == "megatron" and m.n_layer > 1
     if megatron_mlp and lay.tp > 1 and m.skip_layer_every:
         out.append(f"model.skip_layer_every = {m.skip_layer_every} with layout.tp_plan = 'megatron' at layout.tp = "

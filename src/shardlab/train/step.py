@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from shardlab.models.dropout import batch_place
 from shardlab.parallel.buckets import trainable_params as unique_trainable
 from shardlab.parallel.contract import StepContract, optimizer_contract, step_contract
 from shardlab.parallel.gradnorm import clip_grad_norm_
@@ -317,8 +318,15 @@ def _forward_backward(layout: StepContract, task: Task, step: int, dp_rank: int,
         x, y = task.batch(step, dp_rank, dp_size)
         if device is not None:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        return layout.pipeline.run_schedule(x, y, micro_batches, on_step=update, loss_scale=scale)
+        with batch_place(_seed(task), step, dp_rank * x.shape[0]):  # the executor adds each microbatch's rows
+            return layout.pipeline.run_schedule(x, y, micro_batches, on_step=update, loss_scale=scale)
     return _accumulate(layout, task, step, dp_rank, dp_size, micro_batches, scale, device)
+
+
+def _seed(task: Task) -> int:
+    """The run's seed, a key of dropout's masks: the task's sampler's (0 for a stand-in that has none,
+    as a benchmark's pre-drawn batches)."""
+    return getattr(getattr(task, "train", None), "seed", 0)
 
 
 class NonFiniteError(FloatingPointError):
@@ -360,7 +368,9 @@ def _accumulate(layout: StepContract, task: Task, step: int, dp_rank: int, dp_si
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == micro_batches - 1
         quiet = layout.no_sync() if not last else contextlib.nullcontext()
-        with quiet:
+        # Dropout's masks are keyed by the run's seed, the step and the global rows (models/dropout.py):
+        # rank r's micro-batch m starts at row (r M + m) x its rows (train/data.py's split).
+        with quiet, batch_place(_seed(task), step, (dp_rank * micro_batches + micro) * x.shape[0]):
             # Each micro-batch's loss is a mean over its rows; dividing by their count makes
             # the accumulated gradient the mean over the rank's rows, as one pass would give.
             loss = layout.model(x, y)

@@ -20,6 +20,8 @@ the merge subtracts exponents, and the key/value gradients are sums over every r
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 # How a block of queries sees a block of keys under the causal mask, by their chunks' places in
@@ -58,12 +60,16 @@ def _scores(q: torch.Tensor, k: torch.Tensor, kind: str, scale: float) -> torch.
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) of fp32 queries over one fp32 key/value block: o (b, h, tq, d), lse (b, h, tq)."""
+                  scale: float, drop: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of fp32 queries over one fp32 key/value block: o (b, h, tq, d), lse (b, h, tq).
+    `drop`: the probabilities' dropout of the block (masked, kept ones scaled by 1 / (1 - p)): o weighs the values
+    by the dropped probabilities, lse stays the undropped denominator (dropout follows the softmax),
+    so the merge is unchanged."""
     groups = q.shape[1] // k.shape[1]
     s = _scores(q, _expand(k, groups), kind, scale)
     lse = torch.logsumexp(s, dim=-1)
-    o = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _expand(v, groups))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    o = torch.matmul(p if drop is None else drop(p), _expand(v, groups))
     return o, lse
 
 
@@ -78,15 +84,20 @@ def merge(o: torch.Tensor | None, lse: torch.Tensor | None, o_blk: torch.Tensor,
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, scale: float,
-                   lse: torch.Tensor, grad_o: torch.Tensor,
-                   delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, grad_o: torch.Tensor, delta: torch.Tensor,
+                   drop: Callable[[torch.Tensor], torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's share of (dq, dk, dv), all fp32, given the rows' final lse and
-    delta = rowsum(grad_o * o) (the softmax's Jacobian term, the same for every block of a row)."""
+    delta = rowsum(grad_o * o) (the softmax's Jacobian term, the same for every block of a row).
+    With the forward's `drop`: dv from the dropped probabilities, and the probabilities' gradient is
+    the dropped ones' dropped alike (the same mask and scale: dropout is linear); delta is still rowsum(grad_o * o), o being the
+    dropped output (FlashAttention's backward with dropout, Dao et al. 2022, Algorithm 4)."""
     groups = q.shape[1] // k.shape[1]
     ke, ve = _expand(k, groups), _expand(v, groups)
     p = torch.exp(_scores(q, ke, kind, scale) - lse.unsqueeze(-1))  # masked scores: exp(-inf) = 0
-    dv = torch.matmul(p.transpose(-1, -2), grad_o)
-    ds = p * (torch.matmul(grad_o, ve.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dv = torch.matmul((p if drop is None else drop(p)).transpose(-1, -2), grad_o)
+    dp = torch.matmul(grad_o, ve.transpose(-1, -2))
+    ds = p * ((dp if drop is None else drop(dp)) - delta.unsqueeze(-1))
     dq = torch.matmul(ds, ke) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
     return dq, _fold(dk, groups), _fold(dv, groups)

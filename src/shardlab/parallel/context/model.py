@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from shardlab import comm
 from shardlab.comm.dispatch import Group
+from shardlab.models.dropout import AttentionDropout
 from shardlab.models.gpt import GPT, Tokens
 from shardlab.parallel.context.ring import ring_attention
 from shardlab.parallel.context.zigzag import positions, shard_sequence, split_problems, unshard_sequence
@@ -56,8 +57,9 @@ class RingAttend:
     def __init__(self, group: Group) -> None:
         self.group = group
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.group)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 drop: AttentionDropout | None = None) -> torch.Tensor:
+        return ring_attention(q, k, v, self.group, drop=drop)
 
     def __deepcopy__(self, memo: dict) -> RingAttend:
         return RingAttend(self.group)  # a copy of the attention (a pipeline stage's) rings the same ranks
@@ -127,10 +129,6 @@ def apply_context_parallel(model: GPT, group: Group) -> GPT:
         raise ValueError(f"context parallelism converts the GPT; got {type(model).__name__}")
     if isinstance(model.tokens, ZigzagTokens):
         raise ValueError("this GPT is already context-parallel")
-    n = dist.get_world_size(group)
-    if model.cfg.dropout > 0 and n > 1:
-        raise ValueError(f"context parallelism (cp {n}) with model.dropout = {model.cfg.dropout}: the ring has "
-                         f"no attention dropout; set model.dropout = 0")
     for block in model.block_list():
         block.attn.attend = RingAttend(group)
     model.tokens = ZigzagTokens(group)

@@ -11,7 +11,9 @@ Forward: n steps. At step i the rank holds the keys and values of rank (r - i) m
 sending them on to rank r+1 and receiving the next ones from rank r-1 (async point-to-point, so
 the transfer overlaps this step's compute), attends its two query chunks over the block's two key
 chunks where the causal mask lets it (blocks.block_kind: full, diagonal or skipped) and merges the
-partial results by their log-sum-exp (blocks.merge). Keys and values travel as one buffer.
+partial results by their log-sum-exp (blocks.merge). Keys and values travel as one buffer. With
+attention dropout, each block's probabilities are dropped by the mask of its (query, key) positions
+in the whole sequence (models/dropout.py), recomputed in backward: the single process's masks.
 
 Backward: the choice is between keeping every block received in forward (n blocks of keys and values
 per layer held until backward) or passing the blocks around the ring again. We pass them again:
@@ -25,6 +27,7 @@ received at step i is only needed after step i+1's compute, so that transfer ove
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from shardlab.comm.dispatch import Group
 from shardlab.comm.graph_break import graph_break
 from shardlab.comm.p2p import irecv, isend
+from shardlab.models.dropout import AttentionDropout
 from shardlab.parallel.context.blocks import SKIP, block_backward, block_forward, block_kind, merge
 from shardlab.parallel.context.zigzag import rank_chunks
 
@@ -52,12 +56,23 @@ def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t[..., :c, :], t[..., c:, :]
 
 
+def _block_dropout(drop: AttentionDropout | None, heads: int, c: int, q_chunk: int, k_chunk: int,
+          device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The dropout of query chunk `q_chunk`'s probabilities over key chunk `k_chunk` (chunks of c
+    tokens), by their global positions: the single process's masks for those (query, key) pairs."""
+    if drop is None:
+        return None
+    pos = torch.arange(c, device=device)
+    keep = drop.mask(heads, q_chunk * c + pos, k_chunk * c + pos)
+    return lambda probs: drop.apply(probs, keep)
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's zigzag chunks over the whole sequence's keys and values."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
-                scale: float) -> torch.Tensor:
+                scale: float, drop: AttentionDropout | None = None) -> torch.Tensor:
         n, r = dist.get_world_size(group), dist.get_rank(group)
         mine = rank_chunks(r, n)
         q_parts = _halves(q.float())
@@ -75,7 +90,8 @@ class RingAttention(torch.autograd.Function):
                     kind = block_kind(q_chunk, theirs[ki])
                     if kind == SKIP:
                         continue
-                    o_blk, lse_blk = block_forward(q_parts[qi], k_blk, v_blk, kind, scale)
+                    drop_blk = _block_dropout(drop, q.shape[1], k_blk.shape[-2], q_chunk, theirs[ki], q.device)
+                    o_blk, lse_blk = block_forward(q_parts[qi], k_blk, v_blk, kind, scale, drop_blk)
                     outs[qi], lses[qi] = merge(outs[qi], lses[qi], o_blk, lse_blk)
             if pending is not None:
                 kv = pending[0].wait()
@@ -83,13 +99,13 @@ class RingAttention(torch.autograd.Function):
         # Every query chunk met its own chunk's diagonal at step 0, so none is None.
         o, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.drop = group, scale, drop
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group, scale, drop = ctx.group, ctx.scale, ctx.drop
         n, r = dist.get_world_size(group), dist.get_rank(group)
         mine = rank_chunks(r, n)
         grad_o = grad_out.float()
@@ -113,8 +129,9 @@ class RingAttention(torch.autograd.Function):
                     if kind == SKIP:
                         continue
                     sl = slice(ki * c, (ki + 1) * c)
+                    drop_blk = _block_dropout(drop, q.shape[1], c, q_chunk, k_chunk, q.device)  # the forward's, recomputed
                     dq_b, dk_b, dv_b = block_backward(q_parts[qi], kv32[0][..., sl, :], kv32[1][..., sl, :], kind,
-                                                      scale, lse_parts[qi], go_parts[qi], delta_parts[qi])
+                                                      scale, lse_parts[qi], go_parts[qi], delta_parts[qi], drop_blk)
                     dq[qi] += dq_b
                     contrib[0][..., sl, :] += dk_b
                     contrib[1][..., sl, :] += dv_b
@@ -130,16 +147,17 @@ class RingAttention(torch.autograd.Function):
         if grad_pending is not None:
             acc = grad_pending[0].wait()
             grad_pending[1].wait()
-        return torch.cat(dq, dim=-2).to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None
+        return torch.cat(dq, dim=-2).to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None
 
 
 @graph_break  # communicates (comm/graph_break.py)
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, drop: AttentionDropout | None = None) -> torch.Tensor:
     """Causal attention of this rank's tokens (its two zigzag chunks, concatenated) over the whole
     sequence held by `group`'s ranks; grouped-query when k and v have fewer heads than q. Every
     rank of the group must call it with the same shapes (the ring's transfers are validated when
-    validation is on)."""
+    validation is on). `drop`: the probabilities' dropout, each block's mask computed from its
+    chunks' global positions (in forward, and again in backward: nothing is stored)."""
     if q.dim() != 4 or k.shape != v.shape or q.shape[:1] + q.shape[2:] != k.shape[:1] + k.shape[2:]:
         raise ValueError(f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
                          f"(batch, heads, tokens, head_dim) with the same batch, tokens and head_dim")
@@ -148,4 +166,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Gro
     if q.shape[2] % 2:
         raise ValueError(f"ring attention on rank {dist.get_rank(group)} of the context-parallel group: "
                          f"{q.shape[2]} local tokens cannot be this rank's two equal zigzag chunks")
-    return RingAttention.apply(q, k, v, group, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    return RingAttention.apply(q, k, v, group, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, drop)

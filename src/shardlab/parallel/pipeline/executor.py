@@ -48,6 +48,7 @@ import torch.distributed as dist
 from shardlab import comm
 from shardlab.comm.validate import validation_enabled
 from shardlab.dist import flight
+from shardlab.models.dropout import rows_offset
 from shardlab.models.moe import aux_loss_scope
 from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule
 from shardlab.parallel.pipeline.check import check
@@ -266,7 +267,8 @@ class PipelineExecutor:
         share = self.xs[mb].shape[0] / self.rows
         # A chunk without the head carries its MoE layers' load-balancing terms on its output, with
         # the gradient the loss gives them (models/moe.py); their values join the reported loss.
-        with defer, aux_loss_scope(share, self.loss_scale) as aux:
+        first_row = sum(x.shape[0] for x in self.xs[:mb])  # dropout's coordinates (models/dropout.py)
+        with defer, aux_loss_scope(share, self.loss_scale) as aux, rows_offset(first_row):
             out = self.stage.chunk(c)(inp, self.ys[mb] if last else None)
         self.loss += aux.total
         if last:

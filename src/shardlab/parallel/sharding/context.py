@@ -43,9 +43,6 @@ def context_problems(model: nn.Module, t: int, sizes: Mapping[str, int], seq_tp:
     elif seq_tp and (t // n) % tp:
         out.append(f"tokens: activation residual (batch, seq/{CONTEXT_AXIS}+{seq_tp}, embed): seq_len {t} / cp {n} = {t // n} "
                    f"tokens per cp rank do not divide by {seq_tp} = {tp} (sequence parallelism cuts them further)")
-    if model.cfg.dropout > 0 and n > 1:
-        out.append(f"blocks.0.attn.attend: seq over cp with model.dropout = {model.cfg.dropout}: the ring has no "
-                   f"attention dropout; set model.dropout = 0")
     return out
 
 

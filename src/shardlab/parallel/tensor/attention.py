@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from shardlab.comm.autograd import copy_to_group
 from shardlab.comm.dispatch import Group
+from shardlab.models.dropout import Coordinates
 from shardlab.models.gpt import CausalSelfAttention, apply_rotary
 from shardlab.parallel.precision import carry_fp32_source
 from shardlab.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -89,7 +90,8 @@ class HeadParallelAttention(SharesGroups, CausalSelfAttention):
     tp_group: Group
     sequence_parallel: bool
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                where: Coordinates | None = None) -> torch.Tensor:
         params = [self.q.local_params(), self.kv.local_params()]
         if self.sequence_parallel:
             # x: this rank's chunk of the flattened tokens, (b, t / n, h) (the GPT's sequence-parallel
@@ -105,7 +107,7 @@ class HeadParallelAttention(SharesGroups, CausalSelfAttention):
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        y = self.attend(q, k, v).transpose(1, 2)
+        y = self.attend(q, k, v, *self.dropout_of(where)).transpose(1, 2)
         if self.sequence_parallel:  # reduce-scattered back along dim 0: this rank's (b, t / n, h)
             return self.proj(y.reshape(x.shape[0] * n, x.shape[1], -1))
         return self.proj(y.reshape(b, t, -1))
@@ -125,6 +127,7 @@ def shard_attention(attn: CausalSelfAttention, group: Group, sequence_parallel: 
     attn.proj = RowParallelLinear.from_linear(
         attn.proj, group, output_op="reduce_scatter_seq" if sequence_parallel else "all_reduce", seq_dim=0)
     attn.n_head, attn.n_kv_head = attn.n_head // n, max(attn.n_kv_head // n, 1)
+    attn.head_offset = dist.get_rank(group) * attn.n_head  # dropout's key: the model's index of the first head
     attn.__class__ = HeadParallelAttention
     attn.tp_group, attn.sequence_parallel = group, sequence_parallel
     return attn

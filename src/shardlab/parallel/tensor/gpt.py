@@ -20,10 +20,9 @@ vocabulary-parallel cross-entropy. The forward stays GPT.forward: TensorParallel
 whole-model views. Applied before context parallelism (which swaps `tokens` and the attention core)
 and before the pipeline split (whose chunks copy the swap points), it composes with both.
 
-Dropout: masks are drawn from each rank's own generator. Ranks built from the same seed draw the
-same masks where activations are replicated (correct: replicas must agree), but the same pattern on
-every rank's heads or tokens where they are sharded; Megatron keeps a separate generator for the
-sharded regions. Our equivalence checks run without dropout, which no layout can reproduce exactly.
+Dropout: masks are computed from each element's place in the whole model (models/dropout.py), so the
+ranks agree where activations are replicated and draw the single process's masks for their own heads
+(HeadParallelAttention's head_offset) and tokens (SequenceParallelEmbedding.token_coordinates).
 """
 
 from __future__ import annotations
@@ -257,6 +256,12 @@ class SequenceParallelEmbedding(SharesGroups, Embedding):
 
     def attended_length(self, x: torch.Tensor) -> int:
         return x.shape[1] * dist.get_world_size(self.group)
+
+    def token_coordinates(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # This rank's chunk of the flattened tokens, as forward keeps them: (b, t / n) each.
+        n, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        b, t = rows.shape[0], positions.shape[-1]
+        return tuple(c.expand(b, t).reshape(-1).chunk(n)[r].view(b, t // n) for c in (rows, positions))  # type: ignore[return-value]
 
 
 def convert_gpt(model: GPT, styles: dict[str, str], group: Group, sequence_parallel: bool) -> TensorParallelGPT:
