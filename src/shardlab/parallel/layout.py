@@ -179,7 +179,7 @@ def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | N
 def data_placement(wrapped: nn.Module, record: Placement, group: dist.ProcessGroup | None) -> Placement:
     """Step 5's entries: the "dp" axis over the replica group; every parameter replicated over it
     (plain data parallelism, ZeRO-1/2, whose optimizer state alone is sharded) except FSDP's, each a
-    FlatChunk of its unit."""
+    Shard of dim 0 (fsdp_units.fsdp_placement)."""
     from shardlab.parallel.fsdp import FullyShardedDataParallel
 
     if isinstance(wrapped, FullyShardedDataParallel):
