@@ -92,7 +92,8 @@ from shardlab import comm
 from shardlab.comm import Handle
 from shardlab.parallel.buckets import broadcast_state, sync_enabled_as
 from shardlab.parallel.fsdp_units import (FsdpLayout, FsdpOptimizer, Policy, Unit, entry_policy, load_sharded_state,
-                                          make_unit, owners, sharded_state, successors, unit_modules)
+                                          make_unit, owners, sharded_state, shards_named, successors,
+                                          unit_modules)
 from shardlab.parallel.gradnorm import clip_factor, global_grad_norm
 from shardlab.parallel.grad_hooks import GradHooks
 from shardlab.parallel.precision import MixedPrecisionPolicy, averaging_op
@@ -243,6 +244,9 @@ class FullyShardedDataParallel(nn.Module):
         """`optimizer_cls` over the module's parameters (shards and replicated), each in its group
         (options kept), with the whole model's norm, masters for 16-bit replicated parameters and
         fp16 loss scaling (optim.py's PieceOptimizer). A torch optimizer over parameters() works too."""
+        record = optimizer_kwargs.get("tp")
+        if record is not None:  # a record made before wrapping names the parameters the shards replaced
+            optimizer_kwargs["tp"] = shards_named(self, record)
         return FsdpOptimizer(params, optimizer_cls, FsdpLayout(self), self.group, impl=self.impl, **optimizer_kwargs)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -489,6 +493,7 @@ class FullyShardedDataParallel(nn.Module):
         for s in unit.params:
             s.full.grad = None
         self._release(unit)
+        self._pending = True  # (a pipeline's chunks are called directly, not through forward)
         op = averaging_op(flat, self.world)
         self._reducing.append((unit, comm.reduce_scatter(flat, op, self.group, impl=self.impl, async_op=True)))
         while len(self._reducing) > MAX_REDUCES_IN_FLIGHT:

@@ -294,6 +294,16 @@ def load_sharded_state(fsdp: Any, state: dict[str, Any]) -> None:
         b.copy_(state["buffers"][n])
 
 
+def shards_named(fsdp: Any, record: Placement) -> Placement:
+    """`record` with its local names moved from the parameters FSDP replaced to their shards (a
+    record made before wrapping: a tensor-parallel model's, which the optimizer's norm reads)."""
+    local = dict(record.local)
+    for s in (s for u in fsdp.units for s in u.params):
+        if id(s.full) in local:
+            local[id(s.shard)] = local.pop(id(s.full))
+    return replace(record, local=local)
+
+
 def fsdp_placement(fsdp: Any, record: Placement) -> Placement:
     """`record` with FSDP's "dp" axis: each sharded parameter a Shard of dim 0 (torch.chunk's rule:
     `even=False`), the others replicated; the record's local names move from the parameters FSDP
