@@ -419,16 +419,24 @@ class FullyShardedDataParallel(nn.Module):
         unit.full = None
 
     # ------------------------------------------------------------------------------- forward
-    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> Any:
         if index in self._entries:
             self._fwd_seen, self._fwd_done = [], []
             saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             saving.__enter__()
             self._saving.append(saving)
         self._fwd_seen.append(index)
-        self._gather(self.units[index])
+        unit = self.units[index]
+        self._gather(unit)
         if index in self._next_fwd:  # prefetch the unit that came next last time
             self._start_gather(self.units[self._next_fwd[index]])
+        if unit.params and unit.param_dtype != unit.shard.dtype:
+            # As FSDP2's cast_forward_inputs: a unit computing in 16 bits takes 16-bit inputs (a model
+            # that casts its input to a parameter's dtype outside the unit sees the fp32 shard).
+            dtype = unit.param_dtype
+            return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                            args)
+        return None
 
     def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         self._fwd_done.append(index)
