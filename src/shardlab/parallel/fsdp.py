@@ -496,7 +496,10 @@ class FullyShardedDataParallel(nn.Module):
                 and only.numel() == self.world * unit.chunk):
             flat = only.view(-1)  # one parameter cut evenly: its gradient is already the ranks' chunks
         else:
-            flat = torch.zeros(self.world * unit.chunk, dtype=unit.reduce_dtype, device=unit.shard.device)
+            # Zeros only where something is left unwritten: padding rows, a missing gradient.
+            full = all(g is not None for g in grads) and all(s.span * self.world == s.numel() for s in unit.params)
+            make = torch.empty if full else torch.zeros
+            flat = make(self.world * unit.chunk, dtype=unit.reduce_dtype, device=unit.shard.device)
             pack_in(unit, grads, flat, self.world)
         for s in unit.params:
             s.full.grad = None
