@@ -159,7 +159,8 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, bucket_mb: float = 25.0,
                  impl: str = comm.TORCH, policy: Policy = None, min_shard_numel: int = 0,
                  entries: list[nn.Module] | None = None, replicate: Iterable[nn.Parameter] = (),
-                 regather_for_recompute: bool = False, mp_policy: MixedPrecisionPolicy | None = None) -> None:
+                 regather_for_recompute: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
+                 reduce_at_sync: bool = False) -> None:
         super().__init__()
         self.module, self.group, self.impl, self.bucket_mb = module, group, impl, bucket_mb
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -217,7 +218,12 @@ class FullyShardedDataParallel(nn.Module):
         weakref.finalize(self, lambda hs: [h.remove() for h in hs], hooks)
         # Each unit reduced (launch_group) as soon as its gradients are in, whatever the order, and
         # under no_sync too (see the module docstring); wait_groups ends the backward.
-        self.grad_hooks = GradHooks(self, [u.fulls for u in self.units], order="ready")
+        # `reduce_at_sync`: every unit held for finish_gradient_sync instead (the zero-bubble
+        # schedule computes the linear layers' weight gradients in its W passes, after the backward
+        # passes whose hooks would reduce them: reduced after the last W, as Megatron-LM does).
+        self._reduce_at_sync = reduce_at_sync
+        self.grad_hooks = GradHooks(self, [u.fulls for u in self.units], order="ready",
+                                    held=range(len(self.units)) if reduce_at_sync else ())
 
     def _placeholder(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # A whole parameter between gathers: one NaN of its shape, so a stray read shows as NaN.
@@ -262,9 +268,13 @@ class FullyShardedDataParallel(nn.Module):
         if not self._sync_enabled:
             return
         synced(self)
-        if not self._pending and not self._reducing:
+        if not (self._pending or self._reducing or self._reduce_at_sync):
             return
         start = time.perf_counter()
+        if self._reduce_at_sync:
+            for u in self.units:  # in index order on every rank
+                if u.params:
+                    self.launch_group(u.index)
         while self._reducing:
             self._finish_reduce()
         sharded = [s for u in self.units for s in u.params]

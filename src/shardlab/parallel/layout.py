@@ -323,10 +323,13 @@ def stage_data_parallel(stage: nn.Module, layout: "LayoutSection", group: dist.P
 
         return FullyShardedDataParallel(stage, group, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
                                         entries=list(stage.chunks.values()), replicate=tied,
-                                        regather_for_recompute=layout.recompute != "none")
+                                        regather_for_recompute=layout.recompute != "none",
+                                        reduce_at_sync=layout.schedule == "zb1")
     if layout.zero:
+        # zb1: ZeRO-2 reduces every bucket after the last W pass (its weight gradients come after the hooks).
+        deferred = [p for _, p in stage.stage_named_parameters()] if layout.schedule == "zb1" else tied
         return ZeroDataParallel(stage, group, stage=layout.zero, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
-                                deferred=tied)
+                                deferred=deferred)
     if layout.dp * layout.ep * layout.cp > 1:
         return DataParallel(stage, group, mode=mode, bucket_mb=layout.bucket_mb, impl=layout.comm_impl,
                             pipelined=True)

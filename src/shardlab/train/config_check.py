@@ -292,12 +292,13 @@ def pipeline_problems(cfg: Config, model_ok: bool = True) -> list[str]:
                        f"by features, and others after a row-parallel one, whose output is whole rows; the executor's "
                        f"buffers take one shape: choose model.n_layer so that every chunk boundary falls alike, or use "
                        f"layout.tp_plan = 'lecture'")
-    if lay.zero >= 2 and kind == "zb1":
-        out.append(f"layout.zero = {lay.zero} with {where} and layout.schedule = 'zb1': the zero-bubble split "
-                   f"accumulates the linear layers' weight gradients in its W passes, outside the backward whose "
-                   f"hooks reduce-scatter (and, at ZeRO-3, free) them, so they would be lost; not supported yet "
-                   f"(DeepSpeed refuses ZeRO-2/3 with any pipeline; Megatron-LM's zero-bubble schedule reduces "
-                   f"once after the last W); use layout.zero = 1 or another schedule")
+    if lay.zero >= 2 and kind == "zb1" and lay.ep > 1:
+        # ZeRO-2/3 reduce after the last W pass (parallel/layout.py stage_data_parallel); the experts'
+        # wrapper (parallel/expert/zero.py) does not take that path yet.
+        out.append(f"layout.zero = {lay.zero} with {where}, layout.schedule = 'zb1' and layout.ep = {lay.ep}: the "
+                   f"zero-bubble split accumulates the linear layers' weight gradients in its W passes, after the "
+                   f"backward whose hooks reduce-scatter the dense buckets of the expert-parallel wrapper; not "
+                   f"supported yet; use layout.zero = 1, layout.ep = 1 or another schedule")
     return out
 
 
