@@ -146,6 +146,20 @@ def pack_in(unit: Unit, grads: list[torch.Tensor | None], flat: torch.Tensor, wo
             g[whole, s.offset : s.offset + rem].copy_(src[whole * s.span :])
 
 
+@torch.no_grad()
+def _broadcast_except(module: nn.Module, group: dist.ProcessGroup | None, skip: set[int]) -> None:
+    """broadcast_state (buckets.py) but for the parameters in `skip` (another group's replicas)."""
+    from shardlab.parallel.precision import fp32_source, restore_fp32_sources
+
+    restore_fp32_sources(module)
+    tensors = [p for p in module.parameters() if id(p) not in skip] + list(module.buffers())
+    for t in {id(t): t for t in tensors}.values():
+        comm.broadcast(t.data, 0, group)
+        source = fp32_source(t)
+        if source is not None:
+            comm.broadcast(source, 0, group)
+
+
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 over `group` (None: every rank); see the module docstring.
 
@@ -160,14 +174,20 @@ class FullyShardedDataParallel(nn.Module):
                  impl: str = comm.TORCH, policy: Policy = None, min_shard_numel: int = 0,
                  entries: list[nn.Module] | None = None, replicate: Iterable[nn.Parameter] = (),
                  regather_for_recompute: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
-                 reduce_at_sync: bool = False) -> None:
+                 reduce_at_sync: bool = False, ignore: Iterable[nn.Parameter] = ()) -> None:
         super().__init__()
         self.module, self.group, self.impl, self.bucket_mb = module, group, impl, bucket_mb
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.comm_wait_s = 0.0  # seconds blocked on communication; the trainer resets it each step
         self.max_gathered_bytes = 0  # most bytes of gathered parameters held at once (reset freely)
-        broadcast_state(module, group)
+        # `ignore`: parameters another wrapper owns (experts, replicated over their own group:
+        # parallel/expert/zero.py), neither broadcast, sharded nor reduced here (FSDP2's ignored_params).
+        ignored = {id(p) for p in ignore}
+        if ignored:
+            _broadcast_except(module, group, ignored)
+        else:
+            broadcast_state(module, group)
         # `entries`: the modules a caller runs directly instead of the root (a pipeline stage's
         # chunks, which its schedule calls one microbatch at a time): each is a unit acting as the
         # root does (saved-tensor hooks over its forward, kept gathered for its backward), its
@@ -179,6 +199,8 @@ class FullyShardedDataParallel(nn.Module):
         self.replicated: list[nn.Parameter] = []
         whole = {id(p) for p in replicate}
         for p, unit, slots in owners(module, modules):
+            if id(p) in ignored:
+                continue
             shard = p.requires_grad and p.ndim > 0 and p.numel() >= min_shard_numel and id(p) not in whole
             if shard and (unit or entries is None):
                 owned[unit].append((p, slots))
@@ -244,6 +266,11 @@ class FullyShardedDataParallel(nn.Module):
             cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         return self.module(*args, **kwargs)
+
+    @property
+    def layout(self) -> FsdpLayout:
+        """The optimizer's view: shards and replicated parameters (parallel/expert/zero.py reads it)."""
+        return FsdpLayout(self)
 
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
                         **optimizer_kwargs: Any) -> FsdpOptimizer:

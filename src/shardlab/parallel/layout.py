@@ -182,10 +182,11 @@ def data_placement(wrapped: nn.Module, record: Placement, group: dist.ProcessGro
     Shard of dim 0 (fsdp_units.fsdp_placement)."""
     from shardlab.parallel.fsdp import FullyShardedDataParallel
 
-    if isinstance(wrapped, FullyShardedDataParallel):
+    dense = getattr(wrapped, "_wrappers", (None,))[0]  # ExpertDataParallel under ZeRO-3: its dense FSDP
+    if isinstance(wrapped, FullyShardedDataParallel) or isinstance(dense, FullyShardedDataParallel):
         from shardlab.parallel.fsdp_units import fsdp_placement
 
-        return fsdp_placement(wrapped, record)
+        return fsdp_placement(wrapped if dense is None else dense, record)
     return record.with_axis(MeshAxis.of("dp", group), {})
 
 

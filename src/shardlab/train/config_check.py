@@ -394,10 +394,9 @@ def expert_problems(cfg: Config) -> list[str]:
     # Not supported yet, each with its reason:
     # tp > 1: every expert's MLP cut column/row, the router replicated (parallel/tensor/moe.py); with
     # sp the tensor-parallel plan check refuses it (tensor_plan_problems), giving its reason.
-    if lay.zero == 3 and lay.ep > 1:
-        out.append(f"model.experts = {m.experts} with layout.zero = 3 and layout.ep = {lay.ep} is not supported yet: "
-                   f"FSDP's units are flat vectors sharded over one group, but an expert is replicated over dp x cp "
-                   f"only (its unit would have to be split from its block's, as ZeRO-1/2 split their buckets: "
-                   f"parallel/expert/zero.py); use layout.zero <= 2, or layout.ep = 1 (experts sharded like any "
-                   f"parameter)")
+    if lay.zero == 3 and lay.ep > 1 and lay.pp > 1:
+        out.append(f"model.experts = {m.experts} with layout.zero = 3, layout.ep = {lay.ep} and layout.pp = {lay.pp} "
+                   f"is not supported yet: a pipeline stage's expert-parallel wrapper shards its dense parameters "
+                   f"at ZeRO-1/2 only (parallel/layout.py stage_data_parallel); use layout.zero <= 2, or pp = 1 "
+                   f"(ZeRO-3 with experts at ep > 1 runs there: parallel/expert/zero.py)")
     return out
