@@ -92,8 +92,8 @@ from shardlab import comm
 from shardlab.comm import Handle
 from shardlab.parallel.buckets import broadcast_state, sync_enabled_as
 from shardlab.parallel.fsdp_units import (FsdpLayout, FsdpOptimizer, Policy, Unit, entry_policy, load_sharded_state,
-                                          make_unit, owners, sharded_state, shards_named, successors,
-                                          unit_modules)
+                                          copy_out, make_unit, owners, pack_in, sharded_state, shards_named,
+                                          successors, unit_modules)
 from shardlab.parallel.gradnorm import clip_factor, global_grad_norm
 from shardlab.parallel.grad_hooks import GradHooks
 from shardlab.parallel.precision import MixedPrecisionPolicy, averaging_op
@@ -118,34 +118,6 @@ def _call(ref: "weakref.ref[FullyShardedDataParallel]", method: str, *args: Any)
     return None if me is None else getattr(me, method)(*args)
 
 
-def copy_out(unit: Unit, gathered: torch.Tensor, out: torch.Tensor, world: int) -> None:
-    """Every rank's chunks (`gathered`, world x chunk) into the whole parameters one after the other
-    (`out`): rank r's rows of each parameter follow rank r - 1's."""
-    g = gathered.view(world, unit.chunk)
-    for s in unit.params:
-        whole, rem = divmod(s.numel(), s.span) if s.span else (0, 0)  # ranks with all their rows; the rest
-        dst = out[s.full_offset : s.full_offset + s.numel()]
-        if whole:
-            dst[: whole * s.span].view(whole, s.span).copy_(g[:whole, s.offset : s.offset + s.span])
-        if rem:
-            dst[whole * s.span :].copy_(g[whole, s.offset : s.offset + rem])
-
-
-def pack_in(unit: Unit, grads: list[torch.Tensor | None], flat: torch.Tensor, world: int) -> None:
-    """The inverse of copy_out for gradients: each whole gradient's rows into the ranks' chunks of
-    `flat` (world x chunk, zeros where a gradient is missing or rows are padding)."""
-    g = flat.view(world, unit.chunk)
-    for s, grad in zip(unit.params, grads):
-        if grad is None:
-            continue
-        src = grad.reshape(-1)
-        whole, rem = divmod(s.numel(), s.span) if s.span else (0, 0)
-        if whole:
-            g[:whole, s.offset : s.offset + s.span].copy_(src[: whole * s.span].view(whole, s.span))
-        if rem:
-            g[whole, s.offset : s.offset + rem].copy_(src[whole * s.span :])
-
-
 @torch.no_grad()
 def _broadcast_except(module: nn.Module, group: dist.ProcessGroup | None, skip: set[int]) -> None:
     """broadcast_state (buckets.py) but for the parameters in `skip` (another group's replicas)."""
@@ -166,6 +138,9 @@ class FullyShardedDataParallel(nn.Module):
     policy: which submodules are units (None: children of every nn.ModuleList; module types; a size
         in elements; or a predicate). min_shard_numel: parameters smaller than this stay replicated.
     mp_policy: param_dtype / reduce_dtype (precision.py's MixedPrecisionPolicy; None: none).
+    reduce_at_sync: reduce every unit in finish_gradient_sync, not during backward (the zb1 schedule,
+        whose W passes make weight gradients after the backward passes). ignore: parameters another
+        wrapper owns (experts at ep > 1: parallel/expert/zero.py), left alone here.
     bucket_mb: accepted for a constructor alike across layouts; a unit's chunk is its bucket.
     impl: the collectives' implementation ("torch" or one of ours, e.g. "ring").
     """

@@ -220,6 +220,34 @@ def make_unit(index: int, module: nn.Module, params: list[tuple[nn.Parameter, li
     return Unit(index, module, out, chunk, numel, flat, compute, mp.reduce_dtype or compute)
 
 
+def copy_out(unit: Unit, gathered: torch.Tensor, out: torch.Tensor, world: int) -> None:
+    """Every rank's chunks (`gathered`, world x chunk) into the whole parameters one after the other
+    (`out`): rank r's rows of each parameter follow rank r - 1's."""
+    g = gathered.view(world, unit.chunk)
+    for s in unit.params:
+        whole, rem = divmod(s.numel(), s.span) if s.span else (0, 0)  # ranks with all their rows; the rest
+        dst = out[s.full_offset : s.full_offset + s.numel()]
+        if whole:
+            dst[: whole * s.span].view(whole, s.span).copy_(g[:whole, s.offset : s.offset + s.span])
+        if rem:
+            dst[whole * s.span :].copy_(g[whole, s.offset : s.offset + rem])
+
+
+def pack_in(unit: Unit, grads: list[torch.Tensor | None], flat: torch.Tensor, world: int) -> None:
+    """The inverse of copy_out for gradients: each whole gradient's rows into the ranks' chunks of
+    `flat` (world x chunk, zeros where a gradient is missing or rows are padding)."""
+    g = flat.view(world, unit.chunk)
+    for s, grad in zip(unit.params, grads):
+        if grad is None:
+            continue
+        src = grad.reshape(-1)
+        whole, rem = divmod(s.numel(), s.span) if s.span else (0, 0)
+        if whole:
+            g[:whole, s.offset : s.offset + s.span].copy_(src[: whole * s.span].view(whole, s.span))
+        if rem:
+            g[whole, s.offset : s.offset + rem].copy_(src[whole * s.span :])
+
+
 @dataclass
 class FsdpLayout:
     """What PieceOptimizer needs to know of the wrapper: the parameters it steps (the shards and the
