@@ -246,3 +246,18 @@ def test_experts_at_ep2_zero1_in_pipeline_stages_resume(pools, tmp_path):
     load_checkpoint(str(tmp_path), fresh[1], None, strict=False)
     _train(fresh, 2, 4)
     assert len(_close({n: p.detach() for n, p in fresh[1].named_parameters()}, results[0]["want"])) > 10
+
+
+def test_zero3_with_experts_at_ep2_saves_and_loads_exactly(pools, tmp_path):
+    # ZeRO-3 at ep 2 (issue 30): dense shards over the replica group, experts whole per ep rank. The
+    # checkpoint loads into one process bit for bit, and back into the same layout bit for bit.
+    layout = ["layout.ep=2", "model.experts=4", "model.top_k=1", "layout.zero=3"]
+    a, b = str(tmp_path / "ep2-zero3"), str(tmp_path / "again")
+    saved = pools(2).run(_save_and_step, layout, a)[0]
+    run = _setup(["model.experts=4", "model.top_k=1", *NO_DROPOUT])
+    load_checkpoint(a, run[1], run[2])
+    single = {n: p.detach().clone() for n, p in run[1].named_parameters()}
+    assert single.keys() == saved["at_save"].keys()
+    assert all(torch.equal(single[n], saved["at_save"][n]) for n in single)
+    back = pools(2).run(_save_and_step, layout, b, a)[0]
+    assert all(torch.equal(back["at_save"][n], saved["at_save"][n]) for n in single)

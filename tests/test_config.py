@@ -227,6 +227,6 @@ def test_a_pipeline_combines_with_tp_sp_zero_and_overlap():
         cfg.validate()
     cfg.override(['layout.schedule="zb1"', "layout.zero=1"])
     cfg.validate()
-    cfg.override(["layout.zero=2"])
-    with pytest.raises(ConfigError, match="layout.zero = 2 with layout.pp = 2 and layout.schedule = 'zb1'"):
+    for zero in (2, 3):  # reduced after the last W pass (issue 30; tests/test_zb_compose.py)
+        cfg.override([f"layout.zero={zero}"])
         cfg.validate()

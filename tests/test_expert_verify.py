@@ -84,6 +84,15 @@ def test_ep_under_zero(pools):
             "train.micro_batches=2", "optim.grad_clip=0.05")
 
 
+def test_ep_under_zero3(pools):
+    # ZeRO-3 at ep 2 (issue 30): dense parameters FSDP-sharded over (dp, ep), experts ignored there and
+    # sharded over their own replicas as under ZeRO-1/2 (whole between steps: ranks gather different
+    # experts); unreached experts keep no gradient; the clipped norm sums both kinds.
+    _verify(pools, 1, 2, "model.experts=4", "model.top_k=1", "layout.zero=3", "optim.grad_clip=0.05")
+    _verify(pools, 2, 2, "model.experts=8", "model.top_k=1", "train.global_batch=8", "layout.zero=3",
+            "train.micro_batches=2", "optim.grad_clip=0.05")
+
+
 def test_moe_in_pipeline_stages(pools):
     # Two stages, interleaved (rank 1 holds a chunk without the head too): every chunk's MoE layers
     # carry their load-balancing terms into the backward on their own stage (a large coefficient,
@@ -107,7 +116,8 @@ def test_moe_in_pipeline_stages(pools):
     (["layout.ep=2"], "model.experts = 0"),
     (["layout.ep=2", "model.experts=3"], "does not divide over layout.ep = 2"),
     (["model.experts=4", "model.top_k=5"], "model.top_k = 5"),
-    (["layout.ep=2", "model.experts=4", "layout.zero=3"], "layout.zero = 3 and layout.ep = 2 is not supported"),
+    (["layout.ep=2", "model.experts=4", "layout.zero=3", "layout.pp=2"],
+     "layout.zero = 3, layout.ep = 2 and layout.pp = 2 is not supported"),
 ])
 def test_refusals(extra, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

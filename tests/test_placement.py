@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from shardlab.parallel.placement import FlatChunk, MeshAxis, Owned, ParamPlacement, Placement, Replicate, Shard
+from shardlab.parallel.placement import MeshAxis, Owned, ParamPlacement, Placement, Replicate, Shard
 
 
 def _record(tp_index: int, pp_index: int) -> Placement:
@@ -51,16 +51,26 @@ def test_reduction_groups_and_tied_copies():
     assert single.cut_axes("w") == ()
 
 
-def test_flat_chunks_and_with_axis():
-    # A unit of 10 + 7 elements padded to 18 over 3 ranks: chunks of 6.
-    a, b = FlatChunk(0, 0, 10, 6), FlatChunk(0, 10, 7, 6)
-    assert [a.local_range(r) for r in range(3)] == [(0, 6), (6, 10), (0, 0)]
-    assert [b.local_range(r) for r in range(3)] == [(0, 0), (0, 2), (2, 7)]
-    w = torch.zeros(10, requires_grad=True)
+def test_uneven_row_cuts_and_with_axis():
+    # ZeRO-3's dim-0 cut as torch.chunk: 10 rows over 4 ranks are 3, 3, 3, 1; 2 rows over 4 are 1, 1, 0, 0.
+    w = torch.zeros(10, 3, requires_grad=True)
     base = Placement.whole([("w", w)])
     assert base["w"].on("dp") == Replicate() and base.name_of(w) == "w"
-    placed = base.with_axis(MeshAxis("dp", 3, 2), {"w": a})
-    assert placed.cut_axes("w") == ("dp",) and not placed.holds("w")
+    rows = [base.with_axis(MeshAxis("dp", 4, r), {"w": Shard(0, even=False)}) for r in range(4)]
+    assert [r.local_box("w") for r in rows] == [[((a, b), (0, 3))] for a, b in ((0, 3), (3, 6), (6, 9), (9, 10))]
+    whole = torch.arange(30.0).reshape(10, 3)
+    assert torch.equal(torch.cat([r.local_slice(whole, "w") for r in rows]), whole)
+    assert [torch.chunk(whole, 4)[i].shape for i in range(4)] == [r.local_shape("w") for r in rows]
+    small = [Placement.whole([("b", torch.zeros(2))]).with_axis(MeshAxis("dp", 4, r), {"b": Shard(0, even=False)})
+             for r in range(4)]
+    assert [s.holds("b") for s in small] == [True, True, False, False]
+    assert rows[3].cut_axes("w") == ("dp",) and rows[3].holds("w")
+    # After an even tp cut of a fused tensor's rows ([keys; values], 8 rows, tp rank 1 holds 2-3 and
+    # 6-7), 3 dp ranks take the 4 local rows as 2, 2, 0: rank 1 the values' rows.
+    kv = ParamPlacement("kv", (8, 2), (("tp", Shard(0, 2)), ("dp", Shard(0, even=False))))
+    at = [Placement((MeshAxis("tp", 2, 1), MeshAxis("dp", 3, r)), {"kv": kv}) for r in range(3)]
+    assert at[0].local_box("kv") == [((2, 4), (0, 2))] and at[1].local_box("kv") == [((6, 8), (0, 2))]
+    assert at[2].local_shape("kv") == (0, 2) and not at[2].holds("kv")
     with pytest.raises(KeyError, match="not parameters of the record"):
         base.with_axis(MeshAxis("tp", 2, 0), {"nope": Shard(0)})
 
@@ -91,20 +101,14 @@ def _check_layout(flags: list[str]) -> dict:
     for p in (model.module if layout.zero == 3 else model).parameters():
         name = record.name_of(p)
         assert name is not None, f"{tuple(p.shape)} not in the record"
-        if layout.zero == 3:  # FSDP: the rank's chunk of the flat unit, read from its shards
-            continue
+        # FSDP: the module's parameters are the rank's rows of dim 0, as the record's Shard over dp says
         assert torch.equal(p.detach(), record.local_slice(whole[name], name)), name
         checked += 1
         counted += record.counts(name)
         cut[name] = record.cut_axes(name)
     if layout.zero == 3:
-        for u in model.units:  # the record's FlatChunk ranges are the unit's pieces
-            for pc in u.pieces:
-                name = record.name_of(pc.param)
-                chunk = record[name].on("dp")
-                assert isinstance(chunk, FlatChunk) and chunk.local_range(model.rank) == (pc.start, pc.stop)
-                assert torch.equal(pc.tensor.detach(), whole[name].reshape(-1)[pc.start:pc.stop])
-                checked += 1
+        assert all(record[record.name_of(s.shard)].on("dp") == Shard(0, even=False)
+                   for u in model.units for s in u.params)
     return {"checked": checked, "counted": counted, "cut": cut}
 
 
@@ -120,6 +124,8 @@ def test_every_layout_writes_what_each_rank_holds(pools, name):
         assert all("pp" in axes for c in cut for axes in c.values())
     if "tp2" in name:
         assert "tp" in cut[0]["blocks.0.attn.kv.weight"] and "tp" not in cut[0]["blocks.0.ln1.weight"]
+    if name.startswith("zero3"):  # every sharded parameter cut over dp, its gradient's squares summed there
+        assert cut[0]["blocks.0.attn.kv.weight"] == ("dp",) and cut[0]["blocks.0.ln1.weight"] == ("dp",)
     if name.startswith("ep"):
         experts = [n for n in cut[0] if ".experts." in n]
         assert experts and all(cut[0][n] == ("ep",) for n in experts)

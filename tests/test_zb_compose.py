@@ -1,5 +1,5 @@
 """The zero-bubble schedule (zb1) composed with tensor parallelism and with recomputation (issue 18
-item 1), verified equal to one process by the trainer's harness."""
+item 1) and with ZeRO-2/3 (issue 30), verified equal to one process by the trainer's harness."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ def _verify(pools, *extra: str, world: int) -> dict:
     # tp x pp with the split backward (the recomputed attention core holds no linear layer, so every
     # tensor-parallel linear's weight gradient is deferred and its collectives stay in BI)
     (['layout.recompute="selective"', "layout.tp=2"], 4),
+    # ZeRO-2/3 over each stage's replicas: every bucket or unit reduced after the last W pass (the
+    # weight gradients come after the backward passes whose hooks would reduce them)
+    (["layout.dp=2", "layout.zero=2"], 4),
+    (["layout.dp=2", "layout.zero=3"], 4),
 ])
 def test_zero_bubble_composes(pools, extra, world):
     report = _verify(pools, *extra, world=world)

@@ -13,12 +13,14 @@ placement record (parallel/placement.py) rather than asking which layout it is:
     master. A plain torch optimizer's pieces are its whole parameters.
 
 A rank holds a parameter whole (one process, data parallelism, ZeRO 1-2: the save writes each
-replicated tensor once, spread over its holders) except FSDP's sharded parameters, which it holds
-only as its unit shards (the parameter points at a placeholder between forwards).
+replicated tensor once, spread over its holders) except FSDP's sharded parameters, which are this
+rank's rows of dim 0 (the record's Shard(0, even=False) over dp): a flat range of the (tp-local)
+tensor, so a checkpoint of the flat-unit ZeRO-3 before them (flat ranges too) loads into them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -103,27 +105,29 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def param_slice(record: Placement, name: str, p: torch.Tensor, start: int = 0, stop: int | None = None) -> Slice:
     """The slice this rank's `p` (or its elements [start, stop)) is of the whole tensor `name`, as the
-    record places it: a Shard on an axis of more than one rank is the cut, the rest is whole."""
-    shards = [(record.axis(a), pl) for a, pl in record[name].axes if isinstance(pl, Shard)]
-    shards = [(a, pl) for a, pl in shards if a.size > 1]
+    record places it: a Shard on an axis of more than one rank is the cut, the rest is whole. ZeRO-3's
+    dim-0 rows over dp (a Shard with even False) are a flat range of what the other cut leaves."""
+    cuts = [(record.axis(a), pl) for a, pl in record[name].axes if isinstance(pl, Shard)]
+    cuts = [(a, pl) for a, pl in cuts if a.size > 1]
+    shards = [(a, pl) for a, pl in cuts if pl.even]
+    rows = [(a, pl) for a, pl in cuts if not pl.even]
+    if len(shards) > 1 or len(rows) > 1 or (rows and rows[0][1].dim != 0):
+        raise CheckpointError(f"{name} is cut along {len(cuts)} axes ({', '.join(a.name for a, _ in cuts)}): "
+                              f"a checkpoint slice describes one cut and a range of rows")
+    shape = list(record[name].shape)
+    for axis, shard in shards:
+        shape[shard.dim] //= axis.size
+    if rows:  # this rank's rows of the (tp-local) tensor: torch.chunk's, as fsdp_units.local_rows
+        axis = rows[0][0]
+        per = -(-shape[0] // axis.size)
+        row_numel = math.prod(shape[1:])
+        first = min(axis.index * per, shape[0]) * row_numel
+        start, stop = first + start, first + (p.numel() if stop is None else stop)
     if not shards:
-        return Slice.make(p.shape, start, stop)
-    if len(shards) > 1:
-        raise CheckpointError(f"{name} is cut along {len(shards)} axes ({', '.join(a.name for a, _ in shards)}): "
-                              f"a checkpoint slice describes one cut")
+        return Slice.make(record[name].shape, start, stop)
     axis, shard = shards[0]
     return Slice.make(record[name].shape, start, stop, dim=shard.dim, parts=shard.blocks, index=axis.index,
                       count=axis.size)
-
-
-def find_fsdp(model: nn.Module) -> nn.Module | None:
-    """The FullyShardedDataParallel wrapper in `model`'s chain of wrappers, if any."""
-    from shardlab.parallel.fsdp import FullyShardedDataParallel
-
-    m: nn.Module | None = model
-    while m is not None and not isinstance(m, FullyShardedDataParallel):
-        m = m.module if isinstance(getattr(m, "module", None), nn.Module) else None
-    return m
 
 
 # ------------------------------------------------------------------------------ the optimizer side
@@ -175,16 +179,9 @@ def local_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
     record = placement(model)
     names = {id(p): n for n, p in named_parameters(model)}
     held: list[Held] = []
-    fsdp = find_fsdp(model)
-    # FSDP holds the parameters it shards as this rank's pieces of its units' flat shards only.
-    sharded = {id(p) for u in fsdp.units for p in u.params} if fsdp is not None else set()
+    # FSDP's parameters are its shards (rows of dim 0): the record's Shard over dp says which.
     for n, p in named_parameters(model):
-        if id(p) not in sharded:
-            held.append(Held(f"model/{n}", param_slice(record, n, p), p))
-    for pc in (pc for u in fsdp.units for pc in u.pieces) if fsdp is not None else ():
-        if id(pc.param) in names:
-            held.append(Held(f"model/{names[id(pc.param)]}",
-                             param_slice(record, names[id(pc.param)], pc.param, pc.start, pc.stop), pc.tensor))
+        held.append(Held(f"model/{n}", param_slice(record, n, p), p))
     held += [Held(f"model/{n}", Slice.make(b.shape), b) for n, b in persistent_buffers(model)]
     for pc in optimizer_pieces(optimizer):
         if id(pc.param) not in names:

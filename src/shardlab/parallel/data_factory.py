@@ -99,9 +99,14 @@ def wrap_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, option
     if options.zero == 3:
         return FullyShardedDataParallel(model, group, entries=None if stage is None else list(stage.chunks.values()),
                                         replicate=tied, regather_for_recompute=options.regather_for_recompute,
+                                        reduce_at_sync=stage is not None and options.schedule == "zb1",
                                         **collectives)
     if options.zero:
-        return ZeroDataParallel(model, group, stage=options.zero, deferred=tied, **collectives)
+        # zb1: ZeRO-2 reduces every bucket after the last W pass (its weight gradients come after the hooks).
+        deferred = tied
+        if stage is not None and options.schedule == "zb1":
+            deferred = [p for _, p in stage.stage_named_parameters()]
+        return ZeroDataParallel(model, group, stage=options.zero, deferred=deferred, **collectives)
     if size == 1:
         # One replica: nothing to average. No wrapper, hooks, buckets or collectives: the step is the
         # plain model's (what a 100-line script does at world size 1). The contract still holds:
@@ -119,9 +124,10 @@ def _nothing_to_sync() -> None:
 def data_placement(wrapped: nn.Module, record: Placement, group: dist.ProcessGroup | None) -> Placement:
     """The data-parallel step's entries: the "dp" axis over the replica group; every parameter
     replicated over it (plain data parallelism, ZeRO-1/2, whose optimizer state alone is sharded)
-    except FSDP's, each a FlatChunk of its unit."""
-    if isinstance(wrapped, FullyShardedDataParallel):
-        return fsdp_placement(wrapped, record)
+    except FSDP's, each a Shard of dim 0 (fsdp_units.fsdp_placement)."""
+    dense = getattr(wrapped, "_wrappers", (None,))[0]  # ExpertDataParallel under ZeRO-3: its dense FSDP
+    if isinstance(wrapped, FullyShardedDataParallel) or isinstance(dense, FullyShardedDataParallel):
+        return fsdp_placement(wrapped if dense is None else dense, record)
     return record.with_axis(MeshAxis.of("dp", group), {})
 
 

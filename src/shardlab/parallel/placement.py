@@ -6,20 +6,18 @@ for each named mesh axis, one of
 
   Replicate()             every rank of the axis holds the same tensor (the default: an axis a
                           parameter does not list replicates it);
-  Shard(dim, blocks)      the axis cuts dimension `dim`; `blocks` > 1 for a fused tensor whose `dim`
+  Shard(dim, blocks, even) the axis cuts dimension `dim`; `blocks` > 1 for a fused tensor whose `dim`
                           is `blocks` equal blocks each cut alike (the GPT's key/value projection:
                           [keys; values], rank r holding the keys *and* the values of its heads);
+                          `even` False (ZeRO-3's dim-0 cut over dp) cuts as torch.chunk does:
+                          ceil(size / n) per rank, the last ranks fewer or none;
   Owned(owner, holders)   one rank of the axis holds it whole and the others nothing: a pipeline
                           stage's layers, an expert on its ep rank. More than one holder means tied
                           copies (the GPT's embedding and head on the first and the last stage);
                           `owner` is the copy that counts (the lowest holder);
-  FlatChunk(unit, offset, numel, chunk)
-                          the parameter is elements [offset, offset + numel) of flat vector `unit`
-                          (a ZeRO bucket, an FSDP unit) and rank r of the axis holds elements
-                          [r chunk, (r + 1) chunk) of that vector.
 
 Axes apply in the order strategies apply (parallel/layout.py): pp and ep take whole parameters, tp
-cuts what they hold, and a FlatChunk over dp flattens what remains. Each strategy writes its own
+cuts what they hold, and ZeRO-3's Shard(0, even=False) over dp cuts the rows of what remains. Each strategy writes its own
 entries when it applies itself (`with_axis`), and the result sits on the model it returned as
 `model.placement` (a `Placed` module); apply_layout sets it on the outermost wrapper.
 
@@ -60,6 +58,7 @@ class Shard:
 
     dim: int
     blocks: int = 1
+    even: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,23 +70,7 @@ class Owned:
     holders: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class FlatChunk:
-    """Elements [offset, offset + numel) of flat vector `unit`; rank r holds [r chunk, (r+1) chunk)."""
-
-    unit: int
-    offset: int
-    numel: int
-    chunk: int
-
-    def local_range(self, rank: int) -> tuple[int, int]:
-        """The elements [start, stop) of the (flattened) parameter that rank `rank` holds."""
-        lo, hi = rank * self.chunk, (rank + 1) * self.chunk
-        start, stop = max(lo, self.offset) - self.offset, min(hi, self.offset + self.numel) - self.offset
-        return (start, stop) if start < stop else (0, 0)
-
-
-AxisPlacement = Union[Replicate, Shard, Owned, FlatChunk]
+AxisPlacement = Union[Replicate, Shard, Owned]
 
 
 @dataclass(frozen=True)
@@ -184,9 +167,7 @@ class Placement:
 
     def holds(self, name: str) -> bool:
         """Whether this rank holds any element of `name`."""
-        return self.local_box(name) != [] and all(
-            not isinstance(pl, FlatChunk) or pl.local_range(self.axis(a).index) != (0, 0)
-            for a, pl in self[name].axes)
+        return any(all(hi > lo for lo, hi in box) for box in self.local_box(name))
 
     def counts(self, name: str) -> bool:
         """Whether this rank's copy enters sums over the model (a norm, a checkpoint): False for a tied
@@ -194,16 +175,18 @@ class Placement:
         return all(not isinstance(pl, Owned) or pl.owner == self.axis(a).index for a, pl in self[name].axes)
 
     def local_box(self, name: str) -> list[tuple[tuple[int, int], ...]]:
-        """The parts of the whole tensor this rank holds, before any FlatChunk: a list of boxes (per
-        dimension [start, stop)), one per block of a fused tensor, concatenated along the cut dim in
-        order giving the local tensor; [] where an Owned axis gives it to another rank."""
+        """The parts of the whole tensor this rank holds: a list of boxes (per dimension [start, stop)),
+        one per block of a fused tensor, concatenated along the fused dim in order giving the local
+        tensor; [] where an Owned axis gives it to another rank."""
         pp = self[name]
         boxes = [tuple((0, s) for s in pp.shape)]
         for a in self.axes:
             pl = pp.on(a.name)
             if isinstance(pl, Owned) and a.index not in pl.holders:
                 return []
-            if isinstance(pl, Shard):
+            if isinstance(pl, Shard) and not pl.even:
+                boxes = _cut_rows(boxes, pl.dim, _fused_dim(pp), a)
+            elif isinstance(pl, Shard):
                 boxes = [_cut(box, pl, a, b) for box in boxes for b in range(pl.blocks)]
         return boxes
 
@@ -212,18 +195,16 @@ class Placement:
         if not boxes:
             return ()
         shape = [hi - lo for lo, hi in boxes[0]]
-        for a in self.axes:
-            pl = self[name].on(a.name)
-            if isinstance(pl, Shard):
-                shape[pl.dim] = sum(b[pl.dim][1] - b[pl.dim][0] for b in boxes)
+        fused = _fused_dim(self[name])
+        if fused is not None:
+            shape[fused] = sum(b[fused][1] - b[fused][0] for b in boxes)
         return tuple(shape)
 
     def local_slice(self, whole: torch.Tensor, name: str) -> torch.Tensor:
         """This rank's part of `whole` (a new contiguous tensor), as local_box says."""
         boxes = self.local_box(name)
-        dims = {pl.dim for _, pl in self[name].axes if isinstance(pl, Shard)}
         parts = [whole[tuple(slice(lo, hi) for lo, hi in box)] for box in boxes]
-        return torch.cat(parts, dim=dims.pop()) if len(parts) > 1 else parts[0].contiguous()
+        return torch.cat(parts, dim=_fused_dim(self[name]) or 0) if len(parts) > 1 else parts[0].contiguous()
 
     @torch.no_grad()
     def gather(self, tensors: Mapping[str, torch.Tensor | None], axis: str) -> dict[str, torch.Tensor | None]:
@@ -235,6 +216,31 @@ class Placement:
         gathered = unshard_many([t for _, t, _ in cut], [s for _, _, s in cut], self.axis(axis).group) if cut else []
         whole = {n: g for (n, _, _), g in zip(cut, gathered)}
         return {n: whole[n] if n in whole else None if t is None else t.detach().clone() for n, t in tensors.items()}
+
+
+def _fused_dim(pp: ParamPlacement) -> int | None:
+    """The dim along which a fused tensor's blocks are concatenated (None: one block)."""
+    return next((pl.dim for _, pl in pp.axes if isinstance(pl, Shard) and pl.blocks > 1), None)
+
+
+def _cut_rows(boxes: list[tuple[tuple[int, int], ...]], dim: int, fused: int | None,
+              axis: MeshAxis) -> list[tuple[tuple[int, int], ...]]:
+    """torch.chunk's cut of the local tensor (the boxes concatenated along `fused`) along `dim`:
+    rank i of the axis keeps elements [i r, (i + 1) r) of it, r = ceil(size / n), fewer at the end."""
+    if fused is not None and fused != dim:  # every block spans the same rows: cut each alike
+        return [_cut_rows([box], dim, None, axis)[0] for box in boxes]
+    size = sum(box[dim][1] - box[dim][0] for box in boxes)
+    r = -(-size // axis.size)
+    lo, hi = min(axis.index * r, size), min((axis.index + 1) * r, size)
+    out, at = [], 0
+    for box in boxes:  # the blocks in order: the part of [lo, hi) each holds
+        n = box[dim][1] - box[dim][0]
+        a, b = max(lo, at), min(hi, at + n)
+        if a < b or (not out and box is boxes[-1]):
+            start = box[dim][0] + max(a - at, 0)
+            out.append(box[:dim] + ((start, start + max(b - a, 0)),) + box[dim + 1:])
+        at += n
+    return out
 
 
 def _cut(box: tuple[tuple[int, int], ...], shard: Shard, axis: MeshAxis, block: int) -> tuple[tuple[int, int], ...]:

@@ -34,8 +34,10 @@ modules (a deep copy of a module, as verify's reference and a pipeline stage's p
 only the latter: `restore_fp32_sources`); they go once the optimizer has its masters
 (train/step.py's make_optimizer drops them). Wrappers broadcast them from rank 0 with the weights.
 A layout that makes new parameters out of the model's (tensor parallelism) carries the slice of
-the source along (`carry_fp32_source`). Not done: FSDP2's fp32 shards gathered as 16 bits; here
-ZeRO-3's shards stay in the compute dtype beside their fp32 masters, as under ZeRO-1/2.
+the source along (`carry_fp32_source`). ZeRO-3 (fsdp.py) goes further, as FSDP2 does: its shards
+are the fp32 values themselves (from these sources), gathered in the compute dtype for forward and
+backward, so a sharded parameter has no 16-bit stored copy and no master beside it
+(`MixedPrecisionPolicy` says the dtypes for a model that was not cast first).
 
 A plain torch optimizer over the 16-bit parameters would update the rounded copy with no masters:
 its first step raises (stepguard.py) and says to use MixedPrecisionOptimizer or make_optimizer.
@@ -53,6 +55,17 @@ import torch.nn as nn
 from shardlab.parallel.stepguard import carry_refusal, refusal, refuse_plain_step
 
 _FP32_SOURCE = "_shardlab_fp32_source"
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """ZeRO-3's dtypes, as FSDP2's policy of the same name: the sharded parameters keep their own
+    dtype (fp32: the source of truth the optimizer steps); `param_dtype` is what they are gathered
+    and computed in (None: their own), `reduce_dtype` what gradients are reduce-scattered in (None:
+    param_dtype). The reduced gradient is handed to the shard in the shard's dtype."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +164,11 @@ def set_fp32_source(p: torch.Tensor, source: torch.Tensor | None) -> None:
             delattr(p, _FP32_SOURCE)
     else:
         setattr(p, _FP32_SOURCE, source)
+
+
+def forget_fp32_source(module: nn.Module, name: str) -> None:
+    """Drop the fp32 source `module` keeps for its parameter `name` (ZeRO-3 made it the shard itself)."""
+    module.__dict__.get(_FP32_SOURCE, {}).pop(name, None)
 
 
 def restore_fp32_sources(model: nn.Module) -> None:

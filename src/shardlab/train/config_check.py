@@ -294,12 +294,13 @@ def pipeline_problems(lay: LayoutSection, m: ModelSection, t: TrainSection, mode
                        f"by features, and others after a row-parallel one, whose output is whole rows; the executor's "
                        f"buffers take one shape: choose model.n_layer so that every chunk boundary falls alike, or use "
                        f"layout.tp_plan = 'lecture'")
-    if lay.zero >= 2 and kind == "zb1":
-        out.append(f"layout.zero = {lay.zero} with {where} and layout.schedule = 'zb1': the zero-bubble split "
-                   f"accumulates the linear layers' weight gradients in its W passes, outside the backward whose "
-                   f"hooks reduce-scatter (and, at ZeRO-3, free) them, so they would be lost; not supported yet "
-                   f"(DeepSpeed refuses ZeRO-2/3 with any pipeline; Megatron-LM's zero-bubble schedule reduces "
-                   f"once after the last W); use layout.zero = 1 or another schedule")
+    if lay.zero >= 2 and kind == "zb1" and lay.ep > 1:
+        # ZeRO-2/3 reduce after the last W pass (parallel/layout.py stage_data_parallel); the experts'
+        # wrapper (parallel/expert/zero.py) does not take that path yet.
+        out.append(f"layout.zero = {lay.zero} with {where}, layout.schedule = 'zb1' and layout.ep = {lay.ep}: the "
+                   f"zero-bubble split accumulates the linear layers' weight gradients in its W passes, after the "
+                   f"backward whose hooks reduce-scatter the dense buckets of the expert-parallel wrapper; not "
+                   f"supported yet; use layout.zero = 1, layout.ep = 1 or another schedule")
     return out
 
 
@@ -378,11 +379,10 @@ def expert_problems(m: ModelSection, lay: LayoutSection) -> list[str]:
                    f"experts / ep of every MoE layer)")
     # Not supported yet, each with its reason:
     # tp > 1: every expert's MLP cut column/row, the router replicated (parallel/tensor/moe.py); with
-    # sp the tokens gathered for router and experts alike (its plan check wants the experts cut).
-    if lay.zero == 3 and lay.ep > 1:
-        out.append(f"model.experts = {m.experts} with layout.zero = 3 and layout.ep = {lay.ep} is not supported yet: "
-                   f"FSDP's units are flat vectors sharded over one group, but an expert is replicated over dp x cp "
-                   f"only (its unit would have to be split from its block's, as ZeRO-1/2 split their buckets: "
-                   f"parallel/expert/zero.py); use layout.zero <= 2, or layout.ep = 1 (experts sharded like any "
-                   f"parameter)")
+    # sp: the tokens gathered for router and experts alike (its plan check wants the experts cut).
+    if lay.zero == 3 and lay.ep > 1 and lay.pp > 1:
+        out.append(f"model.experts = {m.experts} with layout.zero = 3, layout.ep = {lay.ep} and layout.pp = {lay.pp} "
+                   f"is not supported yet: a pipeline stage's expert-parallel wrapper shards its dense parameters "
+                   f"at ZeRO-1/2 only (parallel/layout.py stage_data_parallel); use layout.zero <= 2, or pp = 1 "
+                   f"(ZeRO-3 with experts at ep > 1 runs there: parallel/expert/zero.py)")
     return out

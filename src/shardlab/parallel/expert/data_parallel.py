@@ -48,9 +48,8 @@ class ExpertDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group: Group = None, *, mode: str = "bucketed", bucket_mb: float = 25.0,
                  impl: str = comm.TORCH, zero: int = 0, deferred: Iterable[nn.Parameter] = ()) -> None:
         super().__init__()
-        if zero not in (0, 1, 2):
-            raise ValueError(f"expert parallelism with ZeRO-{zero}: ZeRO-1 and 2 shard each kind of parameter over "
-                             f"its own replicas (parallel/expert/zero.py); ZeRO-3's units are not split so yet")
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"expert parallelism with ZeRO-{zero}: ZeRO stages are 0-3")
         deferred = list(deferred)
         if deferred and not zero:
             raise ValueError(f"ExpertDataParallel: {len(deferred)} deferred parameter(s) with zero = 0; deferring "
@@ -77,8 +76,13 @@ class ExpertDataParallel(nn.Module):
             self._wrappers = (DataParallel(module, group, params=dense, **kw),
                               DataParallel(module, layers[0].expert_replicas, params=experts, average=False, **kw))
         self._expert_params = [p for p in experts if p.requires_grad]
-        # The record convert_expert_parallel wrote: experts Owned over "ep", what the norm sums over it.
+        # The record convert_expert_parallel wrote: experts Owned over "ep", what the norm sums over it
+        # (under ZeRO-3 naming the dense shards: parallel/layout.py data_placement adds their dp cut).
         self.placement: Placement = module.placement
+        if zero == 3:
+            from shardlab.parallel.fsdp_units import shards_named
+
+            self.placement = shards_named(self._wrappers[0], self.placement)
         self._sync = True
 
     @property
@@ -142,6 +146,8 @@ class ExpertDataParallel(nn.Module):
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter by the plain model's names, each ep rank's experts gathered: a collective."""
+        if self.zero == 3:  # the dense shards gathered over the replicas first
+            return self._whole(self._dense.full_parameters())
         return self._whole({n: p.detach().clone() for n, p in self.module.named_parameters()})
 
     @torch.no_grad()

@@ -34,7 +34,7 @@ from shardlab.parallel.zero import ShardLayout, ZeroDataParallel, gather_chunks
 class _DenseAndExpertPieces:
     """The dense and the expert ShardLayouts as one PieceLayout (rank and world: the dense group's)."""
 
-    def __init__(self, dense: ShardLayout, experts: ShardLayout) -> None:
+    def __init__(self, dense: Any, experts: ShardLayout) -> None:
         self.parts = (dense, experts)
         self.params = dense.params + experts.params
         self.rank, self.world = dense.rank, dense.world
@@ -47,7 +47,7 @@ class _DenseAndExpertPieces:
 class ExpertZeroOptimizer(PieceOptimizer):
     """One optimizer over the pieces of the dense and the expert ZeRO wrappers (module docstring)."""
 
-    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], dense: ZeroDataParallel,
+    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], dense: Any,
                  experts: ZeroDataParallel, placement: Placement, **optimizer_kwargs: Any) -> None:
         pieces = _DenseAndExpertPieces(dense.layout, experts.layout)
         super().__init__(param_groups(params), optimizer_cls, pieces, dense.group,
@@ -60,7 +60,7 @@ class ExpertZeroOptimizer(PieceOptimizer):
         record: Placement = self.tp  # type: ignore[assignment]
         total = torch.zeros(1, dtype=torch.float64, device=device)
         for w in self.wrappers:  # the same collectives' sequence on every rank of a stage
-            grads = ((pc.tensor.grad, True, pc.param) for pc in w.layout.pieces()
+            grads = ((pc.tensor.grad, not pc.replicated, pc.param) for pc in w.layout.pieces()
                      if pc.tensor.grad is not None and _counts(record, pc.param))
             total += global_grad_norm(grads, device, dp_group=w.group, dp_size=w.layout.world, tp=record).square()
         # Under a pipeline, the stages' totals summed once, after both kinds: a stage without experts
@@ -73,14 +73,18 @@ class ExpertZeroOptimizer(PieceOptimizer):
 
     @torch.no_grad()
     def _after_step(self) -> None:
-        for w in self.wrappers:  # each kind's updated chunks over its own group
-            gather_chunks(w.layout, w.group, w.impl)
+        for w in self.wrappers:  # each kind's updated chunks over its own group (ZeRO-3's shards: nothing)
+            if isinstance(w, ZeroDataParallel):
+                gather_chunks(w.layout, w.group, w.impl)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for w in self.wrappers:
-            for bucket in w.layout.buckets:
-                bucket.grad_chunk = None
+            if isinstance(w, ZeroDataParallel):
+                for bucket in w.layout.buckets:
+                    bucket.grad_chunk = None
+            else:
+                w.zero_grad(set_to_none)
 
 
 def _counts(record: Placement, p: nn.Parameter) -> bool:
@@ -91,7 +95,7 @@ def _counts(record: Placement, p: nn.Parameter) -> bool:
 
 def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn.Parameter], group: Any,
                   expert_group: Any, stage: int, bucket_mb: float, impl: str,
-                  deferred: Iterable[nn.Parameter] = ()) -> tuple[ZeroDataParallel, ZeroDataParallel]:
+                  deferred: Iterable[nn.Parameter] = ()) -> tuple[Any, ZeroDataParallel]:
     """The two ZeRO wrappers of ExpertDataParallel: dense parameters over `group` at `stage`, experts
     over `expert_group` (their replicas) at stage 1 whatever `stage` (see below). `deferred`: dense
     parameters reduced only at finish_gradient_sync (a pipeline stage's tied embedding copies, whose
@@ -102,6 +106,15 @@ def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn
     # launched as buckets fill would interleave with the dense ones and the all-to-alls differently on
     # each rank. So under ZeRO-2 the experts' gradients are held whole until the step, the dense ones
     # at 1/N, and their optimizer state is 1/N for both kinds.
+    # ZeRO-3: the dense parameters FSDP-sharded over `group` (the experts ignored there), the experts
+    # as under ZeRO-1/2 (whole parameters, optimizer state and reduced gradients over their replicas):
+    # ranks gather different experts, so gathering them per unit would not pair up across ranks.
+    if stage == 3:
+        from shardlab.parallel.fsdp import FullyShardedDataParallel
+
+        return (FullyShardedDataParallel(module, group, bucket_mb=bucket_mb, impl=impl, ignore=experts,
+                                         replicate=deferred),
+                ZeroDataParallel(module, expert_group, stage=1, bucket_mb=bucket_mb, impl=impl, params=experts))
     return (ZeroDataParallel(module, group, stage=stage, bucket_mb=bucket_mb, impl=impl, params=dense,
                              deferred=deferred),
             ZeroDataParallel(module, expert_group, stage=1, bucket_mb=bucket_mb, impl=impl, params=experts))

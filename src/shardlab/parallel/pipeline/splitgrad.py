@@ -69,16 +69,18 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 store: WeightGradStore) -> torch.Tensor:
-        # The weight is kept as the object itself, not a saved tensor: under recomputation a saved
-        # tensor comes back as the recomputed copy, and BW must accumulate into the parameter.
-        ctx.save_for_backward(x)
+        # The weight is kept as the object itself too: under recomputation a saved tensor comes back
+        # as the recomputed copy, and BW must accumulate into the parameter. Its values are saved as
+        # well, for BI's input gradient: ZeRO-3 frees a unit's whole weights after its forward and
+        # gathers them again when backward unpacks what was saved (parallel/fsdp.py).
+        ctx.save_for_backward(x, weight)
         ctx.weight, ctx.bias, ctx.store = weight, bias, store
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        (x,), weight = ctx.saved_tensors, ctx.weight
-        ctx.store.pending.append((weight, ctx.bias, x, grad_out))
+        x, weight = ctx.saved_tensors
+        ctx.store.pending.append((ctx.weight, ctx.bias, x, grad_out))
         grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None
 
