@@ -55,7 +55,7 @@ def _norm_blind_to_tp(cfg_dict: dict) -> dict | None:
 
     original = pipeline_model.global_grad_norm
 
-    def blind(grads, device, *, tp=None, **kw):  # noqa: ANN001, ANN003, ANN202
+    def blind(grads, device, *, within_stage=None, **kw):  # noqa: ANN001, ANN003, ANN202
         return original(grads, device, **kw)
 
     pipeline_model.global_grad_norm = blind

@@ -123,8 +123,8 @@ def _norm_without_the_pp_sum(cfg_dict: dict) -> dict | None:
 
     original = gradnorm.global_grad_norm
 
-    def blind(grads, device, *, pp=None, **kw):  # noqa: ANN001, ANN003, ANN202
-        return original(grads, device, pp=None, **kw)
+    def blind(grads, device, *, across_stages=None, **kw):  # noqa: ANN001, ANN003, ANN202
+        return original(grads, device, across_stages=None, **kw)
 
     model.global_grad_norm = blind
     try:

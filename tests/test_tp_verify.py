@@ -81,8 +81,8 @@ def _norm_without_tp_sum(cfg_dict: dict) -> dict | None:
 
     original = gradnorm.global_grad_norm
 
-    def blind(grads, device, *, tp=None, **kw):  # noqa: ANN001, ANN003, ANN202
-        return original(grads, device, tp=None, **kw)
+    def blind(grads, device, *, within_stage=None, **kw):  # noqa: ANN001, ANN003, ANN202
+        return original(grads, device, within_stage=None, **kw)
 
     gradnorm.global_grad_norm = optim.global_grad_norm = blind
     try:

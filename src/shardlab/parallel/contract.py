@@ -1,7 +1,7 @@
 """What a layout hands the training step, as typed objects instead of attributes probed for.
 
     layout = step_contract(model)          # model: what apply_layout returned, or a plain module
-    optimizer = layout.build_optimizer(groups, torch.optim.AdamW, tp=record, lr=1e-3) if layout.builds_optimizer else ...
+    optimizer = layout.build_optimizer(groups, torch.optim.AdamW, placement=record, lr=1e-3) if layout.builds_optimizer else ...
     with layout.no_sync(): ...             # micro-batches before the last: no communication
     layout.finish_gradient_sync()          # after the last backward (a no-op where there is none)
     contract = optimizer_contract(opt)     # loss scale, clipping over the ranks that cut the model

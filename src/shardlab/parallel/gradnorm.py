@@ -21,7 +21,8 @@ Squares are summed in fp64: the norm then agrees with the single-process one to 
 model is cut, so a clipped step scales the gradients by the reference's coefficient, not one that
 differs in its seventh digit (fp32 sums in another order would).
 
-    norm = global_grad_norm([(g, over_dp, param), ...], device, dp_group=g_dp, dp_size=2, tp=record, pp=record)
+    norm = global_grad_norm([(g, over_dp, param), ...], device, dp_group=g_dp, dp_size=2,
+                           within_stage=record, across_stages=record)
     coef = clip_coefficient(norm, max_norm)     # torch.nn.utils.clip_grad_norm_'s rule
 """
 
@@ -45,20 +46,22 @@ the record's dp axis is not reduced again here."""
 
 @torch.no_grad()
 def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], device: torch.device | None, *,
-                     dp_group: Group = None, dp_size: int = 1, tp: Placement | None = None,
-                     pp: Placement | None = None) -> torch.Tensor:
+                     dp_group: Group = None, dp_size: int = 1, within_stage: Placement | None = None,
+                     across_stages: Placement | None = None) -> torch.Tensor:
     """The whole model's gradient 2-norm (fp64 scalar, equal on every rank) from this rank's
     (gradient, cut over dp, parameter) triples, each parameter looked up in the placement record.
 
     Callers pass the model's one record twice, once per reduction it drives, so that each can be
-    named (and left out by the tests that show it is needed): `tp`, for the axes within a stage that
-    cut parameters (tp, ep), their squares summed over those axes' groups; `pp`, for the pipeline
-    axis, the stages' total summed over it, tied copies counted by their owner only. A parameter
+    named (and left out by the tests that show it is needed): `within_stage`, for the axes within a
+    stage that cut parameters (tp, ep), their squares summed over those axes' groups;
+    `across_stages`, for the pipeline axis, the stages' total summed over it, tied copies counted by
+    their owner only. A parameter
     the record does not name (or no record) is whole on every rank of every axis. A collective over
     dp and over each such axis of more than one rank: call it on every rank, with or without
     gradients."""
-    record = tp if tp is not None else pp
-    axes = [] if tp is None else [a for a in tp.axes if a.size > 1 and a.name not in (PIPELINE_AXIS, DATA_AXIS)]
+    record = within_stage if within_stage is not None else across_stages
+    axes = [] if within_stage is None else [a for a in within_stage.axes
+                                            if a.size > 1 and a.name not in (PIPELINE_AXIS, DATA_AXIS)]
     bit = {a.name: 1 << (i + 1) for i, a in enumerate(axes)}
     # bit 0: over dp; bit i+1: axes[i]. Each sum's gradients are grouped by device and dtype for the
     # multi-tensor kernel (one launch per group, not one per parameter).
@@ -67,7 +70,7 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], d
         index = int(bool(over_dp))
         name = None if record is None else record.name_of(p)
         if name is not None:
-            if pp is not None and not pp.counts(name):
+            if across_stages is not None and not across_stages.counts(name):
                 continue
             index += sum(bit.get(a, 0) for a in record.cut_axes(name))
         if g.numel():
@@ -91,7 +94,7 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], d
         total = values[0] if values else torch.zeros((), dtype=torch.float64, device=device)
         for part in values[1:]:
             total = total + part
-    stages = None if pp is None else pp.axis(PIPELINE_AXIS)
+    stages = None if across_stages is None else across_stages.axis(PIPELINE_AXIS)
     if stages is not None and stages.size > 1:
         # Last, on one number: the stages' sums are each already whole over dp and the other axes.
         total = total.reshape(1)
@@ -192,7 +195,8 @@ def whole_grad_norm(params: Iterable[nn.Parameter], placement: Placement | None 
                          f"over one")
     dp_group, dp_size = next(iter(groups.values()), (None, 1))
     grads = ((_local(p.grad), cuts[id(p)][1] > 1, p) for p in unique if p.grad is not None)
-    return global_grad_norm(grads, device, dp_group=dp_group, dp_size=dp_size, tp=placement, pp=placement)
+    return global_grad_norm(grads, device, dp_group=dp_group, dp_size=dp_size, within_stage=placement,
+                            across_stages=placement)
 
 
 @torch.no_grad()

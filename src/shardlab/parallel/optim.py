@@ -12,7 +12,7 @@ pieces are its shards and need nothing). So mixed precision and clipping are wri
     1/loss_scale, so the low-precision gradient is never rescaled (nor held twice) outside `step()`.
   * the global norm (gradnorm.py): squares summed in fp64 over this rank's pieces, sharded pieces
     all-reduced across the group, replicated ones (whole on every rank) counted once; the model's
-    placement record (`tp`, parallel/placement.py) says which parameters other axes cut (tp shards,
+    placement record (`placement`, parallel/placement.py) says which parameters other axes cut (tp shards,
     experts), whose squares are summed over those axes' groups too. A
     non-finite norm is how fp16 overflow is found: every rank computes the same norm, so every rank
     skips alike.
@@ -94,21 +94,21 @@ class PieceOptimizer(torch.optim.Optimizer):
     `param_groups` are the inner optimizer's (one per given group, options kept), so learning-rate
     schedules work as usual. `loss_scaler`: a LossScaler for fp16; multiply the loss by
     `loss_scale` before backward. `last_step_skipped` tells whether the last step was skipped.
-    `tp`: the placement record of the model the parameters belong to, when axes other than this
-    optimizer's group cut them (tensor or expert parallelism): their norm is summed over those axes
-    as well (gradnorm.py). The keyword keeps its name: the trainer passes the record under it.
+    `placement`: the placement record of the model the parameters belong to, when axes other than
+    this optimizer's group cut them (tensor or expert parallelism, pipeline stages): their norm is
+    summed over those axes as well (gradnorm.py).
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], layout: PieceLayout,
                  group: dist.ProcessGroup | None = None, *, impl: str = comm.TORCH,
-                 loss_scaler: LossScaler | None = None, tp: Placement | None = None,
+                 loss_scaler: LossScaler | None = None, placement: Placement | None = None,
                  **optimizer_kwargs: Any) -> None:
         if not issubclass(optimizer_cls, ELEMENTWISE):
             raise ValueError(f"{optimizer_cls.__name__} is not known to update elements independently; sharding "
                              "it would change its result (supported: "
                              f"{', '.join(c.__name__ for c in ELEMENTWISE)})")
         self.process_group, self.impl, self.layout, self.loss_scaler = group, impl, layout, loss_scaler
-        self.tp = tp
+        self.placement = placement
         groups = param_groups(params)
         self.pieces: list[Piece] = list(layout.pieces())
         # A low-precision piece is stepped through its fp32 master; an fp32 piece is its own master.
@@ -163,7 +163,7 @@ class PieceOptimizer(torch.optim.Optimizer):
         device = self.layout.params[0].device if self.layout.params else None
         grads = ((pc.tensor.grad, not pc.replicated, pc.param) for pc in self.pieces if pc.tensor.grad is not None)
         norm = global_grad_norm(grads, device, dp_group=self.process_group, dp_size=self.layout.world,
-                                tp=self.tp, pp=self.tp)
+                                within_stage=self.placement, across_stages=self.placement)
         self._norm = norm / self.loss_scale
         return self._norm.to(torch.float32)
 

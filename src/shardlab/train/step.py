@@ -73,11 +73,11 @@ def _make_optimizer(model: nn.Module, o: OptimSection, precision: str) -> torch.
     device = next((q.device for g in groups for q in g["params"]), torch.device("cpu"))
     build = step_contract(model).build_optimizer
     if build is not None:  # a sharding wrapper (ZeRO, FSDP, experts) or a pipeline stage builds its own
-        return build(groups, torch.optim.AdamW, tp=tensor_sharding(model),
+        return build(groups, torch.optim.AdamW, placement=tensor_sharding(model),
                      **kwargs, **adamw_implementation(device, whole=False))
     kwargs.update(adamw_implementation(device, whole=True))
     if p.mixed:
-        return MixedPrecisionOptimizer(groups, torch.optim.AdamW, tp=tensor_sharding(model), **kwargs)
+        return MixedPrecisionOptimizer(groups, torch.optim.AdamW, placement=tensor_sharding(model), **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 

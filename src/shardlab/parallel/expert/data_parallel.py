@@ -129,18 +129,18 @@ class ExpertDataParallel(nn.Module):
         self._dense.comm_wait_s = value
         self._experts.comm_wait_s = 0.0
 
-    def build_optimizer(self, groups: list[dict], optimizer_cls: type[torch.optim.Optimizer], *, tp: Any = None,
+    def build_optimizer(self, groups: list[dict], optimizer_cls: type[torch.optim.Optimizer], *, placement: Any = None,
                         **kwargs: Any) -> torch.optim.Optimizer:
         """The unsharded optimizer (parallel/optim.py) told that experts are cut over the ep group,
         so the global gradient norm sums their squares over it and counts dense ones once."""
-        # `tp` (the tensor-parallel record) is part of self.placement, which also has the ep axis: the
+        # `placement` (the trainer's tensor-parallel record) is part of self.placement, which also has the ep axis: the
         # norm sums the experts' tp shards over tp and their owners over ep from it alone.
         if self.zero:
             # lazy: `shardlab --help` imports this file but need not import these modules
             from shardlab.parallel.expert.zero import ExpertZeroOptimizer
 
             return ExpertZeroOptimizer(groups, optimizer_cls, self._dense, self._experts, self.placement, **kwargs)
-        return MixedPrecisionOptimizer(groups, optimizer_cls, tp=self.placement, **kwargs)
+        return MixedPrecisionOptimizer(groups, optimizer_cls, placement=self.placement, **kwargs)
 
     # ------------------------------------------------------------------- whole-model views
     @torch.no_grad()

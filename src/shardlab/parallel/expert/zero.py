@@ -51,18 +51,19 @@ class ExpertZeroOptimizer(PieceOptimizer):
                  experts: ZeroDataParallel, placement: Placement, **optimizer_kwargs: Any) -> None:
         pieces = _DenseAndExpertPieces(dense.layout, experts.layout)
         super().__init__(param_groups(params), optimizer_cls, pieces, dense.group,
-                         impl=dense.impl, tp=placement, **optimizer_kwargs)
+                         impl=dense.impl, placement=placement, **optimizer_kwargs)
         self.wrappers = (dense, experts)
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         device = self.layout.params[0].device if self.layout.params else None
-        record: Placement = self.tp  # type: ignore[assignment]
+        record: Placement = self.placement  # type: ignore[assignment]
         total = torch.zeros(1, dtype=torch.float64, device=device)
         for w in self.wrappers:  # the same collectives' sequence on every rank of a stage
             grads = ((pc.tensor.grad, not pc.replicated, pc.param) for pc in w.layout.pieces()
                      if pc.tensor.grad is not None and _counts(record, pc.param))
-            total += global_grad_norm(grads, device, dp_group=w.group, dp_size=w.layout.world, tp=record).square()
+            total += global_grad_norm(grads, device, dp_group=w.group, dp_size=w.layout.world,
+                                      within_stage=record).square()
         # Under a pipeline, the stages' totals summed once, after both kinds: a stage without experts
         # (a plain ZeRO stage, parallel/layout.py) makes one reduction over pp too, so they pair up.
         stages = record.axis("pp")

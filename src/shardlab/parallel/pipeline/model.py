@@ -116,18 +116,15 @@ class StageOptimizer(PieceOptimizer):
                  loss_scaler: LossScaler | None = None, **optimizer_kwargs: Any) -> None:
         groups = param_groups(params)
         super().__init__(groups, optimizer_cls, WholeLayout(unique_trainable(groups)), loss_scaler=loss_scaler,
-                         tp=placement, **optimizer_kwargs)
-
-    @property
-    def placement(self) -> Placement:
-        return self.tp  # type: ignore[return-value]
+                         placement=placement, **optimizer_kwargs)
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (unscaled), the same on every stage: a collective over pp."""
         device = self.layout.params[0].device if self.layout.params else None
         grads = ((pc.tensor.grad, False, pc.param) for pc in self.pieces if pc.tensor.grad is not None)
-        self._norm = global_grad_norm(grads, device, tp=self.placement, pp=self.placement) / self.loss_scale
+        self._norm = global_grad_norm(grads, device, within_stage=self.placement,
+                                      across_stages=self.placement) / self.loss_scale
         return self._norm.to(torch.float32)
 
 
@@ -211,16 +208,17 @@ class PipelineParallel(nn.Module):
             sum_tied_grads(self.module, self.group)
 
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], *,
-                        tp: Any = None, **optimizer_kwargs: Any) -> PieceOptimizer:
+                        placement: Any = None, **optimizer_kwargs: Any) -> PieceOptimizer:
         """The stage's optimizer: under ZeRO (the stage's replicas sharding it) the wrapper's sharded
         one, told the stage's record so that its norm is summed over pp too (tied copies once);
         otherwise a StageOptimizer over the stage's whole parameters."""
-        # `tp` is what the trainer found outside the pipeline (nothing: the stage's tensor
+        # `placement` is what the trainer found outside the pipeline (nothing: the stage's tensor
         # parallelism is inside it, and known here).
-        if tp is not None:
+        if placement is not None:
             raise ValueError("a pipeline's tensor parallelism is applied inside its stages, not around them")
         if isinstance(self.data_parallel, (ZeroDataParallel, FullyShardedDataParallel)):
-            return self.data_parallel.build_optimizer(params, optimizer_cls, tp=self.placement, **optimizer_kwargs)
+            return self.data_parallel.build_optimizer(params, optimizer_cls, placement=self.placement,
+                                                      **optimizer_kwargs)
         zero = _expert_zero(self.data_parallel)
         if zero is not None:  # experts at ep > 1 under ZeRO-1/2: one optimizer over both kinds' shards
             # lazy: `shardlab --help` imports this file but need not import these modules
