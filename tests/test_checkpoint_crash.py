@@ -25,7 +25,7 @@ from shardlab.checkpoint import (
 )
 from shardlab.checkpoint import save as save_module
 from shardlab.dist import RankFailure, launch
-from shardlab.parallel.zero import ZeroDataParallel
+from shardlab.parallel.data.zero import ZeroDataParallel
 
 
 def _model() -> nn.Module:

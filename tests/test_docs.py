@@ -185,3 +185,23 @@ def test_layer_map_names_every_module():
         unnamed.append(rel.as_posix())
     assert not unnamed, ("files of src/shardlab that docs/ARCHITECTURE.md's layer map does not name under "
                          "their layer:\n  " + "\n  ".join(unnamed))
+
+
+ARCHITECTURE_MAX_LINES = 400  # issue 32: the page is a map; detail belongs on the topic pages it links
+LAYER_MAP_COLUMNS = 100  # issue 32: the layer map reads in a 100-column terminal or review pane
+
+
+def test_architecture_page_stays_short():
+    lines = (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines()
+    assert len(lines) < ARCHITECTURE_MAX_LINES, (
+        f"docs/ARCHITECTURE.md has {len(lines)} lines (limit {ARCHITECTURE_MAX_LINES}): link to the topic "
+        "page in docs/ instead of repeating it")
+
+
+def test_layer_map_fits_100_columns():
+    """The first fenced block of docs/ARCHITECTURE.md, the layer map, wraps at 100 characters."""
+    block = (ROOT / "docs" / "ARCHITECTURE.md").read_text().split("```")[1]
+    wide = [f"{n}: {len(line)} characters: {line[:60]}..." for n, line in enumerate(block.splitlines(), 1)
+            if len(line) > LAYER_MAP_COLUMNS]
+    assert not wide, (f"layer map lines over {LAYER_MAP_COLUMNS} characters (line numbers within the block):\n  "
+                      + "\n  ".join(wide))

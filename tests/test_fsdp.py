@@ -31,7 +31,7 @@ def _verify_with(cfg_dict: dict, policy: str | None = None, min_shard_numel: int
     """verify_rank with the FSDP options the layout does not expose (restored afterwards: pool ranks live on)."""
     import shardlab.train.verify as verify
     from shardlab.models.gpt import MLP, Block
-    from shardlab.parallel.fsdp import FullyShardedDataParallel
+    from shardlab.parallel.data.fsdp import FullyShardedDataParallel
 
     # types: MLP units nested in Block units; size 20000: each block's MLP (33k elements) is a unit and
     # its attention and norms (17k) fall to the root, with the embeddings.
@@ -123,7 +123,7 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _custom_vs_reference(policy: str | None, min_shard_numel: int) -> dict[str, float]:
-    from shardlab.parallel.fsdp import FullyShardedDataParallel
+    from shardlab.parallel.data.fsdp import FullyShardedDataParallel
 
     torch.manual_seed(0)
     ref = _Custom()

@@ -65,7 +65,7 @@ def _one_process(ref: nn.Module, dtype: torch.dtype, steps: int, lr: float) -> d
 
 
 def _contract(dtype_name: str, steps: int = 3, lr: float = 0.1) -> dict:
-    from shardlab.parallel.fsdp import FullyShardedDataParallel
+    from shardlab.parallel.data.fsdp import FullyShardedDataParallel
     from shardlab.parallel.precision import MixedPrecisionPolicy
 
     dtype = getattr(torch, dtype_name)

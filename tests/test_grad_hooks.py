@@ -1,4 +1,4 @@
-"""parallel/grad_hooks.py on its own, in one process: which groups launch when, in which order.
+"""parallel/data/grad_hooks.py on its own, in one process: which groups launch when, in which order.
 
 The wrappers' tests (test_data_parallel, test_zero, test_fsdp, test_pp_verify) prove the reductions
 equal to one process; these pin the engine's ordering rules with a recording owner, no collectives.
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shardlab.parallel.grad_hooks import GradHooks
+from shardlab.parallel.data.grad_hooks import GradHooks
 
 
 class _Recorder:

@@ -236,13 +236,7 @@ def test_pending_circles_still_exist():
 
 # Files other branches are rewriting this session: their imports inside functions are left as they are
 # here, to be given a reason or moved up when those branches land. The lead shrinks this list then.
-REASONS_PENDING = (
-    "shardlab.checkpoint.",            # the FSDP2-shaped ZeRO-3 (issue 30)
-    "shardlab.parallel.fsdp",          # issue 30, as are the four below
-    "shardlab.parallel.fsdp_units",
-    "shardlab.parallel.zero",
-    "shardlab.parallel.optim",
-)
+REASONS_PENDING: tuple[str, ...] = ()
 
 
 def reason_pending(module: str) -> bool:

@@ -109,7 +109,7 @@ def _engines() -> dict:
     import torch.distributed as dist
 
     from shardlab.models import DeepMLP, MLPConfig
-    from shardlab.parallel.data_factory import DataOptions, wrap_data_parallel
+    from shardlab.parallel.data.factory import DataOptions, wrap_data_parallel
 
     ws = dist.get_world_size()
     got = {}
@@ -137,7 +137,7 @@ def test_one_data_parallel_factory(pools):
 
 
 def test_a_stage_reduces_once_where_overlap_cannot_hook():
-    from shardlab.parallel.data_factory import DataOptions
+    from shardlab.parallel.data.factory import DataOptions
 
     def mode(**kw) -> str:
         return DataOptions.of(LayoutSection(dp_mode="overlap", **kw)).stage_mode()

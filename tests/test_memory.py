@@ -193,7 +193,7 @@ def test_state_bytes_with_adamw_after_one_step():
 
 def test_state_bytes_counts_a_gradient_bucket_whole():
     model = nn.Linear(4, 3)
-    flat = torch.zeros(4 * 3 + 3 + 2)  # both gradients plus two flag slots, as in parallel/buckets.py
+    flat = torch.zeros(4 * 3 + 3 + 2)  # both gradients plus two flag slots, as in parallel/data/buckets.py
     model.weight.grad = flat[:12].view(3, 4)
     model.bias.grad = flat[12:15]
     assert state_bytes(model)["grads"] == flat.numel() * F32

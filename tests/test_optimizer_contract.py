@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardlab.parallel.stepguard import HOW
+from shardlab.parallel.data.stepguard import HOW
 from shardlab.train.config import load_config
 from shardlab.train.verify import VERIFY_BASE, verify_base
 
@@ -91,9 +91,9 @@ def test_plain_adamw_is_refused_where_parameters_are_not_what_it_steps(pools, la
 def _masters_vs_fp32(precision: str, zero: int) -> dict:
     """Masters after make_optimizer, against the fp32 initialisation, on this rank's pieces."""
     from shardlab.parallel import apply_precision
-    from shardlab.parallel.fsdp import FullyShardedDataParallel
+    from shardlab.parallel.data.fsdp import FullyShardedDataParallel
     from shardlab.parallel.precision import fp32_source
-    from shardlab.parallel.zero import ZeroDataParallel
+    from shardlab.parallel.data.zero import ZeroDataParallel
     from shardlab.train.config import OptimSection
     from shardlab.train.step import StepSetup, make_optimizer
 

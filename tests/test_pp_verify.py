@@ -70,7 +70,7 @@ def test_data_parallel_over_stages(pools):
 
 def _verify_counting_overlap(cfg_dict: dict) -> tuple[dict | None, int]:
     """verify_rank, counting the buckets a pipelined overlap wrapper launched during a backward."""
-    from shardlab.parallel.data import DataParallel
+    from shardlab.parallel.data.replicate import DataParallel
     from shardlab.train.verify import verify_rank
 
     original, early = DataParallel.launch_group, [0]

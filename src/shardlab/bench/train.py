@@ -37,7 +37,7 @@ from shardlab.bench.train_timing import DrawnBatches, timed_steps
 from shardlab.dist import under_torchrun
 from shardlab.dist.env import synchronize
 from shardlab.parallel import DataParallel, ZeroDataParallel
-from shardlab.parallel.fsdp import FullyShardedDataParallel
+from shardlab.parallel.data.fsdp import FullyShardedDataParallel
 from shardlab.train.config import Config
 from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import StepSetup, adamw_kwargs, decay_groups, lr_at, make_optimizer, train_step

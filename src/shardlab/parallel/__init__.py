@@ -7,13 +7,13 @@ Data parallelism (three variants side by side), ZeRO stages 1, 2 and 3 (FSDP), m
     model = DataParallel(net, group, mode="overlap", bucket_mb=25.0, impl="ring")
 """
 
-from shardlab.parallel.buckets import Bucket, build_buckets, trainable_params
-from shardlab.parallel.data import MODES, DataParallel
-from shardlab.parallel.fsdp import FullyShardedDataParallel
+from shardlab.parallel.data.buckets import Bucket, build_buckets, trainable_params
+from shardlab.parallel.data.replicate import MODES, DataParallel
+from shardlab.parallel.data.fsdp import FullyShardedDataParallel
 from shardlab.parallel.optim import MixedPrecisionOptimizer, PieceOptimizer
 from shardlab.parallel.precision import PRECISIONS, LossScaler, Precision, apply_precision, get_precision
-from shardlab.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
-from shardlab.parallel.zero import ShardedOptimizer, ZeroDataParallel
+from shardlab.parallel.data.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from shardlab.parallel.data.zero import ShardedOptimizer, ZeroDataParallel
 
 __all__ = [
     "MODES",

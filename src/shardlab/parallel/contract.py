@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from shardlab.parallel.data import DataParallel
+from shardlab.parallel.data.replicate import DataParallel
 from shardlab.parallel.expert.data_parallel import ExpertDataParallel
-from shardlab.parallel.fsdp import FullyShardedDataParallel
+from shardlab.parallel.data.fsdp import FullyShardedDataParallel
 from shardlab.parallel.optim import PieceOptimizer
 from shardlab.parallel.pipeline.model import PipelineParallel
-from shardlab.parallel.zero import ZeroDataParallel
+from shardlab.parallel.data.zero import ZeroDataParallel
 
 SYNC_WRAPPERS = (DataParallel, ZeroDataParallel, FullyShardedDataParallel, ExpertDataParallel, PipelineParallel)
 """Our wrappers: gradient sync finished by `finish_gradient_sync()`, time blocked in `comm_wait_s`."""

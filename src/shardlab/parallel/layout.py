@@ -18,7 +18,7 @@ function) that lives with its strategy:
   recompute  activation checkpointing on the blocks the steps above left (recompute.py);
   dp         data parallelism last, plain or ZeRO 1/2/3, because it wraps whatever the earlier steps
              produced: over the ranks that hold the same parameters and see other tokens, the mesh's
-             ("dp", "ep", "cp") group (data_factory.py: one factory, options read once).
+             ("dp", "ep", "cp") group (data/factory.py: one factory, options read once).
 
 Each step writes its entries into the placement record (parallel/placement.py: what every mesh axis
 does to every parameter, by plain name) as it applies itself; the returned module carries the whole
@@ -43,7 +43,7 @@ import torch.nn as nn
 from shardlab.comm.algorithms.hierarchical import RANKS_PER_NODE_ENV
 from shardlab.dist.mesh import DeviceMesh
 from shardlab.parallel.context.step import CONTEXT
-from shardlab.parallel.data_factory import DATA, REPLICA_AXES, replica_group
+from shardlab.parallel.data.factory import DATA, REPLICA_AXES, replica_group
 from shardlab.parallel.expert.step import EXPERT
 from shardlab.parallel.pipeline.step import PIPELINE
 from shardlab.parallel.placement import Placement, tied_aliases

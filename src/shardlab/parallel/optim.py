@@ -3,7 +3,7 @@ parameters, with fp32 master weights when the pieces are in a lower precision, d
 for fp16, and gradient clipping over the whole model whether the pieces are shards or not.
 
 A piece is a view of some elements of a parameter (zero.py's and fsdp.py's shards) or the whole
-parameter (`WholeLayout`: one process or plain data parallelism). The layouts differ only in which
+parameter (`WholePieces`: one process or plain data parallelism). The layouts differ only in which
 pieces a rank holds and in what follows the step (zero.py gathers the updated parameters; FSDP's
 pieces are its shards and need nothing). So mixed precision and clipping are written once, here:
 
@@ -56,7 +56,7 @@ class Piece:
     replicated: bool = False
 
 
-class PieceLayout(Protocol):
+class Pieces(Protocol):
     params: list[nn.Parameter]
     rank: int
     world: int
@@ -64,7 +64,7 @@ class PieceLayout(Protocol):
     def pieces(self) -> Iterator[Piece]: ...
 
 
-class WholeLayout:
+class WholePieces:
     """Every parameter as one whole piece: no sharding (one process, or plain data parallelism)."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
@@ -99,7 +99,7 @@ class PieceOptimizer(torch.optim.Optimizer):
     summed over those axes as well (gradnorm.py).
     """
 
-    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], layout: PieceLayout,
+    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], layout: Pieces,
                  group: dist.ProcessGroup | None = None, *, impl: str = comm.TORCH,
                  loss_scaler: LossScaler | None = None, placement: Placement | None = None,
                  **optimizer_kwargs: Any) -> None:
@@ -281,5 +281,5 @@ class MixedPrecisionOptimizer(PieceOptimizer):
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], *,
                  loss_scaler: LossScaler | None = None, **optimizer_kwargs: Any) -> None:
         groups = param_groups(params)
-        super().__init__(groups, optimizer_cls, WholeLayout(unique_trainable(groups)),
+        super().__init__(groups, optimizer_cls, WholePieces(unique_trainable(groups)),
                          loss_scaler=loss_scaler, **optimizer_kwargs)

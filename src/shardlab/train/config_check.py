@@ -15,7 +15,7 @@ from shardlab.checkpoint.format import CheckpointError, read_metadata
 from shardlab.comm.algorithms import ALGORITHMS
 from shardlab.models.gpt_config import LOSSES, MLPS, NORMS
 from shardlab.parallel.context.zigzag import split_problems
-from shardlab.parallel.data import MODES
+from shardlab.parallel.data.replicate import MODES
 from shardlab.parallel.layout import MESH_AXES, uses_tensor_parallel
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.pipeline.partition import layout_balance, stage_layer_problems

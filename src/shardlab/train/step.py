@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from shardlab.models.dropout import batch_place
-from shardlab.parallel.buckets import trainable_params as unique_trainable
+from shardlab.parallel.data.buckets import trainable_params as unique_trainable
 from shardlab.parallel.contract import StepContract, optimizer_contract, step_contract
 from shardlab.parallel.gradnorm import clip_grad_norm_
 from shardlab.parallel.optim import MixedPrecisionOptimizer

@@ -13,7 +13,7 @@ dp x ep x cp: the average over its replicas, divided by ep.
 
     model = ExpertDataParallel(convert_expert_parallel(gpt, ep_group, dp_cp_group), replica_group)
 
-Each kind gets its own DataParallel (parallel/data.py, `params=`): same modes, buckets and
+Each kind gets its own DataParallel (parallel/data/replicate.py, `params=`): same modes, buckets and
 overlap. The global gradient norm counts an expert's square on its ep rank only, so the optimizer
 is told the experts are cut over the ep group (`build_optimizer`: gradnorm.py sums such squares
 over the group, as it does for tensor-parallel shards). With `zero=1` or `2` each kind gets its own
@@ -32,8 +32,9 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.comm.dispatch import Group
-from shardlab.parallel.buckets import trainable_params
-from shardlab.parallel.data import DataParallel
+from shardlab.parallel.data.buckets import trainable_params
+from shardlab.parallel.data.fsdp_units import shards_named
+from shardlab.parallel.data.replicate import DataParallel
 from shardlab.parallel.expert.layer import expert_layers, expert_parameters
 from shardlab.parallel.optim import MixedPrecisionOptimizer
 from shardlab.parallel.placement import Owned, Placement
@@ -77,11 +78,9 @@ class ExpertDataParallel(nn.Module):
                               DataParallel(module, layers[0].expert_replicas, params=experts, average=False, **kw))
         self._expert_params = [p for p in experts if p.requires_grad]
         # The record convert_expert_parallel wrote: experts Owned over "ep", what the norm sums over it
-        # (under ZeRO-3 naming the dense shards: parallel/layout.py data_placement adds their dp cut).
+        # (under ZeRO-3 naming the dense shards: parallel/data/factory.py data_placement adds their dp cut).
         self.placement: Placement = module.placement
         if zero == 3:
-            from shardlab.parallel.fsdp_units import shards_named
-
             self.placement = shards_named(self._wrappers[0], self.placement)
         self._sync = True
 

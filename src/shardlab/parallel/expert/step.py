@@ -1,6 +1,6 @@
 """The expert-parallel step: every MoE layer's experts spread over the mesh's "ep" axis, in place
 (layer.py); each expert remembers its replicas, ("dp", "cp"), over which data parallelism averages
-its gradient (data.py)."""
+its gradient (data_parallel.py)."""
 
 from __future__ import annotations
 

@@ -28,13 +28,14 @@ from shardlab import comm
 from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups
 from shardlab.parallel.placement import Placement
-from shardlab.parallel.zero import ShardLayout, ZeroDataParallel, gather_chunks
+from shardlab.parallel.data.fsdp import FullyShardedDataParallel
+from shardlab.parallel.data.zero import ShardPieces, ZeroDataParallel, gather_chunks
 
 
 class _DenseAndExpertPieces:
-    """The dense and the expert ShardLayouts as one PieceLayout (rank and world: the dense group's)."""
+    """The dense and the expert ShardLayouts as one Pieces (rank and world: the dense group's)."""
 
-    def __init__(self, dense: Any, experts: ShardLayout) -> None:
+    def __init__(self, dense: Any, experts: ShardPieces) -> None:
         self.parts = (dense, experts)
         self.params = dense.params + experts.params
         self.rank, self.world = dense.rank, dense.world
@@ -100,7 +101,7 @@ def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn
     """The two ZeRO wrappers of ExpertDataParallel: dense parameters over `group` at `stage`, experts
     over `expert_group` (their replicas) at stage 1 whatever `stage` (see below). `deferred`: dense
     parameters reduced only at finish_gradient_sync (a pipeline stage's tied embedding copies, whose
-    whole gradients are summed over pp first: parallel/data_factory.py wrap_data_parallel)."""
+    whole gradients are summed over pp first: parallel/data/factory.py wrap_data_parallel)."""
     # The experts' buckets are reduced once, after backward (stage 1), even under ZeRO-2: ranks route
     # their tokens to different experts, so a bucket of experts fills at different points of each
     # replica's backward (or never: an expert no token reached has no gradient), and reductions
@@ -111,8 +112,6 @@ def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn
     # as under ZeRO-1/2 (whole parameters, optimizer state and reduced gradients over their replicas):
     # ranks gather different experts, so gathering them per unit would not pair up across ranks.
     if stage == 3:
-        from shardlab.parallel.fsdp import FullyShardedDataParallel
-
         return (FullyShardedDataParallel(module, group, bucket_mb=bucket_mb, impl=impl, ignore=experts,
                                          replicate=deferred),
                 ZeroDataParallel(module, expert_group, stage=1, bucket_mb=bucket_mb, impl=impl, params=experts))

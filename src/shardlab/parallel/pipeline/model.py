@@ -29,11 +29,11 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.models.moe import aux_loss_scope
-from shardlab.parallel.data import DataParallel
+from shardlab.parallel.data.replicate import DataParallel
 from shardlab.parallel.expert.data_parallel import ExpertDataParallel
-from shardlab.parallel.fsdp import FullyShardedDataParallel
+from shardlab.parallel.data.fsdp import FullyShardedDataParallel
 from shardlab.parallel.gradnorm import global_grad_norm
-from shardlab.parallel.optim import PieceOptimizer, WholeLayout, param_groups, unique_trainable
+from shardlab.parallel.optim import PieceOptimizer, WholePieces, param_groups, unique_trainable
 from shardlab.parallel.pipeline.executor import PipelineExecutor
 from shardlab.parallel.pipeline.params import (
     TIED_TAG,
@@ -47,7 +47,7 @@ from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.pipeline.timeline import WAIT
 from shardlab.parallel.placement import Placement
 from shardlab.parallel.precision import LossScaler
-from shardlab.parallel.zero import ZeroDataParallel
+from shardlab.parallel.data.zero import ZeroDataParallel
 
 # Above the executor's activation/gradient tags and the tied-weight exchange's, below the tags
 # validation adds to every point-to-point message (comm/p2p.py, from 1 << 20).
@@ -115,7 +115,7 @@ class StageOptimizer(PieceOptimizer):
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], placement: Placement, *,
                  loss_scaler: LossScaler | None = None, **optimizer_kwargs: Any) -> None:
         groups = param_groups(params)
-        super().__init__(groups, optimizer_cls, WholeLayout(unique_trainable(groups)), loss_scaler=loss_scaler,
+        super().__init__(groups, optimizer_cls, WholePieces(unique_trainable(groups)), loss_scaler=loss_scaler,
                          placement=placement, **optimizer_kwargs)
 
     @torch.no_grad()

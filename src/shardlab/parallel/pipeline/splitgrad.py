@@ -72,7 +72,7 @@ class _DeferredLinear(torch.autograd.Function):
         # The weight is kept as the object itself too: under recomputation a saved tensor comes back
         # as the recomputed copy, and BW must accumulate into the parameter. Its values are saved as
         # well, for BI's input gradient: ZeRO-3 frees a unit's whole weights after its forward and
-        # gathers them again when backward unpacks what was saved (parallel/fsdp.py).
+        # gathers them again when backward unpacks what was saved (parallel/data/fsdp.py).
         ctx.save_for_backward(x, weight)
         ctx.weight, ctx.bias, ctx.store = weight, bias, store
         return F.linear(x, weight, bias)

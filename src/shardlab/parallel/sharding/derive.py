@@ -343,7 +343,7 @@ def _engine(what: str, axis: str, nbytes: int, cut: str, cp: int, fsdp: bool, ze
                 Collective(what, "gradients", "fsdp", axis, None, nbytes,
                            f"{cut}: partial gradients, each rank keeps its stored chunk",
                            fwd="-", bwd="reduce_scatter")]
-    if zero in (1, 2):  # ZeRO-1/2 (parallel/zero.py): each rank updates its 1/n chunk of the flat buckets
+    if zero in (1, 2):  # ZeRO-1/2 (parallel/data/zero.py): each rank updates its 1/n chunk of the flat buckets
         return [Collective(what, "gradients", "zero", axis, None, nbytes,
                            f"{cut}, weights replicated: partial gradients, reduce-scattered (ZeRO-{zero}: "
                            f"{'during backward' if zero == 2 else 'after backward'}), each rank keeping its chunk",

@@ -1,4 +1,4 @@
-"""The gradient-hook engine of every data-parallel wrapper: DataParallel's overlap mode (data.py),
+"""The gradient-hook engine of every data-parallel wrapper: DataParallel's overlap mode (replicate.py),
 ZeRO-2 (zero.py) and ZeRO-3 (fsdp.py) reduce gradients during backward through it.
 
     self.grad_hooks = GradHooks(self, [bucket.params for bucket in buckets])   # in the wrapper

@@ -42,10 +42,10 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.comm import Handle
-from shardlab.parallel.buckets import Bucket, broadcast_state, build_buckets, sync_enabled_as, trainable_params
-from shardlab.parallel.grad_hooks import GradHooks
+from shardlab.parallel.data.buckets import Bucket, broadcast_state, build_buckets, sync_enabled_as, trainable_params
+from shardlab.parallel.data.grad_hooks import GradHooks
 from shardlab.parallel.precision import averaging_op
-from shardlab.parallel.sync_guard import await_sync, synced
+from shardlab.parallel.data.sync_guard import await_sync, synced
 
 Mode = Literal["naive", "bucketed", "overlap"]
 MODES: tuple[str, ...] = ("naive", "bucketed", "overlap")

@@ -28,15 +28,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.dist.mesh import DeviceMesh
-from shardlab.parallel.data import DataParallel
+from shardlab.parallel.data.replicate import DataParallel
 from shardlab.parallel.expert.data_parallel import ExpertDataParallel
 from shardlab.parallel.expert.layer import expert_layers
-from shardlab.parallel.fsdp import FullyShardedDataParallel
-from shardlab.parallel.fsdp_units import fsdp_placement
+from shardlab.parallel.data.fsdp import FullyShardedDataParallel
+from shardlab.parallel.data.fsdp_units import fsdp_placement
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.placement import MeshAxis, Placement
 from shardlab.parallel.step import Applying, Step
-from shardlab.parallel.zero import ZeroDataParallel
+from shardlab.parallel.data.zero import ZeroDataParallel
 
 if TYPE_CHECKING:
     from shardlab.parallel.layout_section import LayoutSection

@@ -43,12 +43,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
-from shardlab.parallel.buckets import broadcast_state, sync_enabled_as, trainable_params
-from shardlab.parallel.grad_hooks import GradHooks
+from shardlab.parallel.data.buckets import broadcast_state, sync_enabled_as, trainable_params
+from shardlab.parallel.data.grad_hooks import GradHooks
 from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups, unique_trainable
 from shardlab.parallel.precision import LossScaler, averaging_op
-from shardlab.parallel.stepguard import refuse_plain_step
-from shardlab.parallel.sync_guard import await_sync, check_synced, synced
+from shardlab.parallel.data.stepguard import refuse_plain_step
+from shardlab.parallel.data.sync_guard import await_sync, check_synced, synced
 
 @dataclass
 class ShardBucket:
@@ -62,7 +62,7 @@ class ShardBucket:
     deferred: bool = False  # reduced at finish_gradient_sync only, never during backward (stage 2)
 
 
-class ShardLayout:
+class ShardPieces:
     """Buckets, chunks and this rank's pieces for a list of parameters (pure bookkeeping)."""
 
     def __init__(self, params: list[nn.Parameter], world: int, rank: int, bucket_bytes: int,
@@ -127,11 +127,11 @@ class ShardedOptimizer(PieceOptimizer):
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
                  group: dist.ProcessGroup | None = None, *, bucket_mb: float = 25.0, impl: str = comm.TORCH,
-                 layout: ShardLayout | None = None, loss_scaler: LossScaler | None = None,
+                 layout: ShardPieces | None = None, loss_scaler: LossScaler | None = None,
                  **optimizer_kwargs: Any) -> None:
         groups = param_groups(params)
         if layout is None:
-            layout = ShardLayout(unique_trainable(groups), dist.get_world_size(group), dist.get_rank(group),
+            layout = ShardPieces(unique_trainable(groups), dist.get_world_size(group), dist.get_rank(group),
                                  int(bucket_mb * 2**20))
         super().__init__(groups, optimizer_cls, layout, group, impl=impl, loss_scaler=loss_scaler,
                          **optimizer_kwargs)
@@ -162,7 +162,7 @@ class ShardedOptimizer(PieceOptimizer):
 
 
 @torch.no_grad()
-def gather_chunks(layout: "ShardLayout", group: dist.ProcessGroup | None, impl: str) -> None:
+def gather_chunks(layout: "ShardPieces", group: dist.ProcessGroup | None, impl: str) -> None:
     """Every rank's updated chunks of `layout`'s buckets, all-gathered over `group` and written into
     the parameters (ZeRO-1/2's step ends with it; parallel/expert/zero.py calls it per kind)."""
     for bucket in layout.buckets:
@@ -194,7 +194,7 @@ class ZeroDataParallel(nn.Module):
         # tied embedding copies, summed over pp at the schedule's end): in buckets of their own,
         # reduced by finish_gradient_sync, as stage 1 reduces every bucket.
         owned = trainable_params(module) if params is None else [p for p in params if p.requires_grad]
-        self.layout = ShardLayout(owned, dist.get_world_size(group), dist.get_rank(group), int(bucket_mb * 2**20),
+        self.layout = ShardPieces(owned, dist.get_world_size(group), dist.get_rank(group), int(bucket_mb * 2**20),
                                   deferred)
         for p in self.layout.params:  # their .grad is dropped for the optimizer's reduced pieces
             refuse_plain_step(p, f"a ZeRO-{stage} parameter, whose reduced gradient goes to the sharded "

@@ -90,14 +90,14 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from shardlab import comm
 from shardlab.comm import Handle
-from shardlab.parallel.buckets import broadcast_state, sync_enabled_as
-from shardlab.parallel.fsdp_units import (FsdpLayout, FsdpOptimizer, Policy, Unit, entry_policy, load_sharded_state,
+from shardlab.parallel.data.buckets import broadcast_state, sync_enabled_as
+from shardlab.parallel.data.fsdp_units import (FsdpPieces, FsdpOptimizer, Policy, Unit, entry_policy, load_sharded_state,
                                           copy_out, make_unit, owners, pack_in, sharded_state, shards_named,
                                           successors, unit_modules)
 from shardlab.parallel.gradnorm import clip_factor, global_grad_norm
-from shardlab.parallel.grad_hooks import GradHooks
-from shardlab.parallel.precision import MixedPrecisionPolicy, averaging_op
-from shardlab.parallel.sync_guard import await_sync, synced
+from shardlab.parallel.data.grad_hooks import GradHooks
+from shardlab.parallel.precision import MixedPrecisionPolicy, averaging_op, fp32_source, restore_fp32_sources
+from shardlab.parallel.data.sync_guard import await_sync, synced
 
 MAX_REDUCES_IN_FLIGHT = 2
 
@@ -121,8 +121,6 @@ def _call(ref: "weakref.ref[FullyShardedDataParallel]", method: str, *args: Any)
 @torch.no_grad()
 def _broadcast_except(module: nn.Module, group: dist.ProcessGroup | None, skip: set[int]) -> None:
     """broadcast_state (buckets.py) but for the parameters in `skip` (another group's replicas)."""
-    from shardlab.parallel.precision import fp32_source, restore_fp32_sources
-
     restore_fp32_sources(module)
     tensors = [p for p in module.parameters() if id(p) not in skip] + list(module.buffers())
     for t in {id(t): t for t in tensors}.values():
@@ -243,9 +241,9 @@ class FullyShardedDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     @property
-    def layout(self) -> FsdpLayout:
+    def layout(self) -> FsdpPieces:
         """The optimizer's view: shards and replicated parameters (parallel/expert/zero.py reads it)."""
-        return FsdpLayout(self)
+        return FsdpPieces(self)
 
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
                         **optimizer_kwargs: Any) -> FsdpOptimizer:
@@ -255,7 +253,7 @@ class FullyShardedDataParallel(nn.Module):
         record = optimizer_kwargs.get("tp")
         if record is not None:  # a record made before wrapping names the parameters the shards replaced
             optimizer_kwargs["tp"] = shards_named(self, record)
-        return FsdpOptimizer(params, optimizer_cls, FsdpLayout(self), self.group, impl=self.impl, **optimizer_kwargs)
+        return FsdpOptimizer(params, optimizer_cls, FsdpPieces(self), self.group, impl=self.impl, **optimizer_kwargs)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Gradient accumulation. Each micro-batch is still reduce-scattered into the chunk (see the

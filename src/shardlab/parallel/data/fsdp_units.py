@@ -26,8 +26,8 @@ from shardlab.comm import Handle
 from shardlab.parallel.optim import Piece, PieceOptimizer
 from shardlab.parallel.placement import MeshAxis, Placement, Shard
 from shardlab.parallel.precision import MixedPrecisionPolicy, fp32_source, forget_fp32_source, set_fp32_source
-from shardlab.parallel.stepguard import refuse_plain_step
-from shardlab.parallel.sync_guard import check_synced
+from shardlab.parallel.data.stepguard import refuse_plain_step
+from shardlab.parallel.data.sync_guard import check_synced
 
 Policy = Union[None, int, type, Iterable[type], Callable[[nn.Module], bool]]
 
@@ -249,7 +249,7 @@ def pack_in(unit: Unit, grads: list[torch.Tensor | None], flat: torch.Tensor, wo
 
 
 @dataclass
-class FsdpLayout:
+class FsdpPieces:
     """What PieceOptimizer needs to know of the wrapper: the parameters it steps (the shards and the
     trainable replicated parameters), each one piece: the shards cut over dp, the others whole."""
 
