@@ -123,6 +123,8 @@ def _cfg(*extra: str) -> dict:
     (2, ("layout.dp=2", "train.micro_batches=3")),
     (4, ("layout.cp=2", "layout.tp=2", "layout.sp=true")),
     (2, ("layout.tp=2", 'layout.precision="bf16"')),
+    # [sharding] rules: the derived route sets the heads' offset and the sequence cut's coordinates.
+    (2, ("layout.tp=2", "sharding.compute=heads=tp, kv_heads=tp, mlp=tp, vocab=tp, seq=tp")),
 ])
 def test_verify_with_dropout(pools, world, layout):
     from shardlab.train.verify import verify_rank
@@ -131,17 +133,11 @@ def test_verify_with_dropout(pools, world, layout):
     assert report["passed"], json.dumps(report["per_step"], indent=1)
 
 
-def test_accepted_and_refused_before_launch():
-    from shardlab.train.config import ConfigError
-
-    for extra in (["layout.tp=2", "layout.sp=true"], ["layout.cp=2"], ["layout.cp=2", "sharding.compute=seq=cp"]):
+def test_accepted_before_launch():
+    # Every split dropout runs under, the derived [sharding] route's included.
+    for extra in (["layout.tp=2", "layout.sp=true"], ["layout.cp=2"], ["layout.cp=2", "sharding.compute=seq=cp"],
+                  ["layout.tp=2", "sharding.compute=heads=tp, mlp=tp, vocab=tp"]):
         load_config(None, ["model.dropout=0.1", *extra], base=VERIFY_BASE).validate()
-    # The derived route does not set the head offset or the token coordinates: refused, with why.
-    cfg = load_config(None, ["model.dropout=0.1", "layout.tp=2", "sharding.compute=heads=tp, mlp=tp, vocab=tp"],
-                      base=VERIFY_BASE)
-    with pytest.raises(ConfigError, match=r"model.dropout = 0.1 with \[sharding\] rules at layout.tp = 2: the "
-                                          r"derived route does not tell attention which heads a rank holds"):
-        cfg.validate()
 
 
 def test_compiled_forward_draws_the_same_masks_without_recompiling():

@@ -130,12 +130,6 @@ def problems(*, model: ModelSection, data: DataSection, optim: OptimSection, tra
     model_ok = not any(p.startswith("model.") for p in out)
     if sharding.active():  # derived sharding replaces tp_plan and sp (train/sharding_check.py)
         out += sharding_problems(sharding, lay, m, t, _vocab(m, src, lay.tp), model_ok)
-        if m.dropout > 0 and lay.tp > 1:
-            out.append(f"model.dropout = {m.dropout} with [sharding] rules at layout.tp = {lay.tp}: the derived route "
-                       f"does not tell attention which heads a rank holds, nor dropout which tokens a rank keeps "
-                       f"(the head offset and token coordinates of models/dropout.py, which layout.tp's own "
-                       f"conversion sets), so its masks would not be the single process's; use layout.tp without "
-                       f"[sharding], or model.dropout = 0")
         if m.loss == "chunked":
             out.append("model.loss = 'chunked' with [sharding] rules: the derived head runs its own collectives "
                        "(its input's, the logits' gather), which a loss fused with the head would skip; use "

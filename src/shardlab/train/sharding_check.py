@@ -25,9 +25,6 @@ def sharding_problems(sharding: ShardingSection, lay: LayoutSection, m: ModelSec
     if m.name == "mlp" and lay.recompute == "full":
         out.append("[sharding] rules on the deep MLP with layout.recompute = 'full': recompute's pairs of layers are "
                    "the plain MLP's forms, not the derived one's; use layout.recompute = 'none' (the GPT takes both)")
-    if lay.tp > 1 and m.dropout > 0 and lay.cp == 1:  # with cp the derivation refuses it, naming the ring
-        out.append(f"model.dropout = {m.dropout} with [sharding] over layout.tp = {lay.tp}: the ranks would draw "
-                   f"the same masks for different heads (no tensor-parallel generator); set model.dropout = 0")
     try:
         rules = rules_of(sharding)
     except ShardingError as exc:

@@ -145,6 +145,7 @@ def compile_plan(model: nn.Module, plan: ShardingPlan, group: Group, base: Place
                 module.register_forward_pre_hook(_entry_hook(tuple(mp.entry), group))
         elif mp.entry or mp.exit or mp.weight_sync or mp.vocab_axis or mp.partial_out:
             _swap_leaf(module, mp, group, mp.name)
+    _place_dropout(model, plan, group, modules)
     cls = type(model)
     if cls not in _TOP:
         _TOP[cls] = type(f"Derived{cls.__name__}", (TensorParallelModel, cls), {"__module__": __name__})
@@ -152,3 +153,40 @@ def compile_plan(model: nn.Module, plan: ShardingPlan, group: Group, base: Place
     model.tp_group, model.sequence_parallel = group, any(m.kind == "norm" and m.weight_sync for m in plan.modules)
     model.derived_plan, model.placement = plan, record
     return model
+
+
+class _SequenceCutEmbedding(SharesGroups):
+    """The GPT's embedding swap point when the rules cut the residual's sequence over tp: the same
+    lookup (the derived tables run their own collectives), and dropout's coordinates of the tokens
+    this rank keeps, its chunk of every row's positions (derive.py splits dim 1 between blocks)."""
+
+    derived_group: Group
+
+    def token_coordinates(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, r = dist.get_world_size(self.derived_group), dist.get_rank(self.derived_group)
+        return rows, positions.chunk(n, dim=-1)[r]
+
+
+_EMBEDDINGS: dict[type, type] = {}
+
+
+def _place_dropout(model: nn.Module, plan: ShardingPlan, group: Group, modules: dict[str, nn.Module]) -> None:
+    """Tell dropout (models/dropout.py) where this rank's elements sit in the single process's run, as
+    tensor/'s hand-written conversion does: an attention whose heads are cut holds the heads from
+    rank x local heads (q's rows are cut in rank order), and a residual cut by sequence holds the
+    rank's chunk of each row's tokens. Nothing changes at dropout 0 (no coordinates are drawn)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:  # group None: every rank
+        return
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    for mp in plan.modules:
+        if mp.kind == "attention" and f"{mp.name}.q.weight" in plan.shards:
+            attn = modules[mp.name]
+            attn.head_offset = r * (attn.n_head // n)
+    emb = next((mp for mp in plan.modules if mp.name == "tok_emb"), None)
+    cut = emb is not None and any(c.fn in ("split_to_group", "reduce_scatter_to_sequence") for c in emb.exit)
+    if cut and hasattr(model, "embedding"):
+        cls = type(model.embedding)
+        if cls not in _EMBEDDINGS:
+            _EMBEDDINGS[cls] = type(f"SequenceCut{cls.__name__}", (_SequenceCutEmbedding, cls), {"__module__": __name__})
+        model.embedding.__class__ = _EMBEDDINGS[cls]
+        model.embedding.derived_group = group
