@@ -38,14 +38,14 @@ and its parameters come through copy_to_group one by one instead of as views of 
 nothing; the sequence-parallel dropout test checks the result bit for bit).
 
 ZeRO-3 works with it: FSDP (fsdp.py, regather_for_recompute) gathers a unit again when backward
-reaches its output, before the recomputation reads the weights. Not supported (train/config_check.py
-refuses them before launch, naming why): the zero-bubble schedule (its weight-gradient split is a function mode active only in the forward), and,
-until verified, expert and context parallelism.
+reaches its output, before the recomputation reads the weights. Refused before launch
+(`recompute_problems` at the end of this file, which train/config_check.py applies): an unknown mode,
+and selective recomputation of the deep MLP, which has no attention core.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardlab.models.gpt import Block, CausalSelfAttention
 from shardlab.models.mlp import DeepMLP, GeluLayers
+from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.pipeline.splitgrad import deferring, recompute_context
 from shardlab.parallel.step import Applying, Step
 
@@ -182,3 +183,24 @@ def _apply_step(state: Applying) -> None:
 RECOMPUTE = Step("recompute", lambda s: s.layout.recompute != "none", _apply_step)
 """Activation checkpointing (layout.recompute): on the blocks or attentions the earlier steps left,
 a pipeline stage's copies of its blocks included, in place."""
+
+
+class Model(Protocol):
+    """The [model] field recompute_problems reads (train/sections.py's ModelSection has it)."""
+
+    name: str
+
+
+def recompute_problems(lay: LayoutSection, m: Model) -> list[str]:
+    """layout.recompute: a known mode, and not combined with what would recompute wrongly (its rules,
+    applied before launch by train/config_check.py)."""
+    out: list[str] = []
+    if lay.recompute not in MODES:
+        return [f"layout.recompute = {lay.recompute!r} must be one of {', '.join(map(repr, MODES))}"]
+    if lay.recompute == "none":
+        return out
+    what = f"layout.recompute = {lay.recompute!r}"
+    if m.name == "mlp" and lay.recompute == "selective":
+        out.append(f"{what} with model.name = 'mlp': selective recomputation redoes the attention core, and the "
+                   f"deep MLP has none (use 'full': its layers in checkpointed pairs)")
+    return out

@@ -1,0 +1,85 @@
+"""Pipeline parallelism's rules: what train/config_check.py refuses before any rank starts when
+layout.pp > 1, each message naming the fields and values and why. Reads the [model] and [train]
+sections through `Model` and `Train`, the fields it needs, and is handed the model's builder on the
+meta device, so that parallel/ stays below train/ (whose sections fit these and whose meta_model
+builds)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch.nn as nn
+
+from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.pipeline.partition import layout_balance, model_pieces, stage_layer_problems
+from shardlab.parallel.pipeline.schedules import compute_order
+from shardlab.parallel.pipeline.stages import plan_split
+
+
+class Model(Protocol):
+    """The [model] fields these rules read (train/sections.py's ModelSection has them)."""
+
+    name: str
+    n_layer: int
+
+
+class Train(Protocol):
+    """The [train] field these rules read (train/sections.py's TrainSection has it)."""
+
+    micro_batches: int
+
+
+def pipeline_problems(lay: LayoutSection, m: Model, t: Train,
+                      meta: Callable[[int], nn.Module] | None = None) -> list[str]:
+    """What keeps the pipeline layout from running: the schedule's own rules (interleaving), the
+    split (every chunk needs one of the model's pieces), and what a stage cannot be combined with
+    yet, each with the reason. `meta(vocab)`: the model built on the meta device (shared, read-only;
+    train/task.py's meta_model); None when the [model] section has problems of its own, and the
+    rules that need the model are skipped."""
+    p, v, kind, mb = lay.pp, lay.virtual_stages, lay.schedule, t.micro_batches
+    where = f"layout.pp = {p}"
+    out: list[str] = []
+    if kind == "interleaved" and v < 2:
+        out.append(f"layout.schedule = 'interleaved' needs layout.virtual_stages >= 2 chunks per rank, got {v} "
+                   f"(with one chunk per rank it is '1f1b')")
+    elif kind != "interleaved" and v != 1:
+        out.append(f"layout.virtual_stages = {v} with layout.schedule = {kind!r}: only 'interleaved' runs more "
+                   f"than one chunk per rank")
+    elif kind == "interleaved" and mb > 0 and mb % p:
+        out.append(f"layout.schedule = 'interleaved' needs train.micro_batches = {mb} divisible by {where} "
+                   f"(Megatron's order runs the microbatches in rounds of pp)")
+    elif mb > 0:
+        try:  # whatever else the schedule itself refuses, in its own words
+            compute_order(kind, p, mb, v)
+        except ValueError as exc:
+            out.append(f"layout.schedule = {kind!r} at {where}, train.micro_batches = {mb}, layout.virtual_stages = "
+                       f"{v}: {exc}")
+    if lay.stage_layers and meta is not None:
+        out += [f"layout.stage_layers = {list(lay.stage_layers)} (model.n_layer = {m.n_layer}, {where} x "
+                f"layout.virtual_stages = {v}): {why}" for why in stage_layer_problems(lay.stage_layers, m.n_layer, p * v)]
+    if meta is not None:
+        pieces = model_pieces(meta(0))
+        what = (f"model.n_layer = {m.n_layer} blocks, the embedding and the head" if m.name == "gpt"
+                else f"model.n_layer = {m.n_layer} layers")
+        if p * v > len(pieces):
+            out.append(f"{where} x layout.virtual_stages = {v} = {p * v} chunks, but the {m.name} has only "
+                       f"{len(pieces)} pieces to split ({what}): every chunk needs at least one")
+    if meta is not None and (lay.tp > 1 or lay.sp) and m.name == "mlp" and lay.tp_plan == "megatron" and m.n_layer > 1:
+        model = meta(0)
+        sizes = (plan_split(model, p, v, layout_balance(model, p, v, lay.stage_layers)).sizes
+                 if p * v <= len(pieces) else [])
+        if len({sum(sizes[:i + 1]) % 2 for i in range(len(sizes) - 1)}) > 1:
+            out.append(f"{where} x layout.tp = {lay.tp} with model.name = 'mlp', layout.tp_plan = 'megatron': the split "
+                       f"{sizes} (layers per chunk) ends some chunks after a column-parallel layer, whose output is split "
+                       f"by features, and others after a row-parallel one, whose output is whole rows; the executor's "
+                       f"buffers take one shape: choose model.n_layer so that every chunk boundary falls alike, or use "
+                       f"layout.tp_plan = 'lecture'")
+    if lay.zero >= 2 and kind == "zb1" and lay.ep > 1:
+        # ZeRO-2/3 reduce after the last W pass (parallel/layout.py stage_data_parallel); the experts'
+        # wrapper (parallel/expert/zero.py) does not take that path yet.
+        out.append(f"layout.zero = {lay.zero} with {where}, layout.schedule = 'zb1' and layout.ep = {lay.ep}: the "
+                   f"zero-bubble split accumulates the linear layers' weight gradients in its W passes, after the "
+                   f"backward whose hooks reduce-scatter the dense buckets of the expert-parallel wrapper; not "
+                   f"supported yet; use layout.zero = 1, layout.ep = 1 or another schedule")
+    return out
