@@ -32,18 +32,32 @@ def test_one_layout_type_trainer_names_and_axes():
 
 
 def test_search_ranks_only_what_the_trainer_runs():
+    # A mixture of experts: the trainer still refuses some layouts the cost model ranks.
     spec = ModelSpec(name="tiny", n_layer=4, d_model=64, n_head=4, seq_len=32, vocab_size=256, attention="flash",
-                     dropout=0.0)
+                     dropout=0.0, n_experts=4)
     hw = get_hardware("a100-80gb").sized(8)
     admit = trainer_rules(spec, 16)
     every = search(spec, hw, 8, 16)
     runs = search(spec, hw, 8, 16, admit=admit, keep=20)
     assert runs.ranked and all(admit(e.layout) == [] for e in runs.ranked)
     assert runs.refused and runs.checked >= len(runs.ranked) + sum(runs.refused.values())
-    # Something the cost model ranks, the trainer refuses (today: ZeRO under a pipeline, among others).
+    # Something the cost model ranks, the trainer refuses (today: ZeRO-2/3 under zb1 with experts over
+    # ep, ZeRO-3 with experts over ep inside a pipeline).
     assert any(admit(e.layout) for e in every.ranked)
     speeds = [e.time.tokens_per_s for e in runs.ranked]
     assert speeds == sorted(speeds, reverse=True)
+
+
+def test_every_dense_layout_the_planner_ranks_the_trainer_runs():
+    # The refusals the planner once had to filter for a dense GPT (tp or cp with dropout, ZeRO-2/3 under
+    # zb1) are lifted: nothing it ranks is refused.
+    spec = ModelSpec(name="tiny", n_layer=4, d_model=64, n_head=4, seq_len=32, vocab_size=256, attention="flash",
+                     dropout=0.1)
+    admit = trainer_rules(spec, 16)
+    every = search(spec, get_hardware("a100-80gb").sized(8), 8, 16)
+    assert every.ranked
+    refused = [(e.layout, admit(e.layout)) for e in every.ranked if admit(e.layout)]
+    assert not refused, refused[:3]
 
 
 def test_planners_top_layout_runs_through_verify(pools, tmp_path, capsys):

@@ -38,10 +38,12 @@ from shardlab.dist import under_torchrun
 from shardlab.dist.env import synchronize
 from shardlab.parallel import DataParallel, ZeroDataParallel
 from shardlab.parallel.data.fsdp import FullyShardedDataParallel
+from shardlab.parallel.layout_section import LayoutSection
 from shardlab.train.config import Config
 from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import StepSetup, adamw_kwargs, decay_groups, lr_at, make_optimizer, train_step
 from shardlab.train.resolve import resolve_run
+from shardlab.train.sections import OptimSection
 
 DDP = "torch_ddp"
 DDP_VIEW = "torch_ddp_view"
@@ -55,9 +57,11 @@ and torch's FSDP2 (`fully_shard` on every block or layer, then the root), the ya
 KNOWN: tuple[str, ...] = (*VARIANTS, DDP_VIEW, "zero1", "zero2", "zero3", TORCH_ZERO1, TORCH_FSDP2)
 
 
-def _wrap(variant: str, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+def _wrap(variant: str, model: torch.nn.Module, lay: LayoutSection, skips_layers: bool) -> torch.nn.Module:
+    """`model` wrapped as `variant` over every rank; `skips_layers`: some steps leave parameters without
+    gradients (model.skip_layer_every), which DDP must be told."""
     if variant == "zero3":
-        return FullyShardedDataParallel(model, bucket_mb=cfg.layout.bucket_mb, impl=cfg.layout.comm_impl)
+        return FullyShardedDataParallel(model, bucket_mb=lay.bucket_mb, impl=lay.comm_impl)
     if variant == TORCH_FSDP2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -68,17 +72,15 @@ def _wrap(variant: str, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
             fully_shard(unit, mesh=mesh)
         return fully_shard(model, mesh=mesh)
     if variant in ("zero1", "zero2"):
-        return ZeroDataParallel(model, stage=int(variant[-1]), bucket_mb=cfg.layout.bucket_mb,
-                                impl=cfg.layout.comm_impl)
+        return ZeroDataParallel(model, stage=int(variant[-1]), bucket_mb=lay.bucket_mb, impl=lay.comm_impl)
     if variant in (DDP, DDP_VIEW, TORCH_ZERO1):
         from torch.nn.parallel import DistributedDataParallel
 
         # A layer bypassed on some steps leaves parameters without gradients, which DDP must be told.
-        return DistributedDataParallel(model, bucket_cap_mb=cfg.layout.bucket_mb,
-                                       find_unused_parameters=cfg.model.skip_layer_every > 0,
+        return DistributedDataParallel(model, bucket_cap_mb=lay.bucket_mb, find_unused_parameters=skips_layers,
                                        gradient_as_bucket_view=variant == DDP_VIEW)
 
-    return DataParallel(model, mode=variant, bucket_mb=cfg.layout.bucket_mb, impl=cfg.layout.comm_impl)
+    return DataParallel(model, mode=variant, bucket_mb=lay.bucket_mb, impl=lay.comm_impl)
 
 
 class _Collectives(TorchDispatchMode):
@@ -97,17 +99,17 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _optimizer(variant: str, wrapped: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+def _optimizer(variant: str, wrapped: torch.nn.Module, optim: OptimSection, precision: str) -> torch.optim.Optimizer:
     if variant == TORCH_ZERO1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        groups = decay_groups(wrapped, cfg.optim)
+        groups = decay_groups(wrapped, optim)
         opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                      weight_decay=groups[0]["weight_decay"], **adamw_kwargs(cfg.optim))
+                                      weight_decay=groups[0]["weight_decay"], **adamw_kwargs(optim))
         for g in groups[1:]:
             opt.add_param_group(g)
         return opt
-    return make_optimizer(wrapped, cfg.optim, cfg.layout.precision)
+    return make_optimizer(wrapped, optim, precision)
 
 
 def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, steps: int,
@@ -138,8 +140,9 @@ def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, s
     for _ in range(reps):
         for variant in variants:
             gc.collect()  # the previous variant's model, buckets and optimizer state are gone
-            wrapped = _wrap(variant, resolve_run(cfg).build_model().to(device), cfg)
-            optimizer = _optimizer(variant, wrapped, cfg)
+            wrapped = _wrap(variant, resolve_run(cfg).build_model().to(device), cfg.layout,
+                            cfg.model.skip_layer_every > 0)
+            optimizer = _optimizer(variant, wrapped, cfg.optim, cfg.layout.precision)
             times[variant] += timed_steps(
                 lambda step, w=wrapped, o=optimizer: train_step(w, o, drawn, step, lr_at(step, cfg.optim, cfg.train), setup),
                 warmup, steps, device)

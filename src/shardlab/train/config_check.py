@@ -2,7 +2,7 @@
 each broken rule becomes one message naming the fields and the values that do not fit, and all are
 reported at once, before any rank starts. Each check takes the sections it reads, never the whole
 configuration (this module sits below train/config.py, which calls it). A strategy's own rules live in
-its folder (parallel/context/rules.py, pipeline/, tensor/, expert/, data/; recompute.py's
+its folder (parallel/context/checks.py, pipeline/, tensor/, expert/, data/; recompute.py's
 recompute_problems): this module composes them, one call each, with the general fields' checks, the
 mesh, the data and the checkpoint.
 """
@@ -16,17 +16,17 @@ from pathlib import Path
 
 from shardlab.checkpoint.format import CheckpointError, read_metadata
 from shardlab.models.gpt_config import LOSSES, MLPS, NORMS
-from shardlab.parallel.context.rules import context_parallel_problems
-from shardlab.parallel.data.rules import data_parallel_problems
-from shardlab.parallel.expert.rules import expert_problems
+from shardlab.parallel.context.checks import context_parallel_problems
+from shardlab.parallel.data.checks import data_parallel_problems
+from shardlab.parallel.expert.checks import expert_problems
 from shardlab.parallel.layout import MESH_AXES, uses_tensor_parallel
 from shardlab.parallel.layout_section import LayoutSection
-from shardlab.parallel.pipeline.rules import pipeline_problems
+from shardlab.parallel.pipeline.checks import pipeline_problems
 from shardlab.parallel.pipeline.schedules import KINDS
 from shardlab.parallel.recompute import recompute_problems
 from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.parallel.tensor.plan import PLAN_NAMES
-from shardlab.parallel.tensor.rules import tensor_parallel_problems
+from shardlab.parallel.tensor.checks import tensor_parallel_problems
 from shardlab.train.compile import compile_problems
 from shardlab.train.corpus import DataSource, data_problems, model_vocab
 from shardlab.train.sections import (
