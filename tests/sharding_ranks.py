@@ -169,19 +169,21 @@ def layout_traces(sets: list[str]) -> dict:
     of each in issue order, what apply_layout built, and the derived plan's axes."""
     from shardlab.parallel.layout import apply_layout, build_mesh
     from shardlab.train.config import load_config
-    from shardlab.train.step import lr_at, make_optimizer, train_step
-    from shardlab.train.task import build_task, prepare_model
+    from shardlab.train.resolve import resolve_run
+    from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
     from shardlab.train.verify import VERIFY_BASE
 
     out: dict = {}
     for name, extra in (("hand", [s for s in sets if not s.startswith("sharding.")]), ("derived", sets)):
         cfg = load_config(None, extra, base=VERIFY_BASE)
         cfg.validate(dist.get_world_size())
-        plain = prepare_model(cfg)
-        task = build_task(cfg, plain)
+        run = resolve_run(cfg)
+        plain = run.build_model()
+        task = run.build_task(plain)
         model = apply_layout(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
         opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
-        out[name] = _flight_trace(lambda: train_step(model, opt, task, 0, lr=lr_at(0, cfg), grad_clip=cfg.optim.grad_clip))
+        setup = StepSetup(grad_clip=cfg.optim.grad_clip)
+        out[name] = _flight_trace(lambda: train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train), setup))
         out[name + " built"] = sorted({type(m).__name__ for m in model.modules()
                                        if type(m).__name__ in ("PipelineParallel", "ExpertParallelMoE",
                                                                "ExpertDataParallel", "RingAttend")})
@@ -196,10 +198,10 @@ def built(sets: list[str]) -> list[str]:
     derived leaves, DerivedLinear and the like, where the rules cut tensors)."""
     from shardlab.parallel.layout import apply_layout, build_mesh
     from shardlab.train.config import load_config
-    from shardlab.train.task import prepare_model
+    from shardlab.train.resolve import resolve_run
     from shardlab.train.verify import VERIFY_BASE
 
     cfg = load_config(None, sets, base=VERIFY_BASE)
     cfg.validate(dist.get_world_size())
-    model = apply_layout(prepare_model(cfg), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+    model = apply_layout(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
     return sorted({type(m).__name__ for m in model.modules()})

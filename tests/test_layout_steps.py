@@ -53,7 +53,7 @@ def _both_orders(cfg_dict: dict) -> dict | None:
     from shardlab.parallel import layout
     from shardlab.parallel.layout import apply_layout, build_mesh
     from shardlab.train.config import Config
-    from shardlab.train.task import prepare_model
+    from shardlab.train.resolve import resolve_run
     from shardlab.train.verify import verify_rank
 
     names = [s.name for s in layout.STEPS]
@@ -61,7 +61,7 @@ def _both_orders(cfg_dict: dict) -> dict | None:
     swapped = list(layout.STEPS)
     swapped[i], swapped[j] = swapped[j], swapped[i]
     cfg = Config.from_dict(cfg_dict)
-    plain = prepare_model(cfg)
+    plain = resolve_run(cfg).build_model()
     mesh = build_mesh(cfg.layout)
     built, reports = {}, {}
     original = layout.STEPS

@@ -152,7 +152,7 @@ def test_layouts_equal_the_same_mixed_precision_single_process(pools, model, ws,
 
 def _broken_reduction(cfg_dict: dict) -> dict | None:
     """A layout whose gradient average forgets to divide by the world size must fail verify."""
-    from shardlab.parallel import data
+    from shardlab.parallel.data import replicate as data
     from shardlab.train.verify import verify_rank
 
     original = data.averaging_op

@@ -250,9 +250,9 @@ class FullyShardedDataParallel(nn.Module):
         """`optimizer_cls` over the module's parameters (shards and replicated), each in its group
         (options kept), with the whole model's norm, masters for 16-bit replicated parameters and
         fp16 loss scaling (optim.py's PieceOptimizer). A torch optimizer over parameters() works too."""
-        record = optimizer_kwargs.get("tp")
+        record = optimizer_kwargs.get("placement")
         if record is not None:  # a record made before wrapping names the parameters the shards replaced
-            optimizer_kwargs["tp"] = shards_named(self, record)
+            optimizer_kwargs["placement"] = shards_named(self, record)
         return FsdpOptimizer(params, optimizer_cls, FsdpPieces(self), self.group, impl=self.impl, **optimizer_kwargs)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
