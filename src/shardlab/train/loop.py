@@ -126,8 +126,8 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     del plain  # a pipeline stage holds copies of its layers: the whole model is not kept
     optimizer = make_optimizer(model, o, run.precision)
     # Identical weights came from the shared seed; from here each dp rank draws its own randomness
-    # (dropout masks must differ between the rows of different ranks, as they do within one batch),
-    # and the ranks of a tp group draw alike, so the activations they replicate stay equal.
+    # from torch's generator, and the ranks of a tp group draw alike. Dropout does not depend on it:
+    # its masks are hashed from each element's place in the run (models/dropout.py, batch_place).
     torch.manual_seed(t.seed * 1_000_003 + 1 + dp_rank)
     tokens_per_step = t.global_batch * task.tokens_per_row
 

@@ -30,7 +30,8 @@ class ModelSection:
     vocab_size: int = 0
     """GPT token ids (embedding and output rows); 0: the data's vocabulary (256 for bytes, a token file's
     header, data.vocab_size for a raw .bin) padded up to a multiple of 64 and of layout.tp, as Megatron-LM
-    does. A corpus with an id at or past it is refused before launch."""
+    does. A corpus with an id at or past it is refused before launch; larger than the data's ids is
+    allowed (a Hugging Face model's vocabulary, a preset's)."""
     rotary: bool = False
     """GPT: rotary position embedding instead of a learned position table."""
     tie_embeddings: bool = True
@@ -78,9 +79,6 @@ class ModelSection:
     config.json and *.safetensors, as save_pretrained writes; nothing is downloaded). `shardlab train
     --init-from-hf DIR` also sets the model.* shape fields from its config.json; a seq_len below the
     checkpoint's keeps the first rows of GPT-2's position table. '': the seed's random weights."""
-    vocab_size: int = 0
-    """GPT: rows of the token embedding and the head; 0: the corpus's vocabulary (256 bytes). Larger
-    than the data's ids is allowed (a Hugging Face model's vocabulary, a preset's)."""
 
     def frozen(self, parameter_name: str) -> bool:
         """Whether model.freeze's patterns name the parameter."""
