@@ -134,10 +134,6 @@ def test_no_private_names_across_modules():
     assert not stale, "private imports that no longer exist; remove them from KNOWN_PRIVATE:\n  " + "\n  ".join(stale)
 
 
-# Circles of modules still being taken apart on another branch, each with its reason: every module of a
-# circle found must lie in one of these sets. The lead removes an entry when that branch lands.
-PENDING_ELSEWHERE: dict[frozenset[str], str] = {}
-
 
 @cache
 def import_graph() -> dict[str, dict[str, int]]:
@@ -221,26 +217,9 @@ def test_circles_are_found():
 
 def test_no_circles_among_modules():
     graph = import_graph()
-    found = [c for c in circles(graph) if not any(set(c) <= pending for pending in PENDING_ELSEWHERE)]
+    found = circles(graph)
     assert not found, "modules that import each other (make the imports run one way: split a file or merge two):\n  " + \
         "\n  ".join(f"{', '.join(c)}; one circle: {one_cycle(graph, c)}" for c in found)
-
-
-def test_pending_circles_still_exist():
-    # An entry whose circle is gone must leave the list, so the list never hides a new circle.
-    found = circles(import_graph())
-    stale = [sorted(p) for p in PENDING_ELSEWHERE if not any(set(c) & p for c in found)]
-    assert not stale, "circles in PENDING_ELSEWHERE that no longer exist; remove them:\n  " + \
-        "\n  ".join(map(str, stale))
-
-
-# Files other branches are rewriting this session: their imports inside functions are left as they are
-# here, to be given a reason or moved up when those branches land. The lead shrinks this list then.
-REASONS_PENDING: tuple[str, ...] = ()
-
-
-def reason_pending(module: str) -> bool:
-    return any(module == p or (p.endswith(".") and module.startswith(p)) for p in REASONS_PENDING)
 
 
 def function_imports(module: str, path: Path) -> list[tuple[int, int]]:
@@ -279,8 +258,6 @@ def unexplained_function_imports() -> list[str]:
     run of import lines they are part of (one comment may say why for several imports in a row)."""
     bad = []
     for module, path in MODULES.items():
-        if reason_pending(module):
-            continue
         said, imported = comment_lines(path), import_lines(path)
         for first, last in function_imports(module, path):
             above = first - 1
@@ -298,9 +275,3 @@ def test_imports_inside_functions_say_why():
     assert not bad, (f"{len(bad)} imports of shardlab inside functions without a reason (a comment on the line "
                      "or above the run of imports it heads); move each to the top of its file, or say why it waits:\n  " +
                      "\n  ".join(bad))
-
-
-def test_reasons_pending_are_files():
-    # Each entry names a module or a package that exists, so a renamed file cannot hide behind the list.
-    missing = [p for p in REASONS_PENDING if not any(m == p or (p.endswith(".") and m.startswith(p)) for m in MODULES)]
-    assert not missing, f"REASONS_PENDING names no module: {missing}"
