@@ -31,19 +31,16 @@ TOL = {
 }
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
              "product": dist.ReduceOp.PRODUCT}
-_GROUPS: dict[tuple[int, ...], object] = {}
 
 
 # ---- inside the ranks -------------------------------------------------------------------------
 
 def _group(members: list[int] | None):
-    """(group, in it?) Every rank creates every subgroup, in the same order, as new_group requires."""
+    """(group, in it?) Every rank creates the subgroup, as new_group requires; the pool destroys it
+    before the next task (a group kept across tasks would hold idle threads for the whole session)."""
     if members is None:
         return None, True
-    key = tuple(members)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(members)
-    return _GROUPS[key], dist.get_rank() in members
+    return dist.new_group(members), dist.get_rank() in members
 
 
 def _cases(quick: bool = False):

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 # torchrun (and every launcher that follows its contract) sets these for each rank.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -81,6 +83,15 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU), so host timers measure finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def subgroups() -> set:
+    """The process groups this process holds besides the default one. torch lists them only in a
+    private map (`distributed_c10d._world.pg_map`); this is the one place that reads it. A pool rank
+    destroys what a task made (each gloo group keeps threads that wake while idle)."""
+    if not dist.is_initialized():
+        return set()
+    return {pg for pg in distributed_c10d._world.pg_map if pg is not dist.group.WORLD}
 
 
 def group_timeout():

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from shardlab.comm.algorithms import ring
 from shardlab.comm.algorithms._p2p import Channel, ProcessGroup, check_op, split_bounds
+from shardlab.dist.env import subgroups
 
 TAG_NODE, TAG_CROSS = 1005, 1006
 RANKS_PER_NODE_ENV = "SHARDLAB_RANKS_PER_NODE"
@@ -99,7 +100,8 @@ def _spans_job(group: ProcessGroup | None) -> bool:
 def _job_groups(world: int, per_node: int) -> dict[tuple[int, ...], ProcessGroup]:
     """Create (once) every node group and every cross-node group, on every rank, in one order."""
     cached = _GROUPS.get(per_node)
-    if cached is not None and cached[0] is dist.group.WORLD:
+    # Reused while the job and its groups live (a pool rank destroys the groups a task made).
+    if cached is not None and cached[0] is dist.group.WORLD and set(cached[1].values()) <= subgroups():
         return cached[1]
     nodes = _nodes(world, per_node)
     wanted = [node for node in nodes if len(node) > 1]
