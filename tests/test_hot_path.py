@@ -213,19 +213,24 @@ class _Branchy(torch.nn.Module):
         return h.square().mean()
 
 
-def _zero_with_missing_gradients(stage: int) -> list:
-    """ZeRO-1/2 over 2 ranks against one process, AdamW: step 0 the branch serves rank 0's rows only,
-    step 1 no row. Returns this rank's reads in the gradient sync, per step."""
+def _with_missing_gradients(kind: str) -> list:
+    """ZeRO-1/2 or DataParallel (bucketed: a bucket per parameter; naive) over 2 ranks against one
+    process, AdamW: at step 0 the branch serves rank 0's rows only, at step 1 no row. Returns this
+    rank's reads in the gradient sync, per step."""
     import torch.distributed as dist
 
-    from shardlab.parallel import ZeroDataParallel
+    from shardlab.parallel import DataParallel, ZeroDataParallel
 
     rank = dist.get_rank()
     torch.manual_seed(0)
     ref = _Branchy()
-    model = ZeroDataParallel(copy.deepcopy(ref), stage=stage, bucket_mb=0.0001)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.1)
-    opt = model.build_optimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
+    if kind.startswith("zero"):
+        model = ZeroDataParallel(copy.deepcopy(ref), stage=int(kind[-1]), bucket_mb=0.0001)
+        opt = model.build_optimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
+    else:
+        model = DataParallel(copy.deepcopy(ref), mode=kind, bucket_mb=0.0001)
+        opt = torch.optim.AdamW(model.module.parameters(), lr=0.1)
     out = []
     for step in range(2):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
@@ -238,17 +243,18 @@ def _zero_with_missing_gradients(stage: int) -> list:
             o.step()
             o.zero_grad()
         out.append(sum(reads.values()))
-    # AdamW skips a parameter whose grad is None (no decay, no moment update): had ZeRO handed the
-    # unused branch a zero gradient at step 1, its weights would differ here.
+    # AdamW skips a parameter whose grad is None (no decay, no moment update): had the sync handed
+    # the unused branch a zero gradient at step 1, its weights would differ here.
     for p, q in zip(model.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero_reads_gradient_flags_only_on_a_rank_that_lacked_one(pools, stage):
+@pytest.mark.parametrize("kind, reads", [("zero1", 1), ("zero2", 1), ("bucketed", 2), ("naive", 1)])
+def test_gradient_flags_are_read_only_on_a_rank_that_lacked_a_gradient(pools, kind, reads):
     """The flags telling which parameters some rank has a gradient for are read back only by a rank
-    that lacked one itself (rank 1 at step 0, every rank at step 1), and the step still equals one
-    process's (the branch updated at step 0, skipped by AdamW at step 1, when no rank used it)."""
-    reads = pools(2).run(_zero_with_missing_gradients, stage)  # [rank][step]
-    assert reads == [[0, 1], [1, 1]], reads
+    that lacked one itself (rank 1 at step 0, every rank at step 1): once per step (ZeRO, naive) or
+    per bucket that missed one (the branch's weight and bias, a bucket each); and the step still
+    equals one process's (the branch updated at step 0, skipped by AdamW at step 1)."""
+    got = pools(2).run(_with_missing_gradients, kind)  # [rank][step]
+    assert got == [[0, reads], [reads, reads]], got
