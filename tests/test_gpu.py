@@ -176,3 +176,78 @@ def test_pipeline_grouped_p2p_on_nccl_two_gpus():
     # Unmeasured here (one GPU at most): the grouped batch_isend_irecv path on real NCCL.
     losses = launch(_pp_nccl, 2, backend="nccl")
     assert losses[0] == losses[1] and losses[0] > 0
+
+
+# ----------------------------------------------- the data-parallel sync without a host wait (CUDA)
+# The wrappers used to synchronise the stream after waiting their collectives; the stream order is
+# enough (parallel/data/buckets.py's from_comm_thread says why). Written without a GPU at hand.
+
+def test_comm_thread_results_reach_a_side_stream_without_a_host_wait():
+    """Our algorithms' async runs queue their work on the default stream from a background thread
+    (comm/dispatch.py); a caller on a side stream must order after it, which `from_comm_thread` does
+    with an event wait. Here the background work is a long GPU sleep then a fill: without the wait
+    (the control) the side stream's copy runs first and sees the old values; with it, the new."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardlab.parallel.data.buckets import from_comm_thread
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def seen(order: bool) -> bool:
+        t = torch.zeros(1 << 16, device=dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+
+        def work() -> None:  # a background thread: its current stream is the default one
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles
+            t.fill_(1.0)
+
+        with torch.cuda.stream(side):
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(work).result()
+            if order:
+                from_comm_thread(dev, "ring")
+            copy = t.clone()
+        torch.cuda.synchronize()
+        return bool((copy == 1).all())
+
+    assert not seen(order=False)  # the race is real here: the check below could fail
+    assert seen(order=True)
+
+
+def _wrapped_steps_without_a_sync(kind: str) -> bool:
+    from shardlab.parallel import DataParallel, ZeroDataParallel
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)).to(dev)
+    if kind.startswith("zero"):
+        model = ZeroDataParallel(net, stage=int(kind[-1]), bucket_mb=0.001)
+        opt = model.build_optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, fused=True)
+    else:
+        mode, impl = kind.split("-")
+        model = DataParallel(net, mode=mode, impl=impl, bucket_mb=0.001)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
+    x, y = torch.randn(16, 32, device=dev), torch.randn(16, 8, device=dev)
+
+    def step() -> None:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        model.finish_gradient_sync()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm: lazy initialisation (nccl's communicator, the optimizer's state) may synchronise
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call raises from here
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return True
+
+
+@pytest.mark.parametrize("kind", ["overlap-torch", "bucketed-torch", "bucketed-ring", "zero1", "zero2"])
+def test_data_parallel_steps_make_no_synchronising_call(kind):
+    """A step of each wrapper on nccl (world size 1: the same code path and calls) makes no
+    synchronising CUDA call once warm: no stream synchronize after the waits, no flag read back."""
+    assert launch(_wrapped_steps_without_a_sync, 1, kind, backend="nccl") == [True]

@@ -6,13 +6,14 @@ data-parallel wrapper around one rank (docs/gpu.md). These tests fail if any of 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from shardlab.bench.hot_path import counting_reads
+from shardlab.bench.hot_path import counting_reads, validation_off
 from shardlab.train.config import Config
 from shardlab.train.step import NonFiniteError, StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.resolve import resolve_run
@@ -150,3 +151,110 @@ def test_one_replica_gets_no_data_parallel_wrapper(pools, dp, tp, expected):
     or all-reduce; two replicas are."""
     names = pools(dp * tp).run(_wrapped, dp, tp)
     assert all(n == (expected, expected) for n in names), names
+
+
+# ------------------------------------------------------------------ world size > 1: reads per step
+# Each layout's trainer, counted on every rank per non-logging step (bench/hot_path.py's
+# layout_reads): the step's own reads, apart from torch's AdamW reading its host-side step counters.
+STOP_SITE = "shardlab/train/stop.py"
+"""The ranks' stop agreement (train/stop.py): an int of a CPU tensor reduced on a gloo group, on a GPU
+run too, so it never waits for the device; one per step, at world size > 1 only."""
+
+LAYOUTS = {
+    "dp2": ["layout.dp=2"],                                                   # overlapped buckets
+    "dp2-zero1": ["layout.dp=2", "layout.zero=1"],
+    "dp2-zero2": ["layout.dp=2", "layout.zero=2"],
+    "dp2-zero3": ["layout.dp=2", "layout.zero=3"],
+    "pp2-1f1b": ["layout.pp=2", 'layout.schedule="1f1b"', "train.micro_batches=4"],
+}
+
+
+def _loop_config(tmp_path, overrides: list[str]) -> dict:
+    from shardlab.train.config import load_config
+
+    cfg = load_config(None, [*_script().LOOP, *overrides, f'log.out_dir="{tmp_path}"'])
+    cfg.validate()
+    return cfg.to_dict()
+
+
+@pytest.fixture(scope="module")
+def one_rank_reads(pools, tmp_path_factory):
+    """What the one-rank trainer's step reads itself (the same loop, world size 1)."""
+    from shardlab.bench.hot_path import layout_reads
+
+    return pools(1).run(layout_reads, _loop_config(tmp_path_factory.mktemp("one"), []))[0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_layouts_steps_read_no_more_than_one_ranks(pools, tmp_path, one_rank_reads, layout):
+    """Between logging steps every rank of dp=2 (overlapped buckets, ZeRO-1, 2 and 3) and pp=2 (1F1B)
+    reads no more of its step's own values than the one-rank trainer does, plus the stop agreement
+    (a CPU tensor: see STOP_SITE). Before: the buckets read one flag per parameter (22 here), ZeRO-1/2
+    and ZeRO-3 their reduced flags, the pipeline its loss, every step."""
+    from shardlab.bench.hot_path import layout_reads
+
+    for rank, reads in enumerate(pools(2).run(layout_reads, _loop_config(tmp_path, LAYOUTS[layout]))):
+        extra = {s: n for s, n in reads["sites"].items() if s not in one_rank_reads["sites"]}
+        assert reads["step"] <= one_rank_reads["step"] + 1, (rank, reads, one_rank_reads)
+        assert all(s.startswith(STOP_SITE) for s in extra), (rank, extra)
+
+
+class _Branchy(torch.nn.Module):
+    """A trunk and a branch that only the rows `mask` selects go through (no row: no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.branch = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        if mask.any():
+            h = torch.where(mask[:, None], self.branch(h), h)
+        return h.square().mean()
+
+
+def _with_missing_gradients(kind: str) -> list:
+    """ZeRO-1/2 or DataParallel (bucketed: a bucket per parameter; naive) over 2 ranks against one
+    process, AdamW: at step 0 the branch serves rank 0's rows only, at step 1 no row. Returns this
+    rank's reads in the gradient sync, per step."""
+    import torch.distributed as dist
+
+    from shardlab.parallel import DataParallel, ZeroDataParallel
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = _Branchy()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    if kind.startswith("zero"):
+        model = ZeroDataParallel(copy.deepcopy(ref), stage=int(kind[-1]), bucket_mb=0.0001)
+        opt = model.build_optimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
+    else:
+        model = DataParallel(copy.deepcopy(ref), mode=kind, bucket_mb=0.0001)
+        opt = torch.optim.AdamW(model.module.parameters(), lr=0.1)
+    out = []
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        mask = torch.tensor([step == 0] * 2 + [False] * 2)
+        ref(x, mask).backward()
+        model(x[2 * rank: 2 * rank + 2], mask[2 * rank: 2 * rank + 2]).backward()
+        with validation_off(), counting_reads() as reads:  # validation agrees on shapes by reading them
+            model.finish_gradient_sync()
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+        out.append(sum(reads.values()))
+    # AdamW skips a parameter whose grad is None (no decay, no moment update): had the sync handed
+    # the unused branch a zero gradient at step 1, its weights would differ here.
+    for p, q in zip(model.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    return out
+
+
+@pytest.mark.parametrize("kind, reads", [("zero1", 1), ("zero2", 1), ("bucketed", 2), ("naive", 1)])
+def test_gradient_flags_are_read_only_on_a_rank_that_lacked_a_gradient(pools, kind, reads):
+    """The flags telling which parameters some rank has a gradient for are read back only by a rank
+    that lacked one itself (rank 1 at step 0, every rank at step 1): once per step (ZeRO, naive) or
+    per bucket that missed one (the branch's weight and bias, a bucket each); and the step still
+    equals one process's (the branch updated at step 0, skipped by AdamW at step 1)."""
+    got = pools(2).run(_with_missing_gradients, kind)  # [rank][step]
+    assert got == [[0, reads], [reads, reads]], got

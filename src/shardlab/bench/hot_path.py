@@ -16,12 +16,23 @@ are not counted again).
 
 tests/test_hot_path.py holds the trainer to the bare step on both figures; benchmarks/hot_path.py
 prints them (docs/gpu.md has before and after).
+
+    reads = layout_reads(cfg_dict)       # on every rank of a layout's world: reads per step, by site
+
+At world size > 1 the reads are counted per rank and by where they happen: those made inside
+torch.optim are the per-tensor or foreach AdamW's reads of its step counters, which torch keeps on
+the host unless the optimizer is fused or capturable (on CUDA the trainer's whole-model AdamW is
+fused and reads none; a sharded one's foreach reads CPU tensors), so they never wait for a device;
+every other read is the step's own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import sys
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,15 +48,19 @@ READS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "
 
 
 @contextlib.contextmanager
-def counting_reads() -> Iterator[dict[str, int]]:
+def counting_reads(sites: Counter[str] | None = None) -> Iterator[dict[str, int]]:
     """Count calls of READS on any tensor while inside (`.cpu()` of a CPU tensor counts too: on a
-    GPU it would be a device-to-host copy). Yields the per-method counts, filled as they happen."""
+    GPU it would be a device-to-host copy). Yields the per-method counts, filled as they happen;
+    `sites`, when given, also counts each read by its caller ("path:line function", the path from
+    the package's folder on)."""
     counts = {name: 0 for name in READS}
     originals = {name: getattr(torch.Tensor, name) for name in READS}
 
     def wrap(name: str, fn: Any) -> Any:
         def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             counts[name] += 1
+            if sites is not None:
+                sites[_site(sys._getframe(1))] += 1
             return fn(self, *args, **kwargs)
         return counted
 
@@ -56,6 +71,13 @@ def counting_reads() -> Iterator[dict[str, int]]:
     finally:
         for name, fn in originals.items():
             setattr(torch.Tensor, name, fn)
+
+
+def _site(frame: Any) -> str:
+    path = frame.f_code.co_filename.replace(os.sep, "/")
+    for root in ("/site-packages/", "/src/"):
+        path = path.split(root)[-1]
+    return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
 @contextlib.contextmanager
@@ -124,3 +146,49 @@ def hot_path_costs(cfg_dict: dict[str, dict[str, Any]], short: int = 2, long: in
         out[f"bare_{what}_per_step"] = bare[what] / n
     out["ops_ratio"] = out["trainer_ops_per_step"] / out["bare_ops_per_step"]
     return out
+
+
+OPTIMIZER_SITE = "torch/optim/"
+"""Reads made here are torch's AdamW reading its host-side step counters (see the module docstring)."""
+
+
+@contextlib.contextmanager
+def validation_off() -> Iterator[None]:
+    """SHARDLAB_VALIDATE off inside (the collectives' agreement on shapes reads them back)."""
+    saved = os.environ.get("SHARDLAB_VALIDATE")
+    os.environ["SHARDLAB_VALIDATE"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["SHARDLAB_VALIDATE"]
+        else:
+            os.environ["SHARDLAB_VALIDATE"] = saved
+
+
+def _sites(cfg_dict: dict[str, dict[str, Any]], steps: int) -> Counter[str]:
+    cfg = copy.deepcopy(cfg_dict)
+    cfg["train"]["steps"] = steps
+    cfg["log"]["out_dir"] = f"{cfg['log']['out_dir']}/steps-{steps}"
+    sites: Counter[str] = Counter()
+    with counting_reads(sites):
+        train_rank(cfg)
+    return sites
+
+
+def layout_reads(cfg_dict: dict[str, dict[str, Any]], short: int = 2, long: int = 4) -> dict[str, Any]:
+    """This rank's tensor reads per non-logging step of the trainer under `cfg_dict`'s layout (call
+    on every rank of its world; the same rules on the config as `hot_path_costs`): 'step' the
+    step's own reads, 'optimizer' torch's AdamW reading its host-side step counters, 'sites' the
+    step's own by caller. Validation mode (SHARDLAB_VALIDATE: collectives agree on shapes first, by
+    reading them) is off while counting: it is a debugging mode, not the hot path."""
+    if cfg_dict["train"].get("log_every", 10) <= long:
+        raise ValueError(f"train.log_every must exceed {long}: the difference must hold non-logging steps only")
+    with validation_off():
+        a, b = _sites(cfg_dict, long), _sites(cfg_dict, short)
+    n = long - short
+    a.subtract(b)
+    per_step = {site: count / n for site, count in a.items() if count}
+    optimizer = sum(v for site, v in per_step.items() if site.startswith(OPTIMIZER_SITE))
+    own = {site: v for site, v in per_step.items() if not site.startswith(OPTIMIZER_SITE)}
+    return {"step": sum(own.values()), "optimizer": optimizer, "sites": own}

@@ -271,8 +271,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, task: Task, s
             restore()
     if layout.pipeline is None:
         update()
-    if not isinstance(loss, torch.Tensor):  # a pipeline's schedule hands back its replica's loss as a number
-        loss = torch.tensor(loss, dtype=torch.float64, device=device)
     skipped: bool | torch.Tensor = bool(outcome.get("dropped")) or opt.last_step_skipped
     if "found_inf" in outcome and on_nonfinite == "skip":
         skipped = outcome["found_inf"].bool()  # type: ignore[union-attr]

@@ -15,7 +15,9 @@ still reduce the same buckets with the same sizes, or the collectives would not 
 so a missing gradient is sent as zeros. Each bucket also carries one extra element per parameter: 1
 where this rank has a gradient, 0 where not. After the reduction that element is > 0 exactly when
 some rank had a gradient; when none did, the parameter's `.grad` is left None, as a single process
-would leave it (AdamW then skips it, just as it would without data parallelism).
+would leave it (AdamW then skips it, just as it would without data parallelism). Reading those flags
+back is a host synchronisation on a GPU, so a rank reads them only when it lacked a gradient itself:
+a rank that had every one already knows every reduced flag is > 0 (see `Bucket.unpack`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Bucket:
     offsets: list[int]
     flat: torch.Tensor
     flag_offset: int
+    all_local: bool = True
+    """Whether this rank had every parameter's gradient at the last `fill` (then no flag need be read)."""
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -52,6 +56,9 @@ class Bucket:
 
     def fill(self) -> None:
         """Move every local gradient into the buffer (zeros where missing) and set the flags."""
+        self.all_local = all(p.grad is not None for p in self.params)
+        if self.all_local:  # one fill kernel, not one per parameter
+            self.flat[self.flag_offset :].fill_(1.0)
         for i, p in enumerate(self.params):
             slot = self.view(i)
             has_grad = p.grad is not None
@@ -61,19 +68,58 @@ class Bucket:
                 slot.copy_(p.grad)
             if has_grad:
                 p.grad = slot
-            self.flat[self.flag_offset + i] = 1.0 if has_grad else 0.0
+            if not self.all_local:
+                self.flat[self.flag_offset + i] = 1.0 if has_grad else 0.0
 
     def unpack(self) -> None:
-        """After the reduction: gradients are already in place (views); drop those no rank produced."""
-        for i, p in enumerate(self.params):
-            if self.flat[self.flag_offset + i] > 0:
+        """After the reduction: gradients are already in place (views); drop those no rank produced.
+
+        A flag is reduced from every rank's 0 or 1 (sum or average), so it is > 0 wherever this rank
+        sent a 1: a rank that had every gradient (`all_local`, the usual case) knows the answer without
+        reading the flags back (a host synchronisation on a GPU). Only a rank that lacked some gradient
+        (an unused branch, an expert no token reached) reads them, all at once."""
+        if self.all_local:
+            for i, p in enumerate(self.params):
                 p.grad = self.view(i)
-            else:
-                p.grad = None
+            return
+        for i, (p, flag) in enumerate(zip(self.params, self.flat[self.flag_offset :].tolist())):
+            p.grad = self.view(i) if flag > 0 else None
 
 
 def _is_view_of(grad: torch.Tensor, slot: torch.Tensor) -> bool:
     return grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape and grad.stride() == slot.stride()
+
+
+def to_comm_thread(device: torch.device, impl: str) -> None:
+    """Before launching a collective of ours asynchronously (`impl` other than "torch") on CUDA:
+    what this thread's stream queued (the bucket just packed) is ordered before it. See
+    `from_comm_thread`."""
+    if device.type == "cuda" and impl != comm.TORCH:
+        current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+        if current != default:
+            default.wait_stream(current)
+
+
+def from_comm_thread(device: torch.device, impl: str) -> None:
+    """After waiting a data-parallel wrapper's collectives on CUDA: make what this thread queues next
+    read their results, without the host waiting for the device.
+
+    What each kind of handle's wait already guarantees (comm/handle.py, comm/dispatch.py):
+      * impl "torch" (nccl): `Work.wait()` makes the current stream wait for the collective's own
+        stream, so every kernel queued after it reads the reduced values. Nothing more is needed.
+      * our algorithms (ring, tree, rd, ...): an async call runs on one background thread, whose
+        point-to-point waits and local reductions are queued on that thread's current stream, which
+        is the device's default stream (it never sets another); the handle's wait returns once they
+        are queued. Kernels this thread queues next on the same stream follow them: the trainer's
+        step never leaves the default stream. A caller on a side stream gets an event wait here
+        (and `to_comm_thread` the mirror one before the launch), not a host wait.
+    So no case needs the host to wait. The `synchronize()` the wrappers did here (commit 6c91f64)
+    served only their comm_wait_s timer, at the price of draining the queue every step; that timer
+    now counts the host's own blocked time (on a GPU, the stream's wait shows in a profile)."""
+    if device.type == "cuda" and impl != comm.TORCH:
+        current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+        if current != default:
+            current.wait_stream(default)
 
 
 @contextlib.contextmanager

@@ -42,7 +42,9 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.comm import Handle
-from shardlab.parallel.data.buckets import Bucket, broadcast_state, build_buckets, sync_enabled_as, trainable_params
+from shardlab.parallel.data.buckets import (
+    Bucket, broadcast_state, build_buckets, from_comm_thread, sync_enabled_as, to_comm_thread, trainable_params,
+)
 from shardlab.parallel.data.grad_hooks import GradHooks
 from shardlab.parallel.precision import averaging_op
 from shardlab.parallel.data.sync_guard import await_sync, synced
@@ -164,9 +166,13 @@ class DataParallel(nn.Module):
         params = self._params
         if not params:
             return
-        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
+        # A rank that has every gradient knows every summed flag is > 0 and reads none back (a host
+        # synchronisation on a GPU); the collective still runs, so every rank issues the same ones.
+        has = [p.grad is not None for p in params]
+        flags = (torch.ones(len(params), device=params[0].device) if all(has) else
+                 torch.tensor(has, dtype=torch.float32, device=params[0].device))
         comm.all_reduce(flags, "sum", self.group, impl=self.impl)
-        for p, used in zip(params, flags.tolist()):
+        for p, used in zip(params, [1.0] * len(params) if all(has) else flags.tolist()):
             if used == 0:
                 continue  # no rank has a gradient: leave it None, as a single process would
             if p.grad is None:
@@ -180,15 +186,15 @@ class DataParallel(nn.Module):
             if handle is not None:
                 handle.wait()
                 bucket.unpack()
-        if self.buckets and self.buckets[0].flat.is_cuda:
-            # nccl's wait only orders streams; syncing makes the measured wait the real one.
-            torch.cuda.current_stream().synchronize()
+        if self.buckets:  # no host wait: the stream order is enough (buckets.from_comm_thread says why)
+            from_comm_thread(self.buckets[0].flat.device, self.impl)
 
     # ---------------------------------------------------------------------------- overlap mode
     def launch_group(self, index: int) -> None:
         """grad_hooks: bucket `index` is complete (or backward is over: zeros where missing)."""
         bucket = self.buckets[index]
         bucket.fill()
+        to_comm_thread(bucket.flat.device, self.impl)
         self._handles[index] = self._all_reduce(bucket.flat, async_op=True)
 
     def wait_groups(self) -> None:

@@ -43,7 +43,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
-from shardlab.parallel.data.buckets import broadcast_state, sync_enabled_as, trainable_params
+from shardlab.parallel.data.buckets import (
+    broadcast_state, from_comm_thread, sync_enabled_as, to_comm_thread, trainable_params,
+)
 from shardlab.parallel.data.grad_hooks import GradHooks
 from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups, unique_trainable
 from shardlab.parallel.precision import LossScaler, averaging_op
@@ -265,6 +267,7 @@ class ZeroDataParallel(nn.Module):
             for p in bucket.params:
                 p.grad = None  # reduced from here on: the full gradient is no longer needed
         op = averaging_op(flat, self.layout.world)
+        to_comm_thread(flat.device, self.impl)
         self._handles[bucket.index] = comm.reduce_scatter(flat, op, self.group, impl=self.impl, async_op=True)
 
     def _wait_all(self) -> None:
@@ -273,17 +276,32 @@ class ZeroDataParallel(nn.Module):
             if handle is not None:
                 reduced = handle.wait()
                 bucket.grad_chunk = reduced if bucket.grad_chunk is None else bucket.grad_chunk.add_(reduced)
-        if self.layout.params and self.layout.params[0].is_cuda:
-            torch.cuda.current_stream().synchronize()  # nccl's wait only orders streams
+        if self.layout.params:  # no host wait: the stream order is enough (buckets.from_comm_thread says why)
+            from_comm_thread(self.layout.params[0].device, self.impl)
 
     def _assign_piece_grads(self) -> None:
         # A parameter no rank produced a gradient for keeps grad None (skipped by the optimizer, as
         # one process would skip it): one small all-reduce of "has a gradient" flags tells every rank.
-        flags = torch.tensor([p.grad is not None or id(p) in self._had_grad for p in self.layout.params],
-                             dtype=torch.float32, device=self.layout.params[0].device)
-        comm.all_reduce(flags, "max", self.group)
-        used = {id(p) for p, f in zip(self.layout.params, flags.tolist()) if f > 0}
+        # Reading the flags back is a host synchronisation on a GPU, so only a rank that lacked some
+        # gradient itself reads them: the max of flags that include its own 1 is 1 everywhere, so a
+        # rank that had every gradient knows the result. It still takes part in the all-reduce (on
+        # nccl its wait only orders the stream), so that every rank issues the same collectives
+        # whichever of them must read.
+        # Nothing cheaper keeps the semantics: a zero gradient in place of None would make AdamW
+        # decay the parameter and age its moments, which one process would not; assuming the last
+        # step's pattern fails when routing changes (an expert no token reached this step); and the
+        # flags cannot ride in the reduce-scatter buckets, which hand each rank its chunk only.
+        has = [p.grad is not None or id(p) in self._had_grad for p in self.layout.params]
         self._had_grad = set()
+        device = self.layout.params[0].device
+        if all(has):
+            flags = torch.ones(len(has), device=device)  # made on the device: no host-to-device copy either
+            comm.all_reduce(flags, "max", self.group)
+            used = {id(p) for p in self.layout.params}
+        else:
+            flags = torch.tensor(has, dtype=torch.float32, device=device)
+            comm.all_reduce(flags, "max", self.group)
+            used = {id(p) for p, f in zip(self.layout.params, flags.tolist()) if f > 0}
         for bucket in self.layout.buckets:
             for piece in bucket.pieces:
                 n = piece.stop - piece.start

@@ -2,7 +2,7 @@
 
     stage = build_stage(model, plan_split(model, P), rank=pp_rank)
     runner = PipelineExecutor(stage, schedule("1f1b", P, M), pp_group)
-    result = runner.run(x, y, on_step=optimizer_step)   # result.loss on every rank
+    result = runner.run(x, y, on_step=optimizer_step)   # result.loss_tensor on every rank
 
 Semantics (the ones check.py proves a schedule safe under, on gloo and NCCL alike):
   * The executor runs check()'s plan of the schedule (check.grouped: the same computes and
@@ -62,10 +62,16 @@ from shardlab.parallel.pipeline.timeline import WAIT, Event
 
 @dataclass
 class PipelineResult:
-    loss: float
-    """The whole batch's mean loss (this data-parallel replica's batch), on every pipeline rank."""
+    loss_tensor: torch.Tensor
+    """The whole batch's mean loss (this data-parallel replica's batch), on every pipeline rank: an
+    fp64 scalar on the device, left unread (the trainer reads its steps' losses at logging steps)."""
     events: list[Event]
     """This rank's measured timeline (time.perf_counter seconds): merge ranks with Timeline.merge."""
+
+    @property
+    def loss(self) -> float:
+        """The loss as a number: read back (a host synchronisation on a GPU), for callers that want it now."""
+        return float(self.loss_tensor)
 
 
 class PipelineExecutor:
@@ -168,7 +174,7 @@ class PipelineExecutor:
         leftovers = [k for d in (self.saved, self.outgoing, self.stores, self.recvs, self.lent) for k in d]
         if leftovers:  # check() makes this impossible; a guard against state leaking into the next step
             raise RuntimeError(f"rank {self.rank}: pipeline state left over after the step: {leftovers[:4]}")
-        return PipelineResult(float(self.loss.item()), self.events)
+        return PipelineResult(self.loss, self.events)  # a fresh tensor each step: no later step writes it
 
     # ------------------------------------------------------------------------------ actions
     def _post_group(self, indices: list[int], device: torch.device) -> None:

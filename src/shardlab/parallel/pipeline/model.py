@@ -178,9 +178,10 @@ class PipelineParallel(nn.Module):
         return forward_only(self.module, inputs, targets, self.group)
 
     def run_schedule(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
-                     on_step: Callable[[], None] | None = None, *, loss_scale: float = 1.0) -> float:
+                     on_step: Callable[[], None] | None = None, *, loss_scale: float = 1.0) -> torch.Tensor:
         """One training step's forward and backward of `microbatches` by the schedule, `on_step` at
-        its STEP; returns this replica's batch mean loss (every stage). Sets `comm_wait_s`: the
+        its STEP; returns this replica's batch mean loss (every stage), an fp64 device scalar left
+        unread (train_step's loss, read at the trainer's logging steps). Sets `comm_wait_s`: the
         seconds blocked on the pipeline's messages plus those of the data-parallel sync."""
         if self.data_parallel is not None:
             self.data_parallel.comm_wait_s = 0.0
@@ -190,7 +191,7 @@ class PipelineParallel(nn.Module):
         self.last_events = result.events
         waits = sum(e.end - e.start for e in result.events if e.op == WAIT)
         self.comm_wait_s = waits + float(getattr(self.data_parallel, "comm_wait_s", 0.0))
-        return result.loss
+        return result.loss_tensor
 
     def finish_gradient_sync(self) -> None:
         """The stage's gradients final (the schedule's STEP calls it through `on_step`): the tied
