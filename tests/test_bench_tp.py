@@ -179,7 +179,7 @@ def test_prediction_follows_replicated_key_value_heads(pools):
     cfg = load_config(None, [*TINY, "model.n_kv_head=1", "layout.tp=2", "layout.dp=1"])
     cfg.validate()
     raw = pools(2).run(tp_bench_rank, cfg.to_dict(), ["tp", "tp_sp"], 1, 1, 1, False)[0]
-    comm = summarize([raw], cfg)["comm"]
+    comm = summarize([raw], cfg.model, cfg.layout, cfg.train)["comm"]
     kv_bytes = 2 * 16 * 32 * 4  # 2 x one head of 16 x d_model 32, fp32
     for v in ("tp", "tp_sp"):
         for where in ("per_layer", "edges"):

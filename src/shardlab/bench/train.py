@@ -289,7 +289,7 @@ def run_train_bench(cfg: Config, variants: list[str], *, runs: int = 3, reps: in
 
         result = aggregate(raw, variants, cfg.train.global_batch, first["tokens_per_row"], refs=YARDSTICK,
                            key="ratio_to_torch")
-        result["tp"] = summarize(raw, cfg)
+        result["tp"] = summarize(raw, cfg.model, cfg.layout, cfg.train)
         for row in result["rows"]:  # the dispatch cost beside each variant's step time (tp_report.py)
             row["dispatch_ms"] = result["tp"]["dispatch"].get(row["variant"], {}).get("dispatch_ms")
     else:
