@@ -76,7 +76,7 @@ def summarize(runs: list[dict[str, Any]], model: ModelSection, lay: LayoutSectio
                 "after_backward": "gradient sync of replicated parameters, clipping's norm: after the last backward",
                 "fwd_bwd_ms": "forward + backward of a timed step: median over steps and runs, slowest rank's",
                 "after_backward_ms": "the rest of the step: gradient sync, clipping, AdamW (same statistic)",
-                "dispatch_ms": "CPU time of a step outside compute and communication (bench/dispatch.py): a "
+                "dispatch_ms": "CPU time of a step outside compute and communication (bench/dispatch_cost.py): a "
                                "profiled step's wall time (profiled_step_ms) minus its aten operators' self time "
                                "(compute_ms) and its time in collectives, waits included (comm_ms), min(steps, 3) "
                                "profiled steps; per rank the median over steps, runs and reps, then the mean over "
@@ -196,7 +196,7 @@ def format_tp(result: dict[str, Any], markdown: bool = False) -> str:
                        markdown)]
     disp = tp.get("dispatch", {})
     if disp:
-        out += ["", "Dispatch cost: a step's CPU time outside compute and communication (bench/dispatch.py: a profiled "
+        out += ["", "Dispatch cost: a step's CPU time outside compute and communication (bench/dispatch_cost.py: a profiled "
                     "step's wall time minus its aten operators' self time and its time in collectives, waits included; "
                     "medians over steps and runs, mean over ranks; the profiler's own cost, profiled minus unprofiled "
                     "step, is an upper bound on how much of the figure is the profiler's):", "",

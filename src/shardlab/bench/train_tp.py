@@ -34,7 +34,7 @@ One run is one launch (bench/train.py's run_train_bench). In it, before anything
 
 Then the variants take turns, `reps` times, timed as bench/train.py times data parallelism; after
 its timed steps each variant runs min(steps, 3) more under torch.profiler, which split a step into
-compute, communication and the dispatch cost around them (bench/dispatch.py).
+compute, communication and the dispatch cost around them (bench/dispatch_cost.py).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.bench import torch_tp as ttp
-from shardlab.bench.dispatch import dispatch_split, profile_steps
+from shardlab.bench.dispatch_cost import dispatch_split, profile_steps
 from shardlab.bench.train_timing import DrawnBatches, timed_steps
 from shardlab.comm.autograd import count_comm
 from shardlab.dist.env import synchronize
