@@ -18,8 +18,8 @@ from shardlab.train.config import load_config
 
 def rank_fn(cfg_dict: dict, variants: list[str]) -> dict:
     from shardlab.train.config import Config
-    cfg = Config.from_dict(cfg_dict)
-    s = T._setup(cfg, variants, 6)
+    from shardlab.train.resolve import resolve_run
+    s = T.shared_setup(resolve_run(Config.from_dict(cfg_dict)), variants, 6)
     out = {}
     for v in variants:
         model, opt = T.build(v, s)

@@ -69,7 +69,7 @@ def test_command_runs_every_variant_checked_counted_and_measured(pools, monkeypa
     # Sequence parallelism shards what tensor parallelism leaves replicated: less held per rank.
     assert max(memory["tp_sp"]["held"]) < max(memory["tp"]["held"]) < max(memory["plain"]["held"])
 
-    # The dispatch cost (bench/dispatch.py): every variant split into compute, communication and
+    # The dispatch cost (bench/dispatch_cost.py): every variant split into compute, communication and
     # the rest, from profiled steps, in the JSON's rows and the table.
     for v in TP_VARIANTS:
         d = tp["dispatch"][v]
@@ -86,10 +86,10 @@ def test_command_runs_every_variant_checked_counted_and_measured(pools, monkeypa
 
 
 def test_dispatch_split_counts_collectives_once_and_their_insides_as_communication():
-    """bench/dispatch.py on hand-made profiler events: times in microseconds."""
+    """bench/dispatch_cost.py on hand-made profiler events: times in microseconds."""
     from types import SimpleNamespace as E
 
-    from shardlab.bench.dispatch import WAIT_SPAN, split_events
+    from shardlab.bench.dispatch_cost import WAIT_SPAN, split_events
 
     def ev(name, start, end, self_us=None, parent=None):  # noqa: ANN001, ANN202
         return E(name=name, time_range=E(start=start, end=end), self_cpu_time_total=end - start if self_us is None
@@ -179,7 +179,7 @@ def test_prediction_follows_replicated_key_value_heads(pools):
     cfg = load_config(None, [*TINY, "model.n_kv_head=1", "layout.tp=2", "layout.dp=1"])
     cfg.validate()
     raw = pools(2).run(tp_bench_rank, cfg.to_dict(), ["tp", "tp_sp"], 1, 1, 1, False)[0]
-    comm = summarize([raw], cfg)["comm"]
+    comm = summarize([raw], cfg.model, cfg.layout, cfg.train)["comm"]
     kv_bytes = 2 * 16 * 32 * 4  # 2 x one head of 16 x d_model 32, fp32
     for v in ("tp", "tp_sp"):
         for where in ("per_layer", "edges"):

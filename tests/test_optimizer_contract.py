@@ -27,7 +27,8 @@ from shardlab.train.verify import VERIFY_BASE, verify_base
 
 def _cfg(*flags: str) -> dict:
     flags = ('model.name="gpt"', "optim.grad_clip=0.0", "optim.weight_decay=0.0", *flags)
-    cfg = load_config(None, list(flags), base=verify_base(load_config(None, list(flags), base=VERIFY_BASE)))
+    first = load_config(None, list(flags), base=VERIFY_BASE)
+    cfg = load_config(None, list(flags), base=verify_base(first.layout, first.train.micro_batches, first.model.name))
     cfg.validate()
     return cfg.to_dict()
 

@@ -28,7 +28,8 @@ def _cfg(model: str, pp: int, kind: str, m: int, *extra: str, dp: int = 1) -> di
     if dp > 1 and not any(f.startswith("layout.dp_mode=") for f in extra):
         flags.append('layout.dp_mode="bucketed"')
     # verify's own sizing: enough layers for the chunks, a batch that divides into the microbatches.
-    cfg = load_config(None, flags, base=verify_base(load_config(None, flags, base=VERIFY_BASE)))
+    first = load_config(None, flags, base=VERIFY_BASE)
+    cfg = load_config(None, flags, base=verify_base(first.layout, first.train.micro_batches, first.model.name))
     cfg.validate()
     return cfg.to_dict()
 

@@ -61,7 +61,8 @@ def test_uneven_stages_verify_equal_to_one_process(pools, model, kind, extra):
     from shardlab.train.verify import verify_rank
 
     flags = [f'model.name="{model}"', "layout.pp=2", f'layout.schedule="{kind}"', "train.micro_batches=4", *extra]
-    cfg = load_config(None, flags, base=verify_base(load_config(None, flags, base=VERIFY_BASE)))
+    first = load_config(None, flags, base=VERIFY_BASE)
+    cfg = load_config(None, flags, base=verify_base(first.layout, first.train.micro_batches, first.model.name))
     cfg.validate()
     report = pools(2).run(verify_rank, cfg.to_dict(), 1e-6, 1e-5)[0]
     assert report["passed"], json.dumps(report["per_step"], indent=1)

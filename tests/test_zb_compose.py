@@ -15,7 +15,8 @@ def _verify(pools, *extra: str, world: int) -> dict:
     from shardlab.train.verify import verify_rank
 
     flags = ['model.name="gpt"', "layout.pp=2", 'layout.schedule="zb1"', "train.micro_batches=4", *extra]
-    cfg = load_config(None, flags, base=verify_base(load_config(None, flags, base=VERIFY_BASE)))
+    first = load_config(None, flags, base=VERIFY_BASE)
+    cfg = load_config(None, flags, base=verify_base(first.layout, first.train.micro_batches, first.model.name))
     cfg.validate()   # the dry-run's check: accepted
     assert cfg.world_size == world
     report = pools(world).run(verify_rank, cfg.to_dict(), 1e-6, 1e-5)[0]

@@ -24,7 +24,7 @@ from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.memory_tracker import MemoryTracker, storage_of
 from shardlab.train.step import StepHooks, StepSetup, lr_at, make_optimizer, train_step
-from shardlab.train.resolve import resolve_run
+from shardlab.train.resolve import Run, resolve_run
 
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -55,17 +55,17 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return out
 
 
-def _measure(cfg: Config, device: torch.device) -> dict[str, Any]:
-    plain = resolve_run(cfg).build_model().to(device)
+def _measure(run: Run, device: torch.device) -> dict[str, Any]:
+    plain = run.build_model().to(device)
     psi = sum(p.numel() for p in plain.parameters())
     trainable = sum(p.numel() for p in plain.parameters() if p.requires_grad)
-    task = resolve_run(cfg).build_task(plain)
-    mesh = build_mesh(cfg.layout)
-    model = apply_layout(plain, cfg.layout, mesh)
-    optimizer = make_optimizer(model, cfg.optim, cfg.layout.precision)
-    kw = dict(dp_rank=mesh.local_rank("dp"), dp_size=cfg.layout.dp, micro_batches=cfg.train.micro_batches,
-              grad_clip=cfg.optim.grad_clip, device=device)
-    train_step(model, optimizer, task, 0, lr_at(0, cfg.optim, cfg.train), StepSetup(**kw))  # creates the optimizer state
+    task = run.build_task(plain)
+    mesh = build_mesh(run.layout)
+    model = apply_layout(plain, run.layout, mesh)
+    optimizer = make_optimizer(model, run.optim, run.precision)
+    kw = dict(dp_rank=mesh.local_rank("dp"), dp_size=run.layout.dp, micro_batches=run.train.micro_batches,
+              grad_clip=run.optim.grad_clip, device=device)
+    train_step(model, optimizer, task, 0, lr_at(0, run.optim, run.train), StepSetup(**kw))  # creates the optimizer state
     # Counted at two moments, and the larger total kept: when backward has finished (full gradients
     # of stages 0 and 1 still held) and when the gradients are final (the reduced shards of stages
     # 1 and 2 attached to the optimizer's pieces).
@@ -73,7 +73,7 @@ def _measure(cfg: Config, device: torch.device) -> dict[str, Any]:
     gc.collect()
     with MemoryTracker(device) as tracker:
         count = lambda: seen.append(held_bytes(model, optimizer))  # noqa: E731
-        train_step(model, optimizer, task, 1, lr_at(1, cfg.optim, cfg.train), StepSetup(**kw),
+        train_step(model, optimizer, task, 1, lr_at(1, run.optim, run.train), StepSetup(**kw),
                    StepHooks(after_backward=count, before_update=count))
         synchronize(device)
     held = max(seen, key=lambda h: sum(h.values()))
@@ -88,7 +88,7 @@ def measure_stages_rank(cfg_dict: dict[str, Any], stages: list[int]) -> list[dic
     for stage in stages:
         cfg = copy.deepcopy(base)
         cfg.layout.zero = stage
-        m = _measure(cfg, device)
+        m = _measure(resolve_run(cfg), device)
         gc.collect()  # the previous stage's model and optimizer go before the next is measured
         mine = torch.tensor([m["params"], m["grads"], m["optimizer"], m["peak"]], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from shardlab.bench.pipeline_gaps import idle_breakdown, message_delays
 from shardlab.bench.pipeline_replay import replay
 from shardlab.bench.pipeline_report import environment
+from shardlab.bench.train_timing import timed_steps
 from shardlab.bench.pipeline_variants import OURS, TORCH, TORCH_KINDS, build_variant, check_equal, split_name, variant_names
 from shardlab.parallel.pipeline import Timeline, bubble_theory, compute_order, in_flight_theory
 from shardlab.parallel.pipeline.actions import B, BI, BW, F
@@ -168,14 +169,10 @@ def pipeline_bench_rank(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
         for name in names if rep % 2 == 0 else names[::-1]:
             gc.collect()  # the previous variant's stage, optimizer state and buffers are gone
             var = build_variant(name, cfg.model, p, cfg.microbatches, cfg.virtual)
-            for step in range(cfg.warmup + cfg.steps):
-                dist.barrier()
-                start = time.perf_counter()
-                _, evs = var.step(x, y)
-                took = time.perf_counter() - start
-                if step >= cfg.warmup:
-                    times[name].append(took)
-                    events[name].append(evs)
+            stepped: list[list[Event]] = []  # each step's events, warm-up included
+            times[name] += timed_steps(lambda step, var=var: stepped.append(var.step(x, y)[1]), cfg.warmup,
+                                       cfg.steps, torch.device("cpu"))
+            events[name] += stepped[cfg.warmup:]
             if cfg.memory and rep == cfg.reps - 1:
                 memory[name] = _memory_step(var, x, y)
             del var

@@ -1,7 +1,7 @@
 """What `shardlab bench train --tp N` adds to bench train's table: the loss check, communication
 per step (counted beside Megatron's formula and each implementation's additions, bench/tp_volume.py) and activation memory per rank.
 
-    result["tp"] = summarize(raw_runs, cfg)        # in run_train_bench
+    result["tp"] = summarize(raw_runs, cfg.model, cfg.layout, cfg.train)   # in run_train_bench
     print(format_tp(result))                      # after the throughput table
 """
 
@@ -11,7 +11,8 @@ import statistics
 from typing import Any
 
 from shardlab.bench.tp_volume import Shapes, per_layer_and_edges, predicted_comm, totals
-from shardlab.train.config import Config
+from shardlab.parallel.layout_section import LayoutSection
+from shardlab.train.sections import ModelSection, TrainSection
 
 MiB = 2**20
 _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
@@ -21,14 +22,14 @@ def _max_per_rank(runs: list[dict[str, Any]], key: str, what: str) -> list[int]:
     return [max(r["activation_bytes"][key][rank][what] for r in runs) for rank in range(runs[0]["world_size"])]
 
 
-def summarize(runs: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
-    """The runs' check results, the first run's collective counts with the prediction, and the
-    activation memory per rank (the largest over runs)."""
+def summarize(runs: list[dict[str, Any]], model: ModelSection, lay: LayoutSection, t: TrainSection) -> dict[str, Any]:
+    """The runs' check results, the first run's collective counts with the prediction (for `model` cut
+    by `lay`, t.global_batch rows in t.micro_batches), and the activation memory per rank (the largest
+    over runs)."""
     first = runs[0]
-    lay, t = cfg.layout, cfg.train
     rows = t.global_batch // lay.dp // t.micro_batches
     comm = {}
-    shapes = Shapes.of(cfg.model, rows, lay.tp)
+    shapes = Shapes.of(model, rows, lay.tp)
     for variant, c in first["comm"].items():
         (depth, other), (at_depth, at_other) = c["layers"], c["at"]
         split = per_layer_and_edges(at_depth["fwd_bwd"], at_other["fwd_bwd"], depth, other)
@@ -75,7 +76,7 @@ def summarize(runs: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
                 "after_backward": "gradient sync of replicated parameters, clipping's norm: after the last backward",
                 "fwd_bwd_ms": "forward + backward of a timed step: median over steps and runs, slowest rank's",
                 "after_backward_ms": "the rest of the step: gradient sync, clipping, AdamW (same statistic)",
-                "dispatch_ms": "CPU time of a step outside compute and communication (bench/dispatch.py): a "
+                "dispatch_ms": "CPU time of a step outside compute and communication (bench/dispatch_cost.py): a "
                                "profiled step's wall time (profiled_step_ms) minus its aten operators' self time "
                                "(compute_ms) and its time in collectives, waits included (comm_ms), min(steps, 3) "
                                "profiled steps; per rank the median over steps, runs and reps, then the mean over "
@@ -195,7 +196,7 @@ def format_tp(result: dict[str, Any], markdown: bool = False) -> str:
                        markdown)]
     disp = tp.get("dispatch", {})
     if disp:
-        out += ["", "Dispatch cost: a step's CPU time outside compute and communication (bench/dispatch.py: a profiled "
+        out += ["", "Dispatch cost: a step's CPU time outside compute and communication (bench/dispatch_cost.py: a profiled "
                     "step's wall time minus its aten operators' self time and its time in collectives, waits included; "
                     "medians over steps and runs, mean over ranks; the profiler's own cost, profiled minus unprofiled "
                     "step, is an upper bound on how much of the figure is the profiler's):", "",

@@ -122,38 +122,38 @@ def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, s
     unknown = [v for v in variants if v not in KNOWN]
     if unknown or reps < 1 or steps < 1 or warmup < 1:
         raise ValueError(f"variants {unknown} unknown, or reps {reps} / steps {steps} / warmup {warmup} < 1")
-    cfg = Config.from_dict(cfg_dict)
+    run = resolve_run(Config.from_dict(cfg_dict))  # the one place this rank reads the whole configuration
     rank, n, device = dist.get_rank(), dist.get_world_size(), rank_device()
-    t = cfg.train
-    model = resolve_run(cfg).build_model()
-    task = resolve_run(cfg).build_task(model)  # the data depend on the seed only: one task serves every variant
+    t, optim = run.train, run.optim
+    model = run.build_model()
+    task = run.build_task(model)  # the data depend on the seed only: one task serves every variant
     n_params = sum(p.numel() for p in model.parameters())
     del model
     drawn = DrawnBatches(task, warmup + steps, rank, n, t.micro_batches, device)
     # The benchmark's own data (pre-drawn batches, the MLP's teacher weights) is not any variant's memory.
     data = [*vars(task.train).values(), *vars(task.val).values(), *(x for b in drawn.batches.values() for x in b)]
     data_bytes = tensor_bytes(x for x in data if isinstance(x, torch.Tensor) and x.device == device)
-    setup = StepSetup(dp_rank=rank, dp_size=n, micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,
-                      skip_layer_every=cfg.model.skip_layer_every, device=device)
+    setup = StepSetup(dp_rank=rank, dp_size=n, micro_batches=t.micro_batches, grad_clip=optim.grad_clip,
+                      skip_layer_every=run.model.skip_layer_every, device=device)
     times: dict[str, list[float]] = {v: [] for v in variants}
     peaks: dict[str, int] = {v: 0 for v in variants}
     for _ in range(reps):
         for variant in variants:
             gc.collect()  # the previous variant's model, buckets and optimizer state are gone
-            wrapped = _wrap(variant, resolve_run(cfg).build_model().to(device), cfg.layout,
-                            cfg.model.skip_layer_every > 0)
-            optimizer = _optimizer(variant, wrapped, cfg.optim, cfg.layout.precision)
+            wrapped = _wrap(variant, run.build_model().to(device), run.layout,
+                            run.model.skip_layer_every > 0)
+            optimizer = _optimizer(variant, wrapped, optim, run.precision)
             times[variant] += timed_steps(
-                lambda step, w=wrapped, o=optimizer: train_step(w, o, drawn, step, lr_at(step, cfg.optim, cfg.train), setup),
+                lambda step, w=wrapped, o=optimizer: train_step(w, o, drawn, step, lr_at(step, optim, t), setup),
                 warmup, steps, device)
             held = _Collectives()
             if variant in (DDP, DDP_VIEW, TORCH_ZERO1) and device.type == "cpu":
                 with held:  # one more untimed step, to find DDP's buckets
-                    train_step(wrapped, optimizer, drawn, 0, lr_at(0, cfg.optim, cfg.train), setup)
+                    train_step(wrapped, optimizer, drawn, 0, lr_at(0, optim, t), setup)
             gc.collect()
             dist.barrier()
             with MemoryTracker(device) as tracker:
-                train_step(wrapped, optimizer, task, warmup + steps, lr_at(warmup + steps, cfg.optim, cfg.train), setup)
+                train_step(wrapped, optimizer, task, warmup + steps, lr_at(warmup + steps, optim, t), setup)
                 synchronize(device)
             peaks[variant] = max(peaks[variant], tracker.peak_bytes - data_bytes)
             del wrapped, optimizer, held
@@ -289,7 +289,7 @@ def run_train_bench(cfg: Config, variants: list[str], *, runs: int = 3, reps: in
 
         result = aggregate(raw, variants, cfg.train.global_batch, first["tokens_per_row"], refs=YARDSTICK,
                            key="ratio_to_torch")
-        result["tp"] = summarize(raw, cfg)
+        result["tp"] = summarize(raw, cfg.model, cfg.layout, cfg.train)
         for row in result["rows"]:  # the dispatch cost beside each variant's step time (tp_report.py)
             row["dispatch_ms"] = result["tp"]["dispatch"].get(row["variant"], {}).get("dispatch_ms")
     else:

@@ -1,6 +1,6 @@
-"""What the two training benchmarks (train.py: data parallelism; train_tp.py: tensor parallelism) time
-with: a task's batches drawn in advance, so that drawing them is not timed, and the timed loop, in which
-a step's time is its slowest rank's.
+"""What the training benchmarks (train.py: data parallelism; train_tp.py: tensor parallelism; pipeline.py:
+pipeline schedules, with the timed loop only) time with: a task's batches drawn in advance, so that drawing
+them is not timed, and the timed loop, in which a step's time is its slowest rank's.
 
     drawn = DrawnBatches(task, warmup + steps, dp_rank, dp_size, micro_batches, device)
     seconds = timed_steps(lambda step: train_step(..., drawn, step, ...), warmup, steps, device)

@@ -34,13 +34,13 @@ One run is one launch (bench/train.py's run_train_bench). In it, before anything
 
 Then the variants take turns, `reps` times, timed as bench/train.py times data parallelism; after
 its timed steps each variant runs min(steps, 3) more under torch.profiler, which split a step into
-compute, communication and the dispatch cost around them (bench/dispatch.py).
+compute, communication and the dispatch cost around them (bench/dispatch_cost.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 import gc
 import os
 import time
@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.bench import torch_tp as ttp
-from shardlab.bench.dispatch import dispatch_split, profile_steps
+from shardlab.bench.dispatch_cost import dispatch_split, profile_steps
 from shardlab.bench.train_timing import DrawnBatches, timed_steps
 from shardlab.comm.autograd import count_comm
 from shardlab.dist.env import synchronize
@@ -64,7 +64,7 @@ from shardlab.train.loop import rank_device
 from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import StepHooks, StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.task import Task
-from shardlab.train.resolve import resolve_run
+from shardlab.train.resolve import Run, resolve_run
 
 TORCH_TP, TP, TORCH_TP_SP, TP_SP = "torch_tp", "tp", "torch_tp_sp", "tp_sp"
 WRONG_KV = "torch_tp_naive_kv"
@@ -94,9 +94,9 @@ def uses_sp(variant: str) -> bool:
 
 @dataclass
 class Setup:
-    """What every variant of a run shares: the configuration, the meshes, the batches."""
+    """What every variant of a run shares: the resolved run (train/resolve.py), the meshes, the batches."""
 
-    cfg: Config
+    run: Run
     device: torch.device
     mesh: Any             # ours: shardlab.dist.mesh.DeviceMesh, dp x tp
     torch_mesh: Any       # torch's 1-D DeviceMesh over tp, None without torch variants
@@ -107,36 +107,30 @@ class Setup:
     data_bytes: int = 0  # the batches and corpus: in every whole-step figure, subtracted
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        micro = self.cfg.train.micro_batches
+        micro = self.run.train.micro_batches
         return [self.drawn.batch(step, self.dp_rank, self.dp_size, micro, m) for m in range(micro)]
-
-
-def _with(cfg: Config, **fields: Any) -> Config:
-    """A copy of cfg with model.* / layout.* fields changed (n_layer=..., sp=...)."""
-    out = copy.deepcopy(cfg)
-    for k, v in fields.items():
-        setattr(out.model if hasattr(out.model, k) else out.layout, k, v)
-    return out
 
 
 def build(variant: str, s: Setup, n_layer: int | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The variant's model (from the run's seed) and optimizer."""
-    cfg = s.cfg if n_layer is None else _with(s.cfg, n_layer=n_layer)
-    model = resolve_run(cfg).build_model().to(s.device)
+    run = s.run
+    if n_layer is not None:  # the same run at another depth (count_step's second one)
+        run = dataclasses.replace(run, model=dataclasses.replace(run.model, n_layer=n_layer))
+    model = run.build_model().to(s.device)
     if is_torch(variant):
         model = ttp.torch_tensor_parallel(model, s.torch_mesh, uses_sp(variant), permute_kv=variant != WRONG_KV)
-        return model, ttp.torch_optimizer(model, cfg.optim)
+        return model, ttp.torch_optimizer(model, run.optim)
     if variant in DECL_RULES:
-        model = apply_layout(model, cfg.layout, s.mesh, ShardingSection(compute=DECL_RULES[variant]))
+        model = apply_layout(model, run.layout, s.mesh, ShardingSection(compute=DECL_RULES[variant]))
     else:
-        model = apply_layout(model, _with(cfg, sp=uses_sp(variant)).layout, s.mesh)
-    return model, make_optimizer(model, cfg.optim, cfg.layout.precision)
+        model = apply_layout(model, dataclasses.replace(run.layout, sp=uses_sp(variant)), s.mesh)
+    return model, make_optimizer(model, run.optim, run.precision)
 
 
 def step(variant: str, model: nn.Module, opt: torch.optim.Optimizer, s: Setup, i: int,
          after_backward: Callable[[], None] | None = None) -> float:
     """Step i (the trainer's: micro-batches, sync, clip, AdamW); this rank's mean loss."""
-    c = s.cfg
+    c = s.run
     if is_torch(variant):
         return ttp.torch_train_step(model, opt, s.batches(i), lr=lr_at(i, c.optim, c.train), grad_clip=c.optim.grad_clip,
                                     after_backward=after_backward)
@@ -163,11 +157,11 @@ def _dp_mean(value: float, s: Setup) -> float:
 def check_losses(variants: list[str], s: Setup, rtol: float = RTOL) -> dict[str, Any]:
     """Step 0's loss and the step-1 batch's loss after it, for the plain model on the whole global
     batch and for every variant; raises LossMismatch (on every rank alike) when any differs."""
-    c = s.cfg
-    plain = resolve_run(c).build_model().to(s.device)
+    c = s.run
+    plain = c.build_model().to(s.device)
     global_batch = DrawnBatches(s.task, 2, 0, 1, c.train.micro_batches, s.device)
     ref_setup = Setup(c, s.device, None, None, s.task, global_batch, 0, 1)
-    opt = make_optimizer(plain, c.optim, c.layout.precision)
+    opt = make_optimizer(plain, c.optim, c.precision)
     ref = [step("plain", plain, opt, ref_setup, 0), eval_loss("plain", plain, ref_setup, 1)]
     out: dict[str, Any] = {"reference": ref, "rtol": rtol, "variants": {}}
     bad = []
@@ -233,20 +227,21 @@ def activation_memory(variant: str, model: nn.Module, s: Setup) -> dict[str, int
     return {"held": held, "peak": peak}
 
 
-def _setup(cfg: Config, variants: list[str], steps: int) -> Setup:
+def shared_setup(run: Run, variants: list[str], steps: int) -> Setup:
+    """What every variant of the run shares on this rank: the meshes, the task, `steps` batches drawn."""
     device = rank_device()
-    mesh = build_mesh(cfg.layout)
+    mesh = build_mesh(run.layout)
     torch_mesh = None
     if any(is_torch(v) for v in variants):
-        if cfg.layout.dp != 1:
-            raise ValueError(f"torch's tensor parallelism is compared at layout.dp = 1 only, not {cfg.layout.dp}")
+        if run.layout.dp != 1:
+            raise ValueError(f"torch's tensor parallelism is compared at layout.dp = 1 only, not {run.layout.dp}")
         from torch.distributed.device_mesh import init_device_mesh
 
-        torch_mesh = init_device_mesh(device.type, (cfg.layout.tp,), mesh_dim_names=("tp",))
-    dp_rank, dp_size = mesh.local_rank("dp"), cfg.layout.dp
-    task = resolve_run(cfg).build_task(resolve_run(cfg).build_model())
-    drawn = DrawnBatches(task, max(2, steps), dp_rank, dp_size, cfg.train.micro_batches, device)
-    s = Setup(cfg, device, mesh, torch_mesh, task, drawn, dp_rank, dp_size)
+        torch_mesh = init_device_mesh(device.type, (run.layout.tp,), mesh_dim_names=("tp",))
+    dp_rank, dp_size = mesh.local_rank("dp"), run.layout.dp
+    task = run.build_task(run.build_model())
+    drawn = DrawnBatches(task, max(2, steps), dp_rank, dp_size, run.train.micro_batches, device)
+    s = Setup(run, device, mesh, torch_mesh, task, drawn, dp_rank, dp_size)
     # The benchmark's own data (the corpus, the batches drawn in advance) is no variant's memory.
     data = [*vars(task.train).values(), *vars(task.val).values(), *(x for b in drawn.batches.values() for x in b)]
     s.data_bytes = tensor_bytes(x for x in data if isinstance(x, torch.Tensor) and x.device == device)
@@ -260,15 +255,15 @@ def tp_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, step
     unknown = [v for v in variants if v not in TP_KNOWN]
     if unknown or reps < 1 or steps < 1 or warmup < 1:
         raise ValueError(f"variants {unknown} unknown, or reps {reps} / steps {steps} / warmup {warmup} < 1")
-    cfg = Config.from_dict(cfg_dict)
-    s = _setup(cfg, variants, warmup + steps)
+    run = resolve_run(Config.from_dict(cfg_dict))  # the one place this rank reads the whole configuration
+    s = shared_setup(run, variants, warmup + steps)
     rank, n = dist.get_rank(), dist.get_world_size()
     checked = check_losses(variants, s) if check else None
-    depth = cfg.model.n_layer
+    depth = run.model.n_layer
     other = depth - 1 if depth > 1 else 2  # a second depth, to tell the layers' traffic from the edges'
     counts = {v: {"layers": [depth, other], "at": [count_step(v, s, depth), count_step(v, s, other)]}
               for v in variants}
-    plain = resolve_run(cfg).build_model().to(s.device)
+    plain = run.build_model().to(s.device)
     memory = {"plain": activation_memory("plain", plain, s)}
     del plain
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -308,7 +303,7 @@ def tp_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, step
     dist.all_gather_object(every, {"peaks": peaks, "memory": memory, "phases": phases, "dispatch": dispatch})
     if rank != 0:
         return None
-    plain = resolve_run(cfg).build_model()
+    plain = run.build_model()
     return {
         "step_s": times,
         "peak_bytes": {v: [e["peaks"][v] for e in every] for v in variants},
@@ -322,6 +317,6 @@ def tp_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, step
         "backend": dist.get_backend(),
         "device": s.device.type,
         "params": sum(p.numel() for p in plain.parameters()),
-        "tokens_per_row": cfg.model.seq_len,
-        "flops_per_token": plain.flops_per_token(cfg.model.seq_len),
+        "tokens_per_row": run.model.seq_len,
+        "flops_per_token": plain.flops_per_token(run.model.seq_len),
     }

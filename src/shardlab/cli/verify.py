@@ -99,7 +99,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from shardlab.dist import launch, under_torchrun  # looked up when called: tests put a pool of ranks in its place
     # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.train.verify import VERIFY_BASE, format_report, verify_base, verify_rank
+    from shardlab.train.verify import VERIFY_BASE, verify_base, verify_rank
+    from shardlab.train.verify_report import format_report
 
     try:
         # The small default model only without --config: a given file is verified as written.
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         adjustments = pipeline_adjustments(cfg)
         cfg.override([a for a, _ in adjustments])
         if not args.config:  # sized for the layout: precision, batch, pipeline chunks
-            cfg = resolve_config(args, base=verify_base(cfg))
+            cfg = resolve_config(args, base=verify_base(cfg.layout, cfg.train.micro_batches, cfg.model.name))
             cfg.override([a for a, _ in adjustments])
         for _, why in adjustments:
             print(f"shardlab verify: {why}", file=sys.stderr)

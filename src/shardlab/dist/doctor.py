@@ -26,76 +26,21 @@ Pure functions over the JSON: the launcher uses them on failure, `shardlab docto
 
 from __future__ import annotations
 
-import json
 import re
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from shardlab.dist.flight import FORMAT, last_progress
+from shardlab.dist.doctor_records import (DoctorError, Finding, frozen_since, load_dumps, ranks_text, show,
+                                          signature, tables)
+from shardlab.dist.doctor_stalls import find_stalls
+from shardlab.dist.flight import last_progress
 
-# Operations whose dim 0 may differ between ranks (the others must agree on the whole shape).
-_ROWS_MAY_DIFFER = {"all_gather", "all_to_all", "gather", "scatter"}
-
+# The doctor's whole interface: diagnose(load_dumps(directory)); the records' reading lives in
+# dist/doctor_records.py, the stalls' analysis in dist/doctor_stalls.py.
+__all__ = ["Blame", "Diagnosis", "DoctorError", "Finding", "diagnose", "load_dumps"]
 
 _FRAME = re.compile(r'File "(.*)", line (\d+), in (.*)')
-
-
-class DoctorError(ValueError):
-    """The directory holds no readable flight records."""
-
-
-def load_dumps(directory: str | Path) -> dict[int, dict]:
-    """Every rank{R}.json under `directory`, by rank; refuses a directory without any."""
-    folder = Path(directory)
-    if not folder.is_dir():
-        raise DoctorError(f"{folder} is not a directory of flight records (rank*.json)")
-    dumps: dict[int, dict] = {}
-    for path in sorted(folder.glob("rank*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, and UnicodeDecodeError for garbled bytes
-            raise DoctorError(f"{path}: not a readable flight record: {exc}") from exc
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise DoctorError(f"{path}: not a shardlab flight record (format {data.get('format')!r}, "
-                              f"expected {FORMAT!r})" if isinstance(data, dict) else f"{path}: not a JSON object")
-        try:
-            dumps[int(data["rank"])] = data
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DoctorError(f"{path}: a flight record without a rank number ({exc!r})") from exc
-    if not dumps:
-        raise DoctorError(f"{folder} holds no flight records (rank*.json)")
-    return dumps
-
-
-def signature(e: dict) -> tuple:
-    shape = e.get("shape")
-    if shape is not None and e["op"] in _ROWS_MAY_DIFFER:
-        shape = shape[1:]
-    return (e["op"], e.get("dtype"), e.get("impl"), tuple(shape) if shape is not None else None)
-
-
-def show(e: dict, group: str | None = None) -> str:
-    """'all_reduce #412 on group dp [4, 8] float32 (ring)'."""
-    where = f" on group {group}" if group else ""
-    peer = f" {'to' if e['op'] == 'send' else 'from'} rank {e['peer']}" if "peer" in e else ""
-    shape = f" {e['shape']}" if e.get("shape") is not None else ""
-    dtype = f" {e['dtype']}" if e.get("dtype") else ""
-    impl = f" ({e['impl']})" if e.get("impl") not in (None, "torch") else ""
-    return f"{e['op']} #{e['seq']}{peer}{where}{shape}{dtype}{impl}"
-
-
-@dataclass
-class Finding:
-    """One place where ranks part: a mismatch, a missing arrival, or a deadlock cycle."""
-
-    kind: str
-    group: str
-    seq: int
-    start: float
-    text: str
-    ranks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -174,32 +119,6 @@ class Diagnosis:
 
 
 # --------------------------------------------------------------------------------------- analysis
-def _tables(dumps: dict[int, dict]) -> tuple[dict, dict, dict, dict]:
-    """groups: key -> (name, ranks); counts: (key, rank) -> started; colls: key -> seq -> rank -> entry;
-    p2p: (key, src, dst, tag) -> {"send": {seq: e}, "recv": {seq: e}, "count": {op: n}}."""
-    groups: dict[str, tuple[str, list[int]]] = {}
-    counts: dict[tuple[str, int], int] = {}
-    colls: dict[str, dict[int, dict[int, dict]]] = {}
-    p2p: dict[tuple, dict] = {}
-    for r, d in dumps.items():
-        for g in d.get("groups", []):
-            groups.setdefault(g["key"], (g["name"], list(g["ranks"])))
-            counts[(g["key"], r)] = g["count"]
-        for c in d.get("channels", []):
-            src, dst = (r, c["peer"]) if c["op"] == "send" else (c["peer"], r)
-            ch = p2p.setdefault((c["group"], src, dst, c["tag"]), {"send": {}, "recv": {}, "count": {}})
-            ch["count"][c["op"]] = c["count"]
-        for e in d.get("entries", []):
-            e = dict(e, rank=r)
-            if "peer" in e:
-                src, dst = (r, e["peer"]) if e["op"] == "send" else (e["peer"], r)
-                ch = p2p.setdefault((e["group"], src, dst, e["tag"]), {"send": {}, "recv": {}, "count": {}})
-                ch[e["op"]][e["seq"]] = e
-            else:
-                colls.setdefault(e["group"], {}).setdefault(e["seq"], {})[r] = e
-    return groups, counts, colls, p2p
-
-
 def _mismatches(groups, colls) -> list[Finding]:
     found = []
     for key, by_seq in colls.items():
@@ -247,7 +166,7 @@ def _arrivals(groups, counts, colls, dumps) -> list[Finding]:
         desc = show(what, name) if what else f"#{seq} on group {name}"
         site = f" (called from {what['site']} on rank {what['rank']})" if what else ""
         never = ", ".join(f"rank {r}" + ("" if r in dumps else " (no record)") for r in behind)
-        text = f"{desc}, group ranks {_ranks(ranks)}: started by rank(s) {_ranks(ahead)}{site}, never by {never}"
+        text = f"{desc}, group ranks {ranks_text(ranks)}: started by rank(s) {ranks_text(ahead)}{site}, never by {never}"
         skipped = _skipped(colls.get(key, {}), seq, name)
         if skipped:
             found.append(skipped)
@@ -277,10 +196,6 @@ def _skipped(by_seq: dict[int, dict[int, dict]], upto: int, name: str) -> Findin
         return Finding("sites", name, seq, min(e["start"] for e in at.values()),
                        text + " (a rank-dependent branch, or a skipped collective)", sorted(at))
     return None
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ",".join(map(str, ranks))
 
 
 def _blockers(dumps, groups, counts, colls, p2p) -> dict[int, dict[int, str]]:
@@ -329,81 +244,6 @@ def _roots(waits: dict[int, dict[int, str]]) -> tuple[dict[int, set[int]], list[
     return roots, cycles
 
 
-def _frozen_since(d: dict, since: float) -> float:
-    """Seconds after `since` in which the rank's process did not run (its record's `frozen` gaps)."""
-    return sum(max(0.0, g["to"] - max(g["from"], since)) for g in d.get("frozen", []))
-
-
-def _stalls(dumps, groups, counts, colls, p2p, stopped: set[int]) -> tuple[list[Finding], dict[int, dict[int, str]],
-                                                                          dict[int, float]]:
-    """Operations every member started and some never finished, with the member that never left them:
-    the one whose process did not run (longest) since the operation began, or that the launcher found
-    stopped. Returns the findings, the waits they add (a member still inside -> that rank) and how
-    long each named rank did not run."""
-    found: list[Finding] = []
-    waits: dict[int, dict[int, str]] = {}
-    frozen: dict[int, float] = {}
-
-    def culprit(members: list[int], start: float) -> int | None:
-        score = {m: (m in stopped, _frozen_since(dumps[m], start)) for m in members if m in dumps}
-        best = max(score, key=lambda m: score[m], default=None)
-        if best is None or score[best] == (False, 0.0):
-            return None
-        if sum(1 for v in score.values() if v == score[best]) > 1:
-            return None  # two alike: no one to tell apart
-        frozen[best] = score[best][1]
-        return best
-
-    def why(r: int) -> str:
-        return f"its process did not run for {frozen[r]:.1f} s" if frozen[r] else "its process was found stopped"
-
-    for key, by_seq in colls.items():
-        name, ranks = groups.get(key, (key, []))
-        for seq in sorted(by_seq):
-            at = by_seq[seq]
-            if all(e["end"] is not None for e in at.values()):
-                continue
-            if any(counts.get((key, m), -1) <= seq for m in ranks):
-                continue  # someone never started it: a missing arrival, not a stall
-            start = min(e["start"] for e in at.values())
-            who = culprit(ranks, start)
-            if who is None:
-                continue
-            e = at.get(who) or next(iter(at.values()))
-            inside = [r for r, x in at.items() if r != who and x["end"] is None]
-            for r in inside:
-                waits.setdefault(r, {})[who] = f"{show(at[r], name)} (called from {at[r]['site']})"
-            state = "never left it" if who in at and at[who]["end"] is None else "did not run meanwhile"
-            found.append(Finding("stalled", name, seq, start,
-                                 f"{show(e, name)}, group ranks {_ranks(ranks)}: every member started it; rank {who} "
-                                 f"{state} ({why(who)})"
-                                 + (f", rank(s) {_ranks(sorted(inside))} waited in it" if inside else ""), [who]))
-            break  # the first stall on a group: later ones follow from it
-    for (key, src, dst, tag), ch in p2p.items():
-        name = groups.get(key, (key, []))[0]
-        for seq in sorted(set(ch["send"]) | set(ch["recv"])):
-            pair = {"send": ch["send"].get(seq), "recv": ch["recv"].get(seq)}
-            if not any(e is not None and e["end"] is None for e in pair.values()):
-                continue
-            if ch["count"].get("send", -1) <= seq or ch["count"].get("recv", -1) <= seq:
-                continue  # one side never started it: the wait-for graph's case
-            start = min(e["start"] for e in pair.values() if e is not None)
-            who = culprit([src, dst], start)
-            if who is None:
-                continue
-            other, op = (dst, "recv") if who == src else (src, "send")
-            mine = pair["send" if who == src else "recv"]
-            theirs = pair[op]
-            if theirs is not None and theirs["end"] is None:
-                waits.setdefault(other, {})[who] = f"{show(theirs, name)} (called from {theirs['site']})"
-            e = mine or theirs
-            found.append(Finding("stalled", name, seq, start,
-                                 f"{show(e, name)}: both ends started it; rank {who} never left it ({why(who)}), "
-                                 f"rank {other} waited in its {op}", [who]))
-            break
-    return found, waits, frozen
-
-
 def _now_at(d: dict) -> str | None:
     """The innermost frame of the main thread's stack at dump time, outside the interpreter's own."""
     stack = d.get("stacks", {}).get("MainThread")
@@ -420,8 +260,8 @@ def diagnose(dumps: dict[int, dict], world_size: int | None = None, now: float |
     `stopped`: ranks the launcher found stopped (state T) when it asked for the records."""
     world = world_size or max((d.get("world_size") or 0 for d in dumps.values()), default=0)
     world = max(world, max(dumps, default=-1) + 1)
-    groups, counts, colls, p2p = _tables(dumps)
-    stalls, stall_waits, frozen = _stalls(dumps, groups, counts, colls, p2p, set(stopped))
+    groups, counts, colls, p2p = tables(dumps)
+    stalls, stall_waits, frozen = find_stalls(dumps, groups, counts, colls, p2p, set(stopped))
     findings = sorted(_mismatches(groups, colls) + _arrivals(groups, counts, colls, dumps) + stalls,
                       key=lambda f: (f.start, f.kind != "mismatch"))
     waits = _blockers(dumps, groups, counts, colls, p2p)
@@ -432,12 +272,12 @@ def diagnose(dumps: dict[int, dict], world_size: int | None = None, now: float |
             waits[r] = {}
     roots, cycles = _roots(waits)
     for cycle in cycles:
-        text = "deadlock: " + "; ".join(f"rank {r} waits on rank(s) {_ranks(sorted(waits[r]))} in "
+        text = "deadlock: " + "; ".join(f"rank {r} waits on rank(s) {ranks_text(sorted(waits[r]))} in "
                                         f"{next(iter(waits[r].values()))}" for r in cycle if waits.get(r))
         findings.append(Finding("deadlock", "", -1, float("inf"), text, cycle))
     blamed = []
     # How long each rank's process did not run since its own last recorded progress.
-    not_run = {r: frozen.get(r) or _frozen_since(d, last_progress(d) or 0.0) for r, d in dumps.items()}
+    not_run = {r: frozen.get(r) or frozen_since(d, last_progress(d) or 0.0) for r, d in dumps.items()}
     for root in sorted(roots, key=lambda r: (r not in stopped, -not_run.get(r, 0.0), -len(roots[r]), r)):
         b = _blame(root, roots[root], dumps, waits, colls, groups, now)
         b.frozen_s, b.stopped = not_run.get(root, 0.0), root in stopped

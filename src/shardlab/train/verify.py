@@ -16,10 +16,8 @@ then tensor-parallel shards gathered over tp, or pipeline stages gathered over p
 (parallel/layout.py). The layout's loss is its dp ranks' mean; every rank of a tp group and every
 stage of a pipeline holds it, and each rank's is compared.
 
-Differences are relative to each tensor's scale, max|a - b| / max|b|, not per element: a gradient
-element that is 1e-9 where its neighbours are 1e-2 carries rounding noise of the neighbours' size,
-and an element-wise ratio would call that noise a failure. The reference runs on every rank, so
-every replica is checked, not just rank 0's.
+Differences are relative to each tensor's scale (train/verify_compare.py). The reference runs on
+every rank, so every replica is checked, not just rank 0's. The report as text: train/verify_report.py.
 """
 
 from __future__ import annotations
@@ -31,21 +29,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from shardlab.parallel.layout import (
     apply_layout, batch_rank, build_mesh, full_gradients, full_parameters, replica_group, uses_tensor_parallel,
 )
+from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.precision import get_precision
 from shardlab.train.compile import compile_model, compile_stats, fresh_compile_state
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.resolve import resolve_run
-from shardlab.train.sections import ModelSection
 from shardlab.train.step import StepHooks, StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.task import prepare_model
 from shardlab.parallel.gradnorm import clip_coefficient
-from shardlab.train.verify_noise import AdamBound, bound_report, compare, format_bars, merge, table_worst
+from shardlab.train.verify_compare import gradients_of, norm_diff, perturb, tensor_diff, unscaled, worst_pair
+from shardlab.train.verify_noise import AdamBound, bound_report, compare, merge, table_worst
+from shardlab.train.verify_report import family
 from shardlab.train.verify_terms import TermMass, chain_length, mass_floors
 
 # A command's own defaults: models small enough that 4 ranks on 2 cores verify in seconds, and a
@@ -70,83 +69,24 @@ VERIFY_BASE = [
 MIXED_VERIFY_BASE = ["optim.eps=1e-3", "optim.loss_scale=8192"]
 
 
-def verify_base(cfg: Config) -> list[str]:
-    """VERIFY_BASE and what the layout `cfg` (resolved on it) needs on top, as base entries that
-    --set still overrides: MIXED_VERIFY_BASE under mixed precision; a global batch of 12 raised to
-    the next multiple of layout.dp x train.micro_batches (16 for 8 microbatches); and for a pipeline
-    enough layers that every chunk holds a piece (the GPT's pieces are its blocks plus the embedding
-    and the head: 2 blocks fill 4 chunks; the MLP's are its layers)."""
+def verify_base(layout: LayoutSection, micro_batches: int, model: str) -> list[str]:
+    """VERIFY_BASE and what `layout` (with train.micro_batches, of model.name `model`, as resolved on
+    VERIFY_BASE) needs on top, as base entries that --set still overrides: MIXED_VERIFY_BASE under
+    mixed precision; a global batch of 12 raised to the next multiple of layout.dp x layout.ep x
+    micro_batches (16 for 8 microbatches); and for a pipeline enough layers that every chunk holds a
+    piece (the GPT's pieces are its blocks plus the embedding and the head: 2 blocks fill 4 chunks;
+    the MLP's are its layers)."""
     base = list(VERIFY_BASE)
-    if cfg.layout.precision != "fp32":
+    if layout.precision != "fp32":
         base += MIXED_VERIFY_BASE
-    rows = cfg.layout.dp * cfg.layout.ep * cfg.train.micro_batches
+    rows = layout.dp * layout.ep * micro_batches
     if rows > 0 and 12 % rows:
         base.append(f"train.global_batch={rows * math.ceil(12 / rows)}")
-    chunks = cfg.layout.pp * cfg.layout.virtual_stages
-    layers = chunks - 2 if cfg.model.name == "gpt" else chunks
-    if cfg.layout.pp > 1 and layers > 2:
+    chunks = layout.pp * layout.virtual_stages
+    layers = chunks - 2 if model == "gpt" else chunks
+    if layout.pp > 1 and layers > 2:
         base.append(f"model.n_layer={layers}")
     return base
-
-
-def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float]:
-    """(max |a - b|, max |b|); the difference is inf when only one side exists or when it is not
-    finite (a NaN would otherwise compare false against every bound and slip through)."""
-    if a is None and b is None:
-        return 0.0, 0.0
-    if a is None or b is None:
-        return float("inf"), 0.0
-    d = torch.nan_to_num((a.detach().double() - b.detach().double()).abs(), nan=math.inf).max().item()
-    return d, b.detach().double().abs().max().item()
-
-
-def _worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], atol: float,
-           rtol: float, rtol_extra: dict[str, float] | None = None,
-           floor: dict[str, float] | None = None) -> tuple[float, float, float, str]:
-    """Over named pairs: the largest absolute difference, the largest difference relative to its
-    tensor's scale, the largest share of the allowance max(atol + (rtol + rtol_extra[name]) x scale,
-    floor[name]) used (<= 1 passes; floor: the gradients' noise floor, absolute), and the name of the
-    tensor that used the most."""
-    abs_max = rel_max = used_max = 0.0
-    name_max = ""
-    for name, a, b in pairs:
-        d, scale = _diff(a, b)
-        abs_max = max(abs_max, d)
-        rel_max = max(rel_max, d / scale if scale > 0 else (0.0 if d == 0 else float("inf")))
-        allowed = max(atol + (rtol + (rtol_extra or {}).get(name, 0.0)) * scale, (floor or {}).get(name, 0.0))
-        used = d / allowed if allowed > 0 else (0.0 if d == 0 else float("inf"))
-        if used > used_max or not name_max:
-            used_max, name_max = used, name
-    return abs_max, rel_max, used_max, name_max
-
-
-def _norm_diff(a: float, b: float) -> float:
-    """|a - b| for gradient norms; 0 when both are the same infinity (an fp16 overflow both skipped)."""
-    if math.isfinite(a) and math.isfinite(b):
-        return abs(a - b)
-    return 0.0 if a == b else math.inf
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()
-            if p.requires_grad}
-
-
-def _perturb(model: nn.Module, ulps: float, step: int) -> None:
-    """Move each nonzero gradient element by `ulps` fp32 units of its tensor's scale, sign drawn from a
-    generator seeded by the step: a model of another CPU's rounding of the same sums (an exact zero,
-    a row no token reached, stays zero, as under any reordering)."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    for _, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            sign = torch.randint(0, 2, g.shape, generator=gen).to(g) * 2 - 1
-            unit = torch.finfo(g.dtype).eps / 2 * g.abs().max()
-            g.add_(torch.where(g != 0, sign * ulps * unit, torch.zeros_like(g)))
-
-
-def _unscaled(grads: dict[str, torch.Tensor | None], scale: float) -> dict[str, torch.Tensor | None]:
-    return grads if scale == 1.0 else {n: None if g is None else g.double() / scale for n, g in grads.items()}
 
 
 def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: float = 1e-7,
@@ -212,6 +152,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         exact_opt = make_optimizer(exact, cfg.optim)
 
     rows = []
+    held: dict[str, torch.Tensor] = {}  # the layout's parameters after the last step (noise_floor starts the next there)
     gap = {"param": 0.0, "loss": 0.0, "norm": 0.0}
     grad_gap: dict[str, float] = {}
     for step in range(t.steps):
@@ -224,12 +165,12 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         scales = (getattr(opt, "loss_scale", 1.0), getattr(ref_opt, "loss_scale", 1.0))
         res = train_step(model, opt, task, step, lr_at(step, o, t), layout_setup,
                          # Sharded gradients are gathered whole for the comparison.
-                         StepHooks(before_update=lambda: captured.update(par=_unscaled(full_gradients(model), scales[0]))))
+                         StepHooks(before_update=lambda: captured.update(par=unscaled(full_gradients(model), scales[0]))))
 
         def ref_grads() -> None:
             if ref_noise_ulps:
-                _perturb(reference, ref_noise_ulps, step)
-            captured.update(ref=_unscaled(_grads(reference), scales[1]))
+                perturb(reference, ref_noise_ulps, step)
+            captured.update(ref=unscaled(gradients_of(reference), scales[1]))
 
         if terms is not None:
             terms.reset()
@@ -262,12 +203,12 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
             if step > 0 or uses_tensor_parallel(cfg.layout):
                 loss_floor = torch.finfo(get_precision(cfg.layout.precision).matmul_dtype).eps / 2 * abs(ref.loss)
             ex = train_step(exact, exact_opt, task, step, lr_at(step, o, t), dataclasses.replace(common, precision="fp32"),
-                            StepHooks(before_update=lambda: captured.update(exact=_grads(exact))))
+                            StepHooks(before_update=lambda: captured.update(exact=gradients_of(exact))))
             exact_params = dict(exact.named_parameters())
             for n in captured["ref"]:
-                d, scale = _diff(captured["ref"][n], captured["exact"][n])
+                d, scale = tensor_diff(captured["ref"][n], captured["exact"][n])
                 grad_gap[n] = max(grad_gap.get(n, 0.0), d / scale if scale > 0 else 0.0)
-            gap["param"] = max(gap["param"], _worst([(n, ref_params[n], exact_params[n]) for n in ref_params], 0, 1)[1])
+            gap["param"] = max(gap["param"], worst_pair([(n, ref_params[n], exact_params[n]) for n in ref_params], 0, 1)[1])
             gap["loss"] = max(gap["loss"], abs(ref.loss - ex.loss))
             if math.isfinite(ref.grad_norm) and math.isfinite(ex.grad_norm):
                 gap["norm"] = max(gap["norm"], abs(ref.grad_norm - ex.grad_norm))
@@ -276,7 +217,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         loss = torch.tensor([res.loss], dtype=torch.float64, device=device)  # nccl reduces device tensors only
         dist.all_reduce(loss, group=dp_group)
         loss_par = loss.item() / dist.get_world_size(dp_group)
-        grad_abs, grad_rel, grad_used, grad_name = _worst(
+        grad_abs, grad_rel, grad_used, grad_name = worst_pair(
             [(n, captured["par"][n], captured["ref"][n]) for n in captured["ref"]], 0.0, grad_tol,
             {n: mp_factor * g for n, g in grad_gap.items()}, floors)
         # Sharded parameters (ZeRO-3, tensor parallelism) gathered whole, by their original names.
@@ -286,7 +227,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
             raise RuntimeError(f"the layout does not hold parameters {missing[:5]} of the reference")
         pairs = [(n, held[n], ref_params[n]) for n in ref_params]
         if bound is None:
-            param_abs, param_rel, param_used, param_name = _worst(pairs, atol, tol + mp_factor * gap["param"])
+            param_abs, param_rel, param_used, param_name = worst_pair(pairs, atol, tol + mp_factor * gap["param"])
         else:  # each element within its strict bar + AdamW's bound for it (verify_noise.py)
             table = compare(pairs, bound.allowances(reference, ref_opt, captured["ref"], captured["par"]), atol, tol)
             param_abs, param_rel, param_used, param_name = table_worst(table)
@@ -295,7 +236,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         # (parallel/gradnorm.py), so a group left out shows here. Allowed: what the gradients are.
         norm_allowed = ((grad_tol + mp_factor * max(grad_gap.values(), default=0.0)) * abs(ref.grad_norm)
                         + mp_factor * gap["norm"])
-        norm_used = _norm_diff(res.grad_norm, ref.grad_norm) / norm_allowed if norm_allowed > 0 else 0.0
+        norm_used = norm_diff(res.grad_norm, ref.grad_norm) / norm_allowed if norm_allowed > 0 else 0.0
         # The worst over ranks: every replica must match, not just rank 0's.
         worst = torch.tensor([grad_abs, grad_rel, grad_used, param_abs, param_rel, param_used, norm_used],
                              dtype=torch.float64, device=device)
@@ -352,7 +293,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                    "virtual_stages": cfg.layout.virtual_stages, "ep": cfg.layout.ep, "cp": cfg.layout.cp,
                    "mesh_order": cfg.layout.mesh_order},
         "model": cfg.model.name,
-        "family": _family(cfg.model),
+        "family": family(cfg.model),
         "world_size": world,
         "steps": t.steps,
         "tolerance": tol,
@@ -367,7 +308,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         "max_rel_param_diff": max(r["max_rel_param_diff"] for r in rows),
         "param_allowance_used": max(r["param_allowance_used"] for r in rows),
         "grad_allowance_used": max(r["grad_allowance_used"] for r in rows),
-        "max_rel_grad_norm_diff": max(_norm_diff(r["grad_norm"], r["ref_grad_norm"]) / max(abs(r["ref_grad_norm"]), 1e-30)
+        "max_rel_grad_norm_diff": max(norm_diff(r["grad_norm"], r["ref_grad_norm"]) / max(abs(r["ref_grad_norm"]), 1e-30)
                                       for r in rows),
         "per_step": rows,
         "compiled": compiled if t.compile else None,
@@ -385,56 +326,3 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     #  * mixed precision: on top, mp_factor x what the precision itself changes (see verify_rank).
     report["passed"] = bool(all(r["passed"] for r in rows))
     return report
-
-
-def _family(m: ModelSection) -> str:
-    """' (rmsnorm, swiglu, rotary, 2 kv heads)' for the GPT's non-default options; '' otherwise."""
-    if m.name != "gpt":
-        return ""
-    parts = [p for p, on in ((m.norm, m.norm != "layernorm"), (m.mlp, m.mlp != "gelu"), ("rotary", m.rotary),
-                             (f"{m.n_kv_head} kv heads", 0 < m.n_kv_head < m.n_head), ("untied", not m.tie_embeddings))
-             if on]
-    return f" ({', '.join(parts)})" if parts else ""
-
-
-def format_report(report: dict[str, Any]) -> str:
-    lay = report["layout"]
-    tp = lay.get("tp", 1)
-    tensor = f" x tp {tp}{' + sp' if lay.get('sp') else ''} ({lay.get('tp_plan')})" if tp > 1 or lay.get("sp") else ""
-    pp = lay.get("pp", 1)
-    v = lay.get("virtual_stages", 1)
-    pipeline = f"pp {pp} ({lay.get('schedule')}{f', v {v}' if v > 1 else ''}) x " if pp > 1 else ""
-    tensor = "".join(f" x {a} {lay[a]}" for a in ("ep", "cp") if lay.get(a, 1) > 1) + tensor
-    lines = [
-        f"verify {report['model']}{report.get('family', '')}: {pipeline}dp {lay['dp']} "
-        f"({'ZeRO-' + str(lay['zero']) if lay['zero'] else lay['dp_mode']}, {lay['comm_impl']}){tensor}, "
-        f"{lay['micro_batches']} micro-batch(es), {lay['precision']}, world size {report['world_size']}, "
-        f"against one process on the whole batch, {report['steps']} steps",
-        f"{'step':>4} {'loss (ref)':>11} {'loss diff':>10} {'grad abs':>9} {'grad rel':>9} "
-        f"{'param abs':>9} {'param rel':>9}  {'ok':<4} closest to its bound",
-    ]
-    for r in report["per_step"]:
-        lines.append(
-            f"{r['step'] + 1:>4} {r['ref_loss']:>11.6f} {r['loss_diff']:>10.2e} {r['max_abs_grad_diff']:>9.2e} "
-            f"{r['max_rel_grad_diff']:>9.2e} {r['max_abs_param_diff']:>9.2e} {r['max_rel_param_diff']:>9.2e}  "
-            f"{'yes' if r['passed'] else 'NO':<4} {r['worst_param']} ({r['param_allowance_used']:.0%} of allowance)"
-        )
-    verdict = "PASS" if report["passed"] else "FAIL"
-    lines.append(
-        f"{verdict}: largest relative differences: loss {report['max_rel_loss_diff']:.2e}, gradients "
-        f"{report['max_rel_grad_diff']:.2e}, parameters {report['max_rel_param_diff']:.2e}, gradient norm "
-        f"{report['max_rel_grad_norm_diff']:.2e} (tolerance {report['tolerance']:.0e} + {report['atol']:.0e} absolute for parameters, "
-        f"{report['grad_tolerance']:.0e} for gradients and their norm)"
-    )
-    if report.get("mp_factor"):
-        last = report["per_step"][-1]
-        lines.append(
-            f"{lay['precision']}: allowances include {report['mp_factor']:g} x the precision's own error (the "
-            f"{lay['precision']} reference against fp32: loss {last['precision_loss_gap']:.2e}, gradients "
-            f"{last['precision_rel_grad_gap']:.2e}, parameters {last['precision_rel_param_gap']:.2e} relative)")
-    if report.get("compiled"):
-        cfg_train = report["config"]["train"]
-        lines.append(f"compiled blocks ({cfg_train['compile_backend']}) against the eager reference: "
-                     + ", ".join(f"rank {r}: {c['graphs']} graphs, {c['graph_breaks']} graph breaks"
-                                 for r, c in enumerate(report["compiled"])))
-    return "\n".join(lines + format_bars(report))

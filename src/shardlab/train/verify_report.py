@@ -1,0 +1,63 @@
+"""verify's report as text: the layout in one line, a row per step, the verdict with its largest
+differences and tolerances, the precision's own error under mixed precision, what was compiled, and
+the AdamW bound's bars (train/verify_noise.py format_bars)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardlab.train.sections import ModelSection
+from shardlab.train.verify_noise import format_bars
+
+
+def family(m: ModelSection) -> str:
+    """' (rmsnorm, swiglu, rotary, 2 kv heads)' for the GPT's non-default options; '' otherwise."""
+    if m.name != "gpt":
+        return ""
+    parts = [p for p, on in ((m.norm, m.norm != "layernorm"), (m.mlp, m.mlp != "gelu"), ("rotary", m.rotary),
+                             (f"{m.n_kv_head} kv heads", 0 < m.n_kv_head < m.n_head), ("untied", not m.tie_embeddings))
+             if on]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lay = report["layout"]
+    tp = lay.get("tp", 1)
+    tensor = f" x tp {tp}{' + sp' if lay.get('sp') else ''} ({lay.get('tp_plan')})" if tp > 1 or lay.get("sp") else ""
+    pp = lay.get("pp", 1)
+    v = lay.get("virtual_stages", 1)
+    pipeline = f"pp {pp} ({lay.get('schedule')}{f', v {v}' if v > 1 else ''}) x " if pp > 1 else ""
+    tensor = "".join(f" x {a} {lay[a]}" for a in ("ep", "cp") if lay.get(a, 1) > 1) + tensor
+    lines = [
+        f"verify {report['model']}{report.get('family', '')}: {pipeline}dp {lay['dp']} "
+        f"({'ZeRO-' + str(lay['zero']) if lay['zero'] else lay['dp_mode']}, {lay['comm_impl']}){tensor}, "
+        f"{lay['micro_batches']} micro-batch(es), {lay['precision']}, world size {report['world_size']}, "
+        f"against one process on the whole batch, {report['steps']} steps",
+        f"{'step':>4} {'loss (ref)':>11} {'loss diff':>10} {'grad abs':>9} {'grad rel':>9} "
+        f"{'param abs':>9} {'param rel':>9}  {'ok':<4} closest to its bound",
+    ]
+    for r in report["per_step"]:
+        lines.append(
+            f"{r['step'] + 1:>4} {r['ref_loss']:>11.6f} {r['loss_diff']:>10.2e} {r['max_abs_grad_diff']:>9.2e} "
+            f"{r['max_rel_grad_diff']:>9.2e} {r['max_abs_param_diff']:>9.2e} {r['max_rel_param_diff']:>9.2e}  "
+            f"{'yes' if r['passed'] else 'NO':<4} {r['worst_param']} ({r['param_allowance_used']:.0%} of allowance)"
+        )
+    verdict = "PASS" if report["passed"] else "FAIL"
+    lines.append(
+        f"{verdict}: largest relative differences: loss {report['max_rel_loss_diff']:.2e}, gradients "
+        f"{report['max_rel_grad_diff']:.2e}, parameters {report['max_rel_param_diff']:.2e}, gradient norm "
+        f"{report['max_rel_grad_norm_diff']:.2e} (tolerance {report['tolerance']:.0e} + {report['atol']:.0e} absolute for parameters, "
+        f"{report['grad_tolerance']:.0e} for gradients and their norm)"
+    )
+    if report.get("mp_factor"):
+        last = report["per_step"][-1]
+        lines.append(
+            f"{lay['precision']}: allowances include {report['mp_factor']:g} x the precision's own error (the "
+            f"{lay['precision']} reference against fp32: loss {last['precision_loss_gap']:.2e}, gradients "
+            f"{last['precision_rel_grad_gap']:.2e}, parameters {last['precision_rel_param_gap']:.2e} relative)")
+    if report.get("compiled"):
+        cfg_train = report["config"]["train"]
+        lines.append(f"compiled blocks ({cfg_train['compile_backend']}) against the eager reference: "
+                     + ", ".join(f"rank {r}: {c['graphs']} graphs, {c['graph_breaks']} graph breaks"
+                                 for r, c in enumerate(report["compiled"])))
+    return "\n".join(lines + format_bars(report))
