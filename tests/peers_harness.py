@@ -50,10 +50,11 @@ class Peers(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum") / (y.numel())
 
 
-def batch(step: int, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rows: int = BATCH, extra: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     idx = torch.randint(1, VOCAB, (rows, SEQ), generator=g)
-    idx[0, 0] = 0  # the first row alone takes `extra`: at 2+ ranks only rank 0 uses it
+    if extra:
+        idx[0, 0] = 0  # the first row alone takes `extra`: at 2+ ranks only rank 0 uses it
     return idx, torch.randint(0, VOCAB, (rows, SEQ), generator=g)
 
 
@@ -94,12 +95,13 @@ def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return torch.stack([(a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12) for k in b]).max().item()
 
 
-def one_process(steps: int, step_fn: Callable[[nn.Module, int], None], seed: int = 0) -> dict[str, torch.Tensor]:
+def one_process(steps: int, step_fn: Callable[[nn.Module, int], None], seed: int = 0,
+                set_to_none: bool = True) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     ref = Peers()
     opt = torch.optim.AdamW(groups(ref), **ADAM)
     for step in range(steps):
         step_fn(ref, step)
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     return {n: p.detach().clone() for n, p in ref.named_parameters()}

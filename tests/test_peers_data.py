@@ -15,6 +15,9 @@ it on 2 ranks, half the batch each, in the loops peers test, against one process
   synced       two micro-batches, each with its own finish_gradient_sync, one step
   bare         two micro-batches, backward twice without no_sync, one finish, one step
   freeze_later `again` frozen after two steps (requires_grad_(False) on the wrapped model)
+  kept_zeros   zero_grad(set_to_none=False) every step, and a step no row takes `extra` in: its
+               zeroed gradient is kept, so AdamW still decays it and applies its momentum, as
+               torch does in one process
 
 and twice the same run must give the same bits. Tolerance: the only arithmetic the split changes is
 the batch's sum cut in two and the halves summed (a few ulps of each gradient); AdamW (eps 1e-4)
@@ -45,9 +48,9 @@ def _reference(scenario: str) -> dict[str, torch.Tensor]:
     def step(ref: torch.nn.Module, i: int) -> None:
         if scenario == "freeze_later" and i == 2:
             ref.again.requires_grad_(False)
-        ref(*batch(i)).backward()
+        ref(*batch(i, extra=not (scenario == "kept_zeros" and i == 2))).backward()
 
-    _REFERENCES[scenario] = one_process(STEPS, step)
+    _REFERENCES[scenario] = one_process(STEPS, step, set_to_none=scenario != "kept_zeros")
     return _REFERENCES[scenario]
 
 
@@ -58,12 +61,12 @@ def _run(engine: str, scenario: str) -> dict[str, torch.Tensor]:
     mine = rows_of(rank, world)
     half = (mine.stop - mine.start) // 2
     for i in range(STEPS):
-        idx, y = batch(i)
+        idx, y = batch(i, extra=not (scenario == "kept_zeros" and i == 2))
         idx, y = idx[mine], y[mine]
         a, b = slice(0, half), slice(half, None)
         if scenario == "freeze_later" and i == 2:
             model.module.again.requires_grad_(False)
-        if scenario in ("plain", "freeze_later"):
+        if scenario in ("plain", "freeze_later", "kept_zeros"):
             model(idx, y).backward()
             model.finish_gradient_sync()
         elif scenario == "two_forwards":
@@ -83,11 +86,11 @@ def _run(engine: str, scenario: str) -> dict[str, torch.Tensor]:
                 (model(idx[part], y[part]) / 2).backward()
             model.finish_gradient_sync()
         opt.step()
-        opt.zero_grad(set_to_none=scenario == "freeze_later" or i % 2 == 0)
+        opt.zero_grad(set_to_none=scenario == "freeze_later" or (scenario != "kept_zeros" and i % 2 == 0))
     return full_params(model)
 
 
-SCENARIOS = ["plain", "two_forwards", "no_sync", "synced", "bare", "freeze_later"]
+SCENARIOS = ["plain", "two_forwards", "no_sync", "synced", "bare", "freeze_later", "kept_zeros"]
 
 
 def _engine_task(engine: str) -> dict:
