@@ -13,7 +13,12 @@ import torch.nn.functional as F
 
 VOCAB, D, SEQ, BATCH = 11, 16, 5, 8
 ADAM = dict(lr=0.02, betas=(0.8, 0.9), eps=1e-4)
-ENGINES = ["dp-naive", "dp-bucketed", "dp-overlap", "zero1", "zero2", "zero3"]
+# zero3-linear: every nn.Linear its own ZeRO-3 unit, as torch's tests fully_shard each Linear: the module
+# called three times and once under no_grad is then a unit gathered and freed four times a forward.
+# Its batches send rows of both ranks through `extra`: under per-module units a forward whose modules
+# differ by rank is refused (ranks' collectives disagree), as it would break FSDP2 (every rank must
+# run the same units, in the same order, forward and backward).
+ENGINES = ["dp-naive", "dp-bucketed", "dp-overlap", "zero1", "zero2", "zero3", "zero3-linear"]
 
 
 class Peers(nn.Module):
@@ -50,11 +55,13 @@ class Peers(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum") / (y.numel())
 
 
-def batch(step: int, rows: int = BATCH, extra: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rows: int = BATCH, extra: bool = True, both: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     idx = torch.randint(1, VOCAB, (rows, SEQ), generator=g)
     if extra:
         idx[0, 0] = 0  # the first row alone takes `extra`: at 2+ ranks only rank 0 uses it
+        if both:  # and the first of the second half: at 2 ranks both run it
+            idx[rows // 2, 0] = 0
     return idx, torch.randint(0, VOCAB, (rows, SEQ), generator=g)
 
 
@@ -75,13 +82,15 @@ def wrap(engine: str, module: nn.Module, **kw: Any) -> tuple[nn.Module, torch.op
         return model, torch.optim.AdamW(groups(model), **ADAM)
     if engine in ("zero1", "zero2"):
         model = ZeroDataParallel(module, stage=int(engine[-1]), bucket_mb=0.001, **kw)
+    elif engine == "zero3-linear":
+        model = FullyShardedDataParallel(module, policy={nn.Linear}, **kw)
     else:
         model = FullyShardedDataParallel(module, **kw)
     return model, model.build_optimizer(groups(model), torch.optim.AdamW, **ADAM)
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    if hasattr(model, "full_parameters") and type(model).__name__ == "FullyShardedDataParallel":
+    if type(model).__name__ == "FullyShardedDataParallel":
         return model.full_parameters()
     return {n: p.detach().clone() for n, p in model.module.named_parameters()}
 

@@ -6,7 +6,8 @@ test_ignore_unused_parameters.py) each train a model with an awkward part agains
 reference. Here one small model (tests/peers_harness.py) has all the parts at once: a module called
 three times in one forward and once more under no_grad inside it, a frozen module called three times,
 a 1-element and a 0-dim parameter, an embedding of 11 rows (uneven over 2 ranks), and a branch only
-rank 0's rows take. Each engine (plain data parallelism in its three modes, ZeRO-1, -2, -3) trains
+rank 0's rows take. Each engine (plain data parallelism in its three modes, ZeRO-1, -2, -3, and
+ZeRO-3 with every nn.Linear its own unit, whose batches send both ranks through the branch) trains
 it on 2 ranks, half the batch each, in the loops peers test, against one process on the whole batch:
 
   plain        forward, backward, finish_gradient_sync, step; zero_grad alternating set_to_none
@@ -41,17 +42,18 @@ TOL = 1e-5
 _REFERENCES: dict[str, dict[str, torch.Tensor]] = {}  # pool ranks live on: one process's runs, once
 
 
-def _reference(scenario: str) -> dict[str, torch.Tensor]:
-    if scenario in _REFERENCES:
-        return _REFERENCES[scenario]
+def _reference(scenario: str, both: bool) -> dict[str, torch.Tensor]:
+    key = f"{scenario} {both}"
+    if key in _REFERENCES:
+        return _REFERENCES[key]
 
     def step(ref: torch.nn.Module, i: int) -> None:
         if scenario == "freeze_later" and i == 2:
             ref.again.requires_grad_(False)
-        ref(*batch(i, extra=not (scenario == "kept_zeros" and i == 2))).backward()
+        ref(*batch(i, extra=not (scenario == "kept_zeros" and i == 2), both=both)).backward()
 
-    _REFERENCES[scenario] = one_process(STEPS, step, set_to_none=scenario != "kept_zeros")
-    return _REFERENCES[scenario]
+    _REFERENCES[key] = one_process(STEPS, step, set_to_none=scenario != "kept_zeros")
+    return _REFERENCES[key]
 
 
 def _run(engine: str, scenario: str) -> dict[str, torch.Tensor]:
@@ -61,7 +63,7 @@ def _run(engine: str, scenario: str) -> dict[str, torch.Tensor]:
     mine = rows_of(rank, world)
     half = (mine.stop - mine.start) // 2
     for i in range(STEPS):
-        idx, y = batch(i, extra=not (scenario == "kept_zeros" and i == 2))
+        idx, y = batch(i, extra=not (scenario == "kept_zeros" and i == 2), both=engine == "zero3-linear")
         idx, y = idx[mine], y[mine]
         a, b = slice(0, half), slice(half, None)
         if scenario == "freeze_later" and i == 2:
@@ -98,7 +100,7 @@ def _engine_task(engine: str) -> dict:
     for scenario in SCENARIOS:
         try:
             got = _run(engine, scenario)
-            out[scenario] = rel(got, _reference(scenario))
+            out[scenario] = rel(got, _reference(scenario, engine == "zero3-linear"))
         except Exception as exc:  # noqa: BLE001 - reported per scenario, all ranks alike
             out[scenario] = f"{type(exc).__name__}: {exc}"[:400]
     first, again = _run(engine, "plain"), _run(engine, "plain")
