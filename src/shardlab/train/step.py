@@ -45,7 +45,9 @@ def decay_groups(model: nn.Module, o: OptimSection) -> list[dict]:
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return [g for g in groups if g["params"]]
+    # Both groups even when one is empty (a pipeline stage holding only matrices, or only norms):
+    # group indices then mean the same on every rank and layout, which a checkpoint relies on.
+    return groups
 
 
 def adamw_kwargs(o: OptimSection) -> dict:

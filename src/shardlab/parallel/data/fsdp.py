@@ -417,6 +417,9 @@ class FullyShardedDataParallel(nn.Module):
         self._by_ptr[full.untyped_storage().data_ptr()] = unit
         for s in unit.params:
             s.full.data = full[s.full_offset : s.full_offset + s.numel()].view(s.shape)
+            # The shard is what the user sees: frozen (or unfrozen) after wrapping, the whole
+            # parameter that computes follows, or a frozen shard would still get gradients and move.
+            s.full.requires_grad_(s.shard.requires_grad)
         unit.swap(whole=True)
 
     def _release(self, unit: Unit) -> None:

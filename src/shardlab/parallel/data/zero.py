@@ -302,6 +302,10 @@ class ZeroDataParallel(nn.Module):
             flags = torch.tensor(has, dtype=torch.float32, device=device)
             comm.all_reduce(flags, "max", self.group)
             used = {id(p) for p, f in zip(self.layout.params, flags.tolist()) if f > 0}
+            # A piece still holding a gradient (an earlier finish_gradient_sync since zero_grad) keeps
+            # it: its chunk has accumulated on, and a parameter used only in an earlier micro-batch
+            # would otherwise lose that micro-batch's gradient.
+            used |= {id(pc.param) for pc in self.layout.pieces() if pc.tensor.grad is not None}
         for bucket in self.layout.buckets:
             for piece in bucket.pieces:
                 n = piece.stop - piece.start
