@@ -12,7 +12,13 @@ import pytest
 
 # Validation mode is on in the tests: collectives first agree on shape, dtype and operation.
 os.environ.setdefault("SHARDLAB_VALIDATE", "1")
-# One thread per rank keeps 4 ranks on 2 cores from fighting over the cores.
+# One thread per rank keeps 4 ranks on 2 cores from fighting over the cores. A caller who sets it
+# (benchmarks/cpu_variants.sh: another thread count splits parallel reductions elsewhere) sets the
+# pytest process's own torch threads too, so single-process comparisons see that rounding as well.
+if os.environ.get("SHARDLAB_THREADS"):
+    import torch
+
+    torch.set_num_threads(max(1, int(os.environ["SHARDLAB_THREADS"])))
 os.environ.setdefault("SHARDLAB_THREADS", "1")
 
 from shardlab.dist import RankPool  # noqa: E402
