@@ -126,32 +126,13 @@ def test_16_bit_gradients_are_divided_before_they_are_summed(pools):
     assert pools(2).run(_average_fp16) == [[40000.0]] * 2
 
 
-def _mp_factor(ws: int, mb: int, precision: str) -> float:
-    """verify's allowance, in units of G (the reference's distance from fp32), for a dp average.
-
-    verify's default 2 holds the layout to making the reference's roundings (each run ~G from fp32,
-    so <= 2G apart). A 16-bit dp average makes more of the same size (parallel/precision.py's
-    averaging_op): each rank's partial sum over its rows is rounded where the reference rounds the
-    whole batch's once (over mb micro-batches: mb partials and mb - 1 additions, 2 mb - 1), the
-    division by ws is one more unless ws is a power of two, and the sum over ws ranks in 16 bits
-    ws - 1 more; each such rounding moves a gradient, and through AdamW a weight,
-    by up to what the reference's one rounding does, so the layout is up to (1 + its roundings) x G
-    from the reference. Measured (2026-11-28): mlp fp16 at dp 3 (4 roundings: 5G now) used 0.99 of
-    the default 2G on this AMD EPYC, its weights 2 fp16 units apart where G is one: a CPU rounding
-    one more element the other way would have failed it (docs/reliability.md, "Portable numerics").
-    A layout bug still fails: a gradient summed instead of averaged is 100% off, G here ~1e-3. bf16-autocast keeps fp32 gradients (an fp32 average): the default."""
-    if precision == "bf16-autocast":
-        return 2.0
-    return 1.0 + (2 * mb - 1) + (ws & (ws - 1) != 0) + (ws - 1)
-
-
 def _verify(pools, model: str, ws: int, zero: int, precision: str, *extra: str) -> dict:
-    from shardlab.train.verify import verify_rank
+    from shardlab.train.verify import mp_factor_for, verify_rank
 
     cfg = load_config(None, [f'model.name="{model}"', f"layout.dp={ws}", f"layout.zero={zero}",
                              f'layout.precision="{precision}"', *extra], base=VERIFY_BASE + MIXED_VERIFY_BASE)
     cfg.validate()
-    mp_factor = _mp_factor(ws, cfg.train.micro_batches, precision)
+    mp_factor = mp_factor_for(cfg.layout, cfg.train.micro_batches)  # what `shardlab verify` allows by default
     return pools(ws).run(verify_rank, cfg.to_dict(), 1e-6, 1e-5, 1e-7, mp_factor)[0]
 
 

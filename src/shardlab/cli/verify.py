@@ -26,7 +26,8 @@ Mixed precision (--precision bf16|fp16): the reference runs in the same precisio
 runs it in fp32. What the precision itself changes (G: the largest relative difference of any tensor
 between the reference and the fp32 copy so far; for the loss, their difference) is added to the
 allowances, times --mp-factor (default 2: two runs of one precision are each about G from the exact
-run, so up to 2G apart). Without --config, mixed precision also uses AdamW eps 1e-3 and, for fp16,
+run, so up to 2G apart; a 16-bit gradient average over dp > 1 replicas rounds more often, and the
+default counts those roundings: 5 at fp16 dp 3). Without --config, mixed precision also uses AdamW eps 1e-3 and, for fp16,
 an initial loss scale of 2^13.
 
 The noise floor (--noise-floor, fp32; on by default with --config): with a small AdamW eps (1e-8 in
@@ -83,8 +84,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--atol", type=float, default=1e-7,
                    help="absolute allowance for parameters on top of --tol x the tensor's scale (default %(default)s: "
                         "one fp32 rounding unit at 1.0, for tensors that start at zero)")
-    p.add_argument("--mp-factor", type=float, default=2.0,
-                   help="mixed precision: allowed multiple of the precision's own error (default %(default)s)")
+    p.add_argument("--mp-factor", type=float, default=None,
+                   help="mixed precision: allowed multiple of the precision's own error (default: 2, two runs of one "
+                        "precision; under fp16/bf16 with dp > 1, 1 + the roundings a 16-bit gradient average adds: "
+                        "2 x micro-batches - 1, dp - 1 additions, and the division unless dp is a power of two)")
     p.add_argument("--noise-floor", choices=("auto", "on", "off"), default="auto",
                    help="fp32: start every step after the first from the layout's own parameters and allow each "
                         "parameter element, on top of its strict bar, the bound AdamW's arithmetic puts on the update "
@@ -99,7 +102,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from shardlab.dist import launch, under_torchrun  # looked up when called: tests put a pool of ranks in its place
     # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.train.verify import VERIFY_BASE, verify_base, verify_rank
+    from shardlab.train.verify import VERIFY_BASE, mp_factor_for, verify_base, verify_rank
     from shardlab.train.verify_report import format_report
 
     try:
@@ -117,9 +120,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"shardlab verify: {exc}", file=sys.stderr)
         return 2
+    mp_factor = args.mp_factor if args.mp_factor is not None else mp_factor_for(cfg.layout, cfg.train.micro_batches)
     noise_floor = args.noise_floor == "on" or (args.noise_floor == "auto" and bool(args.config))
     report = launch(verify_rank, None if under_torchrun() else cfg.world_size, cfg.to_dict(), args.tol, args.grad_tol, args.atol,
-                    args.mp_factor, noise_floor, **launch_kwargs(args))[0]
+                    mp_factor, noise_floor, **launch_kwargs(args))[0]
     if report is None:
         return 0
     print(format_report(report))

@@ -89,6 +89,26 @@ def verify_base(layout: LayoutSection, micro_batches: int, model: str) -> list[s
     return base
 
 
+def mp_factor_for(layout: LayoutSection, micro_batches: int) -> float:
+    """verify's mixed-precision allowance in units of G (the reference's distance from fp32).
+
+    2 when the layout makes the reference's roundings: two runs each about G from the exact one. A
+    16-bit gradient average over dp replicas makes more roundings of the same size
+    (parallel/precision.py's averaging_op): each rank's partial sum over its rows, where the
+    reference rounds the whole batch's once (over mb micro-batches: mb partials and mb - 1
+    additions, 2 mb - 1), the division by dp unless dp is a power of two, and dp - 1 additions in
+    16 bits. Each moves a gradient, and through AdamW a weight, by up to what the reference's one
+    rounding does, so the layout is up to (1 + those roundings) x G from the reference. Measured
+    2026-11-28: an fp16 MLP at dp 3 (5G now) used 0.99 of a flat 2G on an AMD EPYC, its weights two
+    fp16 units apart where G was one (docs/reliability.md, "Portable numerics"). A layout bug still
+    fails: a gradient summed instead of averaged is 100% off, G ~1e-3. bf16-autocast averages fp32
+    gradients: 2."""
+    dp = layout.dp
+    if layout.precision not in ("fp16", "bf16") or dp == 1:
+        return 2.0
+    return 1.0 + (2 * micro_batches - 1) + (dp & (dp - 1) != 0) + (dp - 1)
+
+
 def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: float = 1e-7,
                 mp_factor: float = 2.0, noise_floor: bool = False, ref_micro_batches: int = 1,
                 ref_noise_ulps: float = 0.0) -> dict[str, Any] | None:
