@@ -81,7 +81,7 @@ class DataSource:
         """'tokens' (a token file), 'bin' (raw ids) or 'text' (anything read as text)."""
         if self.path is not None and is_token_file(self.path):
             return "tokens"
-        if self.path is not None and self.path.suffix == ".bin":
+        if self.path is not None and self.path.suffix.lower() == ".bin":  # train.BIN is raw ids too
             return "bin"
         return "text"
 
