@@ -60,3 +60,42 @@ def test_raw_ids_named_in_capitals_are_read_as_ids(tmp_path):
 
     assert DataSource(cfg.data).kind == "bin"
     assert np.array_equal(load_corpus(DataSource(cfg.data), 8, split=True), ids)
+
+
+def _token_file(tmp_path, name: str, vocab: int = 300):
+    """A token file of TEXT through a BPE of its own, and that BPE's file."""
+    from shardlab.data.tokenizer import train_bpe
+
+    tok = train_bpe([TEXT if name == "a" else TEXT.upper()], vocab, tmp_path / f"{name}.tokenizer.json")
+    (tmp_path / f"{name}.txt").write_text(TEXT)
+    prepare([str(tmp_path / f"{name}.txt")], tmp_path / f"{name}.tok", str(tok.path), progress=False)
+    return tmp_path / f"{name}.tok", tok.path
+
+
+def test_a_tokenizer_other_than_the_token_files_is_refused_not_ignored(tmp_path):
+    """data.tokenizer naming another BPE of the same size beside a token file: ignored, the run trained
+    and sampled with the header's tokenizer, exit 0."""
+    a, a_tok = _token_file(tmp_path, "a")
+    _, b_tok = _token_file(tmp_path, "b")
+    with pytest.raises(ConfigError, match=r"data\.tokenizer = '.*b\.tokenizer\.json' \(sha256 \w+\) is not the "
+                                          r"tokenizer data\.source = '.*a\.tok' was made with"):
+        _checked(tmp_path, f'data.source="{a}"', f'data.tokenizer="{b_tok}"')
+    with pytest.raises(ConfigError, match=r"data\.tokenizer = 'bpe' with data\.source = .*a token file"):
+        _checked(tmp_path, f'data.source="{a}"', "data.tokenizer='bpe'")
+    _checked(tmp_path, f'data.source="{a}"', f'data.tokenizer="{a_tok}"')  # its own: accepted
+
+
+def test_validation_on_the_training_file_is_refused(tmp_path):
+    """data.val_source = data.source (the same path, or a copy): validation loss measured on training data."""
+    a, _ = _token_file(tmp_path, "a")
+    with pytest.raises(ConfigError, match=r"data\.val_source = .*a\.tok' holds the same bytes as data\.source"):
+        _checked(tmp_path, f'data.source="{a}"', f'data.val_source="{a}"')
+    (tmp_path / "copy.tok").write_bytes(a.read_bytes())
+    with pytest.raises(ConfigError, match=r"copy\.tok' holds the same bytes"):
+        _checked(tmp_path, f'data.source="{a}"', f'data.val_source="{tmp_path / "copy.tok"}"')
+
+
+def test_an_empty_data_source_is_refused_not_read_as_the_stdlib(tmp_path):
+    """`--set data.source=$UNSET` trained on the standard library's sources, exit 0."""
+    with pytest.raises(ConfigError, match=r"data\.source = '' names no data"):
+        _checked(tmp_path, 'data.source=""')
