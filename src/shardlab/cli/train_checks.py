@@ -177,6 +177,7 @@ def _resumed_checkpoint(cfg):
     ranks may fall back past a damaged one, which the same run saved), or None."""
     from pathlib import Path
 
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.checkpoint.format import list_checkpoints
     from shardlab.train.loop import checkpoint_dir
 
@@ -192,6 +193,7 @@ def _tokenizer_identity(data: dict) -> str | None:
     sha256), or None when it cannot be told (a BPE still to train, a file gone)."""
     import os
 
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.data.tokenizer import file_digest
     from shardlab.train.corpus import DataSource
     from shardlab.train.sections import DataSection
@@ -218,6 +220,7 @@ def check_resume_before_launch(cfg) -> list[str]:
     traceback); data of another tokenizer is refused (same-sized tokenizers loaded without an error,
     the embedding rows meaning other tokens); other changed settings (seed, batch, data, optimizer)
     are returned as notes: the run then no longer continues the saved one as it was. ConfigError."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.checkpoint.format import CheckpointError, read_metadata
 
     path = _resumed_checkpoint(cfg)
