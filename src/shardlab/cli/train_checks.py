@@ -236,8 +236,11 @@ def check_resume_before_launch(cfg) -> list[str]:
     sm, m = saved["model"], now["model"]
     shape_fields = _SHAPE_FIELDS + (() if m.get("rotary") else ("seq_len",))  # learned positions: one row each
     kv = {k: (d.get("n_kv_head") or d.get("n_head")) for k, d in (("saved", sm), ("now", m))}
+    # 0 is "derived" for these two (the data's vocabulary, 4 x d_model): compared only when both are stated.
+    derived = {"vocab_size", "d_ff"}
     differ = [f"model.{k} = {m[k]!r}, the checkpoint's {sm[k]!r}" for k in shape_fields
-              if k in sm and (kv["saved"] != kv["now"] if k == "n_kv_head" else sm[k] != m[k])]
+              if k in sm and not (k in derived and not (sm[k] and m[k]))
+              and (kv["saved"] != kv["now"] if k == "n_kv_head" else sm[k] != m[k])]
     if differ:
         raise ConfigError(f"checkpoint.resume: {path} was saved by another model, which cannot load into this one:\n  - "
                           + "\n  - ".join(differ) + "\nresume with the checkpoint's model.* values, or start afresh "
