@@ -54,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "torch.distributed.checkpoint directory: {'model': ..., 'optimizer': ..., 'step': N}, "
                           "loadable with torch.distributed.checkpoint.load (checkpoint/dcp.py)")
     exp.add_argument("--no-optimizer", action="store_true", help="--dcp: the model only")
+    exp.add_argument("--overwrite", action="store_true",
+                     help="write into an OUT that already holds a model, replacing its files (without it, such an "
+                          "OUT is refused: a model or tokenizer there would be replaced, or mixed with this one)")
     p.set_defaults(func=run)
 
 
@@ -138,6 +141,12 @@ def export(args: argparse.Namespace) -> int:
     if not (args.hf or args.dcp):  # a usage error (exit 2), not a fault of the checkpoint
         print("shardlab checkpoint export: give --hf OUT and/or --dcp OUT (the formats to write)", file=sys.stderr)
         return 2
+    held = _held_model_files(args.hf, args.dcp) if not args.overwrite else []
+    if held:
+        print(f"shardlab checkpoint export: {', '.join(held)} already exist: the export would replace them (a "
+              f"tokenizer.json left beside another model would be loaded with it); choose another directory, "
+              f"or --overwrite", file=sys.stderr)
+        return 2
     path = resolve_checkpoint(args.path)
     if args.dcp:
         # lazy: `shardlab --help` imports this file but need not import these modules
@@ -152,3 +161,18 @@ def export(args: argparse.Namespace) -> int:
         for line in export_hf(path, args.hf):
             print(line)
     return 0
+
+
+def _held_model_files(hf: str | None, dcp: str | None) -> list[str]:
+    """The files of a model already in the export's directories: --hf's Hugging Face files (a
+    tokenizer too), anything in --dcp's (a DCP directory is its files together)."""
+    from pathlib import Path
+
+    held = []
+    if hf and Path(hf).is_dir():
+        held += sorted(str(f) for f in Path(hf).iterdir()
+                       if f.name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                                     "special_tokens_map.json") or f.suffix == ".safetensors")
+    if dcp and Path(dcp).is_dir():
+        held += sorted(str(f) for f in Path(dcp).iterdir())
+    return held

@@ -7,7 +7,7 @@ import sys
 
 from shardlab.cli.common import add_launch_options, launch_kwargs
 from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, memory and tests use them)
-    check_before_launch, check_data_before_launch, hf_assignments, ignored_flags)
+    check_before_launch, check_data_before_launch, check_resume_before_launch, hf_assignments, ignored_flags)
 from shardlab.cli.train_report import rank_table, result_table, utilisation_line  # noqa: F401
 from shardlab.dist import signals, under_torchrun
 from shardlab.dist.env import read_torchrun_env
@@ -289,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
         if args.dry_run:
             return dry_run(cfg)
         check_data_before_launch(cfg)
+        for note in check_resume_before_launch(cfg):
+            print(f"shardlab train: {note}", file=sys.stderr)
     except ConfigError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2

@@ -162,3 +162,105 @@ def ignored_flags(args, cfg) -> list[str]:
     if given("top_k") and m.experts == 0:
         out.append(f"--top-k {args.top_k}: the MLPs are dense (model.experts = 0); add --experts N")
     return out
+
+
+# The model.* fields that decide the parameters' shapes: a checkpoint of another value cannot load.
+_SHAPE_FIELDS = ("name", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "vocab_size", "rotary",
+                 "tie_embeddings", "bias", "experts", "norm", "mlp")
+# Fields a resumed run may change on purpose, without a note: its length, its logging, its layout.
+_QUIET = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.compile",
+          "train.compile_backend", "train.micro_batches", "data.cache_dir"}
+
+
+def _resumed_checkpoint(cfg):
+    """The checkpoint checkpoint.resume will load (for 'latest': the newest under checkpoint.dir; the
+    ranks may fall back past a damaged one, which the same run saved), or None."""
+    from pathlib import Path
+
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.checkpoint.format import list_checkpoints
+    from shardlab.train.loop import checkpoint_dir
+
+    ck = cfg.checkpoint
+    if ck.resume == "latest":
+        found = list_checkpoints(checkpoint_dir(ck, cfg.log.out_dir))
+        return found[-1][1] if found else None
+    return Path(ck.resume).expanduser() if ck.resume else None
+
+
+def _tokenizer_identity(data: dict) -> str | None:
+    """What names the tokenizer whose ids the data section `data` feeds the model ('bytes' or a file's
+    sha256), or None when it cannot be told (a BPE still to train, a file gone)."""
+    import os
+
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.data.tokenizer import file_digest
+    from shardlab.train.corpus import DataSource
+    from shardlab.train.sections import DataSection
+
+    try:
+        d = DataSection(**data)
+        src = DataSource(d)
+        if d.source not in ("", "stdlib") and not any(c in d.source for c in "*?[") \
+                and not os.path.exists(os.path.expanduser(d.source)):
+            return None
+        if src.kind == "tokens":
+            t = src.header.tokenizer
+            return "bytes" if t.get("kind") == "bytes" else t.get("sha256")
+        if d.tokenizer in ("", "bytes"):
+            return "bytes" if src.kind == "text" else None
+        return None if d.tokenizer == "bpe" else file_digest(os.path.expanduser(d.tokenizer))
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def check_resume_before_launch(cfg) -> list[str]:
+    """A resumed run against the checkpoint's saved configuration, before any rank starts: another
+    model shape is refused naming every field (the ranks raised one tensor's shape each, in a
+    traceback); data of another tokenizer is refused (same-sized tokenizers loaded without an error,
+    the embedding rows meaning other tokens); other changed settings (seed, batch, data, optimizer)
+    are returned as notes: the run then no longer continues the saved one as it was. ConfigError."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.checkpoint.format import CheckpointError, read_metadata
+
+    path = _resumed_checkpoint(cfg)
+    if path is None:
+        return []
+    try:
+        saved = read_metadata(path).config or {}
+    except CheckpointError:
+        return []  # the ranks' integrity checks name it
+    if not saved.get("model") or not saved.get("data"):
+        return []
+    now = cfg.to_dict()
+    sm, m = saved["model"], now["model"]
+    shape_fields = _SHAPE_FIELDS + (() if m.get("rotary") else ("seq_len",))  # learned positions: one row each
+    kv = {k: (d.get("n_kv_head") or d.get("n_head")) for k, d in (("saved", sm), ("now", m))}
+    # 0 is "derived" for these two (the data's vocabulary, 4 x d_model): compared only when both are stated.
+    derived = {"vocab_size", "d_ff"}
+    differ = [f"model.{k} = {m[k]!r}, the checkpoint's {sm[k]!r}" for k in shape_fields
+              if k in sm and not (k in derived and not (sm[k] and m[k]))
+              and (kv["saved"] != kv["now"] if k == "n_kv_head" else sm[k] != m[k])]
+    if differ:
+        raise ConfigError(f"checkpoint.resume: {path} was saved by another model, which cannot load into this one:\n  - "
+                          + "\n  - ".join(differ) + "\nresume with the checkpoint's model.* values, or start afresh "
+                          "(--overwrite, or another log.out_dir)")
+    was, is_ = _tokenizer_identity(saved["data"]), _tokenizer_identity(now["data"])
+    if was and is_ and was != is_:
+        raise ConfigError(f"checkpoint.resume: {path} was trained on ids of tokenizer {was} (data.source = "
+                          f"{saved['data'].get('source')!r}), but data.source = {cfg.data.source!r} holds ids of "
+                          f"tokenizer {is_}: its embedding rows mean other tokens; give data made with the "
+                          f"checkpoint's tokenizer")
+    notes = []
+    for section in ("model", "data", "optim", "train"):
+        for k, v in saved.get(section, {}).items():
+            key = f"{section}.{k}"
+            if key in _QUIET or k not in now[section] or now[section][k] == v or section == "model" and k in shape_fields:
+                continue
+            if isinstance(v, list) and tuple(v) == tuple(now[section][k]):
+                continue
+            notes.append(f"{key} {v!r} -> {now[section][k]!r}")
+    if notes:
+        return [f"resuming {path}, saved with other settings (the run continues it, but not as it was): "
+                + ", ".join(notes)]
+    return []

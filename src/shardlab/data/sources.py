@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardlab.data.tokenfile import MAGIC as TOKEN_FILE_MAGIC
+
 TEXT_EXTENSIONS = frozenset(
     {".py", ".pyi", ".md", ".txt", ".rst", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go",
      ".java", ".js", ".ts", ".html", ".css", ".json", ".toml", ".yaml", ".yml", ".cfg", ".ini",
@@ -40,6 +42,40 @@ PARQUET_EXTENSIONS = frozenset({".parquet"})
 _STDLIB_SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "encodings", "__pycache__"}
 )
+
+
+# The first bytes of files people keep beside text and might name by a glob or a directory.
+_BINARY_MAGIC = ((b"\x93NUMPY", "a NumPy .npy array"), (b"\x1f\x8b", "gzip-compressed"),
+                 (b"PK\x03\x04", "a zip archive (also torch.save's format)"), (b"PAR1", "a Parquet file"),
+                 (b"\xff\xfe", "UTF-16 text (little-endian byte-order mark)"),
+                 (b"\xfe\xff", "UTF-16 text (big-endian byte-order mark)"))
+
+
+def not_text(path: Path, head: bytes) -> str | None:
+    """Why the file `path`, whose first bytes are `head` (4 KiB is plenty), is not text to be read as
+    bytes or decoded, or None when it may be. A token file or raw ids named by a glob, a directory or
+    a path read as text were trained on as bytes (their header, and every id as 1-4 bytes), silently.
+    NUL bytes do not occur in text of any 8-bit encoding or UTF-8."""
+    if head.startswith(TOKEN_FILE_MAGIC):
+        return ("a token file (`shardlab data prepare`), not text: give it as data.source on its own (a token "
+                "file is one whole corpus; several are merged by preparing their texts into one)")
+    if path.suffix.lower() == ".bin":
+        return "raw token ids (.bin), not text: give it as data.source on its own"
+    for magic, what in _BINARY_MAGIC:
+        if head.startswith(magic):
+            return f"{what}, not text"
+    nul = head.find(b"\0")
+    if nul >= 0:
+        return (f"binary data, not text: byte {nul} is NUL, which no 8-bit or UTF-8 text holds "
+                f"(UTF-16/32 text would: convert it to UTF-8)")
+    return None
+
+
+def check_text(path: Path, head: bytes) -> None:
+    """Raise ValueError naming `path` when not_text says it is not text."""
+    why = not_text(path, head)
+    if why is not None:
+        raise ValueError(f"{path}: read as text, but it is {why}")
 
 
 def stdlib_files() -> list[Path]:
@@ -126,7 +162,9 @@ def read_documents(unit: Unit, field: str = "text") -> Iterator[str | bytes]:
     as they are), str for JSONL and Parquet records."""
     path = Path(unit.path)
     if unit.kind == "text":
-        yield path.read_bytes()
+        data = path.read_bytes()
+        check_text(path, data[:4096])
+        yield data
     elif unit.kind == "jsonl":
         yield from _jsonl_documents(path, field)
     elif unit.kind == "parquet":

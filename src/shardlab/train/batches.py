@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from shardlab.data.rawbin import raw_bin_format
-from shardlab.data.sources import FILE_SEPARATOR, TEXT_EXTENSIONS, stdlib_files
+from shardlab.data.sources import FILE_SEPARATOR, TEXT_EXTENSIONS, check_text, stdlib_files
 from shardlab.data.tokenfile import is_token_file, read_token_file
 
 __all__ = ["FILE_SEPARATOR", "TEXT_EXTENSIONS", "VOCAB_SIZE", "BatchSampler", "decode", "load_tokens",
@@ -46,7 +46,9 @@ def _concat_files(paths: Iterable[Path], max_bytes: int | None) -> np.ndarray:
             break
         if i:
             buf += FILE_SEPARATOR
-        buf += path.read_bytes()
+        data = path.read_bytes()
+        check_text(path, data[:4096])  # a token file or raw ids a glob names is not trained on as bytes
+        buf += data
     if max_bytes is not None:
         del buf[max_bytes:]
     # frombuffer over a bytearray is writable and zero-copy; torch.from_numpy needs writable.
@@ -135,7 +137,7 @@ def load_tokens(
                 if mapped_cap is not None:
                     tokens = tokens[: mapped_cap // tokens.dtype.itemsize]
                 dtype = None  # already in its stored dtype
-            elif path.suffix == ".bin":
+            elif path.suffix.lower() == ".bin":
                 tokens = _load_bin(path, mapped_cap, raw_bin_format(path, token_dtype=dtype).dtype)
                 dtype = None  # already in its stored dtype
             else:

@@ -70,11 +70,11 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 
 def compile_problems(t: TrainSection, lay: LayoutSection) -> list[str]:
     """Why `train.compile` cannot run as configured (empty: it can)."""
-    if not t.compile:
-        return []
     out = []
-    if t.compile_backend not in BACKENDS:
+    if t.compile_backend not in BACKENDS:  # a misspelt backend is refused even while train.compile is off
         out.append(f"train.compile_backend = {t.compile_backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
+    if not t.compile:
+        return out
     if lay.pp > 1 and lay.schedule == "zb1":
         out.append('train.compile = true cannot be used with layout.schedule = "zb1": the zero-bubble schedule '
                    "splits each linear layer's backward through a torch-function mode over the forward that keeps "

@@ -167,7 +167,7 @@ def _coerce(name: str, value: Any, annotation: Any, origin: str) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+        if name.startswith("sharding.") and isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
             return ", ".join(f"{k}={v}" for k, v in value.items())  # [sharding]'s {heads = "tp"} tables
     raise ConfigError(f"{origin}: {name} must be {kind}, got {value!r}")
 
@@ -196,10 +196,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8: other bytes are no config
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+            hint = (" (a configuration is TOML, not JSON: `shardlab train --dry-run` prints one)"
+                    if path.suffix.lower() == ".json" else "")
+            raise ConfigError(f"{path}: not valid TOML: {exc}{hint}") from exc
+        if not data:  # an empty file (or comments only) would run the defaults without a word
+            raise ConfigError(f"{path}: holds no settings (no [section] with a key); drop --config to run the "
+                              f"defaults, or see configs/ for examples")
         for section, values in data.items():
-            if section not in SECTIONS or not isinstance(values, dict):
-                raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
+            if section not in SECTIONS:
+                known = ", ".join(SECTIONS)
+                raise ConfigError(f"{path}: unknown section [{section}]; known: {known}" if isinstance(values, dict)
+                                  else f"{path}: {section} = {values!r} is outside any section; every key belongs "
+                                       f"under one of [{'], ['.join(SECTIONS)}]")
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: [{section}] must be one table, got {values!r}"
+                                  + (" ([[...]] is an array of tables)" if isinstance(values, list) else ""))
             for key, value in values.items():
                 cfg.set(f"{section}.{key}", value, str(path))
         if not cfg.log.out_dir:

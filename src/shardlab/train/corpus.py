@@ -81,7 +81,7 @@ class DataSource:
         """'tokens' (a token file), 'bin' (raw ids) or 'text' (anything read as text)."""
         if self.path is not None and is_token_file(self.path):
             return "tokens"
-        if self.path is not None and self.path.suffix == ".bin":
+        if self.path is not None and self.path.suffix.lower() == ".bin":  # train.BIN is raw ids too
             return "bin"
         return "text"
 
@@ -352,6 +352,10 @@ def val_source_problems(src: DataSource) -> list[str]:
     if not path.is_file():
         return [f"data.val_source = {d.val_source!r}: no such file (a token file, a raw .bin like nanoGPT's "
                 f"val.bin, or a text file)"]
+    if src.path is not None and _same_bytes(src.path, path):  # validation loss would be training loss
+        return [f"data.val_source = {d.val_source!r} holds the same bytes as data.source = {d.source!r}: the "
+                f"validation loss would be measured on the training data; give a held-out file, or set "
+                f"data.val_source = '' to hold out data.source's tail (data.val_fraction)"]
     kind, vkind = src.kind, v.kind
     if kind == "text" and d.tokenizer not in ("", "bytes"):
         return [f"data.val_source = {d.val_source!r} with data.tokenizer = {d.tokenizer!r}: encode both files "
@@ -370,6 +374,35 @@ def val_source_problems(src: DataSource) -> list[str]:
     return []
 
 
+def _same_bytes(a: Path, b: Path) -> bool:
+    """Whether two files hold the same bytes (hashed only when their sizes agree)."""
+    if a.resolve() == b.resolve():
+        return True
+    return a.stat().st_size == b.stat().st_size and file_digest(a) == file_digest(b)
+
+
+def tokenizer_problems(src: DataSource) -> list[str]:
+    """data.tokenizer beside a token file, which records its own: one naming another tokenizer was
+    ignored (the ids are the header's tokenizer's), so the user's word is refused, not dropped."""
+    d = src.section
+    if src.kind != "tokens" or d.tokenizer in ("", "bytes"):
+        return []
+    recorded = src.header.tokenizer
+    if d.tokenizer == "bpe":
+        return [f"data.tokenizer = 'bpe' with data.source = {d.source!r}, a token file already encoded with "
+                f"{recorded.get('name') or recorded.get('kind')!r}: there is no text to train a BPE on; drop "
+                f"data.tokenizer, or give the text as data.source"]
+    given = Path(d.tokenizer).expanduser()
+    if not given.is_file():
+        return [f"data.tokenizer = {d.tokenizer!r}: no such file"]
+    if recorded.get("kind") == "bytes" or recorded.get("sha256") != file_digest(given):
+        return [f"data.tokenizer = {d.tokenizer!r} (sha256 {file_digest(given)}) is not the tokenizer data.source = "
+                f"{d.source!r} was made with ({recorded.get('name') or recorded.get('kind')}, sha256 "
+                f"{recorded.get('sha256')}, from its header): its ids are that tokenizer's; drop data.tokenizer, "
+                f"or prepare the text again with --tokenizer {d.tokenizer}"]
+    return []
+
+
 def data_problems(m: ModelSection, src: DataSource, tp: int) -> list[str]:
     """The vocabulary and tokenizer fields of data.source (`src`) and the model (`tp`: layout.tp, which
     the padded vocabulary divides by)."""
@@ -381,8 +414,15 @@ def data_problems(m: ModelSection, src: DataSource, tp: int) -> list[str]:
         out.append(f"data.token_dtype = {d.token_dtype!r} must be one of '', 'uint8', 'uint16', 'uint32'")
     if d.tokenizer == "bpe" and d.bpe_vocab <= 257:
         out.append(f"data.bpe_vocab = {d.bpe_vocab} must be above 257 (256 byte symbols and <|endoftext|>)")
+    if m.name == "gpt" and d.source == "":  # an unset shell variable in --set data.source=$X: not the stdlib without a word
+        out.append("data.source = '' names no data; 'stdlib' is the standard library's sources")
     if m.name == "gpt" and not out:
         out += val_source_problems(src)
+    if m.name == "gpt" and not out:
+        try:
+            out += tokenizer_problems(src)
+        except (OSError, ValueError) as exc:
+            out.append(f"data.source = {d.source!r}: {exc}")
     if m.name == "gpt" and not out:
         try:
             vocab = src.vocab
