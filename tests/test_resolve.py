@@ -8,7 +8,8 @@ import shardlab.data.tokenfile as tokenfile
 import shardlab.train.corpus as corpus
 from shardlab.data.prepare import prepare
 from shardlab.train.config import load_config
-from shardlab.train.corpus import check_token_ids, load_corpus
+from shardlab.train.corpus import load_corpus
+from shardlab.train.corpus_checks import check_token_ids
 from shardlab.train.resolve import resolve_run
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=8", "train.global_batch=4"]

@@ -104,7 +104,8 @@ def check_data_before_launch(cfg) -> None:
     cached), every id is checked against model.vocab_size (naming the id and the file), and a sample
     needs a tokenizer to be read. Raises ConfigError."""
     # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.train.corpus import check_token_ids, load_corpus
+    from shardlab.train.corpus import load_corpus
+    from shardlab.train.corpus_checks import check_token_ids
     from shardlab.train.resolve import resolve_data, resolve_run
 
     if cfg.model.name != "gpt":

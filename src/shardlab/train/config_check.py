@@ -28,7 +28,8 @@ from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.parallel.tensor.plan import PLAN_NAMES
 from shardlab.parallel.tensor.checks import tensor_parallel_problems
 from shardlab.train.compile import compile_problems
-from shardlab.train.corpus import DataSource, data_problems, model_vocab
+from shardlab.train.corpus import DataSource, model_vocab
+from shardlab.train.corpus_checks import data_problems
 from shardlab.train.sections import (
     CheckpointSection, DataSection, LogSection, ModelSection, OptimSection, TrainSection,
 )

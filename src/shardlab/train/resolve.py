@@ -24,7 +24,8 @@ from shardlab.parallel.layout import apply_layout, mesh_order
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.train.config import Config
-from shardlab.train.corpus import DataSource, adopt_hf_tokenizer, check_hf_vocabulary, encode_text, model_vocab
+from shardlab.train.corpus import DataSource, adopt_hf_tokenizer, encode_text, model_vocab
+from shardlab.train.corpus_checks import check_hf_vocabulary
 from shardlab.train.sections import CheckpointSection, LogSection, ModelSection, OptimSection, TrainSection
 from shardlab.train.task import Batches, Task, build_task, prepare_model
 

@@ -27,7 +27,8 @@ from shardlab.checkpoint.hf import read_hf
 from shardlab.data.tokenizer import Tokenizer
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel.precision import apply_precision
-from shardlab.train.corpus import DataSource, check_token_ids, load_corpus
+from shardlab.train.corpus import DataSource, load_corpus
+from shardlab.train.corpus_checks import check_token_ids
 from shardlab.train.batches import VOCAB_SIZE, BatchSampler, split_tokens
 from shardlab.train.sections import ModelSection
 
