@@ -25,7 +25,6 @@ from shardlab.train.verify import MIXED_VERIFY_BASE, VERIFY_BASE
 # Dropout makes the resumed run depend on the restored RNG; a loss-scale window of 3 makes an fp16
 # run's scale grow at step 3, which a resume from step 2 reaches only with the scaler's count restored.
 BASE = [*VERIFY_BASE, "model.dropout=0.1", "optim.loss_scale_window=3"]
-_meshes: dict = {}
 
 
 def _setup(overrides: list[str]):
@@ -35,10 +34,8 @@ def _setup(overrides: list[str]):
     task = resolve_run(cfg).build_task(plain)
     model, dp_rank = plain, 0
     if dist.is_initialized():  # else one process, without torch.distributed
-        key = (cfg.layout.pp, cfg.layout.dp, cfg.layout.ep, cfg.layout.tp)
-        if key not in _meshes:  # groups are made once per shape in each (long-lived) pool rank
-            _meshes[key] = build_mesh(cfg.layout)
-        model, dp_rank = apply_layout(plain, cfg.layout, _meshes[key]), _meshes[key].local_rank("dp")
+        mesh = build_mesh(cfg.layout)  # the pool destroys its groups before the next task
+        model, dp_rank = apply_layout(plain, cfg.layout, mesh), mesh.local_rank("dp")
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     torch.manual_seed(cfg.train.seed * 1_000_003 + 1 + dp_rank)  # as train/loop.py seeds each dp rank
     return cfg, model, opt, task, dp_rank

@@ -25,13 +25,9 @@ def test_lines_over_several_axes():
         mesh.size(("dp", "xp"))
 
 
-_meshes: dict[str, DeviceMesh] = {}
-
 
 def _combined_task() -> list[float]:
-    if "m" not in _meshes:  # groups are made once per rank process (the pool is shared)
-        _meshes["m"] = DeviceMesh({"dp": 2, "cp": 2, "tp": 1}, combined=[("tp", "cp")])
-    mesh = _meshes["m"]
+    mesh = DeviceMesh({"dp": 2, "cp": 2, "tp": 1}, combined=[("tp", "cp")])  # its groups end with the task
     me = torch.tensor([float(dist.get_rank())])
     out = [comm.all_reduce(me.clone(), "sum", mesh.group(("cp", "tp"))).item(),
            comm.all_reduce(me.clone(), "sum", mesh.group("dp")).item()]

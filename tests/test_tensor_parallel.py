@@ -40,13 +40,8 @@ GPTS = {
 }
 MLPS = {"megatron": MEGATRON_MLP_PLAN, "lecture": LECTURE_MLP_PLAN}
 
-_meshes: dict[tuple[int, int], DeviceMesh] = {}  # per rank process: groups are made once per shape
-
-
 def _mesh(dp: int, tp: int) -> DeviceMesh:
-    if (dp, tp) not in _meshes:
-        _meshes[dp, tp] = DeviceMesh({"dp": dp, "tp": tp})
-    return _meshes[dp, tp]
+    return DeviceMesh({"dp": dp, "tp": tp})  # the pool destroys its groups before the next task
 
 
 def _used(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float = 0.0) -> float:
