@@ -32,7 +32,7 @@ from shardlab.parallel.data.replicate import DataParallel
 from shardlab.parallel.expert.data_parallel import ExpertDataParallel
 from shardlab.parallel.expert.layer import expert_layers
 from shardlab.parallel.data.fsdp import FullyShardedDataParallel
-from shardlab.parallel.data.fsdp_units import fsdp_placement
+from shardlab.parallel.data.fsdp_pieces import fsdp_placement
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.placement import MeshAxis, Placement
 from shardlab.parallel.step import Applying, Step
@@ -124,7 +124,7 @@ def _nothing_to_sync() -> None:
 def data_placement(wrapped: nn.Module, record: Placement, group: dist.ProcessGroup | None) -> Placement:
     """The data-parallel step's entries: the "dp" axis over the replica group; every parameter
     replicated over it (plain data parallelism, ZeRO-1/2, whose optimizer state alone is sharded)
-    except FSDP's, each a Shard of dim 0 (fsdp_units.fsdp_placement)."""
+    except FSDP's, each a Shard of dim 0 (fsdp_pieces.fsdp_placement)."""
     dense = getattr(wrapped, "_wrappers", (None,))[0]  # ExpertDataParallel under ZeRO-3: its dense FSDP
     if isinstance(wrapped, FullyShardedDataParallel) or isinstance(dense, FullyShardedDataParallel):
         return fsdp_placement(wrapped if dense is None else dense, record)
