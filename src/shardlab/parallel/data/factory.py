@@ -94,8 +94,10 @@ def wrap_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, option
     if ep > 1 and expert_layers(model):
         # Experts and dense parameters are replicated over different groups: one wrapper for both;
         # under ZeRO-1/2 each kind sharded over its own replicas (expert/zero.py), tied copies deferred.
+        fsdp = dict(entries=None if stage is None else list(stage.chunks.values()),
+                    regather_for_recompute=options.regather_for_recompute) if options.zero == 3 else None
         return ExpertDataParallel(model, group, mode=mode, zero=options.zero, deferred=tied if options.zero else [],
-                                  **collectives)
+                                  fsdp=fsdp, **collectives)
     if options.zero == 3:
         return FullyShardedDataParallel(model, group, entries=None if stage is None else list(stage.chunks.values()),
                                         replicate=tied, regather_for_recompute=options.regather_for_recompute,

@@ -43,11 +43,13 @@ from shardlab.parallel.placement import Owned, Placement
 class ExpertDataParallel(nn.Module):
     """Wrap an expert-parallel `module`: dense gradients averaged over `group` (the replica group
     dp x ep x cp), expert gradients summed over the experts' replicas and divided by `group`'s size.
-    mode, bucket_mb, impl: as DataParallel's. `deferred` (under ZeRO): dense parameters ZeRO-2 reduces
+    mode, bucket_mb, impl: as DataParallel's. `fsdp`: FullyShardedDataParallel's options under ZeRO-3
+    (a pipeline stage's `entries`, `regather_for_recompute`). `deferred` (under ZeRO): dense parameters ZeRO-2 reduces
     only at finish_gradient_sync, as ZeroDataParallel's (a pipeline stage's tied embedding copies)."""
 
     def __init__(self, module: nn.Module, group: Group = None, *, mode: str = "bucketed", bucket_mb: float = 25.0,
-                 impl: str = comm.TORCH, zero: int = 0, deferred: Iterable[nn.Parameter] = ()) -> None:
+                 impl: str = comm.TORCH, zero: int = 0, deferred: Iterable[nn.Parameter] = (),
+                 fsdp: dict[str, Any] | None = None) -> None:
         super().__init__()
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"expert parallelism with ZeRO-{zero}: ZeRO stages are 0-3")
@@ -72,7 +74,7 @@ class ExpertDataParallel(nn.Module):
             from shardlab.parallel.expert.zero import zero_wrappers
 
             self._wrappers = zero_wrappers(module, dense, experts, group, layers[0].expert_replicas, zero, bucket_mb,
-                                           impl, deferred)
+                                           impl, deferred, fsdp or {})
         else:
             self._wrappers = (DataParallel(module, group, params=dense, **kw),
                               DataParallel(module, layers[0].expert_replicas, params=experts, average=False, **kw))

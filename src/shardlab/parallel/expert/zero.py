@@ -105,12 +105,14 @@ def _counts(record: Placement, p: nn.Parameter) -> bool:
 
 def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn.Parameter], group: Any,
                   expert_group: Any, stage: int, bucket_mb: float, impl: str,
-                  deferred: Iterable[nn.Parameter] = ()) -> tuple[Any, ...]:
+                  deferred: Iterable[nn.Parameter] = (), fsdp: dict[str, Any] | None = None) -> tuple[Any, ...]:
     """The ZeRO wrappers of ExpertDataParallel: dense parameters over `group` at `stage`, experts
     over `expert_group` (their replicas) at stage 1 whatever `stage` (see below), or, under ZeRO-3
     with more than one replica of each expert, one FSDP wrapper for both kinds. `deferred`: dense
     parameters reduced only at finish_gradient_sync (a pipeline stage's tied embedding copies, whose
-    whole gradients are summed over pp first: parallel/data/factory.py wrap_data_parallel)."""
+    whole gradients are summed over pp first: parallel/data/factory.py wrap_data_parallel). `fsdp`:
+    more of FSDP's options under ZeRO-3 (a pipeline stage's entries, regathering for recomputation)."""
+    fsdp = fsdp or {}
     # The experts' buckets are reduced once, after backward (stage 1), even under ZeRO-2: ranks route
     # their tokens to different experts, so a bucket of experts fills at different points of each
     # replica's backward (or never: an expert no token reached has no gradient), and reductions
@@ -125,12 +127,12 @@ def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn
         routed = [(layer, [p for p in layer.experts.parameters() if p.requires_grad])
                   for layer in expert_layers(module)]
         return (FullyShardedDataParallel(module, group, bucket_mb=bucket_mb, impl=impl, ignore=experts,
-                                         replicate=deferred, routed=routed, routed_group=expert_group),)
+                                         replicate=deferred, routed=routed, routed_group=expert_group, **fsdp),)
     if stage == 3:
         # One replica of each expert (ep = the whole replica group): nothing to cut them over. They stay
         # whole, as a stage-1 wrapper of one rank holds them (its "sharding" is the whole).
         return (FullyShardedDataParallel(module, group, bucket_mb=bucket_mb, impl=impl, ignore=experts,
-                                         replicate=deferred),
+                                         replicate=deferred, **fsdp),
                 ZeroDataParallel(module, expert_group, stage=1, bucket_mb=bucket_mb, impl=impl, params=experts))
     return (ZeroDataParallel(module, group, stage=stage, bucket_mb=bucket_mb, impl=impl, params=dense,
                              deferred=deferred),
