@@ -94,10 +94,16 @@ def wrap_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, option
     if ep > 1 and expert_layers(model):
         # Experts and dense parameters are replicated over different groups: one wrapper for both;
         # under ZeRO-1/2 each kind sharded over its own replicas (expert/zero.py), tied copies deferred.
-        fsdp = dict(entries=None if stage is None else list(stage.chunks.values()),
+        # Under zb1 the weight gradients come in the W passes, after the hooks: ZeRO-2 defers every dense
+        # bucket, ZeRO-3 holds every unit (the experts' too) for finish_gradient_sync, as without experts below.
+        zb1 = stage is not None and options.schedule == "zb1"
+        fsdp = dict(entries=None if stage is None else list(stage.chunks.values()), reduce_at_sync=zb1,
                     regather_for_recompute=options.regather_for_recompute) if options.zero == 3 else None
-        return ExpertDataParallel(model, group, mode=mode, zero=options.zero, deferred=tied if options.zero else [],
-                                  fsdp=fsdp, **collectives)
+        deferred = tied if options.zero else []
+        if zb1 and options.zero == 2:
+            deferred = [p for _, p in stage.stage_named_parameters()]  # the dense wrapper keeps its own
+        return ExpertDataParallel(model, group, mode=mode, zero=options.zero, deferred=deferred, fsdp=fsdp,
+                                  **collectives)
     if options.zero == 3:
         return FullyShardedDataParallel(model, group, entries=None if stage is None else list(stage.chunks.values()),
                                         replicate=tied, regather_for_recompute=options.regather_for_recompute,
