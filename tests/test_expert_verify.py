@@ -120,6 +120,15 @@ def test_pp_ep_under_zero3(pools):
             'layout.schedule="1f1b"', "layout.zero=3", "optim.grad_clip=0.05", pp=2)
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_pp_ep_zb1_under_zero(pools, zero):
+    # zb1 x ZeRO-2/3 x ep (refused before): the W passes make the weight gradients after the backward's
+    # hooks, so ZeRO-2's expert-parallel wrapper defers every dense bucket and ZeRO-3 holds every unit
+    # for the schedule's end (parallel/data/factory.py); reduced during backward, they would miss them.
+    _verify(pools, 1, 2, "model.experts=4", "model.top_k=2", "model.n_layer=2", "train.micro_batches=2",
+            'layout.schedule="zb1"', f"layout.zero={zero}", "optim.grad_clip=0.05", pp=2)
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["layout.ep=2"], "model.experts = 0"),
     (["layout.ep=2", "model.experts=3"], "does not divide over layout.ep = 2"),
@@ -206,3 +215,11 @@ def test_checkpoint_of_ep2_resumes_under_ep1_and_ep4(pools, tmp_path):
         assert sorted(got) == [3], (name, got)  # the step after the checkpoint of 2
         for step in (3,):
             assert got[step] == pytest.approx(ref[step], rel=1e-6), (name, step, got[step], ref[step])
+
+
+def test_memory_command_refuses_ep(capfd):
+    # `shardlab memory` launches dp ranks and predicts psi / dp: at ep > 1 both would be wrong, silently.
+    from shardlab.cli.main import main
+
+    assert main(["memory", "--dp", "2", "--ep", "2", "--experts", "4", "--predict-only"]) == 2
+    assert "layout.ep = 2: the memory formulas" in capfd.readouterr().err
