@@ -17,7 +17,8 @@ Each kind gets its own DataParallel (parallel/data/replicate.py, `params=`): sam
 overlap. The global gradient norm counts an expert's square on its ep rank only, so the optimizer
 is told the experts are cut over the ep group (`build_optimizer`: gradnorm.py sums such squares
 over the group, as it does for tensor-parallel shards). With `zero=1` or `2` each kind gets its own
-ZeroDataParallel instead, and one optimizer steps both (zero.py in this package).
+ZeroDataParallel instead, and one optimizer steps both; with `zero=3` one FullyShardedDataParallel
+holds both, the experts cut over their replicas (zero.py in this package).
 """
 
 from __future__ import annotations
