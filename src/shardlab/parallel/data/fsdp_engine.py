@@ -93,7 +93,8 @@ class UnitEngine(nn.Module):
         me = weakref.ref(self)
         hooks = []
         for u in self.units:
-            hooks.append(u.module.register_forward_pre_hook(functools.partial(call_weakly, me, "_pre_forward", u.index)))
+            pre = functools.partial(call_weakly, me, "_pre_forward", u.index)
+            hooks.append(u.module.register_forward_pre_hook(pre))
             hooks.append(u.module.register_forward_hook(functools.partial(call_weakly, me, "_post_forward", u.index),
                                                         always_call=u.index in self._entries))
         weakref.finalize(self, lambda hs: [h.remove() for h in hs], hooks)

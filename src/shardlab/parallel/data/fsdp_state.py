@@ -73,7 +73,8 @@ def sharded_state(fsdp: Any) -> dict[str, Any]:
     names = {id(p): n for n, p in fsdp.module.named_parameters()}
     return {
         "world_size": fsdp.world, "rank": fsdp.rank,
-        "sharded": {names[id(s.shard)]: {"shape": tuple(s.shape), "rows": local_rows(s.shape[0], u.cut.world, u.cut.rank),
+        "sharded": {names[id(s.shard)]: {"shape": tuple(s.shape),
+                                         "rows": local_rows(s.shape[0], u.cut.world, u.cut.rank),
                                          "data": s.shard.detach().clone()}
                     for u in fsdp.units for s in u.params},
         "replicated": {names[id(p)]: p.detach().clone() for p in fsdp.replicated},
