@@ -71,6 +71,10 @@ MULTI: dict[str, list[str]] = {
                                       "interleaved", "--virtual-stages", "2", "--microbatches", "4"],
     "dp2 ep2 pp2 zero2 experts": ["--dp", "2", "--ep", "2", "--pp", "2", "--zero", "2", "--experts", "4",
                                   "--microbatches", "4"],
+    "dp2 ep2 pp2 zero3 experts": ["--dp", "2", "--ep", "2", "--pp", "2", "--zero", "3", "--experts", "4",
+                                  "--microbatches", "4"],
+    "dp2 ep2 pp2 zero3 zb1 experts": ["--dp", "2", "--ep", "2", "--pp", "2", "--zero", "3", "--experts", "4",
+                                      "--schedule", "zb1", "--microbatches", "4"],
     "tp2 pp2 cp2 sp zero1 dropout": ["--tp", "2", "--pp", "2", "--cp", "2", "--sp", "--zero", "1", "--microbatches",
                                      "4", "--set", "model.dropout=0.1"],
 }

@@ -258,3 +258,46 @@ def test_zero3_with_experts_at_ep2_saves_and_loads_exactly(pools, tmp_path):
     assert all(torch.equal(single[n], saved["at_save"][n]) for n in single)
     back = pools(2).run(_save_and_step, layout, b, a)[0]
     assert all(torch.equal(back["at_save"][n], saved["at_save"][n]) for n in single)
+
+
+
+def _sharded_experts_save_and_step(overrides: list[str], root: str) -> dict:
+    """_save_and_step's save at step 2 and the step after, plus what this rank holds of one expert
+    weight (its shard's shape) and how the placement record places it."""
+    run = _setup([*overrides, *NO_DROPOUT])
+    _train(run, 0, 2)
+    at_save = _full(run)
+    Checkpointer(root).save(2, run[1], run[2], config=run[0].to_dict())
+    _train(run, 2, 3)
+    record = run[1].placement
+    name = next(n for n in record.params if ".experts." in n and n.endswith("fc.weight") and record.holds(n))
+    local = {record.name_of(p): p for p in run[1].parameters() if record.name_of(p) is not None}
+    return {"at_save": at_save, "after": _full(run), "name": name, "local_shape": tuple(local[name].shape),
+            "whole": record[name].shape, "edp": record[name].on("edp"), "edp_size": record.axis("edp").size,
+            "box": record.local_box(name)}
+
+
+def test_zero3_sharded_experts_at_dp2_ep2_save_and_load_exactly(pools, tmp_path):
+    # dp 2 x ep 2 (4 ranks): each expert has 2 replicas, so ZeRO-3 cuts its rows over them (the record's
+    # Shard(0, even=False) on "edp"); the checkpoint loads into one process bit for bit and back into
+    # the same layout bit for bit, and the step after it is the single process's to rounding.
+    from shardlab.parallel.placement import Shard
+
+    model = ["model.experts=4", "model.top_k=1"]
+    layout = ["layout.dp=2", "layout.ep=2", *model, "layout.zero=3"]
+    a, b = str(tmp_path / "dp2-ep2-zero3"), str(tmp_path / "again")
+    ranks = pools(4).run(_sharded_experts_save_and_step, layout, a)
+    saved = ranks[0]
+    for r in ranks:
+        assert r["edp"] == Shard(0, even=False) and r["edp_size"] == 2
+        assert r["local_shape"][0] == -(-r["whole"][0] // 2) and r["local_shape"][1:] == r["whole"][1:]
+    assert len({(r["name"], str(r["box"])) for r in ranks}) == 4  # each rank its own rows of its own experts
+    run = _setup([*model, *NO_DROPOUT])
+    load_checkpoint(a, run[1], run[2])
+    single = {n: p.detach().clone() for n, p in run[1].named_parameters()}
+    assert single.keys() == saved["at_save"].keys() and any(".experts." in n for n in single)
+    assert all(torch.equal(single[n], saved["at_save"][n]) for n in single)
+    _train(run, 2, 3)
+    assert _close(saved["after"], {n: p.detach().clone() for n, p in run[1].named_parameters()}) == []
+    back = pools(4).run(_save_and_step, layout, b, a)[0]
+    assert all(torch.equal(back["at_save"][n], saved["at_save"][n]) for n in single)

@@ -119,7 +119,8 @@ def test_every_layout_trains_compiled_as_one_process(pools, world, overrides):
 def _zero3_saved(compiled: bool) -> tuple[int, list[int]]:
     """ZeRO-3 over the pool's ranks, one forward: how many saved tensors FSDP's pack hook turned into
     records (weights it can free and gather again), and which units are gathered after the forward."""
-    from shardlab.parallel.data.fsdp import FullyShardedDataParallel, _Saved
+    from shardlab.parallel.data.fsdp import FullyShardedDataParallel
+    from shardlab.parallel.data.fsdp_engine import SavedView as _Saved
 
     torch.manual_seed(0)
     model = FullyShardedDataParallel(GPT(GPTConfig(n_layer=2, d_model=32, n_head=2, seq_len=16)))

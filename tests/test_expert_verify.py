@@ -85,9 +85,10 @@ def test_ep_under_zero(pools):
 
 
 def test_ep_under_zero3(pools):
-    # ZeRO-3 at ep 2 (issue 30): dense parameters FSDP-sharded over (dp, ep), experts ignored there and
-    # sharded over their own replicas as under ZeRO-1/2 (whole between steps: ranks gather different
-    # experts); unreached experts keep no gradient; the clipped norm sums both kinds.
+    # ZeRO-3 at ep 2: dense parameters FSDP-sharded over (dp, ep). At ep 2 alone each expert has one
+    # replica: whole, beside the FSDP wrapper. At dp 2 x ep 2 each MoE layer's experts are one FSDP
+    # unit cut over their 2 replicas, gathered and reduced at the layer's fixed points whatever the
+    # routing; unreached experts keep no gradient; the clipped norm sums both kinds (over ep, edp).
     _verify(pools, 1, 2, "model.experts=4", "model.top_k=1", "layout.zero=3", "optim.grad_clip=0.05")
     _verify(pools, 2, 2, "model.experts=8", "model.top_k=1", "train.global_batch=8", "layout.zero=3",
             "train.micro_batches=2", "optim.grad_clip=0.05")
@@ -112,12 +113,26 @@ def test_moe_in_pipeline_stages(pools):
             'layout.schedule="1f1b"', "layout.zero=2", "optim.grad_clip=0.05", pp=2)
 
 
+def test_pp_ep_under_zero3(pools):
+    # pp 2 x ep 2 x ZeRO-3 (refused before): the stage's FSDP entered through its chunks, the experts
+    # beside it (one replica each), the tied embedding's copies kept whole and summed over pp.
+    _verify(pools, 1, 2, "model.experts=4", "model.top_k=2", "model.n_layer=2", "train.micro_batches=2",
+            'layout.schedule="1f1b"', "layout.zero=3", "optim.grad_clip=0.05", pp=2)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_pp_ep_zb1_under_zero(pools, zero):
+    # zb1 x ZeRO-2/3 x ep (refused before): the W passes make the weight gradients after the backward's
+    # hooks, so ZeRO-2's expert-parallel wrapper defers every dense bucket and ZeRO-3 holds every unit
+    # for the schedule's end (parallel/data/factory.py); reduced during backward, they would miss them.
+    _verify(pools, 1, 2, "model.experts=4", "model.top_k=2", "model.n_layer=2", "train.micro_batches=2",
+            'layout.schedule="zb1"', f"layout.zero={zero}", "optim.grad_clip=0.05", pp=2)
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["layout.ep=2"], "model.experts = 0"),
     (["layout.ep=2", "model.experts=3"], "does not divide over layout.ep = 2"),
     (["model.experts=4", "model.top_k=5"], "model.top_k = 5"),
-    (["layout.ep=2", "model.experts=4", "layout.zero=3", "layout.pp=2"],
-     "layout.zero = 3, layout.ep = 2 and layout.pp = 2 is not supported"),
 ])
 def test_refusals(extra, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -155,6 +170,9 @@ def test_experts_with_sequence_parallelism_need_cut_experts():
     ["--pp", "2", "--ep", "2", "--microbatches", "2", "--experts", "4"],
     ["--pp", "2", "--ep", "2", "--zero", "1", "--microbatches", "2", "--experts", "4"],
     ["--dp", "2", "--pp", "2", "--ep", "2", "--zero", "2", "--microbatches", "4", "--experts", "4"],
+    ["--dp", "2", "--pp", "2", "--ep", "2", "--zero", "3", "--microbatches", "4", "--experts", "4"],
+    ["--pp", "2", "--ep", "2", "--zero", "2", "--schedule", "zb1", "--microbatches", "2", "--experts", "4"],
+    ["--pp", "2", "--ep", "2", "--zero", "3", "--schedule", "zb1", "--microbatches", "2", "--experts", "4"],
     ["--ep", "2", "--experts", "4", "--set", "checkpoint.every=1"],
     ["--ep", "2", "--experts", "4", "--recompute", "full"],
     ["--cp", "2", "--recompute", "selective"],
@@ -197,3 +215,11 @@ def test_checkpoint_of_ep2_resumes_under_ep1_and_ep4(pools, tmp_path):
         assert sorted(got) == [3], (name, got)  # the step after the checkpoint of 2
         for step in (3,):
             assert got[step] == pytest.approx(ref[step], rel=1e-6), (name, step, got[step], ref[step])
+
+
+def test_memory_command_refuses_ep(capfd):
+    # `shardlab memory` launches dp ranks and predicts psi / dp: at ep > 1 both would be wrong, silently.
+    from shardlab.cli.main import main
+
+    assert main(["memory", "--dp", "2", "--ep", "2", "--experts", "4", "--predict-only"]) == 2
+    assert "layout.ep = 2: the memory formulas" in capfd.readouterr().err

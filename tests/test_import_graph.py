@@ -280,11 +280,6 @@ def test_imports_inside_functions_say_why():
 # Small files, one concept each (docs/ARCHITECTURE.md): a file over this many lines holds more than one
 # concept; split it along them, each part with a docstring saying what it holds.
 MAX_LINES = 400
-# Files another branch of this session is splitting, each with its reason. The list should be empty:
-# the lead empties it when those branches merge (a test over a listed file could not fail for it).
-TOO_LONG_FOR_NOW: dict[str, str] = {
-    "parallel/data/fsdp.py": "a helper of this session splits it on its own branch",
-}
 
 
 def long_files() -> dict[str, int]:
@@ -294,12 +289,6 @@ def long_files() -> dict[str, int]:
 
 
 def test_files_stay_small():
-    too_long = {path: n for path, n in long_files().items() if path not in TOO_LONG_FOR_NOW}
+    too_long = long_files()
     assert not too_long, (f"files over {MAX_LINES} lines (split each along its concepts, a docstring saying what "
                           f"each part holds): " + ", ".join(f"{p} ({n})" for p, n in sorted(too_long.items())))
-
-
-def test_allowed_long_files_still_are():
-    """An entry of TOO_LONG_FOR_NOW whose file was split (or removed) goes from the list."""
-    stale = [p for p in TOO_LONG_FOR_NOW if p not in long_files()]
-    assert not stale, f"no longer over {MAX_LINES} lines, or gone: remove from TOO_LONG_FOR_NOW: {stale}"

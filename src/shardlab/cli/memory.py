@@ -68,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
             # would need Psi / tp for its sharded part and whole replicas for the rest: not modelled yet.
             raise ConfigError(f"layout.tp = {cfg.layout.tp}, layout.sp = {cfg.layout.sp}: the memory formulas and "
                               f"measurement cover data parallelism and ZeRO only; use tp 1 without sp")
+        if cfg.layout.ep > 1:
+            # Launched over dp ranks and predicted as psi / dp: expert parallelism (dense over dp x ep,
+            # experts / ep each over dp, docs/zero.md) would be neither launched nor predicted right.
+            raise ConfigError(f"layout.ep = {cfg.layout.ep}: the memory formulas and measurement here cover data "
+                              f"parallelism and ZeRO only (psi / dp); the planner models expert parallelism "
+                              f"(shardlab plan), docs/zero.md has ZeRO-3 at ep > 1 measured; use ep 1")
     except ConfigError as exc:
         print(f"shardlab memory: {exc}", file=sys.stderr)
         return 2

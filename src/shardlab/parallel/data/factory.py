@@ -32,7 +32,7 @@ from shardlab.parallel.data.replicate import DataParallel
 from shardlab.parallel.expert.data_parallel import ExpertDataParallel
 from shardlab.parallel.expert.layer import expert_layers
 from shardlab.parallel.data.fsdp import FullyShardedDataParallel
-from shardlab.parallel.data.fsdp_units import fsdp_placement
+from shardlab.parallel.data.fsdp_pieces import fsdp_placement
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.placement import MeshAxis, Placement
 from shardlab.parallel.step import Applying, Step
@@ -94,7 +94,15 @@ def wrap_data_parallel(model: nn.Module, group: dist.ProcessGroup | None, option
     if ep > 1 and expert_layers(model):
         # Experts and dense parameters are replicated over different groups: one wrapper for both;
         # under ZeRO-1/2 each kind sharded over its own replicas (expert/zero.py), tied copies deferred.
-        return ExpertDataParallel(model, group, mode=mode, zero=options.zero, deferred=tied if options.zero else [],
+        # Under zb1 the weight gradients come in the W passes, after the hooks: ZeRO-2 defers every dense
+        # bucket, ZeRO-3 holds every unit (the experts' too) for finish_gradient_sync, as without experts below.
+        zb1 = stage is not None and options.schedule == "zb1"
+        fsdp = dict(entries=None if stage is None else list(stage.chunks.values()), reduce_at_sync=zb1,
+                    regather_for_recompute=options.regather_for_recompute) if options.zero == 3 else None
+        deferred = tied if options.zero else []
+        if zb1 and options.zero == 2:
+            deferred = [p for _, p in stage.stage_named_parameters()]  # the dense wrapper keeps its own
+        return ExpertDataParallel(model, group, mode=mode, zero=options.zero, deferred=deferred, fsdp=fsdp,
                                   **collectives)
     if options.zero == 3:
         return FullyShardedDataParallel(model, group, entries=None if stage is None else list(stage.chunks.values()),
@@ -124,7 +132,7 @@ def _nothing_to_sync() -> None:
 def data_placement(wrapped: nn.Module, record: Placement, group: dist.ProcessGroup | None) -> Placement:
     """The data-parallel step's entries: the "dp" axis over the replica group; every parameter
     replicated over it (plain data parallelism, ZeRO-1/2, whose optimizer state alone is sharded)
-    except FSDP's, each a Shard of dim 0 (fsdp_units.fsdp_placement)."""
+    except FSDP's, each a Shard of dim 0 (fsdp_pieces.fsdp_placement)."""
     dense = getattr(wrapped, "_wrappers", (None,))[0]  # ExpertDataParallel under ZeRO-3: its dense FSDP
     if isinstance(wrapped, FullyShardedDataParallel) or isinstance(dense, FullyShardedDataParallel):
         return fsdp_placement(wrapped if dense is None else dense, record)

@@ -111,6 +111,13 @@ class GradHooks(Generic[R]):
         finally:
             self.armed = previous
 
+    def launch(self, index: int) -> None:
+        """Launch held group `index` now (the owner knows its gradients are complete; FSDP's expert
+        units, which ranks complete at different points of their backward)."""
+        owner = self._owner()
+        if owner is not None and not self._launched[index]:
+            self._launch(owner, index)
+
     def launched(self, index: int) -> bool:
         """Whether group `index` was launched in the backward in progress."""
         return self._launched[index]

@@ -41,9 +41,6 @@ def expert_problems(m: Model, lay: LayoutSection) -> list[str]:
     # Not supported yet, each with its reason:
     # tp > 1: every expert's MLP cut column/row, the router replicated (parallel/tensor/moe.py); with
     # sp: the tokens gathered for router and experts alike (its plan check wants the experts cut).
-    if lay.zero == 3 and lay.ep > 1 and lay.pp > 1:
-        out.append(f"model.experts = {m.experts} with layout.zero = 3, layout.ep = {lay.ep} and layout.pp = {lay.pp} "
-                   f"is not supported yet: a pipeline stage's expert-parallel wrapper shards its dense parameters "
-                   f"at ZeRO-1/2 only (parallel/layout.py stage_data_parallel); use layout.zero <= 2, or pp = 1 "
-                   f"(ZeRO-3 with experts at ep > 1 runs there: parallel/expert/zero.py)")
+    # ZeRO-3 at ep > 1 runs with and without a pipeline: the experts cut over their replicas
+    # (parallel/expert/zero.py).
     return out

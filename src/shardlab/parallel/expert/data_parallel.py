@@ -17,7 +17,8 @@ Each kind gets its own DataParallel (parallel/data/replicate.py, `params=`): sam
 overlap. The global gradient norm counts an expert's square on its ep rank only, so the optimizer
 is told the experts are cut over the ep group (`build_optimizer`: gradnorm.py sums such squares
 over the group, as it does for tensor-parallel shards). With `zero=1` or `2` each kind gets its own
-ZeroDataParallel instead, and one optimizer steps both (zero.py in this package).
+ZeroDataParallel instead, and one optimizer steps both; with `zero=3` one FullyShardedDataParallel
+holds both, the experts cut over their replicas (zero.py in this package).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch.nn as nn
 from shardlab import comm
 from shardlab.comm.dispatch import Group
 from shardlab.parallel.data.buckets import trainable_params
-from shardlab.parallel.data.fsdp_units import shards_named
+from shardlab.parallel.data.fsdp_pieces import fsdp_placement
 from shardlab.parallel.data.replicate import DataParallel
 from shardlab.parallel.expert.layer import expert_layers, expert_parameters
 from shardlab.parallel.optim import MixedPrecisionOptimizer
@@ -43,11 +44,13 @@ from shardlab.parallel.placement import Owned, Placement
 class ExpertDataParallel(nn.Module):
     """Wrap an expert-parallel `module`: dense gradients averaged over `group` (the replica group
     dp x ep x cp), expert gradients summed over the experts' replicas and divided by `group`'s size.
-    mode, bucket_mb, impl: as DataParallel's. `deferred` (under ZeRO): dense parameters ZeRO-2 reduces
+    mode, bucket_mb, impl: as DataParallel's. `fsdp`: FullyShardedDataParallel's options under ZeRO-3
+    (a pipeline stage's `entries`, `regather_for_recompute`). `deferred` (under ZeRO): dense parameters ZeRO-2 reduces
     only at finish_gradient_sync, as ZeroDataParallel's (a pipeline stage's tied embedding copies)."""
 
     def __init__(self, module: nn.Module, group: Group = None, *, mode: str = "bucketed", bucket_mb: float = 25.0,
-                 impl: str = comm.TORCH, zero: int = 0, deferred: Iterable[nn.Parameter] = ()) -> None:
+                 impl: str = comm.TORCH, zero: int = 0, deferred: Iterable[nn.Parameter] = (),
+                 fsdp: dict[str, Any] | None = None) -> None:
         super().__init__()
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"expert parallelism with ZeRO-{zero}: ZeRO stages are 0-3")
@@ -72,32 +75,35 @@ class ExpertDataParallel(nn.Module):
             from shardlab.parallel.expert.zero import zero_wrappers
 
             self._wrappers = zero_wrappers(module, dense, experts, group, layers[0].expert_replicas, zero, bucket_mb,
-                                           impl, deferred)
+                                           impl, deferred, fsdp or {})
         else:
             self._wrappers = (DataParallel(module, group, params=dense, **kw),
                               DataParallel(module, layers[0].expert_replicas, params=experts, average=False, **kw))
         self._expert_params = [p for p in experts if p.requires_grad]
         # The record convert_expert_parallel wrote: experts Owned over "ep", what the norm sums over it
-        # (under ZeRO-3 naming the dense shards: parallel/data/factory.py data_placement adds their dp cut).
+        # (under ZeRO-3 with FSDP's entries too: the dense shards' rows over "dp", the experts' over
+        # "edp", their replicas, when FSDP cuts them; parallel/data/factory.py data_placement agrees).
         self.placement: Placement = module.placement
         if zero == 3:
-            self.placement = shards_named(self._wrappers[0], self.placement)
+            self.placement = fsdp_placement(self._wrappers[0], self.placement)
         self._sync = True
 
     @property
-    def _dense(self) -> Any:  # DataParallel, or ZeroDataParallel under ZeRO
+    def _dense(self) -> Any:  # DataParallel, ZeroDataParallel under ZeRO-1/2, FSDP under ZeRO-3
         return self._wrappers[0]
 
     @property
-    def _experts(self) -> Any:
-        return self._wrappers[1]
+    def _experts(self) -> Any | None:  # None: ZeRO-3's one FSDP wrapper holds the experts as its routed units
+        return self._wrappers[1] if len(self._wrappers) > 1 else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        with self._dense.no_sync(), self._experts.no_sync():
+        with contextlib.ExitStack() as stack:
+            for w in self._wrappers:
+                stack.enter_context(w.no_sync())
             previous, self._sync = self._sync, False
             try:
                 yield
@@ -106,8 +112,10 @@ class ExpertDataParallel(nn.Module):
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
-        self._dense.finish_gradient_sync()
-        self._experts.finish_gradient_sync()
+        for w in self._wrappers:
+            w.finish_gradient_sync()
+        if self._experts is None:  # FSDP divided the experts' sums by the whole replica group already
+            return
         if self._sync and self.zero:  # ZeRO averaged the experts' shards over (dp, cp): divide by ep
             for bucket in self._experts.layout.buckets:
                 if bucket.grad_chunk is not None:
@@ -121,12 +129,12 @@ class ExpertDataParallel(nn.Module):
 
     @property
     def comm_wait_s(self) -> float:
-        return self._dense.comm_wait_s + self._experts.comm_wait_s
+        return sum(w.comm_wait_s for w in self._wrappers)
 
     @comm_wait_s.setter
     def comm_wait_s(self, value: float) -> None:
-        self._dense.comm_wait_s = value
-        self._experts.comm_wait_s = 0.0
+        for i, w in enumerate(self._wrappers):
+            w.comm_wait_s = value if i == 0 else 0.0
 
     def build_optimizer(self, groups: list[dict], optimizer_cls: type[torch.optim.Optimizer], *, placement: Any = None,
                         **kwargs: Any) -> torch.optim.Optimizer:
@@ -134,6 +142,8 @@ class ExpertDataParallel(nn.Module):
         so the global gradient norm sums their squares over it and counts dense ones once."""
         # `placement` (the trainer's tensor-parallel record) is part of self.placement, which also has the ep axis: the
         # norm sums the experts' tp shards over tp and their owners over ep from it alone.
+        if self._experts is None:  # ZeRO-3's one wrapper: its optimizer, the record's ep and edp axes for the norm
+            return self._dense.build_optimizer(groups, optimizer_cls, placement=self.placement, **kwargs)
         if self.zero:
             # lazy: `shardlab --help` imports this file but need not import these modules
             from shardlab.parallel.expert.zero import ExpertZeroOptimizer
@@ -152,7 +162,7 @@ class ExpertDataParallel(nn.Module):
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         if self.zero:  # each wrapper's reduced shards gathered over its own group, then the experts over ep
-            return self._whole({**self._dense.full_gradients(), **self._experts.full_gradients()})
+            return self._whole({k: v for w in self._wrappers for k, v in w.full_gradients().items()})
         return self._whole({n: None if p.grad is None else p.grad.detach().clone()
                             for n, p in self.module.named_parameters() if p.requires_grad})
 

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 around an expert-parallel model: each kind of parameter sharded over its own replicas.
+"""ZeRO around an expert-parallel model: each kind of parameter sharded over its own replicas.
 
 A dense parameter is replicated over ("dp", "ep", "cp") and an expert over ("dp", "cp") only
 (data_parallel.py), so one set of flat buckets cut over one group cannot hold both: an expert's chunk would be
@@ -14,6 +14,12 @@ the global norm is the dense pieces' squares summed over the replica group plus 
 over their replicas and then over ep (the placement record's Owned entries), under a pipeline their
 total summed over pp with each tied copy counted by its owner stage only, and after the step each
 kind's updated chunks are all-gathered over its own group.
+
+ZeRO-3 (`zero_wrappers`, stage 3) is one FullyShardedDataParallel for both kinds: the dense units cut
+over the replica group, each MoE layer's local experts one unit cut over the experts' replicas
+(`routed=`), and its own optimizer (FsdpOptimizer, the record's "ep" and "edp" axes summing the
+experts' squares). With one replica per expert (dp = cp = 1) there is nothing to cut the experts over:
+they stay whole beside the dense FSDP, under a stage-1 wrapper of one rank.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
@@ -29,6 +36,7 @@ from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups
 from shardlab.parallel.placement import Placement
 from shardlab.parallel.data.fsdp import FullyShardedDataParallel
+from shardlab.parallel.expert.layer import expert_layers
 from shardlab.parallel.data.zero import ShardPieces, ZeroDataParallel, gather_chunks
 
 
@@ -97,23 +105,34 @@ def _counts(record: Placement, p: nn.Parameter) -> bool:
 
 def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn.Parameter], group: Any,
                   expert_group: Any, stage: int, bucket_mb: float, impl: str,
-                  deferred: Iterable[nn.Parameter] = ()) -> tuple[Any, ZeroDataParallel]:
-    """The two ZeRO wrappers of ExpertDataParallel: dense parameters over `group` at `stage`, experts
-    over `expert_group` (their replicas) at stage 1 whatever `stage` (see below). `deferred`: dense
+                  deferred: Iterable[nn.Parameter] = (), fsdp: dict[str, Any] | None = None) -> tuple[Any, ...]:
+    """The ZeRO wrappers of ExpertDataParallel: dense parameters over `group` at `stage`, experts
+    over `expert_group` (their replicas) at stage 1 whatever `stage` (see below), or, under ZeRO-3
+    with more than one replica of each expert, one FSDP wrapper for both kinds. `deferred`: dense
     parameters reduced only at finish_gradient_sync (a pipeline stage's tied embedding copies, whose
-    whole gradients are summed over pp first: parallel/data/factory.py wrap_data_parallel)."""
+    whole gradients are summed over pp first: parallel/data/factory.py wrap_data_parallel). `fsdp`:
+    more of FSDP's options under ZeRO-3 (a pipeline stage's entries, regathering for recomputation)."""
+    fsdp = fsdp or {}
     # The experts' buckets are reduced once, after backward (stage 1), even under ZeRO-2: ranks route
     # their tokens to different experts, so a bucket of experts fills at different points of each
     # replica's backward (or never: an expert no token reached has no gradient), and reductions
     # launched as buckets fill would interleave with the dense ones and the all-to-alls differently on
     # each rank. So under ZeRO-2 the experts' gradients are held whole until the step, the dense ones
     # at 1/N, and their optimizer state is 1/N for both kinds.
-    # ZeRO-3: the dense parameters FSDP-sharded over `group` (the experts ignored there), the experts
-    # as under ZeRO-1/2 (whole parameters, optimizer state and reduced gradients over their replicas):
-    # ranks gather different experts, so gathering them per unit would not pair up across ranks.
-    if stage == 3:
+    if stage == 3 and dist.get_world_size(expert_group) > 1:
+        # ZeRO-3: every MoE layer's local experts one unit of the same FSDP wrapper, cut over their
+        # replicas and gathered, freed and reduced at points of the layer every replica reaches alike
+        # whatever its routing (parallel/data/fsdp.py, Experts), as torchtitan shards experts over
+        # its expert-data-parallel mesh dims.
+        routed = [(layer, [p for p in layer.experts.parameters() if p.requires_grad])
+                  for layer in expert_layers(module)]
         return (FullyShardedDataParallel(module, group, bucket_mb=bucket_mb, impl=impl, ignore=experts,
-                                         replicate=deferred),
+                                         replicate=deferred, routed=routed, routed_group=expert_group, **fsdp),)
+    if stage == 3:
+        # One replica of each expert (ep = the whole replica group): nothing to cut them over. They stay
+        # whole, as a stage-1 wrapper of one rank holds them (its "sharding" is the whole).
+        return (FullyShardedDataParallel(module, group, bucket_mb=bucket_mb, impl=impl, ignore=experts,
+                                         replicate=deferred, **fsdp),
                 ZeroDataParallel(module, expert_group, stage=1, bucket_mb=bucket_mb, impl=impl, params=experts))
     return (ZeroDataParallel(module, group, stage=stage, bucket_mb=bucket_mb, impl=impl, params=dense,
                              deferred=deferred),

@@ -75,11 +75,4 @@ def pipeline_problems(lay: LayoutSection, m: Model, t: Train,
                        f"by features, and others after a row-parallel one, whose output is whole rows; the executor's "
                        f"buffers take one shape: choose model.n_layer so that every chunk boundary falls alike, or use "
                        f"layout.tp_plan = 'lecture'")
-    if lay.zero >= 2 and kind == "zb1" and lay.ep > 1:
-        # ZeRO-2/3 reduce after the last W pass (parallel/layout.py stage_data_parallel); the experts'
-        # wrapper (parallel/expert/zero.py) does not take that path yet.
-        out.append(f"layout.zero = {lay.zero} with {where}, layout.schedule = 'zb1' and layout.ep = {lay.ep}: the "
-                   f"zero-bubble split accumulates the linear layers' weight gradients in its W passes, after the "
-                   f"backward whose hooks reduce-scatter the dense buckets of the expert-parallel wrapper; not "
-                   f"supported yet; use layout.zero = 1, layout.ep = 1 or another schedule")
     return out

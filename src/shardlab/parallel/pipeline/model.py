@@ -131,8 +131,16 @@ class StageOptimizer(PieceOptimizer):
 def _expert_zero(dp: nn.Module | None) -> tuple[ZeroDataParallel, ZeroDataParallel] | None:
     """The (dense, experts) ZeRO wrappers of an ExpertDataParallel under ZeRO-1/2 (parallel/expert/
     data_parallel.py), else None."""
-    if isinstance(dp, ExpertDataParallel) and dp.zero:
+    if isinstance(dp, ExpertDataParallel) and dp.zero and dp._experts is not None:
         return dp._dense, dp._experts
+    return None
+
+
+def _expert_fsdp(dp: nn.Module | None) -> FullyShardedDataParallel | None:
+    """The one FSDP wrapper of an ExpertDataParallel under ZeRO-3 (the dense parameters', with the
+    experts as its routed units or ignored beside a ZeRO-1 wrapper of their own), else None."""
+    if isinstance(dp, ExpertDataParallel) and isinstance(dp._dense, FullyShardedDataParallel):
+        return dp._dense
     return None
 
 
@@ -220,8 +228,14 @@ class PipelineParallel(nn.Module):
         if isinstance(self.data_parallel, (ZeroDataParallel, FullyShardedDataParallel)):
             return self.data_parallel.build_optimizer(params, optimizer_cls, placement=self.placement,
                                                       **optimizer_kwargs)
+        if _expert_fsdp(self.data_parallel) is not None and self.data_parallel._experts is None:
+            # ZeRO-3 with the experts cut over their replicas: FSDP's own optimizer, told the stage's
+            # record with the wrapper's "dp" and "edp" axes (the experts' squares summed over edp, ep, pp).
+            record = self.data_parallel.placement.with_group("pp", self.group)
+            return self.data_parallel._dense.build_optimizer(params, optimizer_cls, placement=record,
+                                                             **optimizer_kwargs)
         zero = _expert_zero(self.data_parallel)
-        if zero is not None:  # experts at ep > 1 under ZeRO-1/2: one optimizer over both kinds' shards
+        if zero is not None:  # experts at ep > 1 under ZeRO-1/2 (or 3, one replica each): one optimizer over both
             # lazy: `shardlab --help` imports this file but need not import these modules
             from shardlab.parallel.expert.zero import ExpertZeroOptimizer
 
@@ -251,8 +265,9 @@ class PipelineParallel(nn.Module):
         the pipeline group: for verification, not the training loop). ZeRO-3's shards are first
         gathered whole over the stage's replicas by its wrapper."""
         values = None
-        if isinstance(self.data_parallel, FullyShardedDataParallel):
-            values = self._by_original(self.data_parallel.full_parameters())
+        fsdp = _expert_fsdp(self.data_parallel) or self.data_parallel
+        if isinstance(fsdp, FullyShardedDataParallel):
+            values = self._by_original(fsdp.full_parameters())
         return self._on_device(gather_parameters(self.module, self.group, values))  # type: ignore[return-value]
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
@@ -265,4 +280,6 @@ class PipelineParallel(nn.Module):
         zero = _expert_zero(self.data_parallel)
         if zero is not None:  # each kind's shards whole over its own replicas; the ep gather is gather_gradients'
             values = self._by_original({**zero[0].full_gradients(), **zero[1].full_gradients()})
+        elif _expert_fsdp(self.data_parallel) is not None:  # ZeRO-3's one wrapper: both kinds, each over its group
+            values = self._by_original(self.data_parallel._dense.full_gradients())
         return self._on_device(gather_gradients(self.module, self.group, values))

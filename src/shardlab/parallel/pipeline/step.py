@@ -35,9 +35,6 @@ from shardlab.parallel.step import Applying, Step
 
 def _plan(state: Applying) -> None:
     lay = state.layout
-    if lay.ep > 1 and lay.zero == 3:
-        raise ValueError(f"layout.pp = {lay.pp} with layout.ep = {lay.ep} and layout.zero = 3 is not supported "
-                         f"(see Config.validate for why)")
     # nccl is fine: the executor posts each step's sends and receives as groups (batch_isend_irecv)
     # that check.py proves deadlock-free on NCCL's in-order stream (docs/pipeline.md).
     state.plans["pp"] = plan_split(state.model, lay.pp, lay.virtual_stages,
