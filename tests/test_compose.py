@@ -20,7 +20,8 @@ from shardlab.train.verify import VERIFY_BASE, verify_base
 
 def _cfg(*flags: str) -> dict:
     flags = ('model.name="gpt"', *flags)
-    cfg = load_config(None, list(flags), base=verify_base(load_config(None, list(flags), base=VERIFY_BASE)))
+    first = load_config(None, list(flags), base=VERIFY_BASE)
+    cfg = load_config(None, list(flags), base=verify_base(first.layout, first.train.micro_batches, first.model.name))
     cfg.validate()
     return cfg.to_dict()
 
@@ -91,7 +92,8 @@ def test_deep_mlp_in_tp_x_pp_stages_with_recompute(pools):
 
     flags = ['model.name="mlp"', "layout.tp=2", "layout.pp=2", "layout.sp=true", 'layout.recompute="full"',
              "train.micro_batches=2"]
-    cfg = load_config(None, flags, base=verify_base(load_config(None, flags, base=VERIFY_BASE)))
+    first = load_config(None, flags, base=VERIFY_BASE)
+    cfg = load_config(None, flags, base=verify_base(first.layout, first.train.micro_batches, first.model.name))
     cfg.validate()
     report = pools(4).run(verify_rank, cfg.to_dict(), 1e-6, 1e-5)[0]
     assert report["passed"], json.dumps(report["per_step"], indent=1)

@@ -32,8 +32,10 @@ def test_one_layout_type_trainer_names_and_axes():
 
 
 def test_search_ranks_only_what_the_trainer_runs():
-    # A mixture of experts: the trainer still refuses some layouts the cost model ranks.
-    spec = ModelSpec(name="tiny", n_layer=4, d_model=64, n_head=4, seq_len=32, vocab_size=256, attention="flash",
+    # A sequence of 30 tokens: the cost model ranks cp = 2, which the trainer refuses (its load-balanced
+    # split needs seq_len divisible by 2 x cp). Experts no longer serve: since 2026-11-28 the trainer
+    # runs every layout the cost model ranks for a mixture of experts.
+    spec = ModelSpec(name="tiny", n_layer=4, d_model=64, n_head=4, seq_len=30, vocab_size=256, attention="flash",
                      dropout=0.0, n_experts=4)
     hw = get_hardware("a100-80gb").sized(8)
     admit = trainer_rules(spec, 16)
@@ -41,9 +43,10 @@ def test_search_ranks_only_what_the_trainer_runs():
     runs = search(spec, hw, 8, 16, admit=admit, keep=20)
     assert runs.ranked and all(admit(e.layout) == [] for e in runs.ranked)
     assert runs.refused and runs.checked >= len(runs.ranked) + sum(runs.refused.values())
-    # Something the cost model ranks, the trainer refuses (today: ZeRO-2/3 under zb1 with experts over
-    # ep, ZeRO-3 with experts over ep inside a pipeline).
+    # Something the cost model ranks, the trainer refuses (cp 2 over 30 tokens), and the search with the
+    # trainer's rules ranks none of it.
     assert any(admit(e.layout) for e in every.ranked)
+    assert all(e.layout.cp == 1 for e in runs.ranked)
     speeds = [e.time.tokens_per_s for e in runs.ranked]
     assert speeds == sorted(speeds, reverse=True)
 
