@@ -7,22 +7,10 @@ import numpy as np
 import pytest
 
 from shardlab.data.prepare import prepare
-from shardlab.train.config import ConfigError, load_config
+from shardlab.train.config import ConfigError
 
-TEXT = "".join(f"def function_{i}(value):\n    return value * {i} + len('text {i}')\n\n" for i in range(80))
-TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=8", "train.global_batch=4",
-        "log.sample_tokens=0"]
+from faults_harness import TEXT, checked
 
-
-def _checked(tmp_path, *overrides: str):
-    """The configuration after every check `shardlab train` makes before launch (ConfigError if refused)."""
-    from shardlab.cli.train import check_data_before_launch
-
-    cfg = load_config(None, [*TINY, f'log.out_dir="{tmp_path / "run"}"', f'data.cache_dir="{tmp_path / "cache"}"',
-                             *overrides])
-    cfg.validate()
-    check_data_before_launch(cfg)
-    return cfg
 
 
 def test_a_glob_naming_token_files_or_raw_ids_is_refused_not_read_as_bytes(tmp_path):
@@ -31,22 +19,22 @@ def test_a_glob_naming_token_files_or_raw_ids_is_refused_not_read_as_bytes(tmp_p
     (tmp_path / "a.txt").write_text(TEXT)
     prepare([str(tmp_path / "a.txt")], tmp_path / "shards" / "a.tok", "bytes", progress=False)
     with pytest.raises(ConfigError, match=r"a\.tok: read as text, but it is a token file"):
-        _checked(tmp_path, f'data.source="{tmp_path / "shards" / "*"}"')
+        checked(tmp_path, f'data.source="{tmp_path / "shards" / "*"}"')
     (tmp_path / "ids").mkdir()
     np.arange(600, dtype=np.uint16).tofile(tmp_path / "ids" / "x.bin")
     (tmp_path / "ids" / "notes.txt").write_text(TEXT)
     with pytest.raises(ConfigError, match=r"x\.bin: read as text, but it is raw token ids"):
-        _checked(tmp_path, f'data.source="{tmp_path / "ids" / "*"}"')
+        checked(tmp_path, f'data.source="{tmp_path / "ids" / "*"}"')
 
 
 def test_a_binary_file_named_as_text_is_refused(tmp_path):
     """A NumPy array of ids, or UTF-16 text, given as a text source was trained on as its bytes."""
     np.save(tmp_path / "ids.npy", np.arange(600, dtype=np.uint16))
     with pytest.raises(ConfigError, match=r"ids\.npy: read as text, but it is a NumPy \.npy array"):
-        _checked(tmp_path, f'data.source="{tmp_path / "ids.npy"}"')
+        checked(tmp_path, f'data.source="{tmp_path / "ids.npy"}"')
     (tmp_path / "wide.txt").write_bytes(TEXT.encode("utf-16-le"))
     with pytest.raises(ConfigError, match=r"wide\.txt: read as text, but it is binary data.*byte 1 is NUL"):
-        _checked(tmp_path, f'data.source="{tmp_path / "wide.txt"}"')
+        checked(tmp_path, f'data.source="{tmp_path / "wide.txt"}"')
     with pytest.raises(ValueError, match=r"wide\.txt: read as text"):  # data prepare reads it the same way
         prepare([str(tmp_path / "wide.txt")], tmp_path / "w.tok", "bytes", progress=False)
 
@@ -55,7 +43,7 @@ def test_raw_ids_named_in_capitals_are_read_as_ids(tmp_path):
     """`TRAIN.BIN` (a .bin in capitals) was read as text: each uint16 id as two byte tokens."""
     ids = (np.arange(600, dtype=np.uint16) * 7) % 300
     ids.tofile(tmp_path / "TRAIN.BIN")
-    cfg = _checked(tmp_path, f'data.source="{tmp_path / "TRAIN.BIN"}"', "data.vocab_size=300")
+    cfg = checked(tmp_path, f'data.source="{tmp_path / "TRAIN.BIN"}"', "data.vocab_size=300")
     from shardlab.train.corpus import DataSource, load_corpus
 
     assert DataSource(cfg.data).kind == "bin"
@@ -79,23 +67,23 @@ def test_a_tokenizer_other_than_the_token_files_is_refused_not_ignored(tmp_path)
     _, b_tok = _token_file(tmp_path, "b")
     with pytest.raises(ConfigError, match=r"data\.tokenizer = '.*b\.tokenizer\.json' \(sha256 \w+\) is not the "
                                           r"tokenizer data\.source = '.*a\.tok' was made with"):
-        _checked(tmp_path, f'data.source="{a}"', f'data.tokenizer="{b_tok}"')
+        checked(tmp_path, f'data.source="{a}"', f'data.tokenizer="{b_tok}"')
     with pytest.raises(ConfigError, match=r"data\.tokenizer = 'bpe' with data\.source = .*a token file"):
-        _checked(tmp_path, f'data.source="{a}"', "data.tokenizer='bpe'")
-    _checked(tmp_path, f'data.source="{a}"', f'data.tokenizer="{a_tok}"')  # its own: accepted
+        checked(tmp_path, f'data.source="{a}"', "data.tokenizer='bpe'")
+    checked(tmp_path, f'data.source="{a}"', f'data.tokenizer="{a_tok}"')  # its own: accepted
 
 
 def test_validation_on_the_training_file_is_refused(tmp_path):
     """data.val_source = data.source (the same path, or a copy): validation loss measured on training data."""
     a, _ = _token_file(tmp_path, "a")
     with pytest.raises(ConfigError, match=r"data\.val_source = .*a\.tok' holds the same bytes as data\.source"):
-        _checked(tmp_path, f'data.source="{a}"', f'data.val_source="{a}"')
+        checked(tmp_path, f'data.source="{a}"', f'data.val_source="{a}"')
     (tmp_path / "copy.tok").write_bytes(a.read_bytes())
     with pytest.raises(ConfigError, match=r"copy\.tok' holds the same bytes"):
-        _checked(tmp_path, f'data.source="{a}"', f'data.val_source="{tmp_path / "copy.tok"}"')
+        checked(tmp_path, f'data.source="{a}"', f'data.val_source="{tmp_path / "copy.tok"}"')
 
 
 def test_an_empty_data_source_is_refused_not_read_as_the_stdlib(tmp_path):
     """`--set data.source=$UNSET` trained on the standard library's sources, exit 0."""
     with pytest.raises(ConfigError, match=r"data\.source = '' names no data"):
-        _checked(tmp_path, 'data.source=""')
+        checked(tmp_path, 'data.source=""')

@@ -10,34 +10,23 @@ import pytest
 from shardlab.checkpoint.save import save_checkpoint
 from shardlab.data.prepare import prepare
 from shardlab.data.tokenizer import train_bpe
-from shardlab.train.config import ConfigError, load_config
+from shardlab.train.config import ConfigError
 
-TEXT = "".join(f"def function_{i}(value):\n    return value * {i} + len('text {i}')\n\n" for i in range(80))
-TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=8", "train.global_batch=4",
-        "log.sample_tokens=0"]
+from faults_harness import TEXT, checked
 
-
-def _cfg(tmp_path, *overrides: str):
-    from shardlab.cli.train import check_data_before_launch
-
-    cfg = load_config(None, [*TINY, f'log.out_dir="{tmp_path / "run"}"', f'data.cache_dir="{tmp_path / "cache"}"',
-                             *overrides])
-    cfg.validate()
-    check_data_before_launch(cfg)
-    return cfg
 
 
 def _saved_run(tmp_path, *overrides: str):
     """A checkpoint of step 2 under run/checkpoints whose metadata records this configuration (its
     tensors are a stand-in: only the configuration is read before launch)."""
-    cfg = _cfg(tmp_path, *overrides)
+    cfg = checked(tmp_path, *overrides)
     save_checkpoint(tmp_path / "run" / "checkpoints", 2, nn.Linear(2, 2), config=cfg.to_dict())
 
 
 def _resume(tmp_path, *overrides: str) -> list[str]:
     from shardlab.cli.train import check_resume_before_launch
 
-    return check_resume_before_launch(_cfg(tmp_path, "checkpoint.resume='latest'", *overrides))
+    return check_resume_before_launch(checked(tmp_path, "checkpoint.resume='latest'", *overrides))
 
 
 def test_resuming_under_another_model_shape_is_refused_naming_every_field(tmp_path):

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlab.bench.hot_path import counting_reads, validation_off
+from shardlab.bench.hot_path import counting_reads
+from shardlab.comm.validate import validation_off
 from shardlab.train.config import Config
 from shardlab.train.step import NonFiniteError, StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.resolve import resolve_run

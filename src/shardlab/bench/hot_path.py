@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from shardlab.comm.validate import validation_off
 from shardlab.train.config import Config
 from shardlab.train.loop import train_rank
 from shardlab.train.step import adamw_kwargs
@@ -150,20 +151,6 @@ def hot_path_costs(cfg_dict: dict[str, dict[str, Any]], short: int = 2, long: in
 
 OPTIMIZER_SITE = "torch/optim/"
 """Reads made here are torch's AdamW reading its host-side step counters (see the module docstring)."""
-
-
-@contextlib.contextmanager
-def validation_off() -> Iterator[None]:
-    """SHARDLAB_VALIDATE off inside (the collectives' agreement on shapes reads them back)."""
-    saved = os.environ.get("SHARDLAB_VALIDATE")
-    os.environ["SHARDLAB_VALIDATE"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["SHARDLAB_VALIDATE"]
-        else:
-            os.environ["SHARDLAB_VALIDATE"] = saved
 
 
 def _sites(cfg_dict: dict[str, dict[str, Any]], steps: int) -> Counter[str]:

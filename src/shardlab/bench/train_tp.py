@@ -42,9 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -56,6 +54,7 @@ from shardlab.bench import torch_tp as ttp
 from shardlab.bench.dispatch_cost import dispatch_split, profile_steps
 from shardlab.bench.train_timing import DrawnBatches, timed_steps
 from shardlab.comm.autograd import count_comm
+from shardlab.comm.validate import validation_off
 from shardlab.dist.env import synchronize
 from shardlab.parallel.layout import apply_layout, build_mesh
 from shardlab.parallel.sharding import ShardingSection
@@ -184,27 +183,12 @@ def count_step(variant: str, s: Setup, n_layer: int) -> dict[str, Any]:
     (DispatchCommCounter's, per operation) and, for ours, "count_comm" (our autograd collectives)."""
     model, opt = build(variant, s, n_layer)
     counter = ttp.DispatchCommCounter("fwd_bwd")
-    with _validation_off(), counter, count_comm() as ours:
+    with validation_off(), counter, count_comm() as ours:
         step(variant, model, opt, s, 0, after_backward=lambda: counter.phase("after_backward"))
     out = {phase: c.as_dict() for phase, c in counter.phases.items()}
     if not is_torch(variant):
         out["count_comm"] = ours.as_dict()
     return out
-
-
-@contextlib.contextmanager
-def _validation_off() -> Iterator[None]:
-    """comm's validation mode (on in the tests) all-gathers a descriptor before each collective:
-    instrumentation, not the layout's traffic, so it is off while the collectives are counted."""
-    old = os.environ.get("SHARDLAB_VALIDATE")
-    os.environ["SHARDLAB_VALIDATE"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["SHARDLAB_VALIDATE"]
-        else:
-            os.environ["SHARDLAB_VALIDATE"] = old
 
 
 def activation_memory(variant: str, model: nn.Module, s: Setup) -> dict[str, int]:

@@ -11,8 +11,10 @@ On in the tests; turn it on with SHARDLAB_VALIDATE=1 or `validate=True` per call
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -29,6 +31,22 @@ def validation_enabled(validate: bool | None) -> bool:
     if validate is not None:
         return validate
     return os.environ.get("SHARDLAB_VALIDATE", "0").lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def validation_off() -> Iterator[None]:
+    """SHARDLAB_VALIDATE off inside, restored after: the agreement before each collective is
+    instrumentation (an all-gather of a descriptor, read back), not the traffic or the host reads a
+    benchmark counts."""
+    saved = os.environ.get("SHARDLAB_VALIDATE")
+    os.environ["SHARDLAB_VALIDATE"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["SHARDLAB_VALIDATE"]
+        else:
+            os.environ["SHARDLAB_VALIDATE"] = saved
 
 
 def encode(desc: Descriptor, size: int, device: torch.device) -> torch.Tensor:
