@@ -18,9 +18,9 @@ from shardlab.data.tokenizer import file_digest, train_bpe
 from shardlab.train.config import ConfigError, load_config
 from shardlab.train.corpus import DataSource, load_corpus
 
+from faults_harness import TINY
+
 TEXT = "".join(f"def function_{i}(value):\n    return value * {i} + len('text {i}')\n\n" for i in range(60))
-TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=8", "train.global_batch=4",
-        "log.sample_tokens=0"]
 
 
 def _cfg(tmp_path, *overrides: str):

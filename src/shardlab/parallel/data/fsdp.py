@@ -269,7 +269,10 @@ class FullyShardedDataParallel(UnitEngine):
         has = [id(s.full) in self._had_grad for s in sharded] + [p.grad is not None for p in rep]
         # A rank with every gradient knows every summed flag is > 0: it neither copies its flags from
         # the host nor reads them back (each a host synchronisation on a GPU; zero.py's reasoning).
-        flags.fill_(1.0) if all(has) else flags.copy_(torch.tensor(has))
+        if all(has):
+            flags.fill_(1.0)
+        else:
+            flags.copy_(torch.tensor(has))
         comm.all_reduce(flat, "sum", self.group, impl=self.impl)
         owners = [s.shard for s in sharded] + rep
         used = {id(p) for p, f in zip(owners, [1.0] * len(has) if all(has) else flags.tolist()) if f > 0}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -65,6 +65,7 @@ class UnitEngine(nn.Module):
 
     units: list[Unit]
     impl: str
+    finish_gradient_sync: Callable[[], None]  # the wrapper's (fsdp.py): hands the reduced gradients over
 
     def _install(self, units: list[Unit], entries: set[int], *, regather: bool, reduce_at_sync: bool,
                  hand_over: bool, device: torch.device) -> None:
@@ -321,6 +322,3 @@ class UnitEngine(nn.Module):
                                    f"({type(u.module).__name__}) after it was reduced; they would be lost")
         if self._hand_over_after_backward and self._sync_enabled:
             self.finish_gradient_sync()
-
-    def finish_gradient_sync(self) -> None:  # the wrapper's (fsdp.py)
-        raise NotImplementedError
