@@ -112,6 +112,10 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--ep", type=int, default=None,
                      help="expert-parallel degree: ranks each holding experts / ep of every MoE layer, tokens "
                           "moved by all-to-all; they take different rows (layout.ep; docs/expert-parallel.md)")
+    lay.add_argument("--deterministic", action="store_true", default=None,
+                     help="the same bits on every layout: dp, ZeRO and pp bit-identical to one process running "
+                          "the same micro-batches (refused with the reason where a layout cannot be; "
+                          "docs/deterministic.md) (train.deterministic)")
     lay.add_argument("--experts", type=int, default=None,
                      help="GPT: a mixture-of-experts MLP of this many experts in every block (model.experts)")
     lay.add_argument("--top-k", type=int, default=None, help="GPT with experts: experts per token (model.top_k)")
@@ -227,7 +231,8 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
                       ("save_on_signal", "checkpoint.save_on_signal"), ("recompute", "layout.recompute"),
                       ("cp", "layout.cp"), ("mesh_order", "layout.mesh_order"), ("nodes", "layout.nodes"),
                       ("ep", "layout.ep"), ("experts", "model.experts"), ("top_k", "model.top_k"),
-                      ("compile", "train.compile"), ("loss", "model.loss")):
+                      ("compile", "train.compile"), ("loss", "model.loss"),
+                      ("deterministic", "train.deterministic")):
         value = getattr(args, attr, None)
         if isinstance(value, bool):  # TOML spells them lower-case
             flags.append(f"{key}={str(value).lower()}")

@@ -18,6 +18,7 @@ from shardlab.checkpoint.format import CheckpointError, read_metadata
 from shardlab.models.gpt_config import LOSSES, MLPS, NORMS
 from shardlab.parallel.context.checks import context_parallel_problems
 from shardlab.parallel.data.checks import data_parallel_problems
+from shardlab.parallel.deterministic.checks import deterministic_problems
 from shardlab.parallel.expert.checks import expert_problems
 from shardlab.parallel.layout import MESH_AXES, uses_tensor_parallel
 from shardlab.parallel.layout_section import LayoutSection
@@ -146,6 +147,7 @@ def problems(*, model: ModelSection, data: DataSection, optim: OptimSection, tra
     out += checkpoint_problems(checkpoint, t.steps)
     out += recompute_problems(lay, m)
     out += compile_problems(t, lay)
+    out += deterministic_problems(lay, t, m.experts, sharding.active())
     if m.vocab_size < 0:
         out.append(f"model.vocab_size = {m.vocab_size} must be >= 0 (0: the data's)")
     return out

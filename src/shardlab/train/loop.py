@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from shardlab.parallel.deterministic.mode import deterministic_mode
 from shardlab.checkpoint import Checkpointer, CheckpointError, load_checkpoint
 from shardlab.checkpoint.verify import newest_verified, verify_together
 from shardlab.dist import signals
@@ -97,7 +98,7 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """Train as configured on this rank; rank 0 returns the run's summary. A stop signal (SIGTERM,
     SIGHUP, Ctrl-C) ends the run at the next step boundary, on every rank at the same step, with
     the summary, metrics and plot of the steps done (dist/signals.py)."""
-    with signals.cooperative():
+    with signals.cooperative(), deterministic_mode(bool(cfg_dict.get("train", {}).get("deterministic"))):
         return _train(cfg_dict)
 
 

@@ -107,6 +107,9 @@ class PipelineExecutor:
         # Each chunk's last backward (B, or BI under a split), after which its gradients are final
         # but for BW's deferred weight gradients: where an overlapped data-parallel sync may start.
         self.last_backward = {a.chunk: i for i, a in enumerate(self.actions) if a.op in (B, BI)}
+        # Called with (microbatch, chunk) once that backward's weight gradients are in (after B, or
+        # after BW under a split): train.deterministic takes them there (parallel/deterministic/stage.py).
+        self.after_backward: Callable[[int, int], None] | None = None
         self.dtype = next((p.dtype for p in stage.parameters() if p.is_floating_point()), torch.float32)
 
     def _tag(self, kind: str, mb: int, producer: int) -> int:
@@ -153,9 +156,13 @@ class PipelineExecutor:
                     start = self._backward(a)
                 if a.op == B:
                     self._give_back(a.microbatch, a.chunk)
+                    if self.after_backward is not None:
+                        self.after_backward(a.microbatch, a.chunk)
             elif a.op == BW:
                 self.stores.pop((a.microbatch, a.chunk)).flush()
                 self._give_back(a.microbatch, a.chunk)
+                if self.after_backward is not None:
+                    self.after_backward(a.microbatch, a.chunk)
             elif a.op == STEP:
                 self._finish(on_step)
                 stepped = True

@@ -34,6 +34,8 @@ from shardlab.parallel.expert.data_parallel import ExpertDataParallel
 from shardlab.parallel.data.fsdp import FullyShardedDataParallel
 from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import PieceOptimizer, WholePieces, param_groups, unique_trainable
+from shardlab.parallel.deterministic.mode import active as deterministic_active
+from shardlab.parallel.deterministic.stage import StageGrads
 from shardlab.parallel.pipeline.executor import PipelineExecutor
 from shardlab.parallel.pipeline.params import (
     TIED_TAG,
@@ -167,6 +169,7 @@ class PipelineParallel(nn.Module):
         # The stage's record (pp written by the split, tp before it) with its pipeline group.
         self.placement: Placement = stage_placement(stage, group)
         self.runners: dict[int, PipelineExecutor] = {}
+        self.tree_grads: StageGrads | None = None
         self.comm_wait_s = 0.0
         self.last_events: list = []
 
@@ -195,7 +198,12 @@ class PipelineParallel(nn.Module):
             self.data_parallel.comm_wait_s = 0.0
         dp = self.data_parallel
         final = dp.final_backward if isinstance(dp, DataParallel) and dp.mode == "overlap" else None
-        result = self.runner(microbatches).run(inputs, targets, on_step, loss_scale=loss_scale, final_backward=final)
+        runner = self.runner(microbatches)
+        # train.deterministic: each microbatch's gradients taken as its backward ends, summed in the
+        # canonical tree at finish_gradient_sync (parallel/deterministic/stage.py).
+        self.tree_grads = StageGrads(self.module, microbatches, self.group) if deterministic_active() else None
+        runner.after_backward = None if self.tree_grads is None else self.tree_grads.capture
+        result = runner.run(inputs, targets, on_step, loss_scale=loss_scale, final_backward=final)
         self.last_events = result.events
         waits = sum(e.end - e.start for e in result.events if e.op == WAIT)
         self.comm_wait_s = waits + float(getattr(self.data_parallel, "comm_wait_s", 0.0))
@@ -209,7 +217,9 @@ class PipelineParallel(nn.Module):
         have reduced them during the last backward, so they are summed after it is waited for."""
         dp = self.data_parallel
         overlapped = isinstance(dp, DataParallel) and dp.mode == "overlap"
-        if not overlapped:
+        if self.tree_grads is not None:  # the tied copies summed per microbatch there
+            self.tree_grads.finish()
+        elif not overlapped:
             sum_tied_grads(self.module, self.group)
         if dp is not None:
             dp.finish_gradient_sync()
