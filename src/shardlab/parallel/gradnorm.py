@@ -77,8 +77,6 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], d
             index += sum(bit.get(a, 0) for a in record.cut_axes(name))
         if g.numel():
             bins.setdefault((index, g.device, g.dtype), []).append(g)  # under no_grad: no detach needed
-    if deterministic_active():  # exact integer sums: the same bits however the gradients are cut
-        return _exact_norm(bins, axes, bit, device, dp_group, dp_size, across_stages)
     parts: dict[int, torch.Tensor] = {}
     for (index, _, _), group in bins.items():
         part = squares(group)
@@ -104,15 +102,19 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], d
         total = total.reshape(1)
         comm.all_reduce(total, "sum", stages.group)
         total = total[0]
+    if deterministic_active():  # the same bits however the gradients are cut (deterministic/exact.py)
+        elements = sum(g.numel() for group in bins.values() for g in group)
+        return exact.settled_norm(total, elements, lambda: _exact_squares(bins, axes, bit, device, dp_group, dp_size,
+                                                                          across_stages))
     return total.sqrt()
 
 
-def _exact_norm(bins: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]], axes: list, bit: dict[str, int],
+def _exact_squares(bins: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]], axes: list, bit: dict[str, int],
                 device: torch.device | None, dp_group: Group, dp_size: int,
                 across_stages: Placement | None) -> torch.Tensor:
-    """global_grad_norm under train.deterministic: the same sums, of exact integer bins
-    (parallel/deterministic/exact.py) instead of fp64 squares, so that neither the shards' boundaries
-    nor the order of the reductions moves a bit."""
+    """global_grad_norm's sum of squares, of exact integer bins (parallel/deterministic/exact.py)
+    instead of fp64 squares, so that neither the shards' boundaries nor the order of the reductions
+    moves a bit: what train.deterministic falls back to when the fp64 sum does not settle the norm."""
     where = device if device is not None else next((k[1] for k in bins), torch.device("cpu"))
     sq = torch.zeros((2 << len(axes), exact.SIZE), dtype=torch.int64, device=where)
     for (index, _, _), group in bins.items():
@@ -125,7 +127,7 @@ def _exact_norm(bins: dict[tuple[int, torch.device, torch.dtype], list[torch.Ten
     stages = None if across_stages is None else across_stages.axis(PIPELINE_AXIS)
     if stages is not None and stages.size > 1:
         comm.all_reduce(total, "sum", stages.group)
-    return exact.value(total).sqrt()
+    return exact.value(total)
 
 
 def squares(grads: list[torch.Tensor]) -> torch.Tensor:

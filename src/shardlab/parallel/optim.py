@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab import comm
-from shardlab.parallel.deterministic.mode import active as deterministic_active
 from shardlab.parallel.gradnorm import by_device_and_dtype, clip_factor, global_grad_norm, scalar_for
 from shardlab.parallel.placement import Placement
 from shardlab.parallel.precision import LossScaler, master_from_source, set_fp32_source
@@ -173,9 +172,8 @@ class PieceOptimizer(torch.optim.Optimizer):
         """Scale the gradients so that their global norm is at most `max_norm`; return the norm before.
         fp32 pieces are scaled in place now; low-precision ones when step() casts them to fp32."""
         norm = self.grad_norm()
-        # On the device (the step never reads the norm back), from the fp32 norm as it always was;
-        # under train.deterministic from the fp64 one, as gradnorm.clip_grad_norm_ (one process) does.
-        coef = clip_factor(self._norm if deterministic_active() and self._norm is not None else norm, max_norm)
+        # On the device (the step never reads the norm back), from the fp32 norm as it always was.
+        coef = clip_factor(norm, max_norm)
         if coef is not None:
             self._coef = coef
             own = [pc.tensor.grad for pc, master in zip(self.pieces, self.masters)

@@ -9,7 +9,9 @@ whole a T-sum over every micro-batch: the same bits as one process summing them 
 
 reduce-scatter: every rank receives its block of every rank's buffer (a pairwise all-to-all, (n-1)/n
 of the buffer sent, as a ring reduce-scatter sends) and sums the n blocks in T order itself.
-all-reduce: that, then an all-gather of the summed blocks (copies: exact). What a ring or NCCL does
+all-reduce: that, then an all-gather of the summed blocks (copies: exact). Both on point-to-point
+messages with their own tags, as every algorithm here: the dispatcher runs an asynchronous call on
+its own thread, where a backend collective could pair with another thread's on the same group. What a ring or NCCL does
 differently is the order: a ring adds each block in a rotated order that differs block by block.
 """
 

@@ -13,11 +13,25 @@ of elements alone:
 A bin overflows after 2^39 elements of one exponent. The bins are summed over ranks as integers,
 then turned into one fp64 number in a fixed order (`value`): the same bits on every rank and layout.
 Non-finite elements are counted apart, so the norm is inf or nan as the plain one would be.
+
+That costs about ten passes over the gradients, so it is the fallback (`settled_norm`): the plain
+fp64 sum is within a known relative distance d of the true one (recursive summation of n
+non-negative terms: (n - 1) units of 2^-53, plus the square roots, squares and the ranks' sums),
+and everything the step and the logs use is the norm rounded to fp32. When sqrt(S (1 - 2d)) and
+sqrt(S (1 + 2d)) round to the same fp32 number, so does every layout's fp64 sum and the exact one
+(rounding is monotone), and the fp64 sum is taken; otherwise, on every rank alike (one flag's
+all-reduce), the exact bins. The norm handed on is that fp32 value, so the clip coefficient formed
+from it is one function of it on every layout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
+
+from shardlab import comm
 
 EMIN, EMAX = -300, 260
 """frexp exponents of fp32 squares lie in [-297, 257] (subnormal 2^-149 squared, 2^128 squared)."""
@@ -62,3 +76,17 @@ def value(bins: torch.Tensor) -> torch.Tensor:
     total = (bins[:BINS].double() * two.pow(e - 24) + bins[BINS:2 * BINS].double() * two.pow(e - 48)).sum()
     total = torch.where(bins[2 * BINS] > 0, torch.full_like(total, float("inf")), total)
     return torch.where(bins[2 * BINS + 1] > 0, torch.full_like(total, float("nan")), total)
+
+
+def settled_norm(total: torch.Tensor, elements: int, exact_squares: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The norm, rounded to fp32 (as an fp64 tensor), from `total`, an fp64 sum of squares of this
+    rank's `elements` gradient elements and the other ranks', or from `exact_squares()` (a collective
+    every rank then calls) where `total` does not settle the fp32 value (see the module docstring)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    d = 2.0 * (elements * world + 4096) * 2.0**-53
+    ends = torch.stack([total * (1 - 2 * d), total * (1 + 2 * d)]).sqrt().float()
+    unsettled = (torch.isfinite(total) & (ends[0] != ends[1])).to(torch.int32).reshape(1)
+    if world > 1:
+        comm.all_reduce(unsettled, "max")
+    squares = exact_squares() if bool(unsettled) else total  # read on the host: every rank takes one path
+    return squares.sqrt().float().double()
