@@ -122,3 +122,19 @@ def test_exact_squares_do_not_depend_on_the_cut():
     assert exact.value(cut) == whole == exact.value(exact.square_bins([x.flip(0)]))
     assert torch.isinf(exact.value(exact.square_bins([torch.tensor([1.0, float("inf")])])))
     assert torch.isnan(exact.value(exact.square_bins([torch.tensor([float("nan"), float("inf")])])))
+
+
+def test_norm_falls_back_to_the_exact_sum_only_near_an_fp32_rounding_boundary():
+    a = torch.tensor(1.2345678, dtype=torch.float32)
+    b = torch.nextafter(a, torch.tensor(2.0))
+    called = []
+
+    def exact_squares():  # noqa: ANN202
+        called.append(1)
+        return torch.tensor(float(b) ** 2, dtype=torch.float64)
+
+    settled = exact.settled_norm(torch.tensor(float(a) ** 2, dtype=torch.float64), 1000, exact_squares)
+    assert not called and settled == float(a)
+    midway = ((float(a) + float(b)) / 2) ** 2  # an fp64 sum here could round to either neighbour
+    assert exact.settled_norm(torch.tensor(midway, dtype=torch.float64), 1000, exact_squares) == float(b)
+    assert called == [1]
