@@ -96,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
         from shardlab.plan.report_h100 import print_comm_validation
 
         return print_comm_validation(args.json)
+    if args.fit_stacks:
+        # lazy: `shardlab --help` imports this file but need not import these modules
+        from shardlab.plan.stack_report import print_stack_fits
+
+        return print_stack_fits(args.fit_stacks, args.json)
     if args.validate_h100:
         # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.report_h100 import print_h100_validation
@@ -172,23 +177,40 @@ def run(args: argparse.Namespace) -> int:
           f"global batch {gb} x {spec.seq_len} tokens, {base.precision}")
     if hw.network:
         print("network: " + "; ".join(lv.describe() for lv in hw.network))
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.plan.stack_use import stack_use
+    from shardlab.plan.stackfit import scaled
+
+    use = stack_use(args.stack, hw, spec, base.precision, _calibration_runs(args))
+    hw = scaled(hw, use.values)
+    print("\n".join(use.describe()))
     if base.recompute == "selective" and spec.attention == "flash" and not base.recompute_keep:
         print("note: --recompute selective changes nothing here: with flash attention no s x s tensors are kept "
               "(the fused kernel already recomputes them in its backward); memory and time are as without it")
-    if args.config and hw.kernels is not None and base.step_overhead_s == 0:
+    if args.config and hw.kernels is not None and base.step_overhead_s == 0 and args.stack != "shardlab":
         print("note: the step below is the GPU's kernels (a compiled stand-alone step); shardlab train's own loop "
               "measured on one H200 (2026-11-28) added 85 ms per step beyond them: --step-overhead-ms 85 includes it "
               "(docs/planner.md, 'One GPU')")
     try:
         if single:
-            return _one(spec, base, hw, gpus, gb, args, config)
-        return _search(spec, base, set(given), hw, gpus, gb, args, config)
+            return _one(spec, base, hw, gpus, gb, args, config, use)
+        return _search(spec, base, set(given), hw, gpus, gb, args, config, use)
     except LayoutError as exc:
         print(f"shardlab plan: {exc}", file=sys.stderr)
         return 2
 
 
-def _one(spec, lay, hw, gpus, gb, args, config=None) -> int:
+def _calibration_runs(args: argparse.Namespace) -> tuple:
+    """The `shardlab` stack's runs a --calibration file from --calibrate-gpu carries (none otherwise)."""
+    if not args.calibration or args.hardware == "this-cpu":
+        return ()
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.plan.gpu_calibration import calibration_runs
+
+    return calibration_runs(args.calibration)
+
+
+def _one(spec, lay, hw, gpus, gb, args, config=None, use=None) -> int:
     from dataclasses import asdict
 
     # lazy: `shardlab --help` imports this file but need not import these modules
@@ -197,19 +219,20 @@ def _one(spec, lay, hw, gpus, gb, args, config=None) -> int:
 
     lay.check(spec, world=gpus, global_batch=gb)
     e = evaluate(spec, lay, hw, gb, args.mem_fraction)
-    print(format_one(e))
+    print(format_one(e, use))
     m = e.memory
     print(f"verdict: {'fits' if e.fits else 'DOES NOT FIT'} ({m.total / 1e9:.1f} GB of {e.capacity / 1e9:.1f} GB "
           f"usable on the busiest rank, pipeline stage {m.stage})")
     if args.json:
         _write(args.json, {"tool": "shardlab plan", "model": asdict(spec), "hardware": hw.to_dict(),
+                           "stack": use.to_dict() if use else None,
                            "gpus": gpus, "global_batch": gb, "evaluation": e.to_dict()})
     if args.emit_config:
         return _emit(spec, lay, gb, args.emit_config, config)
     return 0
 
 
-def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
+def _search(spec, base, pinned, hw, gpus, gb, args, config=None, use=None) -> int:
     # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.plan.report import explain, format_ranked, result_json
     from shardlab.plan.search import search
@@ -227,11 +250,11 @@ def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
     else:
         print(f"{result.considered:,} layouts considered, {result.fitting:,} fit; of the {result.checked:,} fastest "
               f"checked against the trainer's rules, {len(result.ranked):,} run; the fastest {shown}:")
-    print(format_ranked(result, args.top))
+    print(format_ranked(result, args.top, use))
     print()
-    print("\n".join(explain(result, spec, gpus)))
+    print("\n".join(explain(result, spec, gpus, use=use)))
     if args.json:
-        _write(args.json, result_json(result, spec, hw, gpus, gb))
+        _write(args.json, result_json(result, spec, hw, gpus, gb, use=use))
     if args.plot and result.ranked:
         # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.plot import plot_breakdown

@@ -23,6 +23,7 @@ from pathlib import Path
 from shardlab.plan.devices import match_device
 from shardlab.plan.hardware import Hardware
 from shardlab.plan.kernels import Kernels, fit_attention, fit_gemm
+from shardlab.plan.runs import runs_from_table
 
 REQUIRED = ("kind", "device", "gemm", "attention", "elementwise", "optimizer")
 
@@ -82,3 +83,10 @@ def apply_gpu_calibration(hw: Hardware, cal: dict, source: str = "") -> Hardware
     k = fit_calibration(cal, hw.kernels, hw.peak("bf16"), hw.sms, hw.memory_bw)
     return replace(hw, kernels=k, name=hw.name + "+cal",
                    memory_bytes=cal.get("memory_bytes") or hw.memory_bytes)
+
+
+def calibration_runs(path: str | Path) -> tuple:
+    """The runs a calibration file carries for the stacks (`stack_runs`: a source table in
+    plan/data/runs/'s schema, written by `--calibrate-gpu --train-json`); () when it has none."""
+    cal = load_gpu_calibration(path)
+    return tuple(runs_from_table(cal["stack_runs"], Path(path))) if cal.get("stack_runs") else ()

@@ -125,6 +125,11 @@ def _load_file(path: Path) -> list[Run]:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path.name}: not valid TOML ({exc})") from None
+    return runs_from_table(data, path)
+
+
+def runs_from_table(data: dict, path: Path) -> list[Run]:
+    """The runs of one source given as a table (a TOML file's, or a calibration file's `stack_runs`)."""
     src = data.get("source")
     for key in ("id", "stack", "hardware", "cite", "url"):
         if not isinstance(src, dict) or not src.get(key):
@@ -158,6 +163,12 @@ def _load_file(path: Path) -> list[Run]:
                        why=row.get("why", ""), memory_override_gib=src.get("memory_gib"),
                        memory_bw_override=mem_bw * 1e12 if mem_bw else None))
     return out
+
+
+@lru_cache(maxsize=1)
+def stack_table() -> dict[str, dict]:
+    """plan/data/stacks.toml: every stack's description (`what`) and the scales it fits (`fit`)."""
+    return tomllib.loads((DATA / "stacks.toml").read_text())
 
 
 @lru_cache(maxsize=4)
