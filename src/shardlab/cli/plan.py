@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from shardlab.cli.plan_flags import add_plan_arguments
 from shardlab.cli.plan_inputs import build_hardware, build_spec
@@ -289,6 +291,26 @@ def _emit(spec, lay, gb, path: str, config=None) -> int:
     return 0
 
 
+def _stack_runs(args: argparse.Namespace, preset, device: str) -> dict:
+    """The trainer's measured step (--train-json) as a `shardlab` stack run, and the stack refitted to it."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.plan.gpu_calibration import stack_runs_table
+    from shardlab.plan.models import spec_from_config
+    from shardlab.plan.runs import runs_from_table
+    from shardlab.plan.stack_use import stack_use
+    from shardlab.plan.validate_local import trainer_layout
+
+    config = load_config(args.config, [])
+    with open(args.train_json) as f:
+        summary = json.load(f)
+    spec, lay = spec_from_config(config.model), trainer_layout(config)
+    table = stack_runs_table(summary, spec, lay, config.train.global_batch, preset.name, device,
+                             datetime.date.today().isoformat())
+    use = stack_use("shardlab", preset, spec, lay.precision, tuple(runs_from_table(table, Path(args.train_json))))
+    print("\n".join(use.describe()))
+    return table
+
+
 def _write(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, default=str)
@@ -329,6 +351,12 @@ def _calibrate_gpu(args: argparse.Namespace) -> int:
     else:
         print("note: " + ("a CPU smoke test: " if cal["smoke"] else f"{cal['device']!r} has no preset with a kernel "
                           "model: ") + "the file is written; no preset reads it")
+    if args.train_json:
+        if preset is None or not args.config:
+            print(f"note: --train-json {args.train_json} is not written: it needs --config (the run's model and "
+                  f"layout) and a GPU with a preset")
+        else:
+            cal["stack_runs"] = _stack_runs(args, preset, cal["device"])
     save_calibration(cal, args.calibrate_gpu)
     print(f"wrote {args.calibrate_gpu}")
     return 0

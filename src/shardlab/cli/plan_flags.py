@@ -151,6 +151,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure this GPU (bf16 GEMMs of transformer-layer shapes, fused attention 1k-32k, GELU, "
                         "LayerNorm, fused AdamW; about a minute on an H100) and write PATH, which --calibration reads; "
                         "without CUDA a tiny fp32 sweep on the CPU (a smoke test whose file no preset accepts)")
+    o.add_argument("--train-json", default=None, metavar="PATH",
+                   help="with --calibrate-gpu and --config: `shardlab train --config ... --json PATH`'s summary, "
+                        "measured on this GPU, written into the calibration as a run of the `shardlab` stack; "
+                        "--calibration FILE then fits the default stack to it (the trainer's own speed)")
     o.add_argument("--world-size", type=int, default=2, help="ranks for --calibrate (default 2)")
     o.add_argument("--threads", type=int, default=1,
                    help="threads per rank for --calibrate and --validate-local (default 1)")

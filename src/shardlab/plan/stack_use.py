@@ -69,7 +69,7 @@ class StackUse:
         if self.record_run is not None:
             r = self.record_run
             out.append(f"  record: the best published MFU on {self.generation} for {self.record_class} is "
-                       f"{self.record_mfu:.1%} ({r.name}; {r.stack}; {r.cite.split(', ')[0]}); causal attention "
+                       f"{self.record_mfu:.1%} ({r.name}; {r.stack}, source {r.source}); causal attention "
                        f"counted as half, against the bf16 peak")
         else:
             out.append(f"  record: no published run on {self.generation} for {self.record_class}")
