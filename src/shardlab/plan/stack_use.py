@@ -42,7 +42,7 @@ class StackUse:
             if mfu > self.record_mfu:
                 flags.append(f"ABOVE THE RECORD: {mfu:.1%} predicted, the best published is {self.record_mfu:.1%}")
             if hi > self.record_mfu:
-                hi = max(self.record_mfu, lo)
+                lo, hi = min(lo, self.record_mfu), self.record_mfu
                 flags.append("range capped at the record")
         return lo, hi, flags
 
