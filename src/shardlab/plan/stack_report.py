@@ -20,7 +20,7 @@ def _pct(e: float) -> str:
 
 
 def stack_table_lines(fits) -> list[str]:
-    out = [f"{'stack':<11}{'generation':<11}{'rows':>5}{'scales':<30}{'LOO mean':>9}{'largest':>9}"
+    out = [f"{'stack':<11}{'generation':<11}{'rows':>5} {'scales':<29}{'LOO mean':>9}{'largest':>9}"
            f"{'interval':>17}{'coverage':>9}  note", "-" * 120]
     for (stack, gen), f in sorted(fits.items()):
         if not f.names:
