@@ -6,20 +6,21 @@ source in plan/data/runs/, every row with its citation. The one loader of the pl
 
 A file has a `[source]` table (id, stack, hardware preset, cite, url, notes; `defaults` for every
 row's layout; optional device overrides `memory_gib` and `memory_bw_tbps` when the source's GPUs differ
-from the preset), optional `[models.NAME]` tables (shapes: GPTConfig fields plus the planner's
+from the preset), optional `[tables.NAME]` (other figures of the source: source_file), `[models.NAME]` tables (shapes: GPTConfig fields plus the planner's
 `attention`, `fused_loss`...), and `[[run]]` rows. A row names its model (a preset of plan/models.py
 or a `[models]` entry; `model_set` overrides fields), gpus, global batch, layout (Execution fields)
 and exactly one measured speed: `step_s`, `tokens_per_s` (whole job), `tokens_per_s_gpu` or
 `tflops_gpu` with its `flops` convention ("model-full": 6N + 12 L d s per token, attention as the
 whole square; "model-causal": half of it; "megatron-recompute": Narayanan et al. 2021's
 96 B s l h^2 (1 + s/6h + V/16lh) per iteration, which counts full recomputation). `memory_gib`:
-the peak the source reports. `fit = false` with `why`: shown, not fitted to.
+the peak the source reports; `reported`: other figures it prints (mfu, hfu, ...). `fit = false` with `why`:
+shown, not fitted to.
 """
 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -38,7 +39,7 @@ GENERATIONS = {"a100-80gb": "ampere", "a100-40gb": "ampere", "dgx-a100-hdr": "am
 SPEEDS = ("step_s", "tokens_per_s", "tokens_per_s_gpu", "tflops_gpu")
 FLOPS = ("model-full", "model-causal", "megatron-recompute")
 _ROW_KEYS = {"name", "cite", "model", "model_set", "gpus", "global_batch", "layout", "memory_gib", "fit", "why",
-             "stack", "flops", "notes", *SPEEDS}
+             "stack", "flops", "notes", "reported", *SPEEDS}
 _LAYOUT_KEYS = {f.name for f in fields(Execution)}
 
 
@@ -62,6 +63,7 @@ class Run:
     why: str = ""           # why a row is not fitted to
     memory_override_gib: float | None = None  # the source's device memory, where it differs from the preset
     memory_bw_override: float | None = None    # bytes/s
+    reported: dict = field(default_factory=dict, compare=False)  # other figures the source prints (mfu, hfu, ...)
 
     @property
     def generation(self) -> str:
@@ -161,7 +163,7 @@ def runs_from_table(data: dict, path: Path) -> list[Run]:
                        step_s=_step_s(path, row, spec, gpus, gb, where), cite=f"{src['cite']}, {row['cite']}",
                        url=src["url"], memory_gib=row.get("memory_gib"), fit=row.get("fit", True),
                        why=row.get("why", ""), memory_override_gib=src.get("memory_gib"),
-                       memory_bw_override=mem_bw * 1e12 if mem_bw else None))
+                       memory_bw_override=mem_bw * 1e12 if mem_bw else None, reported=row.get("reported", {})))
     return out
 
 
@@ -178,6 +180,24 @@ def load_runs(directory: Path = RUNS_DIR) -> tuple[Run, ...]:
     if not files:
         raise ValueError(f"no run files (*.toml) in {directory}")
     return tuple(r for f in files for r in _load_file(f))
+
+
+def source_runs(source_id: str) -> list[Run]:
+    """The runs of one source file, by its [source] id."""
+    runs = [r for r in load_runs() if r.source == source_id]
+    if not runs:
+        raise ValueError(f"no runs of source {source_id!r} in {RUNS_DIR}")
+    return runs
+
+
+@lru_cache(maxsize=16)
+def source_file(source_id: str, directory: Path = RUNS_DIR) -> dict:
+    """A source file's whole table (its [models] and [tables] beside the runs), by its [source] id."""
+    for f in sorted(directory.glob("*.toml")):
+        data = tomllib.loads(f.read_text())
+        if data.get("source", {}).get("id") == source_id:
+            return data
+    raise ValueError(f"no source {source_id!r} in {directory}")
 
 
 def sources(directory: Path = RUNS_DIR) -> list[dict]:
