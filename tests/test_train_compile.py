@@ -82,3 +82,28 @@ def _first_call_under_tracker() -> str:
 def test_a_forward_that_ran_eagerly_stops_the_run(pools):
     message = pools(1).run(_first_call_under_tracker)[0]
     assert message.startswith("train.compile: rank(s) [0] traced no graph during the first step"), message
+
+
+def _launch(tmp_path, *flags: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "shardlab", "train", "--config", "configs/gpt-tiny.toml", "--steps", "2",
+         "--set", "train.eval_every=0", "--set", "log.sample_tokens=0", "--set", "data.max_bytes=262144",
+         "--set", f'log.out_dir="{tmp_path}"', *flags],
+        capture_output=True, text=True, timeout=110, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_the_step_switches_reach_every_rank_through_the_launcher(tmp_path):
+    # The audit behind the compile fix: each switch that changes how a step runs, given on the
+    # command line, is read back from each rank's live model and optimizer (train/applied.py).
+    summary = _launch(tmp_path, "--dp", "2", "--dp-mode", "naive", "--comm-impl", "ring", "--loss", "chunked",
+                      "--recompute", "full", "--precision", "bf16")
+    for facts in summary["applied"]:
+        assert facts["dp_mode"] == "naive" and facts["comm_impl"] == "ring", facts
+        assert facts["chunked_loss"] and facts["recomputed"]["full"] == 2, facts  # both of gpt-tiny's blocks
+        assert facts["param_dtypes"] == ["bfloat16"] and facts["optimizer"] == "MixedPrecisionOptimizer", facts
+    # And the defaults read back as the defaults: the facts are not the flags echoed.
+    plain = _launch(tmp_path / "plain", "--dp", "2")["applied"]
+    assert all(f["dp_mode"] == "overlap" and f["comm_impl"] == "torch" and not f["chunked_loss"]
+               and f["recomputed"] == {"full": 0, "selective": 0} and f["param_dtypes"] == ["float32"] for f in plain)

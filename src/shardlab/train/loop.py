@@ -36,6 +36,7 @@ from shardlab.dist import signals
 from shardlab.parallel.layout import batch_rank, build_mesh, replica_group, uses_pipeline
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.precision import autocast_context, get_precision
+from shardlab.train.applied import applied_everywhere
 from shardlab.train.compile import (compile_model, compiled_everywhere, compiled_target_count, describe_compiled,
                                     reset_compile_counters)
 from shardlab.train.config import Config
@@ -133,6 +134,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     split = model.stage.plan.describe() if uses_pipeline(lay) else None
     del plain  # a pipeline stage holds copies of its layers: the whole model is not kept
     optimizer = make_optimizer(model, o, run.precision)
+    facts = applied_everywhere(model, optimizer)  # what each rank runs, from its live objects (train/applied.py)
     # Identical weights came from the shared seed; from here each dp rank draws its own randomness
     # from torch's generator, and the ranks of a tp group draw alike. Dropout does not depend on it:
     # its masks are hashed from each element's place in the run (models/dropout.py, batch_place).
@@ -264,6 +266,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         summary["final_val_bits_per_byte"] = summary["final_val_loss"] / math.log(2) / task.bytes_per_token
     if resumed:
         summary["resumed_from"] = resumed
+    summary["applied"] = facts
     if t.compile:
         summary["compiled"] = compiled
     # Where every rank sat and what it paid: its mesh coordinates, peak memory, communication share.
