@@ -38,6 +38,8 @@ def scaled(hw: Hardware, values: dict[str, float]) -> Hardware:
     bad = set(values) - set(SCALES)
     if bad:
         raise ValueError(f"unknown stack scale(s) {sorted(bad)}; known: {', '.join(SCALES)}")
+    if not values:
+        return hw
     a = values.get("all", 1.0)
     g, at, m = values.get("gemm", 1.0) * a, values.get("attn", 1.0) * a, values.get("mem", 1.0) * a
     hw = replace(hw, link_eff=hw.link_eff * values.get("comm", 1.0))
@@ -45,8 +47,9 @@ def scaled(hw: Hardware, values: dict[str, float]) -> Hardware:
         k = hw.kernels
         return replace(hw, kernels=replace(k, gemm_scale=k.gemm_scale * g, attn_scale=k.attn_scale * at,
                                            mem_scale=k.mem_scale * m))
-    return replace(hw, mm_eff=hw.mm_eff * g, fp8_eff=hw.fp8_eff * g, attn_eff=(hw.attn_eff or hw.mm_eff) * at,
-                   mem_eff=hw.mem_eff * m)
+    # attn_eff 0 means "as a GEMM" (mm_eff): it is set only when attention is scaled apart
+    return replace(hw, mm_eff=hw.mm_eff * g, fp8_eff=hw.fp8_eff * g, mem_eff=hw.mem_eff * m,
+                   attn_eff=(hw.attn_eff or hw.mm_eff) * at if at != g else hw.attn_eff * at)
 
 
 def decompose(hw: Hardware, names: tuple[str, ...], step_s: Callable[[Hardware], float],
