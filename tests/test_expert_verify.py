@@ -124,7 +124,7 @@ def test_pp_ep_under_zero3(pools):
 def test_pp_ep_zb1_under_zero(pools, zero):
     # zb1 x ZeRO-2/3 x ep (refused before): the W passes make the weight gradients after the backward's
     # hooks, so ZeRO-2's expert-parallel wrapper defers every dense bucket and ZeRO-3 holds every unit
-    # for the schedule's end (parallel/data/factory.py); reduced during backward, they would miss them.
+    # for the schedule's end (parallel/replicas.py); reduced during backward, they would miss them.
     _verify(pools, 1, 2, "model.experts=4", "model.top_k=2", "model.n_layer=2", "train.micro_batches=2",
             'layout.schedule="zb1"', f"layout.zero={zero}", "optim.grad_clip=0.05", pp=2)
 

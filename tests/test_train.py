@@ -62,16 +62,16 @@ def _broken_rank(cfg_dict: dict) -> dict | None:
     return _verify_with(cfg_dict, lambda model, layout, mesh=None, sharding=None: DataParallel(model, mode=layout.dp_mode, average=False))
 
 
-def _verify_with(cfg_dict: dict, apply_layout) -> dict | None:
-    """verify_rank with `apply_layout` standing in for the real one."""
+def _verify_with(cfg_dict: dict, parallelize) -> dict | None:
+    """verify_rank with `parallelize` standing in for the real one."""
     import shardlab.train.verify as verify
 
-    original = verify.apply_layout
-    verify.apply_layout = apply_layout
+    original = verify.parallelize
+    verify.parallelize = parallelize
     try:
         return verify.verify_rank(cfg_dict, 1e-6, 1e-5)
     finally:
-        verify.apply_layout = original
+        verify.parallelize = original
 
 
 def test_a_wrong_layout_fails(pools):

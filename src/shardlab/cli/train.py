@@ -119,7 +119,7 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
 
 def add_recompute_options(p: argparse.ArgumentParser) -> None:
     """--recompute, for `train` and `verify` (through add_pipeline_options): the commands that build
-    the model through apply_layout, so that no benchmark takes the flag and ignores it."""
+    the model through parallelize, so that no benchmark takes the flag and ignores it."""
     p.add_argument_group("activation recomputation (docs/recompute.md)").add_argument(
         "--recompute", choices=["none", "selective", "full"], default=None,
         help="selective: recompute the attention core (softmax(QK^T)V) in backward; full: each block from its "
@@ -379,10 +379,10 @@ def dry_run(cfg) -> int:
     print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
           + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
     # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.parallel.layout import layout_steps
+    from shardlab.parallel.parallelize import strategies
     from shardlab.train.mfu import run_flops
 
-    print(f"# apply_layout's steps, in order: {', '.join(layout_steps(lay, cfg.sharding))}")
+    print(f"# parallelize applies, in order: {', '.join(strategies(lay, cfg.sharding))}")
 
     # FLOPs from the meta model's shapes; the peak is the one this machine's first device would use.
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

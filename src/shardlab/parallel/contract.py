@@ -1,6 +1,6 @@
 """What a layout hands the training step, as typed objects instead of attributes probed for.
 
-    layout = step_contract(model)          # model: what apply_layout returned, or a plain module
+    layout = step_contract(model)          # model: what parallelize returned, or a plain module
     optimizer = layout.build_optimizer(groups, torch.optim.AdamW, placement=record, lr=1e-3) if layout.builds_optimizer else ...
     with layout.no_sync(): ...             # micro-batches before the last: no communication
     layout.finish_gradient_sync()          # after the last backward (a no-op where there is none)

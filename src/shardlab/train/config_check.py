@@ -19,8 +19,9 @@ from shardlab.models.gpt_config import LOSSES, MLPS, NORMS
 from shardlab.parallel.context.checks import context_parallel_problems
 from shardlab.parallel.data.checks import data_parallel_problems
 from shardlab.parallel.expert.checks import expert_problems
-from shardlab.parallel.layout import MESH_AXES, uses_tensor_parallel
+from shardlab.parallel.layout import MESH_AXES
 from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.parallelize import uses_tensor_parallel
 from shardlab.parallel.pipeline.checks import pipeline_problems
 from shardlab.parallel.pipeline.schedules import KINDS
 from shardlab.parallel.recompute import recompute_problems

@@ -20,8 +20,9 @@ import numpy as np
 import torch.nn as nn
 
 from shardlab.dist.mesh import DeviceMesh
-from shardlab.parallel.layout import apply_layout, mesh_order
+from shardlab.parallel.layout import mesh_order
 from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.parallelize import parallelize, strategies
 from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.train.config import Config
 from shardlab.train.corpus import DataSource, adopt_hf_tokenizer, encode_text, model_vocab
@@ -43,23 +44,14 @@ def resolve_data(cfg: Config, progress: bool = True) -> None:
     check_hf_vocabulary(src, cfg.model)
 
 
-def strategies(lay: LayoutSection, sharding: ShardingSection) -> tuple[str, ...]:
-    """The strategies the layout applies, in the order parallel/layout.py applies them: the pipeline
-    split, tensor parallelism (derived from [sharding] rules, or the hand-written plan, with sequence
-    parallelism), expert and context parallelism, activation checkpointing, then data parallelism or
-    ZeRO over the replicas, which wraps what the others made."""
-    out = []
-    if lay.pp > 1:
-        out.append(f"pp {lay.pp} ({lay.schedule})")
-    if sharding.active():
-        out.append("sharding rules")
-    elif lay.tp > 1 or lay.sp:
-        out.append(f"tp {lay.tp}{' + sp' if lay.sp else ''} ({lay.tp_plan})")
-    out += [f"{axis} {getattr(lay, axis)}" for axis in ("ep", "cp") if getattr(lay, axis) > 1]
-    if lay.recompute != "none":
-        out.append(f"recompute ({lay.recompute})")
-    out.append(f"dp {lay.dp} ({'ZeRO-' + str(lay.zero) if lay.zero else lay.dp_mode})")
-    return tuple(out)
+def describe_strategies(lay: LayoutSection, sharding: ShardingSection) -> tuple[str, ...]:
+    """The strategies the layout applies, in the one order parallelize applies them
+    (parallel/parallelize.py's `strategies`), each with its degree and options."""
+    said = {"sharding": "sharding rules", "tp": f"tp {lay.tp}{' + sp' if lay.sp else ''} ({lay.tp_plan})",
+            "ep": f"ep {lay.ep}", "cp": f"cp {lay.cp}", "pp": f"pp {lay.pp} ({lay.schedule})",
+            "recompute": f"recompute ({lay.recompute})",
+            "dp": f"dp {lay.dp} ({'ZeRO-' + str(lay.zero) if lay.zero else lay.dp_mode})"}
+    return tuple(said[name] for name in strategies(lay, sharding))
 
 
 @dataclass(frozen=True)
@@ -82,7 +74,7 @@ class Run:
     mesh_shape: tuple[tuple[str, int], ...]
     """The mesh's axes and degrees, outermost first (layout.mesh_order)."""
     strategies: tuple[str, ...]
-    """The strategies applied, in order (`strategies`)."""
+    """The strategies applied, in order (`describe_strategies`)."""
 
     @property
     def precision(self) -> str:
@@ -105,10 +97,10 @@ class Run:
         return build_task(model, self.data, self.batches, tokens)
 
     def apply(self, plain: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        """The strategies applied to the plain model on this rank's `mesh` (parallel/layout.py): the
+        """The strategies applied to the plain model on this rank's `mesh` (parallel/parallelize.py): the
         trainer's and generate's call into the apply path, so a change of its signature is made here
         (and in verify.py, whose call tests replace with a faulty layout)."""
-        return apply_layout(plain, self.layout, mesh, self.sharding)
+        return parallelize(plain, self.layout, mesh, self.sharding)
 
 
 def resolve_run(cfg: Config) -> Run:
@@ -121,5 +113,5 @@ def resolve_run(cfg: Config) -> Run:
         model=cfg.model, vocab=model_vocab(cfg.model.vocab_size, data, lay.tp) if data is not None else 0,
         data=data, layout=lay, sharding=cfg.sharding, train=cfg.train, optim=cfg.optim, log=cfg.log,
         checkpoint=cfg.checkpoint, mesh_shape=tuple((axis, getattr(lay, axis)) for axis in mesh_order(lay)),
-        strategies=strategies(lay, cfg.sharding),
+        strategies=describe_strategies(lay, cfg.sharding),
     )
