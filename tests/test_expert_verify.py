@@ -193,6 +193,7 @@ def test_checkpoint_of_ep2_resumes_under_ep1_and_ep4(pools, tmp_path):
     within fp32 rounding (the arithmetic is cut differently)."""
     from shardlab.train.config import Config
     from shardlab.train.loop import train_rank
+    from shardlab.train.resolve import resolve_run
 
     def run(name: str, world: int, layout: dict, **checkpoint) -> dict[int, float]:
         out = tmp_path / name
@@ -205,7 +206,7 @@ def test_checkpoint_of_ep2_resumes_under_ep1_and_ep4(pools, tmp_path):
             "layout": layout, "checkpoint": {"dir": str(tmp_path / "ck"), "async_save": False, **checkpoint},
         })
         cfg.validate()
-        pools(world).run(train_rank, cfg.to_dict())
+        pools(world).run(train_rank, resolve_run(cfg))
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows}
 

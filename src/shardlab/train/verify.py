@@ -78,7 +78,7 @@ def verify_base(layout: LayoutSection, micro_batches: int, model: str) -> list[s
     base = list(VERIFY_BASE)
     if layout.precision != "fp32":
         base += MIXED_VERIFY_BASE
-    rows = layout.dp * layout.ep * micro_batches
+    rows = layout.batch_ranks * micro_batches
     if rows > 0 and 12 % rows:
         base.append(f"train.global_batch={rows * math.ceil(12 / rows)}")
     chunks = layout.pp * layout.virtual_stages
