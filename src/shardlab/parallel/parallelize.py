@@ -118,7 +118,7 @@ def parallelize_stage(model: nn.Module, record: Placement, split: SplitPlan, lay
     placement), with recomputation and data parallelism applied to the stage as to a whole model, run by
     layout.schedule over the mesh's "pp" axis with the stage's data-parallel engine beside it (a stage's
     gradients are final at the schedule's STEP). The executor posts each step's sends and receives as
-    groups that pipeline/check.py proves deadlock-free on NCCL's in-order stream (docs/pipeline.md)."""
+    groups that pipeline/simulation.py proves deadlock-free on NCCL's in-order stream (docs/pipeline.md)."""
     stage = build_stage(model, split, mesh.local_rank("pp"), base=record)
     replicas, record = apply_replicas(stage, stage.placement, layout, mesh)
     group = mesh.group("pp")
