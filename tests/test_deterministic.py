@@ -62,7 +62,7 @@ def _one_ulp_on_rank1(cfg_dict: dict) -> dict | None:
 
     import shardlab.train.verify as verify
 
-    original = verify.apply_layout
+    original = verify.parallelize
 
     def faulty(model, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         out = original(model, *args, **kwargs)
@@ -71,11 +71,11 @@ def _one_ulp_on_rank1(cfg_dict: dict) -> dict | None:
             p.register_hook(lambda g: torch.nextafter(g, torch.full_like(g, float("inf"))))
         return out
 
-    verify.apply_layout = faulty
+    verify.parallelize = faulty
     try:
         return verify.verify_rank(cfg_dict, 1e-6, 1e-5)
     finally:
-        verify.apply_layout = original
+        verify.parallelize = original
 
 
 def test_one_ulp_on_one_rank_fails(pools):

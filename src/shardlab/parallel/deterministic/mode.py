@@ -3,7 +3,7 @@
     with deterministic_mode(cfg.train.deterministic):   # train_rank, verify_rank
         ...                                              # the hooks below ask active()
 
-What reads it: parallel/data/factory.py (the data-parallel engines reduce with the canonical
+What reads it: parallel/replicas.py (the data-parallel engines reduce with the canonical
 algorithm, after backward), parallel/gradnorm.py (the exact norm), train/step.py and the pipeline
 (micro-batch gradients summed in the canonical tree). A flag rather than an argument threaded
 through apply_layout and every wrapper: the mode is a property of the process's arithmetic, as

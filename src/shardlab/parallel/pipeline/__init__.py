@@ -10,18 +10,18 @@
     loss = runner.run(x, y, on_step=lambda: (opt.step(), opt.zero_grad())).loss
 
 Files: actions.py (the vocabulary), schedules.py (naive, GPipe, 1F1B, interleaved, and the sends and
-receives each implies), zero_bubble.py (ZB-H1), check.py (simulation: deadlock proof and timing;
+receives each implies), zero_bubble.py (ZB-H1), simulation.py (simulation: deadlock proof and timing;
 deadlock.py its errors and the chain of waits that explains one),
 partition.py and stages.py (the split), splitgrad.py (backward split into BI and BW), executor.py,
 params.py (tied copies, gathering by original name), headers.py (validation mode: the step's
 messages agreed before any is posted), model.py (a stage packaged for the trainer:
-PipelineParallel, its forward-only pass and StageOptimizer), step.py (the layout's pipeline step:
-the split planned on the plain model, the stage cut after tp, ep and cp; tp x pp), timeline.py (traces; the charts are bench/pipeline_gantt.py and the
+PipelineParallel, its forward-only pass and StageOptimizer), (parallel/parallelize.py's
+parallelize_stage cuts the stage after tp, ep and cp, the split planned on the plain model; tp x pp), timeline.py (traces; the charts are bench/pipeline_gantt.py and the
 measurement of real runs bench/pipeline_measure.py). See docs/pipeline.md.
 """
 
 from shardlab.parallel.pipeline.actions import Action, Schedule, fmt
-from shardlab.parallel.pipeline.check import ScheduleError, Simulation, check, simulate
+from shardlab.parallel.pipeline.simulation import ScheduleError, Simulation, check, simulate
 from shardlab.parallel.pipeline.executor import PipelineExecutor, PipelineResult
 from shardlab.parallel.pipeline.model import PipelineParallel, StageOptimizer, forward_only
 from shardlab.parallel.pipeline.params import (

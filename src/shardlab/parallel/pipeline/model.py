@@ -8,7 +8,7 @@ evaluation and sampling, the whole model's views for verify, and the stage's opt
     loss = model.run_schedule(x, y, M, on_step=update)   # this replica's batch mean, every stage
     val = model(x_val, y_val)                            # forward only: the loss, every stage
 
-parallel/layout.py builds it from [layout]; train/step.py's `train_step` drives it: the executor's
+parallel/parallelize.py builds it from [layout]; train/step.py's `train_step` drives it: the executor's
 microbatches replace the step's micro-batch loop, and `on_step` (at the schedule's STEP, after the
 tied copies' gradients are summed) does what every layout does after backward: data-parallel sync,
 clipping, the optimizer step.
@@ -35,7 +35,7 @@ from shardlab.parallel.data.fsdp import FullyShardedDataParallel
 from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import PieceOptimizer, WholePieces, param_groups, unique_trainable
 from shardlab.parallel.deterministic.mode import active as deterministic_active
-from shardlab.parallel.deterministic.stage import StageGrads
+from shardlab.parallel.pipeline.tree_grads import StageGrads
 from shardlab.parallel.pipeline.executor import PipelineExecutor
 from shardlab.parallel.pipeline.params import (
     TIED_TAG,
@@ -123,7 +123,7 @@ class StageOptimizer(PieceOptimizer):
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (unscaled), the same on every stage: a collective over pp."""
-        device = self.layout.params[0].device if self.layout.params else None
+        device = self.split.params[0].device if self.split.params else None
         grads = ((pc.tensor.grad, False, pc.param) for pc in self.pieces if pc.tensor.grad is not None)
         self._norm = global_grad_norm(grads, device, within_stage=self.placement,
                                       across_stages=self.placement) / self.loss_scale
@@ -151,7 +151,7 @@ class PipelineParallel(nn.Module):
     the stage's plan gives the stages and the virtual chunks per rank), with `data_parallel` (a
     DataParallel wrapping the same stage) over its replicas. The microbatch count is the step's:
     a schedule is made and checked the first time each count is asked for. `tp_group`: the stage's
-    layers are tensor-parallel over it (pipeline/step.py); whole views gather over it too."""
+    layers are tensor-parallel over it (parallel/parallelize.py); whole views gather over it too."""
 
     def __init__(self, stage: PipelineStage, kind: str, group: dist.ProcessGroup | None = None,
                  *, data_parallel: nn.Module | None = None, tp_group: dist.ProcessGroup | None | bool = False) -> None:
@@ -200,7 +200,7 @@ class PipelineParallel(nn.Module):
         final = dp.final_backward if isinstance(dp, DataParallel) and dp.mode == "overlap" else None
         runner = self.runner(microbatches)
         # train.deterministic: each microbatch's gradients taken as its backward ends, summed in the
-        # canonical tree at finish_gradient_sync (parallel/deterministic/stage.py).
+        # canonical tree at finish_gradient_sync (pipeline/tree_grads.py).
         self.tree_grads = StageGrads(self.module, microbatches, self.group) if deterministic_active() else None
         runner.after_backward = None if self.tree_grads is None else self.tree_grads.capture
         result = runner.run(inputs, targets, on_step, loss_scale=loss_scale, final_backward=final)
