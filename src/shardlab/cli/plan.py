@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from shardlab.cli.plan_flags import add_plan_arguments
 from shardlab.cli.plan_inputs import build_hardware, build_spec
@@ -96,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
         from shardlab.plan.report_h100 import print_comm_validation
 
         return print_comm_validation(args.json)
+    if args.fit_stacks:
+        # lazy: `shardlab --help` imports this file but need not import these modules
+        from shardlab.plan.stack_report import print_stack_fits
+
+        return print_stack_fits(args.fit_stacks, args.json)
     if args.validate_h100:
         # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.report_h100 import print_h100_validation
@@ -172,23 +179,40 @@ def run(args: argparse.Namespace) -> int:
           f"global batch {gb} x {spec.seq_len} tokens, {base.precision}")
     if hw.network:
         print("network: " + "; ".join(lv.describe() for lv in hw.network))
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.plan.stack_use import stack_use
+    from shardlab.plan.stackfit import scaled
+
+    use = stack_use(args.stack, hw, spec, base.precision, _calibration_runs(args))
+    hw = scaled(hw, use.values)
+    print("\n".join(use.describe()))
     if base.recompute == "selective" and spec.attention == "flash" and not base.recompute_keep:
         print("note: --recompute selective changes nothing here: with flash attention no s x s tensors are kept "
               "(the fused kernel already recomputes them in its backward); memory and time are as without it")
-    if args.config and hw.kernels is not None and base.step_overhead_s == 0:
+    if args.config and hw.kernels is not None and base.step_overhead_s == 0 and args.stack != "shardlab":
         print("note: the step below is the GPU's kernels (a compiled stand-alone step); shardlab train's own loop "
               "measured on one H200 (2026-11-28) added 85 ms per step beyond them: --step-overhead-ms 85 includes it "
               "(docs/planner.md, 'One GPU')")
     try:
         if single:
-            return _one(spec, base, hw, gpus, gb, args, config)
-        return _search(spec, base, set(given), hw, gpus, gb, args, config)
+            return _one(spec, base, hw, gpus, gb, args, config, use)
+        return _search(spec, base, set(given), hw, gpus, gb, args, config, use)
     except LayoutError as exc:
         print(f"shardlab plan: {exc}", file=sys.stderr)
         return 2
 
 
-def _one(spec, lay, hw, gpus, gb, args, config=None) -> int:
+def _calibration_runs(args: argparse.Namespace) -> tuple:
+    """The `shardlab` stack's runs a --calibration file from --calibrate-gpu carries (none otherwise)."""
+    if not args.calibration or args.hardware == "this-cpu":
+        return ()
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.plan.gpu_calibration import calibration_runs
+
+    return calibration_runs(args.calibration)
+
+
+def _one(spec, lay, hw, gpus, gb, args, config=None, use=None) -> int:
     from dataclasses import asdict
 
     # lazy: `shardlab --help` imports this file but need not import these modules
@@ -197,19 +221,20 @@ def _one(spec, lay, hw, gpus, gb, args, config=None) -> int:
 
     lay.check(spec, world=gpus, global_batch=gb)
     e = evaluate(spec, lay, hw, gb, args.mem_fraction)
-    print(format_one(e))
+    print(format_one(e, use))
     m = e.memory
     print(f"verdict: {'fits' if e.fits else 'DOES NOT FIT'} ({m.total / 1e9:.1f} GB of {e.capacity / 1e9:.1f} GB "
           f"usable on the busiest rank, pipeline stage {m.stage})")
     if args.json:
         _write(args.json, {"tool": "shardlab plan", "model": asdict(spec), "hardware": hw.to_dict(),
+                           "stack": use.to_dict() if use else None,
                            "gpus": gpus, "global_batch": gb, "evaluation": e.to_dict()})
     if args.emit_config:
         return _emit(spec, lay, gb, args.emit_config, config)
     return 0
 
 
-def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
+def _search(spec, base, pinned, hw, gpus, gb, args, config=None, use=None) -> int:
     # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.plan.report import explain, format_ranked, result_json
     from shardlab.plan.search import search
@@ -227,11 +252,11 @@ def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
     else:
         print(f"{result.considered:,} layouts considered, {result.fitting:,} fit; of the {result.checked:,} fastest "
               f"checked against the trainer's rules, {len(result.ranked):,} run; the fastest {shown}:")
-    print(format_ranked(result, args.top))
+    print(format_ranked(result, args.top, use))
     print()
-    print("\n".join(explain(result, spec, gpus)))
+    print("\n".join(explain(result, spec, gpus, use=use)))
     if args.json:
-        _write(args.json, result_json(result, spec, hw, gpus, gb))
+        _write(args.json, result_json(result, spec, hw, gpus, gb, use=use))
     if args.plot and result.ranked:
         # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.plan.plot import plot_breakdown
@@ -264,6 +289,26 @@ def _emit(spec, lay, gb, path: str, config=None) -> int:
     if refused:
         print("note: the trainer refuses this layout as it stands:\n  - " + "\n  - ".join(refused))
     return 0
+
+
+def _stack_runs(args: argparse.Namespace, preset, device: str) -> dict:
+    """The trainer's measured step (--train-json) as a `shardlab` stack run, and the stack refitted to it."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.plan.gpu_calibration import stack_runs_table
+    from shardlab.plan.models import spec_from_config
+    from shardlab.plan.runs import runs_from_table
+    from shardlab.plan.stack_use import stack_use
+    from shardlab.plan.validate_local import trainer_layout
+
+    config = load_config(args.config, [])
+    with open(args.train_json) as f:
+        summary = json.load(f)
+    spec, lay = spec_from_config(config.model), trainer_layout(config)
+    table = stack_runs_table(summary, spec, lay, config.train.global_batch, preset.name, device,
+                             datetime.date.today().isoformat())
+    use = stack_use("shardlab", preset, spec, lay.precision, tuple(runs_from_table(table, Path(args.train_json))))
+    print("\n".join(use.describe()))
+    return table
 
 
 def _write(path: str, data: dict) -> None:
@@ -306,6 +351,12 @@ def _calibrate_gpu(args: argparse.Namespace) -> int:
     else:
         print("note: " + ("a CPU smoke test: " if cal["smoke"] else f"{cal['device']!r} has no preset with a kernel "
                           "model: ") + "the file is written; no preset reads it")
+    if args.train_json:
+        if preset is None or not args.config:
+            print(f"note: --train-json {args.train_json} is not written: it needs --config (the run's model and "
+                  f"layout) and a GPU with a preset")
+        else:
+            cal["stack_runs"] = _stack_runs(args, preset, cal["device"])
     save_calibration(cal, args.calibrate_gpu)
     print(f"wrote {args.calibrate_gpu}")
     return 0
