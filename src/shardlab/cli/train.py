@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         resolved = resolve_before_launch(cfg)  # the one resolution: what every rank runs (cfg stays as written)
         check_before_launch(resolved.config, make_out_dir=not args.dry_run)
         if args.dry_run:
-            return dry_run(resolved.config)
+            return dry_run(resolved)
         resolved = check_data_before_launch(resolved)
         for note in check_resume_before_launch(resolved.config):
             print(f"shardlab train: {note}", file=sys.stderr)
@@ -370,18 +370,19 @@ def discard_partial_save(cfg) -> None:
         clear_leftovers(root)
 
 
-def dry_run(cfg) -> int:
+def dry_run(run) -> int:
+    """What `run` (train/resolve.py's Run) will build and where, printed without starting a rank."""
     import torch
 
+    cfg = run.config  # the configuration as resolved: the vocabulary is the data's
     # The meta device builds the model without allocating its weights: counts for any size.
     model = empty_model(cfg.model)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for n, p in model.named_parameters() if not cfg.frozen(n))
     print(cfg.to_toml())
     lay = cfg.layout
-    degrees = [f"{k} {getattr(lay, k)}" for k in (a.strip() for a in lay.mesh_order.split(","))
-               if k == "dp" or getattr(lay, k) > 1]
-    print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
+    degrees = [f"{axis} {size}" for axis, size in run.mesh_shape if axis == "dp" or size > 1]
+    print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {run.world_size}"
           + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
     # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.parallel.parallelize import strategies
