@@ -1,4 +1,5 @@
-"""Every import inside src/shardlab points down the layers of docs/ARCHITECTURE.md (pure ast, no imports run).
+"""Every import inside src/shardlab points down the layers of docs/ARCHITECTURE.md (pure ast; only the
+command table is imported, from cli/main.py).
 
 Top-level and function-level imports both count (a lazy import is still a dependency), as do imports
 under `if TYPE_CHECKING:` (a type the layer needs from above is an arrow upward all the same). The
@@ -18,6 +19,8 @@ import io
 import tokenize
 from functools import cache
 from pathlib import Path
+
+from shardlab.cli.main import COMMANDS
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardlab"
 
@@ -292,3 +295,36 @@ def test_files_stay_small():
     too_long = long_files()
     assert not too_long, (f"files over {MAX_LINES} lines (split each along its concepts, a docstring saying what "
                           f"each part holds): " + ", ".join(f"{p} ({n})" for p, n in sorted(too_long.items())))
+
+
+def named_modules(path: Path) -> set[str]:
+    """Modules a file names in a string (`"shardlab.cli.train"`, imported by importlib when needed)."""
+    return {node.value for node in ast.walk(tree(path))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES}
+
+
+def unreachable_modules() -> list[str]:
+    """Modules of src/shardlab that nothing a user runs or imports loads: not the command line (the
+    `shardlab` script, `python -m shardlab`, and every command cli/main.py names), nor what those
+    import, at the top or in a function, nor the packages above anything imported (a package's
+    __init__ runs first: its names are the package's API)."""
+    graph = import_graph()
+    seen: set[str] = set()
+    todo = ["shardlab.__main__", "shardlab.cli.main", *COMMANDS.values()]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in MODULES]
+        todo += [*graph[module], *named_modules(MODULES[module])]
+    return sorted(set(MODULES) - seen)
+
+
+def test_every_module_serves_the_library():
+    # Tooling that only produces docs/ figures or serves tests lives in benchmarks/ or tests/; a module
+    # of src/shardlab is imported by a command or by what a command imports, or it does not belong.
+    bad = unreachable_modules()
+    assert not bad, ("modules of src/shardlab that no command imports (move a benchmark's or a test's helper to "
+                     "benchmarks/ or tests/, or import it where the library uses it):\n  " + "\n  ".join(bad))

@@ -46,8 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardlab.bench.pipeline_gaps import idle_breakdown, message_delays
-from shardlab.bench.pipeline_replay import replay
+from shardlab.bench.pipeline_replay import idle_breakdown, message_delays, replay
 from shardlab.bench.pipeline_report import environment
 from shardlab.bench.train_timing import timed_steps
 from shardlab.bench.pipeline_variants import OURS, TORCH, TORCH_KINDS, build_variant, check_equal, split_name, variant_names
@@ -270,7 +269,7 @@ def _theory(kind: str, p: int, m: int, v: int, ops: dict[str, float]) -> dict[st
 
 def _gaps(per_run: list[dict[str, Any]], name: str, side: str) -> dict[str, Any]:
     """The in-step message delays (median, 90th percentile over every run's steps) and, for ours,
-    the median over runs of each category of non-compute time (pipeline_gaps.py), in ms per rank."""
+    the median over runs of each category of non-compute time (pipeline_replay.py idle_breakdown), in ms per rank."""
     delays = sorted(d for s in per_run for d in s[name]["delays_s"])
     pick = (lambda q: delays[min(len(delays) - 1, int(q * len(delays)))] * 1e3) if delays else (lambda q: None)
     idle = {k: statistics.median(s[name]["idle_s"][k] for s in per_run) * 1e3

@@ -42,7 +42,7 @@ def environment(first: dict[str, Any]) -> dict[str, Any]:
             "bubble_theory": "(p-1)/(m+p-1); interleaved (p-1)/(vm+p-1); zb1 (p-1)/(3m+p-1)",
             "activation_bytes": "peak live tensor storage in one step minus what was live at its start, per rank",
             "held_bytes": "live at a step's start beyond data, parameters, gradients and AdamW state, per rank",
-            "message_delay_ms": "producer end to consumer start for inputs the consumer waited for (pipeline_gaps.py)",
+            "message_delay_ms": "producer end to consumer start for inputs the consumer waited for (pipeline_replay.py)",
             "idle_ms_per_rank": "ours: non-compute time within the span by kind, mean over ranks, median over steps and runs",
             "bubble_replay_runtime": "ours: the time-aware replay with the executor's recorded posts (> 50 us) and "
                                      "STEP replayed as CPU work too (evidence for the gap, not a theory)",

@@ -19,8 +19,10 @@ import sys
 from shardlab import __version__
 from shardlab.dist import RankFailure, signals
 
-# Sub-commands, each a module in shardlab.cli with add_parser(subparsers) and run(args) -> int.
-COMMANDS = ["train", "verify", "explain", "memory", "collectives", "bench", "topo", "viz", "checkpoint", "generate", "plan", "data", "doctor"]
+# Sub-commands: name -> the module in shardlab.cli with add_parser(subparsers) and run(args) -> int.
+COMMANDS = {name: f"shardlab.cli.{name}" for name in (
+    "train", "verify", "explain", "memory", "collectives", "bench", "topo", "viz", "checkpoint", "generate", "plan",
+    "data", "doctor")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,11 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shardlab {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name, module_name in COMMANDS.items():
         try:
-            module = importlib.import_module(f"shardlab.cli.{name}")
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name != f"shardlab.cli.{name}":
+            if exc.name != module_name:
                 raise
             continue
         module.add_parser(sub)
