@@ -1,5 +1,4 @@
-"""Every import inside src/shardlab points down the layers of docs/ARCHITECTURE.md (pure ast; only the
-command table is imported, from cli/main.py).
+"""Every import inside src/shardlab points down the layers of docs/ARCHITECTURE.md (pure ast, no imports run).
 
 Top-level and function-level imports both count (a lazy import is still a dependency), as do imports
 under `if TYPE_CHECKING:` (a type the layer needs from above is an arrow upward all the same). The
@@ -20,14 +19,14 @@ import tokenize
 from functools import cache
 from pathlib import Path
 
-from shardlab.cli.main import COMMANDS
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardlab"
 
 # Top to bottom: a module may import its own layer and the layers after it, never one before it.
 LAYERS = ["cli", "bench", "train", "plan", "checkpoint", "parallel", "models", "comm", "dist", "data"]
-# Modules of the package root: `python -m shardlab` is the CLI; the package's __init__ imports nothing.
-ROOT_LAYER = {"shardlab.__main__": "cli", "shardlab": "data", "shardlab._forkserver": "dist"}
+# Modules of the package root: `python -m shardlab` is the CLI; the package's __init__ and _lazy.py (a
+# package's names loaded on first use) import nothing of shardlab.
+ROOT_LAYER = {"shardlab.__main__": "cli", "shardlab": "data", "shardlab._forkserver": "dist", "shardlab._lazy": "data"}
 
 # Upward imports not yet removed, each with its reason: (importer, imported) -> why. Any other
 # upward import fails the test.
@@ -271,9 +270,34 @@ def unexplained_function_imports() -> list[str]:
     return bad
 
 
+def function_import_reasons() -> dict[str, list[str]]:
+    """The comment that explains each run of imports of shardlab inside a function (on its first line or
+    the line above), with where it stands."""
+    reasons: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        said = {t.start[0]: t.string.lstrip("# ").strip() for t in tokens if t.type == tokenize.COMMENT}
+        imported = import_lines(path)
+        for first, _ in function_imports(module, path):
+            if first - 1 in imported:
+                continue  # explained with the run it belongs to
+            text = said.get(first) or said.get(first - 1)
+            if text:
+                reasons.setdefault(text, []).append(f"{path.relative_to(SRC.parent)}:{first}")
+    return reasons
+
+
+def test_a_reason_to_wait_is_stated_once():
+    # The one general reason (cli/main.py's: commands are imported when run) is written once, in main.py's
+    # docstring; a sentence pasted beside many imports says nothing about any of them.
+    pasted = {text: sites for text, sites in function_import_reasons().items() if len(sites) > 1}
+    assert not pasted, "one comment explaining imports inside functions in several places (hoist them, or say " \
+        "why each waits):\n  " + "\n  ".join(f"{text!r}: {', '.join(sites)}" for text, sites in pasted.items())
+
+
 def test_imports_inside_functions_say_why():
-    # Kept inside a function only for a reason written beside it (a heavy module the command line's
-    # start need not load, an optional dependency); else it belongs at the top of the file.
+    # Kept inside a function only for a reason written beside it (an optional dependency, a module the
+    # command line loads only once a command runs); else it belongs at the top of the file.
     bad = unexplained_function_imports()
     assert not bad, (f"{len(bad)} imports of shardlab inside functions without a reason (a comment on the line "
                      "or above the run of imports it heads); move each to the top of its file, or say why it waits:\n  " +
@@ -298,19 +322,21 @@ def test_files_stay_small():
 
 
 def named_modules(path: Path) -> set[str]:
-    """Modules a file names in a string (`"shardlab.cli.train"`, imported by importlib when needed)."""
-    return {node.value for node in ast.walk(tree(path))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES}
+    """Modules a file names in a string, imported by importlib when needed: a command's run function
+    (`Run("shardlab.cli.viz:run_schedule")`), a package's names loaded on first use (`_EXPORTS`)."""
+    names = {node.value.partition(":")[0] for node in ast.walk(tree(path))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return names & set(MODULES)
 
 
 def unreachable_modules() -> list[str]:
     """Modules of src/shardlab that nothing a user runs or imports loads: not the command line (the
-    `shardlab` script, `python -m shardlab`, and every command cli/main.py names), nor what those
-    import, at the top or in a function, nor the packages above anything imported (a package's
-    __init__ runs first: its names are the package's API)."""
+    `shardlab` script, `python -m shardlab`: cli/main.py, its parsers and the commands they name), nor
+    what those import, at the top, in a function or by name, nor the packages above anything imported
+    (a package's __init__ runs first: its names are the package's API)."""
     graph = import_graph()
     seen: set[str] = set()
-    todo = ["shardlab.__main__", "shardlab.cli.main", *COMMANDS.values()]
+    todo = ["shardlab.__main__", "shardlab.cli.main"]
     while todo:
         module = todo.pop()
         if module in seen:

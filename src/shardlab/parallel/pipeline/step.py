@@ -28,7 +28,7 @@ stages.MLPChunk.activation_shape), the same at every boundary.
 from __future__ import annotations
 
 from shardlab.parallel.pipeline.model import PipelineParallel
-from shardlab.parallel.pipeline.partition import layout_balance
+from shardlab.parallel.pipeline.stages import layout_balance
 from shardlab.parallel.pipeline.stages import PipelineStage, build_stage, plan_split
 from shardlab.parallel.step import Applying, Step
 
