@@ -13,12 +13,13 @@ import shardlab.dist
 from shardlab.checkpoint.save import clear_leftovers
 from shardlab.cli.common import launch_kwargs
 from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, memory and tests use them)
-    check_before_launch, check_data_before_launch, check_resume_before_launch, hf_assignments, ignored_flags)
+    check_before_launch, check_data_before_launch, check_resume_before_launch, hf_assignments, ignored_flags,
+    resolve_before_launch)
 from shardlab.cli.train_report import rank_table, result_table, utilisation_line  # noqa: F401
 from shardlab.dist import signals, under_torchrun
 from shardlab.dist.env import read_torchrun_env
 from shardlab.dist.signals import Terminated
-from shardlab.parallel.layout import layout_steps
+from shardlab.parallel.parallelize import strategies
 from shardlab.parallel.pipeline import plan_split
 from shardlab.parallel.pipeline.stages import layout_balance
 from shardlab.train.config import ConfigError, load_config
@@ -56,8 +57,11 @@ def warmup_capped(cfg, args: argparse.Namespace) -> str | None:
             f"(--set train.warmup_steps=N chooses another)")
 
 
-def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
-    """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags."""
+def resolve_config(args: argparse.Namespace, base: list[str] | None = None, data_vocab: bool = True):
+    """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags.
+    data_vocab: model.vocab_size = 0 filled in from the data, for the commands that read the model
+    section directly (train resolves its run once instead: train/resolve.py, which leaves the
+    configuration as written)."""
     flags = []
     # --model expands to model.* assignments placed before --set, so that --set refines a preset.
     family = model_assignments(args.model) if getattr(args, "model", None) else []
@@ -88,7 +92,7 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     ignored = ignored_flags(args, cfg)
     if ignored:
         raise ConfigError("flags this layout would ignore:\n  - " + "\n  - ".join(ignored))
-    if cfg.model.name == "gpt" and not cfg.model.vocab_size:
+    if data_vocab and cfg.model.name == "gpt" and not cfg.model.vocab_size:
         try:  # the data's vocabulary, padded for tp: what every rank and the dry run will build
             cfg.model.vocab_size = resolve_run(cfg).vocab
         except (OSError, ValueError, ImportError):
@@ -101,16 +105,17 @@ def run(args: argparse.Namespace) -> int:
         print(describe_fields())
         return 0
     try:
-        cfg = resolve_config(args)
+        cfg = resolve_config(args, data_vocab=False)
         for assignment, why in pipeline_adjustments(cfg):
             cfg.override([assignment])
             print(f"shardlab train: {why}", file=sys.stderr)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
-        check_before_launch(cfg, make_out_dir=not args.dry_run)
+        resolved = resolve_before_launch(cfg)  # the one resolution: what every rank runs (cfg stays as written)
+        check_before_launch(resolved.config, make_out_dir=not args.dry_run)
         if args.dry_run:
-            return dry_run(cfg)
-        check_data_before_launch(cfg)
-        for note in check_resume_before_launch(cfg):
+            return dry_run(resolved.config)
+        resolved = check_data_before_launch(resolved)
+        for note in check_resume_before_launch(resolved.config):
             print(f"shardlab train: {note}", file=sys.stderr)
     except ConfigError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = shardlab.dist.launch(train_rank, None if under_torchrun() else cfg.world_size, cfg.to_dict(),
+        summary = shardlab.dist.launch(train_rank, None if under_torchrun() else cfg.world_size, resolved,
                          **launch_kwargs(args))[0]
     except Terminated:
         discard_partial_save(cfg)
@@ -185,7 +190,7 @@ def dry_run(cfg) -> int:
     print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
           + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
 
-    print(f"# apply_layout's steps, in order: {', '.join(layout_steps(lay, cfg.sharding))}")
+    print(f"# parallelize applies, in order: {', '.join(strategies(lay, cfg.sharding))}")
 
     # FLOPs from the meta model's shapes; the peak is the one this machine's first device would use.
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

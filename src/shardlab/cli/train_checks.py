@@ -18,7 +18,7 @@ from shardlab.train.config import ConfigError, toml_value
 from shardlab.train.corpus import DataSource, load_corpus
 from shardlab.train.corpus_checks import check_token_ids
 from shardlab.train.loop import checkpoint_dir
-from shardlab.train.resolve import resolve_data, resolve_run
+from shardlab.train.resolve import resolve_run
 from shardlab.train.sections import DataSection
 from shardlab.train.task import empty_model, hf_misfit
 
@@ -94,15 +94,24 @@ def check_before_launch(cfg, make_out_dir: bool = True) -> None:
                     raise ConfigError(str(exc).replace(f"{field} {where}:", f"{field} = {where!r}:", 1)) from None
 
 
-def check_data_before_launch(cfg) -> None:
-    """The data, before any rank starts: text for a tokenizer other than bytes is encoded (once,
-    cached), every id is checked against model.vocab_size (naming the id and the file), and a sample
-    needs a tokenizer to be read. Raises ConfigError."""
-    if cfg.model.name != "gpt":
-        return
+def resolve_before_launch(cfg):
+    """train/resolve.py's Run of `cfg`, resolved once for the ranks (cfg stays as written); a data source
+    that cannot say its vocabulary raises ConfigError naming it."""
     try:
-        resolve_data(cfg)
-        run = resolve_run(cfg)
+        return resolve_run(cfg)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def check_data_before_launch(run):
+    """`run` (train/resolve.py's Run) with its data prepared before any rank starts (text for a tokenizer
+    other than bytes encoded, once, cached: Run.prepared), every id checked against model.vocab_size
+    (naming the id and the file), and a sample needing a tokenizer to be read. Raises ConfigError."""
+    if run.data is None:
+        return run
+    try:
+        run = run.prepared()
+        cfg = run.config
         src, seq = run.data, cfg.model.seq_len
         # As the ranks will read it (a token file is memory-mapped, not read): a corpus too small for
         # the model's windows is refused here, not by every rank after the launch.
@@ -117,6 +126,7 @@ def check_data_before_launch(cfg) -> None:
         raise ConfigError(f"log.sample_tokens = {cfg.log.sample_tokens}: data.source = {cfg.data.source!r} holds raw "
                           f"ids and names no tokenizer to turn samples into text; set data.tokenizer to its "
                           f"tokenizer.json (or .tiktoken) file, or log.sample_tokens = 0")
+    return run
 
 
 def ignored_flags(args, cfg) -> list[str]:
@@ -129,7 +139,7 @@ def ignored_flags(args, cfg) -> list[str]:
     def given(attr: str) -> bool:
         return getattr(args, attr, None) is not None
 
-    replicas = lay.dp * lay.ep * lay.cp
+    replicas = lay.replicas
     if given("dp_mode"):
         if replicas == 1:
             out.append(f"--dp-mode {args.dp_mode}: there are no data-parallel replicas to synchronise "

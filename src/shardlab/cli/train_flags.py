@@ -111,7 +111,7 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
 
 def add_recompute_options(p: argparse.ArgumentParser) -> None:
     """--recompute, for `train` and `verify` (through add_pipeline_options): the commands that build
-    the model through apply_layout, so that no benchmark takes the flag and ignores it."""
+    the model through parallelize, so that no benchmark takes the flag and ignores it."""
     p.add_argument_group("activation recomputation (docs/recompute.md)").add_argument(
         "--recompute", choices=["none", "selective", "full"], default=None,
         help="selective: recompute the attention core (softmax(QK^T)V) in backward; full: each block from its "

@@ -36,14 +36,15 @@ from shardlab.dist import signals
 from shardlab.parallel.layout import batch_rank, build_mesh, replica_group, uses_pipeline
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.precision import autocast_context, get_precision
-from shardlab.train.compile import compile_model
-from shardlab.train.config import Config
+from shardlab.train.applied import applied_everywhere
+from shardlab.train.compile import (compile_model, compiled_everywhere, compiled_target_count, describe_compiled,
+                                    reset_compile_counters)
 from shardlab.train.mfu import FlopsAccounting, run_flops
 from shardlab.train.memory_tracker import MemoryTracker
 from shardlab.train.metrics import MetricsWriter, step_line
 from shardlab.train.plot import plot_loss
 from shardlab.train.prefetch import Prefetcher
-from shardlab.train.resolve import resolve_run
+from shardlab.train.resolve import Run
 from shardlab.train.sample import sample_text
 from shardlab.train.sections import CheckpointSection
 from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
@@ -78,32 +79,25 @@ def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, bat
 
 def layout_name(lay: LayoutSection, micro_batches: int) -> str:
     """'dp 2 (overlap)', 'dp 2 (ZeRO-2) x tp 2 + sp (megatron)', 'pp 4 (1f1b, m 8) x dp 2 (bucketed)',
-    ... for headers and titles (`micro_batches`: train.micro_batches, a pipeline's m)."""
-    text = f"dp {lay.dp} ({'ZeRO-' + str(lay.zero) if lay.zero else lay.dp_mode})"
-    if lay.pp > 1:
-        v = f", v {lay.virtual_stages}" if lay.virtual_stages > 1 else ""
-        text = f"pp {lay.pp} ({lay.schedule}, m {micro_batches}{v}) x " + text
-    for axis in ("ep", "cp"):
-        if getattr(lay, axis) > 1:
-            text += f" x {axis} {getattr(lay, axis)}"
-    if lay.tp > 1 or lay.sp:
-        text += f" x tp {lay.tp}{' + sp' if lay.sp else ''} ({lay.tp_plan})"
+    ... for headers and titles (`micro_batches`: train.micro_batches, a pipeline's m): the layout's own
+    description (LayoutSection.describe), then where it runs and in which precision."""
+    text = lay.describe(micro_batches)
     if lay.nodes > 1:
         text += f" on {lay.nodes} nodes"
     return text + ("" if lay.precision == "fp32" else f", {lay.precision}")
 
 
-def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """Train as configured on this rank; rank 0 returns the run's summary. A stop signal (SIGTERM,
-    SIGHUP, Ctrl-C) ends the run at the next step boundary, on every rank at the same step, with
-    the summary, metrics and plot of the steps done (dist/signals.py)."""
+def train_rank(run: Run) -> dict[str, Any] | None:
+    """Train `run` (resolved once by the launcher, train/resolve.py) on this rank; rank 0 returns the
+    run's summary. A stop signal (SIGTERM, SIGHUP, Ctrl-C) ends the run at the next step boundary, on
+    every rank at the same step, with the summary, metrics and plot of the steps done (dist/signals.py)."""
     with signals.cooperative():
-        return _train(cfg_dict)
+        return _train(run)
 
 
-def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    cfg = Config.from_dict(cfg_dict)
-    run = resolve_run(cfg)  # what will run, decided once: below here, each part takes what it needs
+def _train(run: Run) -> dict[str, Any] | None:
+    # Below here each part takes what it needs of the run; the resolved configuration is only recorded.
+    cfg = run.config
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     t, lay, o = run.train, run.layout, run.optim
@@ -120,11 +114,19 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     # MFU's FLOPs and peak, of the whole model (train/mfu.py).
     flops = run_flops(plain, lay, run.model.seq_len, run.log.peak_tflops, device)
     model = run.apply(plain, mesh)
+    compile_targets, compiled = 0, []  # compiled: each rank's graphs after its first step
     if t.compile:
+        reset_compile_counters()
+        compile_targets = compiled_target_count(model)
         compile_model(model, backend=t.compile_backend)
+    # On CPU the memory tracker is a dispatch mode, under which dynamo skips a frame for good: the
+    # compiled forward would run eagerly from the first logged step on (train/compile.py). CUDA's
+    # tracker reads the allocator and composes.
+    track_memory = run.log.memory and not (t.compile and device.type == "cpu")
     split = model.stage.plan.describe() if uses_pipeline(lay) else None
     del plain  # a pipeline stage holds copies of its layers: the whole model is not kept
     optimizer = make_optimizer(model, o, run.precision)
+    facts = applied_everywhere(model, optimizer)  # what each rank runs, from its live objects (train/applied.py)
     # Identical weights came from the shared seed; from here each dp rank draws its own randomness
     # from torch's generator, and the ranks of a tp group draw alike. Dropout does not depend on it:
     # its masks are hashed from each element's place in the run (models/dropout.py, batch_place).
@@ -151,6 +153,10 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             print(split, flush=True)
         if resumed:
             print(f"resumed from {resumed} at step {start_step}", flush=True)
+        if run.log.memory and not track_memory:
+            print("peak memory not measured: on CPU the memory tracker is a dispatch mode, which would keep "
+                  "torch.compile from tracing the model (train.compile); log.memory = false silences this",
+                  flush=True)
 
     records: list[dict[str, Any]] = []
     window = StepWindow(world, device, lr_of=lambda s: lr_at(s, o, t))
@@ -167,7 +173,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     for step in range(start_step, t.steps):
         inject_fault(step, rank)
         logged = step % t.log_every == 0 or step == t.steps - 1
-        tracker = MemoryTracker(device) if (logged and run.log.memory) else None
+        tracker = MemoryTracker(device) if (logged and track_memory) else None
         window.started()
         if tracker is not None:
             tracker.__enter__()
@@ -177,6 +183,10 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
         window.add(step, res, tracker)
+        if t.compile and step == start_step:  # once: every rank traced its training forward, or the run stops
+            compiled = compiled_everywhere(compile_targets)
+            if rank == 0:
+                print(describe_compiled(compiled, t.compile_backend), flush=True)
         # Every rank stops after the same step: the ranks' stop signals are agreed on the host, by
         # a one-number collective on a CPU group, which never waits for the device.
         stopped_by = stop.agree(signals.requested())
@@ -248,6 +258,9 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         summary["final_val_bits_per_byte"] = summary["final_val_loss"] / math.log(2) / task.bytes_per_token
     if resumed:
         summary["resumed_from"] = resumed
+    summary["applied"] = facts
+    if t.compile:
+        summary["compiled"] = compiled
     # Where every rank sat and what it paid: its mesh coordinates, peak memory, communication share.
     shares = [r["comm_wait_share_per_rank"] for r in records]
     summary["ranks"] = [{"rank": r, "coords": mesh.coords(r), "node": mesh.node_of(r),
