@@ -31,6 +31,9 @@ OUTPUT = re.compile(r"--(?:json|csv|plot|markdown|out|output|profile|gantt|emit-
 FOREIGN = {
     "calculon/llm/validation.py": "Calculon's repository (docs/planner.md)",
     "docs/source/performance/performance_summary.md": "NVIDIA NeMo's repository (docs/planner.md)",
+    "benchmarks/llama3_h100_202412_torchtitan.md": "torchtitan's repository (docs/planner.md, Stacks)",
+    "benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md": "torchtitan's repository (docs/planner.md, Stacks)",
+    "benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md": "torchtitan's repository (docs/planner.md, Stacks)",
 }
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)

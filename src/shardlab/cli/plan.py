@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, replace
+import datetime
 import json
+from pathlib import Path
 import sys
 
 from shardlab.bench.gpu_calibrate import calibrate_gpu
@@ -15,12 +17,17 @@ from shardlab.plan.calibrate import save_calibration
 from shardlab.plan.compare_report import print_comparison
 from shardlab.plan.devices import match_device
 from shardlab.plan.execution import TORCHTITAN_OP, Execution, LayoutError
-from shardlab.plan.gpu_calibration import fit_calibration
+from shardlab.plan.gpu_calibration import calibration_runs, fit_calibration, stack_runs_table
 from shardlab.plan.hardware import PRESETS
+from shardlab.plan.models import spec_from_config
 from shardlab.plan.plot import plot_breakdown
 from shardlab.plan.report import explain, format_one, format_ranked, result_json
 from shardlab.plan.report_h100 import print_comm_validation, print_h100_validation
+from shardlab.plan.runs import runs_from_table
 from shardlab.plan.search import evaluate, search
+from shardlab.plan.stack_report import print_stack_fits
+from shardlab.plan.stack_use import stack_use
+from shardlab.plan.stackfit import scaled
 from shardlab.plan.validate_local import trainer_layout
 from shardlab.plan.validate_report import print_validation
 from shardlab.train.config import load_config
@@ -49,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.validate_comm:
         return print_comm_validation(args.json)
+    if args.fit_stacks:
+        return print_stack_fits(args.fit_stacks, args.json)
     if args.validate_h100:
         return print_h100_validation(args.json, args.plot)
     try:
@@ -114,38 +123,51 @@ def run(args: argparse.Namespace) -> int:
           f"global batch {gb} x {spec.seq_len} tokens, {base.precision}")
     if hw.network:
         print("network: " + "; ".join(lv.describe() for lv in hw.network))
+
+    use = stack_use(args.stack, hw, spec, base.precision, _calibration_runs(args))
+    hw = scaled(hw, use.values)
+    print("\n".join(use.describe()))
     if base.recompute == "selective" and spec.attention == "flash" and not base.recompute_keep:
         print("note: --recompute selective changes nothing here: with flash attention no s x s tensors are kept "
               "(the fused kernel already recomputes them in its backward); memory and time are as without it")
-    if args.config and hw.kernels is not None and base.step_overhead_s == 0:
+    if args.config and hw.kernels is not None and base.step_overhead_s == 0 and args.stack != "shardlab":
         print("note: the step below is the GPU's kernels (a compiled stand-alone step); shardlab train's own loop "
               "measured on one H200 (2026-11-28) added 85 ms per step beyond them: --step-overhead-ms 85 includes it "
               "(docs/planner.md, 'One GPU')")
     try:
         if single:
-            return _one(spec, base, hw, gpus, gb, args, config)
-        return _search(spec, base, set(given), hw, gpus, gb, args, config)
+            return _one(spec, base, hw, gpus, gb, args, config, use)
+        return _search(spec, base, set(given), hw, gpus, gb, args, config, use)
     except LayoutError as exc:
         print(f"shardlab plan: {exc}", file=sys.stderr)
         return 2
 
 
-def _one(spec, lay, hw, gpus, gb, args, config=None) -> int:
+def _calibration_runs(args: argparse.Namespace) -> tuple:
+    """The `shardlab` stack's runs a --calibration file from --calibrate-gpu carries (none otherwise)."""
+    if not args.calibration or args.hardware == "this-cpu":
+        return ()
+
+    return calibration_runs(args.calibration)
+
+
+def _one(spec, lay, hw, gpus, gb, args, config=None, use=None) -> int:
     lay.check(spec, world=gpus, global_batch=gb)
     e = evaluate(spec, lay, hw, gb, args.mem_fraction)
-    print(format_one(e))
+    print(format_one(e, use))
     m = e.memory
     print(f"verdict: {'fits' if e.fits else 'DOES NOT FIT'} ({m.total / 1e9:.1f} GB of {e.capacity / 1e9:.1f} GB "
           f"usable on the busiest rank, pipeline stage {m.stage})")
     if args.json:
         _write(args.json, {"tool": "shardlab plan", "model": asdict(spec), "hardware": hw.to_dict(),
+                           "stack": use.to_dict() if use else None,
                            "gpus": gpus, "global_batch": gb, "evaluation": e.to_dict()})
     if args.emit_config:
         return _emit(spec, lay, gb, args.emit_config, config)
     return 0
 
 
-def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
+def _search(spec, base, pinned, hw, gpus, gb, args, config=None, use=None) -> int:
     admit = None
     if not args.any_layout:
         admit = trainer_rules(spec, gb, config)
@@ -156,11 +178,11 @@ def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
     else:
         print(f"{result.considered:,} layouts considered, {result.fitting:,} fit; of the {result.checked:,} fastest "
               f"checked against the trainer's rules, {len(result.ranked):,} run; the fastest {shown}:")
-    print(format_ranked(result, args.top))
+    print(format_ranked(result, args.top, use))
     print()
-    print("\n".join(explain(result, spec, gpus)))
+    print("\n".join(explain(result, spec, gpus, use=use)))
     if args.json:
-        _write(args.json, result_json(result, spec, hw, gpus, gb))
+        _write(args.json, result_json(result, spec, hw, gpus, gb, use=use))
     if args.plot and result.ranked:
         title = f"{spec.name} on {gpus} x {hw.name}, global batch {gb}: the fastest layouts"
         print(f"wrote {plot_breakdown(result.ranked[:args.top], args.plot, title)}")
@@ -187,6 +209,19 @@ def _emit(spec, lay, gb, path: str, config=None) -> int:
     if refused:
         print("note: the trainer refuses this layout as it stands:\n  - " + "\n  - ".join(refused))
     return 0
+
+
+def _stack_runs(args: argparse.Namespace, preset, device: str) -> dict:
+    """The trainer's measured step (--train-json) as a `shardlab` stack run, and the stack refitted to it."""
+    config = load_config(args.config, [])
+    with open(args.train_json) as f:
+        summary = json.load(f)
+    spec, lay = spec_from_config(config.model), trainer_layout(config)
+    table = stack_runs_table(summary, spec, lay, config.train.global_batch, preset.name, device,
+                             datetime.date.today().isoformat())
+    use = stack_use("shardlab", preset, spec, lay.precision, tuple(runs_from_table(table, Path(args.train_json))))
+    print("\n".join(use.describe()))
+    return table
 
 
 def _write(path: str, data: dict) -> None:
@@ -220,6 +255,12 @@ def _calibrate_gpu(args: argparse.Namespace) -> int:
     else:
         print("note: " + ("a CPU smoke test: " if cal["smoke"] else f"{cal['device']!r} has no preset with a kernel "
                           "model: ") + "the file is written; no preset reads it")
+    if args.train_json:
+        if preset is None or not args.config:
+            print(f"note: --train-json {args.train_json} is not written: it needs --config (the run's model and "
+                  f"layout) and a GPU with a preset")
+        else:
+            cal["stack_runs"] = _stack_runs(args, preset, cal["device"])
     save_calibration(cal, args.calibrate_gpu)
     print(f"wrote {args.calibrate_gpu}")
     return 0

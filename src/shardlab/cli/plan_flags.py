@@ -11,6 +11,7 @@ from shardlab.cli.common import Run
 from shardlab.plan.execution import PRECISIONS, RECOMPUTE, SCHEDULES, SCHEDULE_ALIASES
 from shardlab.plan.hardware import ALIASES, PRESETS as HW
 from shardlab.plan.models import PRESETS as MODELS
+from shardlab.plan.runs import stack_table
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +36,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--hardware", default="a100-80gb",
                    help=f"a cluster preset (default: a100-80gb, DGX A100 nodes on an HDR fat-tree): "
                         f"{', '.join(list(HW) + list(ALIASES))}, or this-cpu (needs --calibration)")
+    stacks = stack_table()
+    c.add_argument("--stack", choices=list(stacks), default="shardlab",
+                   help="the software stack whose speed is predicted, each fitted per GPU generation to its own "
+                        "published runs (plan/data/runs/; rows, errors and sources: docs/planner.md, 'Stacks'); "
+                        "default shardlab (shardlab train, fitted to this project's GPU runs): "
+                        + "; ".join(f"{k}: {v['what']}" for k, v in stacks.items()))
     c.add_argument("--peak-tflops", type=float, default=None,
                    help="dense 16-bit (bf16/fp16) peak TFLOP/s per device, replacing the preset's")
     c.add_argument("--memory-gb", type=float, default=None, help="device memory in GB, replacing the preset's")
@@ -120,6 +127,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare with NeMo Framework's published DGX-H100 fp8 table (fit, leave-one-out), Llama 3 "
                         "405B (held out), llm-foundry's H100 bf16 table (leave-one-out), Llama 3's Table 4, and the "
                         "runs measured on one H200 (about 30 s)")
+    o.add_argument("--fit-stacks", default=None, metavar="PATH",
+                   help="refit every stack's scales to the runs in plan/data/runs/, print each stack and "
+                        "generation's rows, leave-one-out error and interval coverage, and write the fits to PATH "
+                        "(the planner reads src/shardlab/plan/data/stack_fits.json; about 10 s)")
     o.add_argument("--validate-comm", action="store_true",
                    help="compare predicted collective times with published nccl-tests bus bandwidths and the TPU "
                         "all-gathers of How to Scale Your Model")
@@ -141,6 +152,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure this GPU (bf16 GEMMs of transformer-layer shapes, fused attention 1k-32k, GELU, "
                         "LayerNorm, fused AdamW; about a minute on an H100) and write PATH, which --calibration reads; "
                         "without CUDA a tiny fp32 sweep on the CPU (a smoke test whose file no preset accepts)")
+    o.add_argument("--train-json", default=None, metavar="PATH",
+                   help="with --calibrate-gpu and --config: `shardlab train --config ... --json PATH`'s summary, "
+                        "measured on this GPU, written into the calibration as a run of the `shardlab` stack; "
+                        "--calibration FILE then fits the default stack to it (the trainer's own speed)")
     o.add_argument("--world-size", type=int, default=2, help="ranks for --calibrate (default 2)")
     o.add_argument("--threads", type=int, default=1,
                    help="threads per rank for --calibrate and --validate-local (default 1)")
