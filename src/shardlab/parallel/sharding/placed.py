@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 import torch.nn as nn
 
 from shardlab.models.moe import MoE
-from shardlab.parallel.pipeline.partition import layout_balance
+from shardlab.parallel.pipeline.stages import layout_balance
 from shardlab.parallel.pipeline.schedules import chunk_owner
 from shardlab.parallel.pipeline.stages import plan_split
 from shardlab.parallel.sharding.plan import Collective, ModulePlan
