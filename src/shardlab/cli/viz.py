@@ -9,7 +9,10 @@ from pathlib import Path
 
 from shardlab.cli.common import add_launch_options, int_list, launch_kwargs, name_list
 from shardlab.parallel.pipeline import ScheduleError, Timeline, bubble_theory, fmt, in_flight_theory, schedule, simulate
-from shardlab.parallel.pipeline.schedules import KINDS, compute_order
+from shardlab.parallel.pipeline.schedules import KINDS, LOOPED, V_KINDS, compute_order
+
+SPLIT = ("zb1", "interleaved-zb", "zbv", "dualpipev")
+"""The schedules whose backward is split into BI and BW: their bubble formulas take those times."""
 
 SCHEDULE_DOC = """\
 Draw a pipeline schedule as planned: every rank's action list (schedules as data) simulated with
@@ -22,11 +25,17 @@ most microbatches each rank holds in flight, and the chart in text; --out writes
   1f1b         PipeDream-flush (Narayanan et al. 2021): the same bubble, at most p - rank in flight
   interleaved  1F1B over v chunks per rank (Megatron-LM): (p-1)/(v m+p-1); needs m divisible by p
   zb1          ZB-H1 (Qi et al. 2023): backward split, weight gradients fill the bubble: (p-1)/(3m+p-1)
+  interleaved-zb  interleaved with ZB-H1's split (Qi et al. 2023): ZB-H1's bubble over v; m divisible by p
+  zbv          ZB-V (Qi et al. 2024): two chunks per rank as a V (r and 2p-1-r), B and W split:
+               (p-1)/(6m+p-1) at equal times, 2p chunk-microbatches in flight (1F1B's memory)
+  dualpipev    DualPipeV (DeepSeek-V3 2024): forwards of one leg paired with backwards of the other,
+               m >= 2p; 2p+1 chunk-microbatches in flight
 
 examples:
   shardlab viz schedule --schedule 1f1b --stages 4 --microbatches 8 --out s.png
   shardlab viz schedule --schedule interleaved --stages 4 --microbatches 8 --virtual-stages 2
   shardlab viz schedule --schedule zb1 --stages 4 --microbatches 8 --actions
+  shardlab viz schedule --schedule zbv --stages 4 --microbatches 8
 """
 
 MEASURE_DOC = """\
@@ -66,7 +75,8 @@ def _common(q: argparse.ArgumentParser, many: bool) -> None:
         q.add_argument("--microbatches", type=int, default=8, help="microbatches per step, m (default: 8)")
     q.add_argument("--stages", type=int, default=4 if not many else 2, help="pipeline stages (ranks), p")
     q.add_argument("--virtual-stages", type=int, default=2, metavar="V",
-                   help="chunks per rank for interleaved, v (ignored by the other schedules; default: 2)")
+                   help="chunks per rank for interleaved and interleaved-zb, v (the V schedules always hold 2; "
+                        "ignored by the others; default: 2)")
     q.add_argument("--out", default=None, metavar="PNG", help="write the Gantt chart here")
     q.add_argument("--trace", default=None, metavar="JSON", help="write the timeline as Chrome-trace JSON "
                                                                  "(chrome://tracing, ui.perfetto.dev)")
@@ -117,7 +127,7 @@ def run_schedule(args: argparse.Namespace) -> int:
     from shardlab.bench.pipeline_gantt import draw_gantt, render_text
 
     p, m = args.stages, args.microbatches
-    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    v = args.virtual_stages if args.schedule in LOOPED else 1
     times = _times(args.times)
     try:
         plan = schedule(args.schedule, p, m, v)
@@ -125,10 +135,11 @@ def run_schedule(args: argparse.Namespace) -> int:
     except (ValueError, ScheduleError) as exc:
         print(f"shardlab viz schedule: {exc}", file=sys.stderr)
         return 2
-    t_b, t_w = (times.get("BI", 1.0), times.get("BW", 1.0)) if args.schedule == "zb1" else \
+    t_b, t_w = (times.get("BI", 1.0), times.get("BW", 1.0)) if args.schedule in SPLIT else \
         (times.get("B", 2.0) / 2, times.get("B", 2.0) / 2)
     theory = bubble_theory(args.schedule, p, m, v, times.get("F", 1.0), t_b, t_w)
-    title = f"{args.schedule}: p={p}, m={m}" + (f", v={v}" if v > 1 else "")
+    title = f"{args.schedule}: p={p}, m={m}" + (f", v={v}" if v > 1 else "") + \
+        (" (V: rank r holds chunks r and 2p-1-r)" if args.schedule in V_KINDS else "")
     timeline = Timeline.from_simulation(plan, sim, schedule=args.schedule, stages=p, microbatches=m, virtual=v)
     print(f"{title}: bubble {sim.bubble_fraction():.1%} simulated, {theory:.1%} theory; "
           f"step {sim.makespan:g} time units")
@@ -168,7 +179,7 @@ def run_measure(args: argparse.Namespace) -> int:
             print(f"shardlab viz measure: unknown schedule {kind!r}; expected one of {KINDS}", file=sys.stderr)
             return 2
         for m in args.microbatches:
-            v = args.virtual_stages if kind == "interleaved" else 1
+            v = args.virtual_stages if kind in LOOPED else 1
             try:
                 compute_order(kind, args.stages, m, v)
             except ValueError as exc:

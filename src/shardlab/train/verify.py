@@ -34,6 +34,7 @@ from shardlab.parallel.layout import (
     apply_layout, batch_rank, build_mesh, full_gradients, full_parameters, replica_group,
 )
 from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.pipeline.schedules import chunks_per_rank
 from shardlab.parallel.precision import get_precision
 from shardlab.train.compile import compile_model, compile_stats, fresh_compile_state
 from shardlab.train.config import Config
@@ -82,7 +83,7 @@ def verify_base(layout: LayoutSection, micro_batches: int, model: str) -> list[s
     rows = layout.dp * layout.ep * micro_batches
     if rows > 0 and 12 % rows:
         base.append(f"train.global_batch={rows * math.ceil(12 / rows)}")
-    chunks = layout.pp * layout.virtual_stages
+    chunks = layout.pp * chunks_per_rank(layout.schedule, layout.virtual_stages)
     layers = chunks - 2 if model == "gpt" else chunks
     if layout.pp > 1 and layers > 2:
         base.append(f"model.n_layer={layers}")

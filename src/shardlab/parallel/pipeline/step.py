@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from shardlab.parallel.pipeline.model import PipelineParallel
 from shardlab.parallel.pipeline.partition import layout_balance
+from shardlab.parallel.pipeline.schedules import V_KINDS, chunks_per_rank
 from shardlab.parallel.pipeline.stages import PipelineStage, build_stage, plan_split
 from shardlab.parallel.step import Applying, Step
 
@@ -37,8 +38,10 @@ def _plan(state: Applying) -> None:
     lay = state.layout
     # nccl is fine: the executor posts each step's sends and receives as groups (batch_isend_irecv)
     # that simulation.py proves deadlock-free on NCCL's in-order stream (docs/pipeline.md).
-    state.plans["pp"] = plan_split(state.model, lay.pp, lay.virtual_stages,
-                                   layout_balance(state.model, lay.pp, lay.virtual_stages, lay.stage_layers))
+    # The V schedules hold two chunks per rank placed as a V whatever layout.virtual_stages says (1 or 2).
+    v = chunks_per_rank(lay.schedule, lay.virtual_stages)
+    state.plans["pp"] = plan_split(state.model, lay.pp, v, layout_balance(state.model, lay.pp, v, lay.stage_layers),
+                                   v_shape=lay.schedule in V_KINDS)
 
 
 def _split(state: Applying) -> None:
