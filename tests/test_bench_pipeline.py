@@ -71,6 +71,29 @@ def test_tiny_run_compares_ours_and_torch(pools, tmp_path):
     assert [p.name for p in report.draw_gantts(result, tmp_path / "g", ["ours_1f1b"])] == ["g-p2-ours_1f1b.png"]
 
 
+def test_the_v_and_zero_bubble_schedules_beside_torchs(pools):
+    # ZB-V, DualPipeV and interleaved zero-bubble, ours and torch's, on the same V-placed chunks.
+    cfg = _tiny(kinds=["zbv", "dualpipev", "interleaved-zb"], memory=True)
+    raw = pools(2).run(pipeline_bench_rank, asdict(cfg))[0]
+    names = [f"{side}_{k}" for k in cfg.kinds for side in ("ours", "torch")]
+    assert sorted(raw["check"]) == sorted(names)
+    for figures in raw["check"].values():  # every variant computed the reference's loss and gradients
+        assert figures["loss_rel_err"] <= 1e-5 and figures["grad_rel_err"] <= 1e-5
+    result = aggregate({2: [raw]}, cfg)
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == names
+    for name, r in rows.items():
+        assert r["step_ms_median"] > 0 and len(r["activation_bytes"]) == 2 and min(r["activation_bytes"]) > 0
+        assert r["virtual"] == 2
+        if name.startswith("ours"):
+            assert r["vs"] == name.replace("ours", "torch") and r["ratio"] is not None
+    assert rows["ours_zbv"]["in_flight_theory"] == [4, 4] and rows["ours_dualpipev"]["in_flight_theory"] == [5, 5]
+    # Both sides split the backward: torch's input and weight halves are timed as BI and BW.
+    for name in ("ours_zbv", "torch_zbv", "torch_interleaved-zb"):
+        ops = {e.op for e in result["timelines"][(2, name)].compute()}
+        assert {"BI", "BW"} <= ops, (name, ops)
+
+
 def test_a_variant_with_another_loss_is_refused_before_timing(pools):
     cfg = _tiny(kinds=["1f1b"], loss_scale={"torch_1f1b": 1.01})
     with pytest.raises(RankFailure, match="ours_1f1b does not compute what torch_1f1b does"):
