@@ -7,7 +7,8 @@ import sys
 
 from shardlab.cli.common import add_launch_options, launch_kwargs
 from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, memory and tests use them)
-    check_before_launch, check_data_before_launch, check_resume_before_launch, hf_assignments, ignored_flags)
+    check_before_launch, check_data_before_launch, check_resume_before_launch, hf_assignments, ignored_flags,
+    resolve_before_launch)
 from shardlab.cli.train_report import rank_table, result_table, utilisation_line  # noqa: F401
 from shardlab.dist import signals, under_torchrun
 from shardlab.dist.env import read_torchrun_env
@@ -119,7 +120,7 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
 
 def add_recompute_options(p: argparse.ArgumentParser) -> None:
     """--recompute, for `train` and `verify` (through add_pipeline_options): the commands that build
-    the model through apply_layout, so that no benchmark takes the flag and ignores it."""
+    the model through parallelize, so that no benchmark takes the flag and ignores it."""
     p.add_argument_group("activation recomputation (docs/recompute.md)").add_argument(
         "--recompute", choices=["none", "selective", "full"], default=None,
         help="selective: recompute the attention core (softmax(QK^T)V) in backward; full: each block from its "
@@ -140,10 +141,8 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
                         "pipeline at a time), gpipe (all forwards, then all backwards), 1f1b (default: one forward, "
                         "one backward; activations of at most pp microbatches), interleaved (1F1B over "
                         "--virtual-stages chunks per rank: smaller bubble, more messages; needs --microbatches "
-                        "divisible by --pp), zb1 (zero-bubble ZB-H1: weight gradients deferred into the bubbles), "
-                        "interleaved-zb (interleaved with zb1's split), zbv and dualpipev (two chunks per rank placed "
-                        "as a V, r and 2 pp - 1 - r: ZB-V, and DualPipeV pairing one leg's forward with the other's "
-                        "backward, --microbatches >= 2 --pp) (layout.schedule)")
+                        "divisible by --pp), zb1 (ZB-H1: weight gradients fill the bubbles), interleaved-zb, zbv "
+                        "and dualpipev (ZB-V, DualPipeV: two chunks per rank as a V) (layout.schedule, docs/pipeline.md)")
     g.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step per data-parallel rank: its rows are split into this many; with "
                         "--pp they flow through the stages, the more the smaller the bubble; without, they are "
@@ -211,8 +210,11 @@ def warmup_capped(cfg, args: argparse.Namespace) -> str | None:
             f"(--set train.warmup_steps=N chooses another)")
 
 
-def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
-    """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags."""
+def resolve_config(args: argparse.Namespace, base: list[str] | None = None, data_vocab: bool = True):
+    """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags.
+    data_vocab: model.vocab_size = 0 filled in from the data, for the commands that read the model
+    section directly (train resolves its run once instead: train/resolve.py, which leaves the
+    configuration as written)."""
     flags = []
     # --model expands to model.* assignments placed before --set, so that --set refines a preset.
     family = model_assignments(args.model) if getattr(args, "model", None) else []
@@ -243,7 +245,7 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     ignored = ignored_flags(args, cfg)
     if ignored:
         raise ConfigError("flags this layout would ignore:\n  - " + "\n  - ".join(ignored))
-    if cfg.model.name == "gpt" and not cfg.model.vocab_size:
+    if data_vocab and cfg.model.name == "gpt" and not cfg.model.vocab_size:
         # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.train.resolve import resolve_run
 
@@ -283,16 +285,17 @@ def run(args: argparse.Namespace) -> int:
         print(describe_fields())
         return 0
     try:
-        cfg = resolve_config(args)
+        cfg = resolve_config(args, data_vocab=False)
         for assignment, why in pipeline_adjustments(cfg):
             cfg.override([assignment])
             print(f"shardlab train: {why}", file=sys.stderr)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
-        check_before_launch(cfg, make_out_dir=not args.dry_run)
+        resolved = resolve_before_launch(cfg)  # the one resolution: what every rank runs (cfg stays as written)
+        check_before_launch(resolved.config, make_out_dir=not args.dry_run)
         if args.dry_run:
-            return dry_run(cfg)
-        check_data_before_launch(cfg)
-        for note in check_resume_before_launch(cfg):
+            return dry_run(resolved.config)
+        resolved = check_data_before_launch(resolved)
+        for note in check_resume_before_launch(resolved.config):
             print(f"shardlab train: {note}", file=sys.stderr)
     except ConfigError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
@@ -308,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = launch(train_rank, None if under_torchrun() else cfg.world_size, cfg.to_dict(),
+        summary = launch(train_rank, None if under_torchrun() else cfg.world_size, resolved,
                          **launch_kwargs(args))[0]
     except Terminated:
         discard_partial_save(cfg)
@@ -382,10 +385,10 @@ def dry_run(cfg) -> int:
     print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
           + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
     # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.parallel.layout import layout_steps
+    from shardlab.parallel.parallelize import strategies
     from shardlab.train.mfu import run_flops
 
-    print(f"# apply_layout's steps, in order: {', '.join(layout_steps(lay, cfg.sharding))}")
+    print(f"# parallelize applies, in order: {', '.join(strategies(lay, cfg.sharding))}")
 
     # FLOPs from the meta model's shapes; the peak is the one this machine's first device would use.
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
