@@ -61,6 +61,10 @@ def pipeline_problems(lay: LayoutSection, m: Model, t: Train,
         except ValueError as exc:
             out.append(f"layout.schedule = {kind!r} at {where}, train.micro_batches = {mb}, layout.virtual_stages = "
                        f"{v}: {exc}")
+    if kind in V_KINDS and lay.zero >= 2 and lay.dp > 1:
+        out.append(f"layout.zero = {lay.zero} with layout.schedule = {kind!r}: not supported yet, ZeRO-{lay.zero}'s "
+                   f"gradient reduction over a V stage's two chunks is wrong (verify: gradients off by half their "
+                   f"scale at pp 2, dp 2; docs/pipeline.md); use layout.zero = 1, or a loop schedule")
     v = chunks_per_rank(kind, v)  # the split's chunks per rank (2 for the V, whatever virtual_stages says)
     if lay.stage_layers and meta is not None:
         out += [f"layout.stage_layers = {list(lay.stage_layers)} (model.n_layer = {m.n_layer}, {where} x "
@@ -72,6 +76,15 @@ def pipeline_problems(lay: LayoutSection, m: Model, t: Train,
         if p * v > len(pieces):
             out.append(f"{where} x layout.virtual_stages = {v} = {p * v} chunks, but the {m.name} has only "
                        f"{len(pieces)} pieces to split ({what}): every chunk needs at least one")
+    if meta is not None and lay.recompute != "none" and m.name == "gpt" and p * v <= len(pieces):
+        model = meta(0)
+        plan = plan_split(model, p, v, layout_balance(model, p, v, lay.stage_layers), v_shape=kind in V_KINDS)
+        with_blocks = {plan.owner(c) for c in range(plan.chunks)
+                       if any(plan.pieces[i].startswith("blocks") for i in plan.chunk_range(c))}
+        if len(with_blocks) < p:  # e.g. a V over 2 blocks: rank 0 holds only the embedding and the head
+            out.append(f"layout.recompute = {lay.recompute!r} with {where}, layout.schedule = {kind!r} and model.n_layer "
+                       f"= {m.n_layer}: pipeline rank(s) {sorted(set(range(p)) - with_blocks)} hold no transformer "
+                       f"block to recompute (the split {plan.sizes}); give the model at least one block per chunk")
     if meta is not None and (lay.tp > 1 or lay.sp) and m.name == "mlp" and lay.tp_plan == "megatron" and m.n_layer > 1:
         model = meta(0)
         sizes = (plan_split(model, p, v, layout_balance(model, p, v, lay.stage_layers), v_shape=kind in V_KINDS).sizes
