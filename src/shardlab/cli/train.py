@@ -7,8 +7,10 @@ import sys
 
 from shardlab.cli.common import add_launch_options, launch_kwargs
 from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, memory and tests use them)
-    check_before_launch, check_data_before_launch, check_resume_before_launch, hf_assignments, ignored_flags)
-from shardlab.cli.train_report import rank_table, result_table, utilisation_line  # noqa: F401
+    check_before_launch, check_data_before_launch, check_resume_before_launch, hf_assignments, ignored_flags,
+    make_run_dirs)
+from shardlab.cli.train_report import (  # noqa: F401
+    rank_table, result_table, saved_model_line, utilisation_line)
 from shardlab.dist import signals, under_torchrun
 from shardlab.dist.env import read_torchrun_env
 from shardlab.dist.signals import Terminated
@@ -285,12 +287,13 @@ def run(args: argparse.Namespace) -> int:
             cfg.override([assignment])
             print(f"shardlab train: {why}", file=sys.stderr)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
-        check_before_launch(cfg, make_out_dir=not args.dry_run)
+        check_before_launch(cfg, make_out_dir=False)
         if args.dry_run:
             return dry_run(cfg)
         check_data_before_launch(cfg)
         for note in check_resume_before_launch(cfg):
             print(f"shardlab train: {note}", file=sys.stderr)
+        make_run_dirs(cfg)  # last: a refused launch leaves no empty run directory
     except ConfigError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
@@ -342,6 +345,7 @@ def run(args: argparse.Namespace) -> int:
         print("\nsampled text:\n" + "-" * 60 + "\n" + summary["sample"] + "\n" + "-" * 60)
     print(f"wrote {summary['metrics']}" + (f", {summary['plot']}" if summary.get("plot") else "")
           + f" and TensorBoard events in {summary['out_dir']}/tb" * bool(cfg.log.tensorboard))
+    print(saved_model_line(summary))
     if summary.get("stopped_by"):
         import signal
 

@@ -72,3 +72,14 @@ def rank_table(ranks: list[dict]) -> str:
         table.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in axes), *([str(r["node"])] if nodes else []),
                       mem, f"{r['comm_wait_share']:.0%}")
     return _render(table)
+
+
+def saved_model_line(summary: dict) -> str:
+    """Where the run's model is, and what reads it; or how to make a run leave one."""
+    saved = summary.get("checkpoint")
+    if saved is None:
+        return ("no checkpoint saved (checkpoint.final and checkpoint.every are off): --set checkpoint.final=true "
+                "saves one after the last step, --save-every N every N steps")
+    out = summary["out_dir"]
+    return (f"model saved: {saved} (shardlab generate {out} --prompt \"def \"; "
+            f"shardlab checkpoint export {out} --hf hf-model)")
