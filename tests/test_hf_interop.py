@@ -11,6 +11,7 @@ starts `shardlab train --init-from-hf` with its logits and its loss. Nothing is 
 from __future__ import annotations
 
 import json
+
 import pytest
 import torch
 import torch.nn.functional as F
