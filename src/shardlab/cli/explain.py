@@ -40,7 +40,7 @@ examples:
   shardlab explain --model mlp --tp 2 --set sharding.compute=mlp=tp --json plan.json
   shardlab explain --config configs/gpt-small.toml --dp 2 --tp 2 \\
       --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=tp' --set sharding.params=embed=dp
-  shardlab explain --model gpt --dp 2 --tp 2 --cp 2 \
+  shardlab explain --model gpt --dp 2 --tp 2 --cp 2 \\
       --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=cp' --set sharding.params=embed=dp
   shardlab explain --config configs/gpt-moe-rules.toml     # layers over pp, experts over ep
 """

@@ -25,8 +25,8 @@ Train the GPT (on text, by default the Python standard library's sources on this
 through a tokenizer; or on a token file from `shardlab data prepare`) or the lecture's deep MLP, with
 the parallel layout the configuration or the flags give. model.vocab_size follows the data.
 
-The configuration is resolved in order: built-in defaults, --config FILE, --set overrides, then the
-shortcut flags (--model, --dp, ...). It is validated before any rank starts; errors name the fields.
+The configuration is resolved in order: built-in defaults, --config FILE, --model (its model.*
+assignments), --set overrides, then the shortcut flags (--dp, --steps, ...). It is validated before any rank starts; errors name the fields.
 Every logged step prints loss, learning rate, tokens/s, MFU (where the device's peak is known),
 step time, the share of it spent waiting on communication, and peak tensor memory per rank.
 Outputs in log.out_dir: config.toml, metrics.jsonl (every step), tb/ (TensorBoard), loss.png,

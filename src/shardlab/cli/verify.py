@@ -55,7 +55,7 @@ examples:
   shardlab verify --model mlp --tp 2 --tp-plan lecture     # the lecture's MLP form
   shardlab verify --model gpt --dp 2 --tp 2 --zero 2       # ZeRO-2 over each dp group of a dp x tp mesh
   shardlab verify --model gpt --pp 2 --schedule 1f1b --microbatches 4 --json v.json
-  shardlab verify --model gpt --pp 4 --schedule interleaved --virtual-stages 2 --microbatches 4 \
+  shardlab verify --model gpt --pp 4 --schedule interleaved --virtual-stages 2 --microbatches 4 \\
       --set model.n_layer=6                                # 8 chunks: the GPT needs 6 blocks + 2
   shardlab verify --model mlp --pp 2 --dp 2 --schedule zb1 --microbatches 3   # 4 ranks: pp 2 x dp 2
   shardlab verify --model gpt --tp 2 --sp --set train.compile=true     # compiled blocks against eager

@@ -166,7 +166,9 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     stopped_by = 0  # the stop signal the ranks agreed to end on (0: none)
     for step in range(start_step, t.steps):
         inject_fault(step, rank)
-        logged = step % t.log_every == 0 or step == t.steps - 1
+        # Steps count from 1 on the console: the first, every log_every-th (so step 100's line also
+        # carries its validation loss when eval_every is a multiple) and the last.
+        logged = step == 0 or (step + 1) % t.log_every == 0 or step == t.steps - 1
         tracker = MemoryTracker(device) if (logged and run.log.memory) else None
         window.started()
         if tracker is not None:
@@ -202,7 +204,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
                 with autocast_context(lay.precision, device):
                     rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
             records.append(rec)
-            rec_logged = done % t.log_every == 0 or done == t.steps - 1
+            rec_logged = done == 0 or (done + 1) % t.log_every == 0 or done == t.steps - 1
             if writer is not None:
                 writer.write(rec)
                 if rec_logged or "val_loss" in rec:
