@@ -205,7 +205,7 @@ def _one(spec, lay, hw, gpus, gb, args, config=None) -> int:
         _write(args.json, {"tool": "shardlab plan", "model": asdict(spec), "hardware": hw.to_dict(),
                            "gpus": gpus, "global_batch": gb, "evaluation": e.to_dict()})
     if args.emit_config:
-        return _emit(spec, lay, gb, args.emit_config, config)
+        return _emit(spec, lay, gb, args.emit_config, config, hw.devices_per_node)
     return 0
 
 
@@ -243,17 +243,17 @@ def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
         if not result.ranked:
             print(f"shardlab plan: --emit-config {args.emit_config}: no layout to write", file=sys.stderr)
             return 1
-        return _emit(spec, result.ranked[0].layout, gb, args.emit_config, config)
+        return _emit(spec, result.ranked[0].layout, gb, args.emit_config, config, hw.devices_per_node)
     return 0
 
 
-def _emit(spec, lay, gb, path: str, config=None) -> int:
+def _emit(spec, lay, gb, path: str, config=None, devices_per_node: int = 0) -> int:
     """Write `lay` as a configuration the trainer runs; say so if the trainer's rules refuse it."""
     # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.train.plan_config import write_config
 
     try:
-        refused = write_config(spec, lay, gb, path, config)
+        refused = write_config(spec, lay, gb, path, config, devices_per_node)
     except OSError as exc:
         print(f"shardlab plan: --emit-config {path}: {exc}", file=sys.stderr)
         return 2
