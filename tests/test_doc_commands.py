@@ -26,6 +26,7 @@ tests/test_first_hour.py. A marked line that fails names its page and line.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import re
@@ -218,3 +219,19 @@ def test_no_page_names_a_file_outside_the_repository():
             if "DESIGN.md" in line and not (ROOT / "DESIGN.md").exists():
                 outside.append(f"{page.relative_to(ROOT)}:{n}: DESIGN.md")
     assert not outside, "files the docs name outside the repository:\n  " + "\n  ".join(outside)
+
+
+def _parsers(parser, name="shardlab"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, child in action.choices.items():
+                yield from _parsers(child, f"{name} {sub}")
+
+
+def test_help_examples_keep_their_continuation_lines():
+    """A `\\` ending a line inside a Python string joins the next line to it, indentation and all: the
+    example printed as `--microbatches 4       --set model.n_layer=6` (a flag after a run of spaces)."""
+    joined = [f"{name}: {line.strip()[:100]}" for name, p in _parsers(build_parser())
+              for line in p.format_help().splitlines() if re.search(r"\S {3,}--?[a-z]", line)]
+    assert not joined, "help lines with a continuation joined into them:\n  " + "\n  ".join(joined)

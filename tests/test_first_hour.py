@@ -60,3 +60,18 @@ def test_make_runs_configuration_leaves_a_model_generate_and_export_read_it(pool
     # generate on a run without one says which key or flag makes one.
     assert main(["generate", str(tmp_path / "no-save")]) == 1
     assert "checkpoint.final = true (shardlab train --set checkpoint.final=true" in capsys.readouterr().err
+
+
+def test_a_mistyped_flag_shows_its_commands_usage(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", "configs/gpt-small.toml", "--dp2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: shardlab train ")  # not the top level's
+    assert "shardlab train: error: unrecognized arguments: --dp2" in err
+
+
+def test_a_launch_the_data_check_refuses_leaves_no_run_directory(tmp_path, capsys):
+    (tmp_path / "tiny.txt").write_text("too short for one window\n")
+    out = tmp_path / "runs" / "tiny"
+    assert main(["train", "--set", f'data.source="{tmp_path / "tiny.txt"}"', "--set", f'log.out_dir="{out}"']) == 2
+    assert "fewer than the" in capsys.readouterr().err and not out.parent.exists()
