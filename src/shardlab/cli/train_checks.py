@@ -4,6 +4,8 @@ vocabulary. Each raises ConfigError naming the field and the value."""
 
 from __future__ import annotations
 
+import sys
+
 from shardlab.train.config import ConfigError, toml_value
 from shardlab.train.task import empty_model, hf_misfit
 
@@ -11,8 +13,6 @@ from shardlab.train.task import empty_model, hf_misfit
 def hf_assignments(path: str) -> list[str]:
     """`--init-from-hf DIR` as model.* assignments: the checkpoint's shape, then where to load it from."""
     # lazy: `shardlab --help` imports this file but need not import these modules
-    import sys
-
     from shardlab.checkpoint import CheckpointError
     from shardlab.checkpoint.hf import hf_import_notes, hf_model_fields
 
