@@ -51,7 +51,7 @@ def test_trained_checkpoint_exports_to_transformers_and_dcp(pools, tmp_path, fam
     cfg = load_config(None, [*FAMILIES[family], *SHAPE, *TINY, *layout, "checkpoint.every=2", "checkpoint.async_save=false",
                              f'log.out_dir="{tmp_path / "run"}"'])
     cfg.validate(world_size=2)
-    pools(2).run(train_rank, cfg.to_dict())
+    pools(2).run(train_rank, resolve_run(cfg))
     ckpt = tmp_path / "run" / "checkpoints"
     assert main(["checkpoint", "export", str(ckpt), "--hf", str(tmp_path / "hf"), "--dcp", str(tmp_path / "dcp")]) == 0
 
@@ -125,7 +125,7 @@ def test_training_starts_from_a_transformers_checkpoint(pools, tmp_path, family)
         torch.testing.assert_close(ours(x), logits, rtol=0, atol=1e-5)
         hf_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
     if family == "llama":  # the trainer's first step sees the checkpoint's loss on its first batch
-        summary = pools(1).run(train_rank, cfg.to_dict())[0]
+        summary = pools(1).run(train_rank, resolve_run(cfg))[0]
         assert summary["first_loss"] == pytest.approx(hf_loss, rel=1e-5)
 
     # seq_len 16 of the checkpoint's 64 positions: accepted (GPT-2 keeps the table's first 16 rows).

@@ -136,13 +136,14 @@ def test_a_nonfinite_step_stops_the_run_when_the_window_is_read(pools):
 
 def _wrapped(dp: int, tp: int) -> tuple[str, str]:
     from shardlab.parallel.contract import step_contract
-    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.parallel.layout import build_mesh
+    from shardlab.parallel.parallelize import parallelize
 
     cfg = Config.from_dict(SMALL)
     cfg.set("layout.dp", dp)
     cfg.set("layout.tp", tp)
-    model = apply_layout(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout))
-    model.finish_gradient_sync()  # apply_layout's contract holds unwrapped too (nothing to do)
+    model = parallelize(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout))
+    model.finish_gradient_sync()  # parallelize's contract holds unwrapped too (nothing to do)
     return type(model).__name__, type(step_contract(model).model).__name__
 
 

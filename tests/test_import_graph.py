@@ -222,6 +222,40 @@ def test_no_circles_among_modules():
         "\n  ".join(f"{', '.join(c)}; one circle: {one_cycle(graph, c)}" for c in found)
 
 
+def parallel_unit(module: str) -> str | None:
+    """The part of parallel/ a module belongs to: its strategy's folder, or the loose file itself."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) >= 3 and parts[1] == "parallel" else None
+
+
+def unit_pairs(graph: dict[str, dict[str, int]], unit) -> list[str]:
+    """Pairs of units (folders, loose files) that import each other, each with one arrow both ways."""
+    arrows: dict[tuple[str, str], str] = {}
+    for module, targets in graph.items():
+        for target, line in targets.items():
+            a, b = unit(module), unit(target)
+            if a and b and a != b:
+                arrows.setdefault((a, b), f"{module} (line {line}) -> {target}")
+    return sorted(f"{a} <-> {b}: {arrows[a, b]}; {arrows[b, a]}" for a, b in arrows if a < b and (b, a) in arrows)
+
+
+def test_unit_pairs_are_found():
+    graph = {"shardlab.parallel.a.x": {"shardlab.parallel.b.y": 3}, "shardlab.parallel.b.y": {},
+             "shardlab.parallel.b.z": {"shardlab.parallel.a.w": 5}, "shardlab.parallel.a.w": {},
+             "shardlab.parallel.c": {"shardlab.parallel.a.w": 1}}
+    assert unit_pairs(graph, parallel_unit) == [
+        "shardlab.parallel.a <-> shardlab.parallel.b: shardlab.parallel.a.x (line 3) -> shardlab.parallel.b.y; "
+        "shardlab.parallel.b.z (line 5) -> shardlab.parallel.a.w"]
+
+
+def test_no_two_parts_of_parallel_import_each_other():
+    # Each strategy's folder (and each loose file of parallel/) is a unit; what combines strategies
+    # (parallelize.py, replicas.py) sits beside them, so the arrows between units run one way.
+    found = unit_pairs(import_graph(), parallel_unit)
+    assert not found, "parts of parallel/ that import each other (move what combines them out of the folder):\n  " + \
+        "\n  ".join(found)
+
+
 def function_imports(module: str, path: Path) -> list[tuple[int, int]]:
     """(first line, last line) of every import statement of shardlab inside a function of `module`."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]

@@ -109,8 +109,9 @@ def _trainer(cfg_dict: dict[str, dict[str, Any]], steps: int) -> dict[str, int]:
     cfg = copy.deepcopy(cfg_dict)
     cfg["train"]["steps"] = steps
     cfg["log"]["out_dir"] = f"{cfg['log']['out_dir']}/steps-{steps}"  # each run its own directory
+    run = resolve_run(Config.from_dict(cfg))  # as the launcher does, before the ranks count
     with counting() as counts:
-        train_rank(cfg)
+        train_rank(run)
     return counts
 
 
@@ -158,8 +159,9 @@ def _sites(cfg_dict: dict[str, dict[str, Any]], steps: int) -> Counter[str]:
     cfg["train"]["steps"] = steps
     cfg["log"]["out_dir"] = f"{cfg['log']['out_dir']}/steps-{steps}"
     sites: Counter[str] = Counter()
+    run = resolve_run(Config.from_dict(cfg))
     with counting_reads(sites):
-        train_rank(cfg)
+        train_rank(run)
     return sites
 
 

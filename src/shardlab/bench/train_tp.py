@@ -5,7 +5,7 @@ the communication each moves and the activation memory each holds: `shardlab ben
 
 Variants, all on the same plain GPT from the same seed, trained on the same batches:
 
-  tp           ours: parallel/layout.py's apply_layout (GPT_PLAN over the mesh's tp axis, then the
+  tp           ours: parallel/layout.py's parallelize (GPT_PLAN over the mesh's tp axis, then the
                data-parallel wrapper over its dp axis), stepped by the trainer's train_step
   tp_sp        the same with sequence parallelism
   torch_tp     torch's ColwiseParallel/RowwiseParallel plan (bench/torch_tp.py), loss_parallel
@@ -56,7 +56,8 @@ from shardlab.bench.train_timing import DrawnBatches, timed_steps
 from shardlab.comm.autograd import count_comm
 from shardlab.comm.validate import validation_off
 from shardlab.dist.env import synchronize
-from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.parallel.layout import build_mesh
+from shardlab.parallel.parallelize import parallelize
 from shardlab.parallel.sharding import ShardingSection
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
@@ -120,9 +121,9 @@ def build(variant: str, s: Setup, n_layer: int | None = None) -> tuple[nn.Module
         model = ttp.torch_tensor_parallel(model, s.torch_mesh, uses_sp(variant), permute_kv=variant != WRONG_KV)
         return model, ttp.torch_optimizer(model, run.optim)
     if variant in DECL_RULES:
-        model = apply_layout(model, run.layout, s.mesh, ShardingSection(compute=DECL_RULES[variant]))
+        model = parallelize(model, run.layout, s.mesh, ShardingSection(compute=DECL_RULES[variant]))
     else:
-        model = apply_layout(model, dataclasses.replace(run.layout, sp=uses_sp(variant)), s.mesh)
+        model = parallelize(model, dataclasses.replace(run.layout, sp=uses_sp(variant)), s.mesh)
     return model, make_optimizer(model, run.optim, run.precision)
 
 

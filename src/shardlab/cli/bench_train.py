@@ -44,7 +44,7 @@ layout.bucket_mb sets every variant's bucket size (DDP's bucket_cap_mb) and layo
 variants' all-reduce (DDP always uses the backend's). layout.dp_mode is ignored: see --variants.
 
 Tensor parallelism (--tp N, world size dp x tp, dp 1 unless set): our tensor parallelism (tp, and
-tp_sp with sequence parallelism: the trainer's apply_layout) beside torch's DTensor parallelize_module
+tp_sp with sequence parallelism: the trainer's parallelize) beside torch's DTensor parallelize_module
 with ColwiseParallel/RowwiseParallel on the same GPT (torch_tp, and torch_tp_sp with SequenceParallel
 norms), each ratio to torch's version of the same layout. Before timing, every variant's loss (at
 step 0 and after one AdamW step) must equal one process's on the same batch, else nothing is timed.

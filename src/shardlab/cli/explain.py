@@ -84,7 +84,7 @@ def explain(cfg: Any, hardware: str) -> dict[str, Any]:
 
     lay, t = cfg.layout, cfg.train
     model = empty_model(cfg.model, resolve_run(cfg).vocab)
-    rows = max(1, t.global_batch // max(1, lay.dp * lay.ep * t.micro_batches))  # per batch rank (dp x ep)
+    rows = max(1, t.global_batch // max(1, lay.batch_ranks * t.micro_batches))  # per batch rank (dp x ep)
     itemsize = 2 if lay.precision in ("bf16", "fp16") else 4
     plan = derive(model, rules_of(cfg.sharding), mesh_sizes(lay), rows=rows, itemsize=itemsize,
                   micro_batches=t.micro_batches, zero=lay.zero, virtual_stages=lay.virtual_stages,

@@ -8,9 +8,8 @@ import sys
 from shardlab.cli.common import add_launch_options, launch_kwargs
 from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, memory and tests use them)
     check_before_launch, check_data_before_launch, check_resume_before_launch, hf_assignments, ignored_flags,
-    make_run_dirs)
-from shardlab.cli.train_report import (  # noqa: F401
-    rank_table, result_table, saved_model_line, utilisation_line)
+    make_run_dirs, resolve_before_launch)
+from shardlab.cli.train_report import closing_lines, rank_table, result_table, utilisation_line  # noqa: F401
 from shardlab.dist import signals, under_torchrun
 from shardlab.dist.env import read_torchrun_env
 from shardlab.dist.signals import Terminated
@@ -121,7 +120,7 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
 
 def add_recompute_options(p: argparse.ArgumentParser) -> None:
     """--recompute, for `train` and `verify` (through add_pipeline_options): the commands that build
-    the model through apply_layout, so that no benchmark takes the flag and ignores it."""
+    the model through parallelize, so that no benchmark takes the flag and ignores it."""
     p.add_argument_group("activation recomputation (docs/recompute.md)").add_argument(
         "--recompute", choices=["none", "selective", "full"], default=None,
         help="selective: recompute the attention core (softmax(QK^T)V) in backward; full: each block from its "
@@ -210,8 +209,11 @@ def warmup_capped(cfg, args: argparse.Namespace) -> str | None:
             f"(--set train.warmup_steps=N chooses another)")
 
 
-def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
-    """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags."""
+def resolve_config(args: argparse.Namespace, base: list[str] | None = None, data_vocab: bool = True):
+    """Defaults, `base` (a command's own defaults), --config, --set, then the shortcut flags.
+    data_vocab: model.vocab_size = 0 filled in from the data, for the commands that read the model
+    section directly (train resolves its run once instead: train/resolve.py, which leaves the
+    configuration as written)."""
     flags = []
     # --model expands to model.* assignments placed before --set, so that --set refines a preset.
     family = model_assignments(args.model) if getattr(args, "model", None) else []
@@ -242,7 +244,7 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None):
     ignored = ignored_flags(args, cfg)
     if ignored:
         raise ConfigError("flags this layout would ignore:\n  - " + "\n  - ".join(ignored))
-    if cfg.model.name == "gpt" and not cfg.model.vocab_size:
+    if data_vocab and cfg.model.name == "gpt" and not cfg.model.vocab_size:
         # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.train.resolve import resolve_run
 
@@ -282,18 +284,19 @@ def run(args: argparse.Namespace) -> int:
         print(describe_fields())
         return 0
     try:
-        cfg = resolve_config(args)
+        cfg = resolve_config(args, data_vocab=False)
         for assignment, why in pipeline_adjustments(cfg):
             cfg.override([assignment])
             print(f"shardlab train: {why}", file=sys.stderr)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
-        check_before_launch(cfg, make_out_dir=False)
+        resolved = resolve_before_launch(cfg)  # the one resolution: what every rank runs (cfg stays as written)
+        check_before_launch(resolved.config, make_out_dir=False)
         if args.dry_run:
-            return dry_run(cfg)
-        check_data_before_launch(cfg)
-        for note in check_resume_before_launch(cfg):
+            return dry_run(resolved.config)
+        resolved = check_data_before_launch(resolved)
+        for note in check_resume_before_launch(resolved.config):
             print(f"shardlab train: {note}", file=sys.stderr)
-        make_run_dirs(cfg)  # last: a refused launch leaves no empty run directory
+        make_run_dirs(resolved.config)  # last: a refused launch leaves no empty run directory
     except ConfigError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
@@ -308,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = launch(train_rank, None if under_torchrun() else cfg.world_size, cfg.to_dict(),
+        summary = launch(train_rank, None if under_torchrun() else cfg.world_size, resolved,
                          **launch_kwargs(args))[0]
     except Terminated:
         discard_partial_save(cfg)
@@ -343,9 +346,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + rank_table(summary["ranks"]))
     if summary.get("sample"):
         print("\nsampled text:\n" + "-" * 60 + "\n" + summary["sample"] + "\n" + "-" * 60)
-    print(f"wrote {summary['metrics']}" + (f", {summary['plot']}" if summary.get("plot") else "")
-          + f" and TensorBoard events in {summary['out_dir']}/tb" * bool(cfg.log.tensorboard))
-    print(saved_model_line(summary))
+    print(closing_lines(summary, cfg.log.tensorboard))
     if summary.get("stopped_by"):
         import signal
 
@@ -383,10 +384,10 @@ def dry_run(cfg) -> int:
     print(f"# {cfg.model.name}: {total:,} parameters ({trainable:,} trainable), world size {cfg.world_size}"
           + (f" ({' x '.join(degrees)})" if len(degrees) > 1 else ""))
     # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.parallel.layout import layout_steps
+    from shardlab.parallel.parallelize import strategies
     from shardlab.train.mfu import run_flops
 
-    print(f"# apply_layout's steps, in order: {', '.join(layout_steps(lay, cfg.sharding))}")
+    print(f"# parallelize applies, in order: {', '.join(strategies(lay, cfg.sharding))}")
 
     # FLOPs from the meta model's shapes; the peak is the one this machine's first device would use.
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

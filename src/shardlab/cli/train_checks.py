@@ -114,20 +114,31 @@ def make_run_dirs(cfg) -> None:
                 raise ConfigError(str(exc).replace(f"{field} {where}:", f"{field} = {where!r}:", 1)) from None
 
 
-def check_data_before_launch(cfg) -> None:
-    """The data, before any rank starts: text for a tokenizer other than bytes is encoded (once,
-    cached), every id is checked against model.vocab_size (naming the id and the file), and a sample
-    needs a tokenizer to be read. Raises ConfigError."""
+def resolve_before_launch(cfg):
+    """train/resolve.py's Run of `cfg`, resolved once for the ranks (cfg stays as written); a data source
+    that cannot say its vocabulary raises ConfigError naming it."""
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.train.resolve import resolve_run
+
+    try:
+        return resolve_run(cfg)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def check_data_before_launch(run):
+    """`run` (train/resolve.py's Run) with its data prepared before any rank starts (text for a tokenizer
+    other than bytes encoded, once, cached: Run.prepared), every id checked against model.vocab_size
+    (naming the id and the file), and a sample needing a tokenizer to be read. Raises ConfigError."""
     # lazy: `shardlab --help` imports this file but need not import these modules
     from shardlab.train.corpus import load_corpus
     from shardlab.train.corpus_checks import check_token_ids
-    from shardlab.train.resolve import resolve_data, resolve_run
 
-    if cfg.model.name != "gpt":
-        return
+    if run.data is None:
+        return run
     try:
-        resolve_data(cfg)
-        run = resolve_run(cfg)
+        run = run.prepared()
+        cfg = run.config
         src, seq = run.data, cfg.model.seq_len
         # As the ranks will read it (a token file is memory-mapped, not read): a corpus too small for
         # the model's windows is refused here, not by every rank after the launch.
@@ -142,6 +153,7 @@ def check_data_before_launch(cfg) -> None:
         raise ConfigError(f"log.sample_tokens = {cfg.log.sample_tokens}: data.source = {cfg.data.source!r} holds raw "
                           f"ids and names no tokenizer to turn samples into text; set data.tokenizer to its "
                           f"tokenizer.json (or .tiktoken) file, or log.sample_tokens = 0")
+    return run
 
 
 def ignored_flags(args, cfg) -> list[str]:
@@ -154,7 +166,7 @@ def ignored_flags(args, cfg) -> list[str]:
     def given(attr: str) -> bool:
         return getattr(args, attr, None) is not None
 
-    replicas = lay.dp * lay.ep * lay.cp
+    replicas = lay.replicas
     if given("dp_mode"):
         if replicas == 1:
             out.append(f"--dp-mode {args.dp_mode}: there are no data-parallel replicas to synchronise "

@@ -74,12 +74,13 @@ def rank_table(ranks: list[dict]) -> str:
     return _render(table)
 
 
-def saved_model_line(summary: dict) -> str:
-    """Where the run's model is, and what reads it; or how to make a run leave one."""
-    saved = summary.get("checkpoint")
+def closing_lines(summary: dict, tensorboard: bool) -> str:
+    """What the run wrote, then where its model is and what reads it (or how to make a run leave one)."""
+    wrote = (f"wrote {summary['metrics']}" + (f", {summary['plot']}" if summary.get("plot") else "")
+             + f" and TensorBoard events in {summary['out_dir']}/tb" * tensorboard)
+    saved, out = summary.get("checkpoint"), summary["out_dir"]
     if saved is None:
-        return ("no checkpoint saved (checkpoint.final and checkpoint.every are off): --set checkpoint.final=true "
-                "saves one after the last step, --save-every N every N steps")
-    out = summary["out_dir"]
-    return (f"model saved: {saved} (shardlab generate {out} --prompt \"def \"; "
-            f"shardlab checkpoint export {out} --hf hf-model)")
+        return wrote + ("\nno checkpoint saved (checkpoint.final and checkpoint.every are off): --set "
+                        "checkpoint.final=true saves one after the last step, --save-every N every N steps")
+    return wrote + (f"\nmodel saved: {saved} (shardlab generate {out} --prompt \"def \"; "
+                    f"shardlab checkpoint export {out} --hf hf-model)")

@@ -1,6 +1,6 @@
 """`train.compile`: torch.compile of the model after the layout is applied, under every layout.
 
-    model = apply_layout(plain, lay, mesh)
+    model = parallelize(plain, lay, mesh)
     compile_model(model, backend="inductor")   # the whole GPT where the layout leaves it plain, else its blocks
 
 The whole GPT (embedding, blocks, final norm, head and loss: one graph, so the vocabulary's

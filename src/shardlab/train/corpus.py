@@ -3,7 +3,8 @@ on them are train/corpus_checks.py).
 
     src = DataSource(cfg.data)      # data.source: its kind decided, a token file's header read once
     src.kind, src.vocab, src.tokenizer  # 'text' | 'tokens' | 'bin'; the data's own vocabulary; its tokenizer
-    encode_text(cfg.data)           # before launch: text for a non-byte tokenizer -> a token file (cached)
+    encode_text(cfg.data)           # before launch: text for a non-byte tokenizer -> a token file (cached):
+                                    # the section that reads it, a copy (the user's is never written)
 
 train/resolve.py calls these once per process and hands the decided values down (its `Run`).
 
@@ -31,7 +32,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -229,9 +230,10 @@ def tokenizer_label(tokenizer: str) -> str:
     return name
 
 
-def encode_text(d: DataSection, progress: bool = True) -> None:
-    """A text source the ranks cannot read as bytes (DataSource.needs_preparing) is encoded into a token
-    file, once (later runs find it under data.cache_dir), which becomes data.source."""
+def encode_text(d: DataSection, progress: bool = True) -> DataSection:
+    """A text source the ranks cannot read as bytes (DataSource.needs_preparing) encoded into a token
+    file, once (later runs find it under data.cache_dir): the data section that reads that file (a
+    copy of `d`, which is left as the user wrote it; train/resolve.py's Run holds the copy)."""
     import fcntl  # POSIX only: imported where a file is locked, not where this module is read
 
     out = prepared_path(d)
@@ -248,7 +250,7 @@ def encode_text(d: DataSection, progress: bool = True) -> None:
             except ValueError as exc:  # a record without the field: name the trainer's key, not the flag
                 raise ValueError(str(exc).replace("--jsonl-field", "data.jsonl_field")) from exc
     print(f"data: {d.source or 'stdlib'} with tokenizer {d.tokenizer!r} -> {out}", flush=True)
-    d.source, d.tokenizer, d.max_bytes = str(out), "", 0
+    return replace(d, source=str(out), tokenizer="", max_bytes=0)
 
 
 def hf_tokenizer_file(init_from_hf: str) -> Path | None:
@@ -259,20 +261,22 @@ def hf_tokenizer_file(init_from_hf: str) -> Path | None:
     return f if f.is_file() else None
 
 
-def adopt_hf_tokenizer(d: DataSection, init_from_hf: str) -> None:
+def adopt_hf_tokenizer(d: DataSection, init_from_hf: str) -> DataSection:
     """A model started from a Hugging Face checkpoint reads its data through the checkpoint's own
     tokenizer.json: its embedding rows mean that tokenizer's ids, and nothing else's. Text left at
     data.tokenizer = 'bytes' (the default) is encoded with it, said in one line; a tokenizer file
     named that is another file (by digest), or 'bpe', is refused; so are a token file or a raw .bin
-    made with another tokenizer (check_hf_vocabulary)."""
+    made with another tokenizer (check_hf_vocabulary). Returns the section to read the data with (a
+    copy where the tokenizer is adopted: `d` is left as the user wrote it)."""
     hf_tok = hf_tokenizer_file(init_from_hf)
     if hf_tok is None or DataSource(d).kind == "tokens":
-        return
+        return d
     if d.tokenizer in ("", "bytes"):
         print(f"data: data.tokenizer = {d.tokenizer!r} -> {hf_tok} (the tokenizer of model.init_from_hf = "
               f"{init_from_hf!r}: its embedding rows are that tokenizer's ids)", flush=True)
-        d.tokenizer = str(hf_tok)
-    elif d.tokenizer == "bpe" or file_digest(Path(d.tokenizer).expanduser()) != file_digest(hf_tok):
+        return replace(d, tokenizer=str(hf_tok))
+    if d.tokenizer == "bpe" or file_digest(Path(d.tokenizer).expanduser()) != file_digest(hf_tok):
         raise ValueError(f"data.tokenizer = {d.tokenizer!r} is not the tokenizer of model.init_from_hf = "
                          f"{init_from_hf!r} ({hf_tok}): the checkpoint's embedding rows are its ids. Leave "
                          f"data.tokenizer at 'bytes' (then {hf_tok.name} is used) or set it to {hf_tok}")
+    return d

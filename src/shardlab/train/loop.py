@@ -39,13 +39,12 @@ from shardlab.parallel.precision import autocast_context, get_precision
 from shardlab.train.applied import applied_everywhere
 from shardlab.train.compile import (compile_model, compiled_everywhere, compiled_target_count, describe_compiled,
                                     reset_compile_counters)
-from shardlab.train.config import Config
 from shardlab.train.mfu import FlopsAccounting, run_flops
 from shardlab.train.memory_tracker import MemoryTracker
 from shardlab.train.metrics import MetricsWriter, step_line
 from shardlab.train.plot import plot_loss
 from shardlab.train.prefetch import Prefetcher
-from shardlab.train.resolve import resolve_run
+from shardlab.train.resolve import Run
 from shardlab.train.sample import sample_text
 from shardlab.train.sections import CheckpointSection
 from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
@@ -80,32 +79,25 @@ def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, bat
 
 def layout_name(lay: LayoutSection, micro_batches: int) -> str:
     """'dp 2 (overlap)', 'dp 2 (ZeRO-2) x tp 2 + sp (megatron)', 'pp 4 (1f1b, m 8) x dp 2 (bucketed)',
-    ... for headers and titles (`micro_batches`: train.micro_batches, a pipeline's m)."""
-    text = f"dp {lay.dp} ({'ZeRO-' + str(lay.zero) if lay.zero else lay.dp_mode})"
-    if lay.pp > 1:
-        v = f", v {lay.virtual_stages}" if lay.virtual_stages > 1 else ""
-        text = f"pp {lay.pp} ({lay.schedule}, m {micro_batches}{v}) x " + text
-    for axis in ("ep", "cp"):
-        if getattr(lay, axis) > 1:
-            text += f" x {axis} {getattr(lay, axis)}"
-    if lay.tp > 1 or lay.sp:
-        text += f" x tp {lay.tp}{' + sp' if lay.sp else ''} ({lay.tp_plan})"
+    ... for headers and titles (`micro_batches`: train.micro_batches, a pipeline's m): the layout's own
+    description (LayoutSection.describe), then where it runs and in which precision."""
+    text = lay.describe(micro_batches)
     if lay.nodes > 1:
         text += f" on {lay.nodes} nodes"
     return text + ("" if lay.precision == "fp32" else f", {lay.precision}")
 
 
-def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """Train as configured on this rank; rank 0 returns the run's summary. A stop signal (SIGTERM,
-    SIGHUP, Ctrl-C) ends the run at the next step boundary, on every rank at the same step, with
-    the summary, metrics and plot of the steps done (dist/signals.py)."""
+def train_rank(run: Run) -> dict[str, Any] | None:
+    """Train `run` (resolved once by the launcher, train/resolve.py) on this rank; rank 0 returns the
+    run's summary. A stop signal (SIGTERM, SIGHUP, Ctrl-C) ends the run at the next step boundary, on
+    every rank at the same step, with the summary, metrics and plot of the steps done (dist/signals.py)."""
     with signals.cooperative():
-        return _train(cfg_dict)
+        return _train(run)
 
 
-def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    cfg = Config.from_dict(cfg_dict)
-    run = resolve_run(cfg)  # what will run, decided once: below here, each part takes what it needs
+def _train(run: Run) -> dict[str, Any] | None:
+    # Below here each part takes what it needs of the run; the resolved configuration is only recorded.
+    cfg = run.config
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     t, lay, o = run.train, run.layout, run.optim

@@ -82,7 +82,7 @@ class ExpertDataParallel(nn.Module):
         self._expert_params = [p for p in experts if p.requires_grad]
         # The record convert_expert_parallel wrote: experts Owned over "ep", what the norm sums over it
         # (under ZeRO-3 with FSDP's entries too: the dense shards' rows over "dp", the experts' over
-        # "edp", their replicas, when FSDP cuts them; parallel/data/factory.py data_placement agrees).
+        # "edp", their replicas, when FSDP cuts them; parallel/replicas.py data_placement agrees).
         self.placement: Placement = module.placement
         if zero == 3:
             self.placement = fsdp_placement(self._wrappers[0], self.placement)

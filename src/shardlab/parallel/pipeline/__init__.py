@@ -15,8 +15,8 @@ deadlock.py its errors and the chain of waits that explains one),
 partition.py and stages.py (the split), splitgrad.py (backward split into BI and BW), executor.py,
 params.py (tied copies, gathering by original name), headers.py (validation mode: the step's
 messages agreed before any is posted), model.py (a stage packaged for the trainer:
-PipelineParallel, its forward-only pass and StageOptimizer), step.py (the layout's pipeline step:
-the split planned on the plain model, the stage cut after tp, ep and cp; tp x pp), timeline.py (traces; the charts are bench/pipeline_gantt.py and the
+PipelineParallel, its forward-only pass and StageOptimizer), (parallel/parallelize.py's
+parallelize_stage cuts the stage after tp, ep and cp, the split planned on the plain model; tp x pp), timeline.py (traces; the charts are bench/pipeline_gantt.py and the
 measurement of real runs bench/pipeline_measure.py). See docs/pipeline.md.
 """
 

@@ -8,7 +8,7 @@ evaluation and sampling, the whole model's views for verify, and the stage's opt
     loss = model.run_schedule(x, y, M, on_step=update)   # this replica's batch mean, every stage
     val = model(x_val, y_val)                            # forward only: the loss, every stage
 
-parallel/layout.py builds it from [layout]; train/step.py's `train_step` drives it: the executor's
+parallel/parallelize.py builds it from [layout]; train/step.py's `train_step` drives it: the executor's
 microbatches replace the step's micro-batch loop, and `on_step` (at the schedule's STEP, after the
 tied copies' gradients are summed) does what every layout does after backward: data-parallel sync,
 clipping, the optimizer step.
@@ -149,7 +149,7 @@ class PipelineParallel(nn.Module):
     the stage's plan gives the stages and the virtual chunks per rank), with `data_parallel` (a
     DataParallel wrapping the same stage) over its replicas. The microbatch count is the step's:
     a schedule is made and checked the first time each count is asked for. `tp_group`: the stage's
-    layers are tensor-parallel over it (pipeline/step.py); whole views gather over it too."""
+    layers are tensor-parallel over it (parallel/parallelize.py); whole views gather over it too."""
 
     def __init__(self, stage: PipelineStage, kind: str, group: dist.ProcessGroup | None = None,
                  *, data_parallel: nn.Module | None = None, tp_group: dist.ProcessGroup | None | bool = False) -> None:
