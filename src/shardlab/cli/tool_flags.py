@@ -111,7 +111,7 @@ examples:
   shardlab explain --model mlp --tp 2 --set sharding.compute=mlp=tp --json plan.json
   shardlab explain --config configs/gpt-small.toml --dp 2 --tp 2 \\
       --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=tp' --set sharding.params=embed=dp
-  shardlab explain --model gpt --dp 2 --tp 2 --cp 2 \
+  shardlab explain --model gpt --dp 2 --tp 2 --cp 2 \\
       --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=cp' --set sharding.params=embed=dp
   shardlab explain --config configs/gpt-moe-rules.toml     # layers over pp, experts over ep
 """
@@ -355,8 +355,10 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
                     "encoded and does the rest.")
     prep.add_argument("sources", nargs="+", metavar="SOURCE",
                       help="'stdlib' (this machine's Python standard library sources), a directory (its .py, .md, "
-                           ".txt, ... .jsonl and .parquet files, recursively), a glob in quotes ('**' recursive) "
-                           "or a file; .jsonl/.ndjson files hold one document per line, .parquet one per row")
+                           ".txt, ... .jsonl and .parquet files, recursively, also as .gz/.zst), a glob in quotes "
+                           "('**' recursive) or a file. Content decides how a file is read, whatever its name: "
+                           "JSON Lines give one document per line, a JSON array of records one per record, "
+                           "Parquet one per row, gzip and zstd are decompressed, anything else is one text")
     prep.add_argument("--out", "-o", required=True, metavar="FILE", help="the token file to write")
     prep.add_argument("--tokenizer", default="bytes", metavar="bytes|FILE",
                       help="'bytes' (one id per byte, vocabulary 256; the default), a Hugging Face tokenizer.json, "

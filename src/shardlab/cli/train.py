@@ -14,8 +14,8 @@ from shardlab.checkpoint.save import clear_leftovers
 from shardlab.cli.common import launch_kwargs
 from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, memory and tests use them)
     check_before_launch, check_data_before_launch, check_resume_before_launch, hf_assignments, ignored_flags,
-    resolve_before_launch)
-from shardlab.cli.train_report import rank_table, result_table, utilisation_line  # noqa: F401
+    make_run_dirs, resolve_before_launch)
+from shardlab.cli.train_report import closing_lines, rank_table, result_table, utilisation_line  # noqa: F401
 from shardlab.dist import signals, under_torchrun
 from shardlab.dist.env import read_torchrun_env
 from shardlab.dist.signals import Terminated
@@ -111,12 +111,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"shardlab train: {why}", file=sys.stderr)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
         resolved = resolve_before_launch(cfg)  # the one resolution: what every rank runs (cfg stays as written)
-        check_before_launch(resolved.config, make_out_dir=not args.dry_run)
+        check_before_launch(resolved.config, make_out_dir=False)
         if args.dry_run:
             return dry_run(resolved)
         resolved = check_data_before_launch(resolved)
         for note in check_resume_before_launch(resolved.config):
             print(f"shardlab train: {note}", file=sys.stderr)
+        make_run_dirs(resolved.config)  # last: a refused launch leaves no empty run directory
     except ConfigError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
@@ -159,8 +160,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + rank_table(summary["ranks"]))
     if summary.get("sample"):
         print("\nsampled text:\n" + "-" * 60 + "\n" + summary["sample"] + "\n" + "-" * 60)
-    print(f"wrote {summary['metrics']}" + (f", {summary['plot']}" if summary.get("plot") else "")
-          + f" and TensorBoard events in {summary['out_dir']}/tb" * bool(cfg.log.tensorboard))
+    print(closing_lines(summary, cfg.log.tensorboard))
     if summary.get("stopped_by"):
         signum = signal.Signals[summary["stopped_by"]]
         print(f"shardlab train: {signals.describe(signum)}: stopped after {summary['steps']} of "

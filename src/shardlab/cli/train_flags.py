@@ -15,8 +15,8 @@ Train the GPT (on text, by default the Python standard library's sources on this
 through a tokenizer; or on a token file from `shardlab data prepare`) or the lecture's deep MLP, with
 the parallel layout the configuration or the flags give. model.vocab_size follows the data.
 
-The configuration is resolved in order: built-in defaults, --config FILE, --set overrides, then the
-shortcut flags (--model, --dp, ...). It is validated before any rank starts; errors name the fields.
+The configuration is resolved in order: built-in defaults, --config FILE, --model (its model.*
+assignments), --set overrides, then the shortcut flags (--dp, --steps, ...). It is validated before any rank starts; errors name the fields.
 Every logged step prints loss, learning rate, tokens/s, MFU (where the device's peak is known),
 step time, the share of it spent waiting on communication, and peak tensor memory per rank.
 Outputs in log.out_dir: config.toml, metrics.jsonl (every step), tb/ (TensorBoard), loss.png,
@@ -237,7 +237,7 @@ examples:
   shardlab verify --model mlp --tp 2 --tp-plan lecture     # the lecture's MLP form
   shardlab verify --model gpt --dp 2 --tp 2 --zero 2       # ZeRO-2 over each dp group of a dp x tp mesh
   shardlab verify --model gpt --pp 2 --schedule 1f1b --microbatches 4 --json v.json
-  shardlab verify --model gpt --pp 4 --schedule interleaved --virtual-stages 2 --microbatches 4 \
+  shardlab verify --model gpt --pp 4 --schedule interleaved --virtual-stages 2 --microbatches 4 \\
       --set model.n_layer=6                                # 8 chunks: the GPT needs 6 blocks + 2
   shardlab verify --model mlp --pp 2 --dp 2 --schedule zb1 --microbatches 3   # 4 ranks: pp 2 x dp 2
   shardlab verify --model gpt --tp 2 --sp --set train.compile=true     # compiled blocks against eager
