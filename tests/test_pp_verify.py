@@ -71,6 +71,8 @@ def test_the_v_and_interleaved_zero_bubble_schedules_at_two_stages(pools, kind, 
     (['layout.schedule="interleaved-zb"', "train.micro_batches=4"], "needs layout.virtual_stages >= 2"),
     (['layout.schedule="dualpipev"', "train.micro_batches=4", "layout.dp=2", "layout.zero=2"],
      "layout.zero = 2 with layout.schedule = 'dualpipev': not supported yet"),
+    (['layout.schedule="interleaved-zb"', "layout.virtual_stages=2", "train.micro_batches=4", "layout.dp=2",
+      "layout.zero=3"], "layout.zero = 3 with layout.schedule = 'interleaved-zb': not supported yet"),
     (['layout.schedule="zbv"', "train.micro_batches=4", 'layout.recompute="full"', "model.n_layer=2"],
      "pipeline rank(s) [0] hold no transformer block to recompute"),
 ])

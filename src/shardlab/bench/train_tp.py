@@ -53,6 +53,7 @@ import torch.nn as nn
 from shardlab.bench import torch_tp as ttp
 from shardlab.bench.dispatch_cost import dispatch_split, profile_steps
 from shardlab.bench.train_timing import DrawnBatches, timed_steps
+from shardlab.bench.variants import DECL, DECL_SP, TORCH_TP, TORCH_TP_SP, TP, TP_KNOWN, TP_SP, WRONG_KV
 from shardlab.comm.autograd import count_comm
 from shardlab.comm.validate import validation_off
 from shardlab.dist.env import synchronize
@@ -66,12 +67,7 @@ from shardlab.train.step import StepHooks, StepSetup, lr_at, make_optimizer, tra
 from shardlab.train.task import Task
 from shardlab.train.resolve import Run, resolve_run
 
-TORCH_TP, TP, TORCH_TP_SP, TP_SP = "torch_tp", "tp", "torch_tp_sp", "tp_sp"
-WRONG_KV = "torch_tp_naive_kv"
-DECL, DECL_SP = "decl", "decl_sp"
 DECL_RULES = {DECL: "heads=tp, mlp=tp, vocab=tp", DECL_SP: "heads=tp, mlp=tp, vocab=tp, seq=tp"}
-TP_VARIANTS: tuple[str, ...] = (TORCH_TP, TP, TORCH_TP_SP, TP_SP)
-TP_KNOWN: tuple[str, ...] = (*TP_VARIANTS, DECL, DECL_SP, WRONG_KV)
 YARDSTICK = {TP: TORCH_TP, TORCH_TP: TORCH_TP, TP_SP: TORCH_TP_SP, TORCH_TP_SP: TORCH_TP_SP, WRONG_KV: TORCH_TP,
              DECL: TORCH_TP, DECL_SP: TORCH_TP_SP}
 """Each variant's ratio is to torch's version of the same layout (with or without SP)."""

@@ -42,7 +42,7 @@ from shardlab.parallel.expert.layer import convert_expert_parallel
 from shardlab.parallel.expert.rows import route_whole_rows
 from shardlab.parallel.layout import MESH_AXES
 from shardlab.parallel.pipeline.model import PipelineParallel
-from shardlab.parallel.pipeline.partition import layout_balance
+from shardlab.parallel.pipeline.stages import layout_balance
 from shardlab.parallel.pipeline.schedules import V_KINDS, chunks_per_rank
 from shardlab.parallel.pipeline.stages import SplitPlan, build_stage, plan_split
 from shardlab.parallel.placement import MeshAxis, Placement, tied_aliases

@@ -172,7 +172,9 @@ def _train(run: Run) -> dict[str, Any] | None:
     stopped_by = 0  # the stop signal the ranks agreed to end on (0: none)
     for step in range(start_step, t.steps):
         inject_fault(step, rank)
-        logged = step % t.log_every == 0 or step == t.steps - 1
+        # Steps count from 1 on the console: the first, every log_every-th (so step 100's line also
+        # carries its validation loss when eval_every is a multiple) and the last.
+        logged = step == 0 or (step + 1) % t.log_every == 0 or step == t.steps - 1
         tracker = MemoryTracker(device) if (logged and track_memory) else None
         window.started()
         if tracker is not None:
@@ -191,9 +193,9 @@ def _train(run: Run) -> dict[str, Any] | None:
         # a one-number collective on a CPU group, which never waits for the device.
         stopped_by = stop.agree(signals.requested())
         evaluating = not stopped_by and ((t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1)
-        save_every = run.checkpoint.every
-        saving = checkpointer is not None and ((save_every and ((step + 1) % save_every == 0 or step == t.steps - 1))
-                                               or (stopped_by and run.checkpoint.save_on_signal))
+        ck, last = run.checkpoint, step == t.steps - 1
+        saving = checkpointer is not None and ((ck.every and ((step + 1) % ck.every == 0 or last))
+                                               or (ck.final and last) or (stopped_by and ck.save_on_signal))
         if not (logged or evaluating or saving or stopped_by):
             continue
         # Read the window: one synchronisation and one gather for the steps since the last read; a
@@ -212,7 +214,7 @@ def _train(run: Run) -> dict[str, Any] | None:
                 with autocast_context(lay.precision, device):
                     rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
             records.append(rec)
-            rec_logged = done % t.log_every == 0 or done == t.steps - 1
+            rec_logged = done == 0 or (done + 1) % t.log_every == 0 or done == t.steps - 1
             if writer is not None:
                 writer.write(rec)
                 if rec_logged or "val_loss" in rec:
@@ -228,8 +230,10 @@ def _train(run: Run) -> dict[str, Any] | None:
             break
 
     feed.close()
+    saved = None  # the newest checkpoint this run wrote
     if checkpointer is not None:
-        checkpointer.close()  # waits for an asynchronous save still in flight
+        saved = checkpointer.wait()  # an asynchronous save still in flight committed
+        checkpointer.close()
     wall = time.perf_counter() - run_start
     sample = None
     m, log = run.model, run.log
@@ -258,6 +262,8 @@ def _train(run: Run) -> dict[str, Any] | None:
         summary["final_val_bits_per_byte"] = summary["final_val_loss"] / math.log(2) / task.bytes_per_token
     if resumed:
         summary["resumed_from"] = resumed
+    if saved is not None:
+        summary["checkpoint"] = str(saved)
     summary["applied"] = facts
     if t.compile:
         summary["compiled"] = compiled
@@ -299,7 +305,7 @@ def checkpoint_dir(ck: CheckpointSection, out_dir: str | Path) -> Path:
 
 def open_checkpoints(ck: CheckpointSection, root: Path, steps: int, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer) -> tuple[Any, int, str | None]:
-    """The checkpointer (None when checkpoint.every is 0), the step to start from, and the
+    """The checkpointer (None when nothing is ever saved), the step to start from, and the
     checkpoint resumed from (None: afresh), under `root` (checkpoint_dir), for a run of `steps` steps
     (train.steps). Every rank, at the same point: loading is collective.
 
@@ -307,7 +313,7 @@ def open_checkpoints(ck: CheckpointSection, root: Path, steps: int, model: torch
     "latest" takes the newest one that passes and says on rank 0 which newer ones it skipped and
     why; a named one that fails is refused."""
     checkpointer = Checkpointer(root, keep=ck.keep or None, async_save=ck.async_save) \
-        if ck.every or ck.save_on_signal else None
+        if ck.every or ck.final or ck.save_on_signal else None
     if ck.resume == "latest":
         path, skipped = newest_verified(root, agreed=True)
         if skipped and (not dist.is_initialized() or dist.get_rank() == 0):

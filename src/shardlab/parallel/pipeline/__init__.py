@@ -20,18 +20,21 @@ parallelize_stage cuts the stage after tp, ep and cp, the split planned on the p
 measurement of real runs bench/pipeline_measure.py). See docs/pipeline.md.
 """
 
-from shardlab.parallel.pipeline.actions import Action, Schedule, fmt
-from shardlab.parallel.pipeline.simulation import ScheduleError, Simulation, check, simulate
-from shardlab.parallel.pipeline.executor import PipelineExecutor, PipelineResult
-from shardlab.parallel.pipeline.model import PipelineParallel, StageOptimizer, forward_only
-from shardlab.parallel.pipeline.params import (
-    clip_grad_norm_, gather_gradients, gather_parameters, stage_placement, sum_tied_grads,
-)
-from shardlab.parallel.pipeline.schedules import (
-    KINDS, bubble_theory, chunk_owner, compute_order, in_flight_theory, schedule, with_comms,
-)
-from shardlab.parallel.pipeline.stages import PipelineStage, SplitPlan, build_stage, plan_split, split_model
-from shardlab.parallel.pipeline.timeline import Event, Timeline
+from shardlab._lazy import lazy_names
+
+_EXPORTS = {name: module for module, names in {
+    "shardlab.parallel.pipeline.actions": ("Action", "Schedule", "fmt"),
+    "shardlab.parallel.pipeline.simulation": ("ScheduleError", "Simulation", "check", "simulate"),
+    "shardlab.parallel.pipeline.executor": ("PipelineExecutor", "PipelineResult"),
+    "shardlab.parallel.pipeline.model": ("PipelineParallel", "StageOptimizer", "forward_only"),
+    "shardlab.parallel.pipeline.params": ("clip_grad_norm_", "gather_gradients", "gather_parameters",
+                                          "stage_placement", "sum_tied_grads"),
+    "shardlab.parallel.pipeline.schedules": ("KINDS", "bubble_theory", "chunk_owner", "compute_order",
+                                             "in_flight_theory", "schedule", "with_comms"),
+    "shardlab.parallel.pipeline.stages": ("PipelineStage", "SplitPlan", "build_stage", "plan_split", "split_model"),
+    "shardlab.parallel.pipeline.timeline": ("Event", "Timeline"),
+}.items() for name in names}
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 __all__ = [
     "KINDS",

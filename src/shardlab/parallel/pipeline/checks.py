@@ -12,7 +12,8 @@ from typing import Protocol
 import torch.nn as nn
 
 from shardlab.parallel.layout_section import LayoutSection
-from shardlab.parallel.pipeline.partition import layout_balance, model_pieces, stage_layer_problems
+from shardlab.parallel.pipeline.partition import stage_layer_problems
+from shardlab.parallel.pipeline.stages import layout_balance, model_pieces
 from shardlab.parallel.pipeline.schedules import LOOPED, V_KINDS, chunks_per_rank, compute_order
 from shardlab.parallel.pipeline.stages import plan_split
 
@@ -61,10 +62,11 @@ def pipeline_problems(lay: LayoutSection, m: Model, t: Train,
         except ValueError as exc:
             out.append(f"layout.schedule = {kind!r} at {where}, train.micro_batches = {mb}, layout.virtual_stages = "
                        f"{v}: {exc}")
-    if kind in V_KINDS and lay.zero >= 2 and lay.dp > 1:
+    if kind in ("interleaved-zb", *V_KINDS) and lay.zero >= 2 and lay.dp > 1:
         out.append(f"layout.zero = {lay.zero} with layout.schedule = {kind!r}: not supported yet, ZeRO-{lay.zero}'s "
-                   f"gradient reduction over a V stage's two chunks is wrong (verify: gradients off by half their "
-                   f"scale at pp 2, dp 2; docs/pipeline.md); use layout.zero = 1, or a loop schedule")
+                   f"gradient reduction with weight gradients deferred over a stage's two chunks is wrong (verify: "
+                   f"gradients off by half their scale at pp 2, dp 2; docs/pipeline.md); use layout.zero = 1, or "
+                   f"zb1 or interleaved")
     v = chunks_per_rank(kind, v)  # the split's chunks per rank (2 for the V, whatever virtual_stages says)
     if lay.stage_layers and meta is not None:
         out += [f"layout.stage_layers = {list(lay.stage_layers)} (model.n_layer = {m.n_layer}, {where} x "

@@ -48,6 +48,7 @@ from shardlab.parallel.pipeline.timeline import WAIT
 from shardlab.parallel.placement import Placement
 from shardlab.parallel.precision import LossScaler
 from shardlab.parallel.data.zero import ZeroDataParallel
+from shardlab.parallel.expert.zero import ExpertZeroOptimizer
 
 # Above the executor's activation/gradient tags and the tied-weight exchange's, below the tags
 # validation adds to every point-to-point message (comm/p2p.py, from 1 << 20).
@@ -236,9 +237,6 @@ class PipelineParallel(nn.Module):
                                                              **optimizer_kwargs)
         zero = _expert_zero(self.data_parallel)
         if zero is not None:  # experts at ep > 1 under ZeRO-1/2 (or 3, one replica each): one optimizer over both
-            # lazy: `shardlab --help` imports this file but need not import these modules
-            from shardlab.parallel.expert.zero import ExpertZeroOptimizer
-
             return ExpertZeroOptimizer(params, optimizer_cls, *zero, self.placement, **optimizer_kwargs)
         return StageOptimizer(params, optimizer_cls, self.placement, **optimizer_kwargs)
 

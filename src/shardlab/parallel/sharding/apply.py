@@ -17,6 +17,7 @@ from shardlab.parallel.sharding.compile import compile_plan
 from shardlab.parallel.sharding.derive import derive
 from shardlab.parallel.sharding.plan import ShardingPlan
 from shardlab.parallel.sharding.rules import CONTEXT_AXIS, MODEL_AXIS, Rules, ShardingError
+from shardlab.parallel.expert.rows import route_whole_rows
 
 if TYPE_CHECKING:
     from shardlab.parallel.layout_section import LayoutSection
@@ -48,8 +49,6 @@ def apply_sharding(model: nn.Module, layout: "LayoutSection", sharding: "Shardin
     cp_group = mesh.group(CONTEXT_AXIS) if plan.context_axis and layout.cp > 1 else None
     model = compile_plan(model, plan, mesh.group(MODEL_AXIS), base=record, cp_group=cp_group)
     if cp_group is not None:  # a mixture's capacity and load-balancing term are the whole row's
-        from shardlab.parallel.expert.rows import route_whole_rows
-
         route_whole_rows(model, cp_group)
     if plan.fsdp:
         layout = dataclasses.replace(layout, zero=3)
