@@ -7,7 +7,7 @@ per case, each against one process.
 Cases: zbv, dualpipev and interleaved-zb (2 chunks per rank) on the GPT at pp 2 and 4 with
 m = p, 2p and 4p microbatches (dualpipev from m = 2p: it needs two legs' worth in flight); then
 at pp 2, m = 4: each with --dp 2 --zero 1, --dp 2 --zero 2, --dp 2 --zero 3 (untied; ZeRO-2 and 3
-with zbv and dualpipev are refused before launch: ZeRO-2 measured wrong, see docs/pipeline.md),
+with all three are refused before launch: ZeRO-2 measured wrong, see docs/pipeline.md),
 --recompute full, --tp 2, and the MoE GPT with --ep 2 --experts 4. Each line prints the case, its exit status (0: passed) and verify's largest relative
 differences; a case verify refuses before launch prints its reason. CI runs the pp 2 cases only
 (tests/test_pp_verify.py, tests/test_pipeline_executor.py); this is the bigger matrix.
