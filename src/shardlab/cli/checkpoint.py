@@ -135,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
 def export(args: argparse.Namespace) -> int:
     """`shardlab checkpoint export PATH --hf OUT | --dcp OUT`."""
     # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.checkpoint import read_metadata
     from shardlab.checkpoint.format import resolve_checkpoint
 
     if not (args.hf or args.dcp):  # a usage error (exit 2), not a fault of the checkpoint
@@ -148,6 +147,29 @@ def export(args: argparse.Namespace) -> int:
               f"or --overwrite", file=sys.stderr)
         return 2
     path = resolve_checkpoint(args.path)
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.train.run_dir import RunDirError, RunLocks, RunLock
+
+    locks = RunLocks()  # a live run's directory is not written into, --overwrite or not
+    try:
+        for flag, target in (("--hf", args.hf), ("--dcp", args.dcp)):
+            if target and Path(target).is_dir():
+                locks.locks.append(RunLock(target, flag).acquire("shardlab checkpoint export", args.overwrite))
+    except RunDirError as exc:
+        locks.release()
+        print(f"shardlab checkpoint export: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _write_exports(args, path)
+    finally:
+        locks.release()
+    return 0
+
+
+def _write_exports(args: argparse.Namespace, path: Path) -> None:
+    # lazy: `shardlab --help` imports this file but need not import these modules
+    from shardlab.checkpoint import read_metadata
+
     if args.dcp:
         # lazy: `shardlab --help` imports this file but need not import these modules
         from shardlab.checkpoint.dcp import export_dcp
@@ -160,7 +182,6 @@ def export(args: argparse.Namespace) -> int:
 
         for line in export_hf(path, args.hf):
             print(line)
-    return 0
 
 
 def _held_model_files(hf: str | None, dcp: str | None) -> list[str]:

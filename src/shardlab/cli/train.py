@@ -300,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         lock = claim_run_dir(cfg.log.out_dir, str(checkpoint_dir(cfg.checkpoint, cfg.log.out_dir)),
-                             bool(cfg.checkpoint.resume), args.overwrite)
+                             bool(cfg.checkpoint.resume), args.overwrite,
+                             writes_checkpoints=bool(cfg.checkpoint.every or cfg.checkpoint.save_on_signal))
     except RunDirError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
