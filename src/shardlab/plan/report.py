@@ -82,7 +82,10 @@ def explain(result: SearchResult, spec: ModelSpec, gpus: int, alternatives: int 
         close = sum(1 for e in result.ranked if e.time.total_s <= 1.03 * result.ranked[0].time.total_s)
         out.append(f"{close} layout(s) are within 3% of the fastest: the model's error on published runs is "
                    f"about 2% (docs/planner.md), so treat them as ties and choose among them by other needs.")
-    if not result.ranked:
+    if not result.ranked and not (result.misses or result.refused):  # nothing got as far as its memory
+        out.append(f"No layout of {spec.name} on {gpus} devices can be built: every combination was refused "
+                   f"before its memory was counted (below).")
+    elif not result.ranked:
         out.append(f"No layout of {spec.name} on {gpus} devices fits in memory.")
     else:
         best = result.ranked[0]
@@ -115,6 +118,8 @@ def explain(result: SearchResult, spec: ModelSpec, gpus: int, alternatives: int 
 
 
 def _misses(result: SearchResult, gpus: int) -> list[str]:
+    if not result.misses and not result.ranked:
+        return []
     if not result.misses:
         return [f"Every parallel shape has some layout that fits ({len(result.ranked)} fit)."]
     lines = [f"{len(result.misses)} (degrees, ZeRO, recompute) combinations do not fit; for example:"]
