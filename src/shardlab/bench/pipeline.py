@@ -53,7 +53,7 @@ from shardlab.bench.train_timing import timed_steps
 from shardlab.bench.pipeline_variants import OURS, TORCH, TORCH_KINDS, build_variant, check_equal, split_name, variant_names
 from shardlab.parallel.pipeline import Timeline, bubble_theory, compute_order, in_flight_theory
 from shardlab.parallel.pipeline.actions import B, BI, BW, F
-from shardlab.parallel.pipeline.check import simulate
+from shardlab.parallel.pipeline.simulation import simulate
 from shardlab.bench.pipeline_measure import MeasuredModel
 from shardlab.parallel.pipeline.schedules import schedule
 from shardlab.parallel.pipeline.timeline import Event

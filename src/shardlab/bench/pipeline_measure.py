@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel.pipeline.actions import B, BI, BW, F
-from shardlab.parallel.pipeline.check import simulate
+from shardlab.parallel.pipeline.simulation import simulate
 from shardlab.parallel.pipeline.executor import PipelineExecutor
 from shardlab.parallel.pipeline.schedules import bubble_theory, in_flight_theory, schedule
 from shardlab.parallel.pipeline.stages import build_stage, plan_split

@@ -68,7 +68,7 @@ def _timed(fn: Callable[[], object], min_s: float = 0.05, reps: int = 5) -> floa
 
 def probe_rate(seconds: float = 0.15) -> float:
     """FLOP/s of one reference matmul (1024 x 256 x 1024, fp32) run for `seconds`: how fast this
-    rank computes right now. Calibration records it; measure.py takes it again during a run, so a
+    rank computes right now. Calibration records it; plan_measure.py takes it again during a run, so a
     shared machine's change of speed between the two can be told apart from the model's error."""
     a, b = torch.randn(1024, 256), torch.randn(256, 1024)
     a @ b

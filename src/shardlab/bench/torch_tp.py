@@ -18,7 +18,7 @@ The plan (what `shardlab bench train --tp N` runs as torch_tp / torch_tp_sp), ch
               ours; q and kv ColwiseParallel (by heads), proj RowwiseParallel
   mlp         fc ColwiseParallel, proj RowwiseParallel (PrepareModuleInput under SP: one all-gather)
   head        ColwiseParallel over the vocabulary, output kept Shard(-1) and the loss computed under
-              `loss_parallel()` (ours: vocabulary-parallel cross-entropy; neither gathers the logits)
+              `torch.distributed.tensor.parallel.loss_parallel()` (ours: vocabulary-parallel cross-entropy; neither gathers the logits)
 
 Two details of our GPT. Its key/value projection is one fused [k; v] weight: a plain ColwiseParallel
 would give rank 0 every key head and rank 1 every value head. Its rows are permuted first so each

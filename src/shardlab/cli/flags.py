@@ -142,7 +142,7 @@ def _check_can_create_in(flag: str, shown: str, directory: Path) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise FlagError(f"{flag} {shown}: {ancestor} is a file, not a directory, so nothing can be created under it")
-    # A real file, not os.access: access() says yes to root on a read-only file system.
+    # A real file, not os.access: os.access() says yes to root on a read-only file system.
     try:
         with tempfile.TemporaryFile(dir=ancestor, prefix=".shardlab-write-check-"):
             pass

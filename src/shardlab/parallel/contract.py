@@ -1,10 +1,11 @@
 """What a layout hands the training step, as typed objects instead of attributes probed for.
 
-    layout = step_contract(model)          # model: what apply_layout returned, or a plain module
-    optimizer = layout.build_optimizer(groups, torch.optim.AdamW, placement=record, lr=1e-3) if layout.builds_optimizer else ...
-    with layout.no_sync(): ...             # micro-batches before the last: no communication
-    layout.finish_gradient_sync()          # after the last backward (a no-op where there is none)
-    contract = optimizer_contract(opt)     # loss scale, clipping over the ranks that cut the model
+    contract = step_contract(model)        # model: what apply_layout returned, or a plain module
+    build = contract.build_optimizer       # None: any optimizer fits, else the layout's own
+    optimizer = build(groups, torch.optim.AdamW, placement=record, lr=1e-3) if build else ...
+    with contract.no_sync(): ...           # micro-batches before the last: no communication
+    contract.finish_gradient_sync()        # after the last backward (a no-op where there is none)
+    opt = optimizer_contract(optimizer)    # loss scale, clipping over the ranks that cut the model
 
 train/step.py calls these and nothing else of the wrappers: which abilities a layout has is decided
 here once, by the wrapper's type (ours: DataParallel, ZeroDataParallel, FullyShardedDataParallel,

@@ -2,9 +2,9 @@
 parameters, with fp32 master weights when the pieces are in a lower precision, dynamic loss scaling
 for fp16, and gradient clipping over the whole model whether the pieces are shards or not.
 
-A piece is a view of some elements of a parameter (zero.py's and fsdp.py's shards) or the whole
+A piece is a view of some elements of a parameter (data/zero.py's and fsdp.py's shards) or the whole
 parameter (`WholePieces`: one process or plain data parallelism). The layouts differ only in which
-pieces a rank holds and in what follows the step (zero.py gathers the updated parameters; FSDP's
+pieces a rank holds and in what follows the step (data/zero.py gathers the updated parameters; FSDP's
 pieces are its shards and need nothing). So mixed precision and clipping are written once, here:
 
   * masters (precision.py): a piece in bf16/fp16 gets an fp32 copy that the inner optimizer steps;
@@ -89,7 +89,7 @@ def unique_trainable(groups: list[dict[str, Any]]) -> list[nn.Parameter]:
 
 
 class PieceOptimizer(torch.optim.Optimizer):
-    """`optimizer_cls` over this rank's pieces of `layout` (see the module docstring).
+    """`optimizer_cls` over this rank's pieces of `split` (see the module docstring).
 
     `param_groups` are the inner optimizer's (one per given group, options kept), so learning-rate
     schedules work as usual. `loss_scaler`: a LossScaler for fp16; multiply the loss by
@@ -99,7 +99,7 @@ class PieceOptimizer(torch.optim.Optimizer):
     summed over those axes as well (gradnorm.py).
     """
 
-    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], layout: Pieces,
+    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], split: Pieces,
                  group: dist.ProcessGroup | None = None, *, impl: str = comm.TORCH,
                  loss_scaler: LossScaler | None = None, placement: Placement | None = None,
                  **optimizer_kwargs: Any) -> None:
@@ -107,10 +107,10 @@ class PieceOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{optimizer_cls.__name__} is not known to update elements independently; sharding "
                              "it would change its result (supported: "
                              f"{', '.join(c.__name__ for c in ELEMENTWISE)})")
-        self.process_group, self.impl, self.layout, self.loss_scaler = group, impl, layout, loss_scaler
+        self.process_group, self.impl, self.split, self.loss_scaler = group, impl, split, loss_scaler
         self.placement = placement
         groups = param_groups(params)
-        self.pieces: list[Piece] = list(layout.pieces())
+        self.pieces: list[Piece] = list(split.pieces())
         # A low-precision piece is stepped through its fp32 master; an fp32 piece is its own master.
         # Masters start from the fp32 weights apply_precision kept (precision.py), not from the
         # rounded copy; once made, they are the source of truth and the kept copies go.
@@ -119,10 +119,10 @@ class PieceOptimizer(torch.optim.Optimizer):
             if pc.tensor.dtype != torch.float32 else pc.tensor
             for pc in self.pieces
         ]
-        for p in layout.params:
+        for p in split.params:
             set_fp32_source(p, None)
         where = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
-        missing = [tuple(p.shape) for p in layout.params if id(p) not in where]
+        missing = [tuple(p.shape) for p in split.params if id(p) not in where]
         if missing:
             raise ValueError(f"parameters of shapes {missing} are sharded but in no optimizer group")
         inner_groups = [dict(g, params=[]) for g in groups]
@@ -130,7 +130,7 @@ class PieceOptimizer(torch.optim.Optimizer):
             inner_groups[where[id(piece.param)]]["params"].append(master)
         if not any(g["params"] for g in inner_groups):
             # More ranks than elements: this rank owns nothing, but must still take part in the collectives.
-            device = layout.params[0].device if layout.params else None
+            device = split.params[0].device if split.params else None
             inner_groups[0]["params"].append(nn.Parameter(torch.zeros(0, device=device)))
         self.optim = optimizer_cls(inner_groups, **optimizer_kwargs)
         super().__init__([p for g in inner_groups for p in g["params"]], self.optim.defaults)
@@ -145,7 +145,7 @@ class PieceOptimizer(torch.optim.Optimizer):
         """Give each piece's tensor its gradient (a standalone ShardedOptimizer views p.grad)."""
 
     def _after_step(self) -> None:
-        """What the layout does once the pieces are updated (zero.py gathers the parameters)."""
+        """What the split does once the pieces are updated (data/zero.py gathers the parameters)."""
 
     # ------------------------------------------------------------------------------ public API
     @property
@@ -160,9 +160,9 @@ class PieceOptimizer(torch.optim.Optimizer):
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient L2 norm (unscaled), the same on every rank: a collective."""
         self._attach_grads()
-        device = self.layout.params[0].device if self.layout.params else None
+        device = self.split.params[0].device if self.split.params else None
         grads = ((pc.tensor.grad, not pc.replicated, pc.param) for pc in self.pieces if pc.tensor.grad is not None)
-        norm = global_grad_norm(grads, device, dp_group=self.process_group, dp_size=self.layout.world,
+        norm = global_grad_norm(grads, device, dp_group=self.process_group, dp_size=self.split.world,
                                 within_stage=self.placement, across_stages=self.placement)
         self._norm = norm / self.loss_scale
         return self._norm.to(torch.float32)
@@ -235,7 +235,7 @@ class PieceOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._coef, self._norm = None, None
-        for t in [*self.layout.params, *(pc.tensor for pc in self.pieces), *self.masters]:
+        for t in [*self.split.params, *(pc.tensor for pc in self.pieces), *self.masters]:
             if set_to_none:
                 t.grad = None
             elif t.grad is not None:
@@ -243,7 +243,7 @@ class PieceOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part: the inner optimizer's state, the fp32 masters, the loss scaler."""
-        return {"shard": self.optim.state_dict(), "rank": self.layout.rank, "world_size": self.layout.world,
+        return {"shard": self.optim.state_dict(), "rank": self.split.rank, "world_size": self.split.world,
                 "masters": [m.detach().clone() for m in self.master_tensors()],
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
 
@@ -256,9 +256,9 @@ class PieceOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if (state_dict["rank"], state_dict["world_size"]) != (self.layout.rank, self.layout.world):
+        if (state_dict["rank"], state_dict["world_size"]) != (self.split.rank, self.split.world):
             raise ValueError(f"state of rank {state_dict['rank']} of {state_dict['world_size']} cannot load into "
-                             f"rank {self.layout.rank} of {self.layout.world}")
+                             f"rank {self.split.rank} of {self.split.world}")
         mine = self.master_tensors()
         saved = state_dict.get("masters", [])
         if len(saved) != len(mine):

@@ -43,6 +43,14 @@ torch-function mode over the forward rewrites every linear into a deferred-weigh
 holding Python state: dynamo would trace the mode at every call it intercepts, recompile its handler
 per function until its limit, and leave the linears eager.
 
+In the trainer each rank counts what dynamo compiled during its first step (`compiled_everywhere`):
+rank 0 prints the graphs per rank once, summary.json keeps them, and a rank that had blocks to compile
+but traced no graph stops the run. That check exists because compiling can be undone without a word:
+dynamo refuses to trace a frame while a Python dispatch mode is active, and marks that code as skipped
+for every later call (torch/_dynamo/convert_frame.py, "non-infra torch dispatch mode present"). The CPU
+memory tracker is such a mode (train/memory_tracker.py), and the first step is a logged one, so every
+rank trained eagerly until the trainer stopped tracking CPU memory under compile (train/loop.py).
+
 `train.compile_backend`: inductor (the default; a C++ compiler on CPU, Triton on a GPU), aot_eager
 (dynamo's capture and AOTAutograd's graphs with eager kernels: what the CPU tests verify) or eager.
 """
@@ -52,6 +60,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from shardlab.comm.graph_break import prepare_graph_breaks
@@ -153,6 +162,43 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
             # release, sequence parallelism's SumScope), which must run as Python around the graph.
             m.forward = torch.compile(m.forward, **compile_kwargs)
     return model
+
+
+def compiled_target_count(model: nn.Module) -> int:
+    """How many modules `compile_model` compiles in `model`: 1 for the whole GPT, else its blocks (and
+    experts); 0 for a pipeline stage holding only the embedding or the head."""
+    return 1 if whole_model_target(model) is not None else len(compile_targets(model))
+
+
+def reset_compile_counters() -> None:
+    """Count dynamo's graphs from zero (the counters are per process; a rank pool runs many tasks)."""
+    from torch._dynamo.utils import counters  # as in fresh_compile_state: only where compiling is asked for
+
+    counters.clear()
+
+
+def compiled_everywhere(targets: int, group: dist.ProcessGroup | None = None) -> list[dict[str, int]]:
+    """After a rank's first compiled step: every rank's `compile_stats()` (with its `targets`, from
+    `compiled_target_count`), gathered; raises on every rank alike where a rank that had something to
+    compile traced no graph, i.e. trained eagerly (see the module docstring). Called once per run: an
+    object gather, not on the hot path."""
+    mine = {**compile_stats(), "targets": targets}
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    eager = [r for r, s in enumerate(every) if s["targets"] and not s["graphs"]]
+    if eager:
+        raise RuntimeError(
+            f"train.compile: rank(s) {eager} traced no graph during the first step although "
+            f"{every[eager[0]]['targets']} module(s) were compiled there: the training forward ran eagerly "
+            "(a Python dispatch or function mode active at the first call makes dynamo skip the code for good); "
+            "run with TORCH_LOGS=dynamo to see the reason, or set train.compile = false")
+    return every
+
+
+def describe_compiled(every: list[dict[str, int]], backend: str) -> str:
+    """One line: what dynamo compiled on each rank (train prints it once, verify in its report)."""
+    return (f"compiled ({backend}): "
+            + ", ".join(f"rank {r}: {c['graphs']} graphs, {c['graph_breaks']} graph breaks" for r, c in enumerate(every)))
 
 
 def fresh_compile_state() -> None:

@@ -111,7 +111,7 @@ def problems(*, model: ModelSection, data: DataSection, optim: OptimSection, tra
     one_of("optim.on_nonfinite", o.on_nonfinite, ("stop", "skip"))
     positive("optim.loss_scale", o.loss_scale)
     positive("optim.loss_scale_window", o.loss_scale_window)
-    # Each strategy's rules live in its folder (parallel/*/rules.py, parallel/recompute.py), called
+    # Each strategy's rules live in its folder (parallel/*/checks.py, parallel/recompute.py), called
     # once each, here, with the sections' fields they read.
     out += data_parallel_problems(lay, t)
     if log.sample_temperature <= 0:

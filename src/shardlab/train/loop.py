@@ -36,7 +36,9 @@ from shardlab.dist import signals
 from shardlab.parallel.layout import batch_rank, build_mesh, replica_group, uses_pipeline
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.precision import autocast_context, get_precision
-from shardlab.train.compile import compile_model
+from shardlab.train.applied import applied_everywhere
+from shardlab.train.compile import (compile_model, compiled_everywhere, compiled_target_count, describe_compiled,
+                                    reset_compile_counters)
 from shardlab.train.config import Config
 from shardlab.train.mfu import FlopsAccounting, run_flops
 from shardlab.train.memory_tracker import MemoryTracker
@@ -120,11 +122,19 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     # MFU's FLOPs and peak, of the whole model (train/mfu.py).
     flops = run_flops(plain, lay, run.model.seq_len, run.log.peak_tflops, device)
     model = run.apply(plain, mesh)
+    compile_targets, compiled = 0, []  # compiled: each rank's graphs after its first step
     if t.compile:
+        reset_compile_counters()
+        compile_targets = compiled_target_count(model)
         compile_model(model, backend=t.compile_backend)
+    # On CPU the memory tracker is a dispatch mode, under which dynamo skips a frame for good: the
+    # compiled forward would run eagerly from the first logged step on (train/compile.py). CUDA's
+    # tracker reads the allocator and composes.
+    track_memory = run.log.memory and not (t.compile and device.type == "cpu")
     split = model.stage.plan.describe() if uses_pipeline(lay) else None
     del plain  # a pipeline stage holds copies of its layers: the whole model is not kept
     optimizer = make_optimizer(model, o, run.precision)
+    facts = applied_everywhere(model, optimizer)  # what each rank runs, from its live objects (train/applied.py)
     # Identical weights came from the shared seed; from here each dp rank draws its own randomness
     # from torch's generator, and the ranks of a tp group draw alike. Dropout does not depend on it:
     # its masks are hashed from each element's place in the run (models/dropout.py, batch_place).
@@ -151,6 +161,10 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             print(split, flush=True)
         if resumed:
             print(f"resumed from {resumed} at step {start_step}", flush=True)
+        if run.log.memory and not track_memory:
+            print("peak memory not measured: on CPU the memory tracker is a dispatch mode, which would keep "
+                  "torch.compile from tracing the model (train.compile); log.memory = false silences this",
+                  flush=True)
 
     records: list[dict[str, Any]] = []
     window = StepWindow(world, device, lr_of=lambda s: lr_at(s, o, t))
@@ -167,7 +181,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     for step in range(start_step, t.steps):
         inject_fault(step, rank)
         logged = step % t.log_every == 0 or step == t.steps - 1
-        tracker = MemoryTracker(device) if (logged and run.log.memory) else None
+        tracker = MemoryTracker(device) if (logged and track_memory) else None
         window.started()
         if tracker is not None:
             tracker.__enter__()
@@ -177,6 +191,10 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
         window.add(step, res, tracker)
+        if t.compile and step == start_step:  # once: every rank traced its training forward, or the run stops
+            compiled = compiled_everywhere(compile_targets)
+            if rank == 0:
+                print(describe_compiled(compiled, t.compile_backend), flush=True)
         # Every rank stops after the same step: the ranks' stop signals are agreed on the host, by
         # a one-number collective on a CPU group, which never waits for the device.
         stopped_by = stop.agree(signals.requested())
@@ -248,6 +266,9 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         summary["final_val_bits_per_byte"] = summary["final_val_loss"] / math.log(2) / task.bytes_per_token
     if resumed:
         summary["resumed_from"] = resumed
+    summary["applied"] = facts
+    if t.compile:
+        summary["compiled"] = compiled
     # Where every rank sat and what it paid: its mesh coordinates, peak memory, communication share.
     shares = [r["comm_wait_share_per_rank"] for r in records]
     summary["ranks"] = [{"rank": r, "coords": mesh.coords(r), "node": mesh.node_of(r),

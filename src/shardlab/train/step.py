@@ -227,12 +227,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, task: Task, s
     before_update, after_backward = hooks.before_update, hooks.after_backward
     for group in optimizer.param_groups:
         group["lr"] = lr
-    layout, opt = step_contract(model), optimizer_contract(optimizer)
-    inner = layout.inner
+    contract, opt = step_contract(model), optimizer_contract(optimizer)
+    inner = contract.inner
     skip = skip_layer_every and step % skip_layer_every == skip_layer_every - 1
-    skipper = layout.skip_first_layer if layout.skip_first_layer is not None else lambda: skip_layer(inner)
+    skipper = contract.skip_first_layer if contract.skip_first_layer is not None else lambda: skip_layer(inner)
     restore = skipper() if skip else None
-    layout.reset_comm_wait()
+    contract.reset_comm_wait()
     # fp16 loss scaling: gradients come out `scale` times larger; the optimizer divides it back out.
     scale = opt.loss_scale
     norms: list[torch.Tensor] = []
@@ -243,7 +243,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, task: Task, s
         """Everything after the last backward: sync, clip, the optimizer step."""
         if after_backward is not None:
             after_backward()
-        layout.finish_gradient_sync()
+        contract.finish_gradient_sync()
         max_norm = grad_clip if grad_clip > 0 else math.inf  # inf: the norm is still logged, nothing scaled
         if opt.pieces is not None:
             # Sharded, mixed-precision or pipeline-stage optimizers (parallel/optim.py; a stage's is
@@ -267,11 +267,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, task: Task, s
     try:
         compute = autocast_context(precision, device if device is not None else "cpu")
         with compute:
-            loss = _forward_backward(layout, task, step, dp_rank, dp_size, micro_batches, scale, device, update)
+            loss = _forward_backward(contract, task, step, dp_rank, dp_size, micro_batches, scale, device, update)
     finally:
         if restore is not None:
             restore()
-    if layout.pipeline is None:
+    if contract.pipeline is None:
         update()
     skipped: bool | torch.Tensor = bool(outcome.get("dropped")) or opt.last_step_skipped
     if "found_inf" in outcome and on_nonfinite == "skip":
@@ -279,7 +279,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, task: Task, s
     return StepResult(
         loss_tensor=loss,
         grad_norm_tensor=norms[0],
-        comm_wait_s=layout.comm_wait_s(),
+        comm_wait_s=contract.comm_wait_s(),
         seconds=time.perf_counter() - start,
         skipped_flag=skipped,
         loss_scale=scale,
@@ -310,17 +310,17 @@ def _decide_nonfinite(norm: torch.Tensor, optimizer: torch.optim.Optimizer, inne
     return False
 
 
-def _forward_backward(layout: StepContract, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
+def _forward_backward(contract: StepContract, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
                       scale: float, device: torch.device | None, update: Callable[[], None]) -> torch.Tensor:
-    if layout.pipeline is not None:
+    if contract.pipeline is not None:
         # Pipeline: every stage takes the same rows (the first reads the inputs, the last the
         # targets, the others their shapes); the executor splits them into the microbatches.
         x, y = task.batch(step, dp_rank, dp_size)
         if device is not None:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with batch_place(_seed(task), step, dp_rank * x.shape[0]):  # the executor adds each microbatch's rows
-            return layout.pipeline.run_schedule(x, y, micro_batches, on_step=update, loss_scale=scale)
-    return _accumulate(layout, task, step, dp_rank, dp_size, micro_batches, scale, device)
+            return contract.pipeline.run_schedule(x, y, micro_batches, on_step=update, loss_scale=scale)
+    return _accumulate(contract, task, step, dp_rank, dp_size, micro_batches, scale, device)
 
 
 def _seed(task: Task) -> int:
@@ -357,7 +357,7 @@ def nonfinite_gradients(model: nn.Module) -> list[str]:
             if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
 
-def _accumulate(layout: StepContract, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
+def _accumulate(contract: StepContract, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
                 scale: float, device: torch.device | None) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches, communicating only after the last; returns
     the mean loss over the rank's rows."""
@@ -367,13 +367,13 @@ def _accumulate(layout: StepContract, task: Task, step: int, dp_rank: int, dp_si
         if device is not None:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         last = micro == micro_batches - 1
-        quiet = layout.no_sync() if not last else contextlib.nullcontext()
+        quiet = contract.no_sync() if not last else contextlib.nullcontext()
         # Dropout's masks are keyed by the run's seed, the step and the global rows (models/dropout.py):
-        # rank r's micro-batch m starts at row (r M + m) x its rows (train/data.py's split).
+        # rank r's micro-batch m starts at row (r M + m) x its rows (train/batches.py's BatchSampler.batch).
         with quiet, batch_place(_seed(task), step, (dp_rank * micro_batches + micro) * x.shape[0]):
             # Each micro-batch's loss is a mean over its rows; dividing by their count makes
             # the accumulated gradient the mean over the rank's rows, as one pass would give.
-            loss = layout.model(x, y)
+            loss = contract.model(x, y)
             loss = loss / micro_batches if micro_batches > 1 else loss
             (loss * scale if scale != 1.0 else loss).backward()
         # Summed in fp64 on the device: read when the caller wants the number.

@@ -207,7 +207,7 @@ class FullyShardedDataParallel(UnitEngine):
         return self.module(*args, **kwargs)
 
     @property
-    def layout(self) -> FsdpPieces:
+    def split(self) -> FsdpPieces:
         """The optimizer's view: shards and replicated parameters (parallel/expert/zero.py reads it)."""
         return FsdpPieces(self)
 

@@ -55,12 +55,12 @@ class FsdpOptimizer(PieceOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self.layout.fsdp.zero_grad(set_to_none)
+        self.split.fsdp.zero_grad(set_to_none)
 
     def _attach_grads(self) -> None:
         # The shards' gradients come from the end of backward or finish_gradient_sync(): a step
         # before would step nothing (or the last step's gradients), silently.
-        check_synced(self.layout.fsdp, self)
+        check_synced(self.split.fsdp, self)
 
 
 def shards_named(fsdp: Any, record: Placement) -> Placement:

@@ -129,13 +129,13 @@ class ShardedOptimizer(PieceOptimizer):
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
                  group: dist.ProcessGroup | None = None, *, bucket_mb: float = 25.0, impl: str = comm.TORCH,
-                 layout: ShardPieces | None = None, loss_scaler: LossScaler | None = None,
+                 split: ShardPieces | None = None, loss_scaler: LossScaler | None = None,
                  **optimizer_kwargs: Any) -> None:
         groups = param_groups(params)
-        if layout is None:
-            layout = ShardPieces(unique_trainable(groups), dist.get_world_size(group), dist.get_rank(group),
+        if split is None:
+            split = ShardPieces(unique_trainable(groups), dist.get_world_size(group), dist.get_rank(group),
                                  int(bucket_mb * 2**20))
-        super().__init__(groups, optimizer_cls, layout, group, impl=impl, loss_scaler=loss_scaler,
+        super().__init__(groups, optimizer_cls, split, group, impl=impl, loss_scaler=loss_scaler,
                          **optimizer_kwargs)
         # The ZeroDataParallel whose finish_gradient_sync() supplies the reduced gradient chunks (its
         # build_optimizer sets it); None: standalone, taking this rank's pieces of full gradients.
@@ -155,19 +155,19 @@ class ShardedOptimizer(PieceOptimizer):
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """Every rank's updated chunks to every rank, written into the parameters."""
-        gather_chunks(self.layout, self.process_group, self.impl)
+        gather_chunks(self.split, self.process_group, self.impl)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        for bucket in self.layout.buckets:
+        for bucket in self.split.buckets:
             bucket.grad_chunk = None
 
 
 @torch.no_grad()
-def gather_chunks(layout: "ShardPieces", group: dist.ProcessGroup | None, impl: str) -> None:
-    """Every rank's updated chunks of `layout`'s buckets, all-gathered over `group` and written into
+def gather_chunks(split: "ShardPieces", group: dist.ProcessGroup | None, impl: str) -> None:
+    """Every rank's updated chunks of `split`'s buckets, all-gathered over `group` and written into
     the parameters (ZeRO-1/2's step ends with it; parallel/expert/zero.py calls it per kind)."""
-    for bucket in layout.buckets:
+    for bucket in split.buckets:
         p0 = bucket.params[0]
         mine = torch.zeros(bucket.chunk, dtype=p0.dtype, device=p0.device)
         for piece in bucket.pieces:
@@ -196,9 +196,9 @@ class ZeroDataParallel(nn.Module):
         # tied embedding copies, summed over pp at the schedule's end): in buckets of their own,
         # reduced by finish_gradient_sync, as stage 1 reduces every bucket.
         owned = trainable_params(module) if params is None else [p for p in params if p.requires_grad]
-        self.layout = ShardPieces(owned, dist.get_world_size(group), dist.get_rank(group), int(bucket_mb * 2**20),
+        self.split = ShardPieces(owned, dist.get_world_size(group), dist.get_rank(group), int(bucket_mb * 2**20),
                                   deferred)
-        for p in self.layout.params:  # their .grad is dropped for the optimizer's reduced pieces
+        for p in self.split.params:  # their .grad is dropped for the optimizer's reduced pieces
             refuse_plain_step(p, f"a ZeRO-{stage} parameter, whose reduced gradient goes to the sharded "
                                  "optimizer's pieces, not to its .grad")
         self._sync_enabled = True
@@ -210,8 +210,8 @@ class ZeroDataParallel(nn.Module):
         # finish_gradient_sync. Under no_sync too: stage 2 reduces every micro-batch.
         self.grad_hooks: GradHooks[ZeroDataParallel] | None = None
         if stage == 2:
-            self.grad_hooks = GradHooks(self, [b.params for b in self.layout.buckets],
-                                        held=[b.index for b in self.layout.buckets if b.deferred])
+            self.grad_hooks = GradHooks(self, [b.params for b in self.split.buckets],
+                                        held=[b.index for b in self.split.buckets if b.deferred])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._sync_enabled and torch.is_grad_enabled():
@@ -221,7 +221,7 @@ class ZeroDataParallel(nn.Module):
 
     def build_optimizer(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer],
                         **optimizer_kwargs: Any) -> ShardedOptimizer:
-        opt = ShardedOptimizer(params, optimizer_cls, self.group, impl=self.impl, layout=self.layout,
+        opt = ShardedOptimizer(params, optimizer_cls, self.group, impl=self.impl, split=self.split,
                                **optimizer_kwargs)
         opt.grads_from = self
         return opt
@@ -237,7 +237,7 @@ class ZeroDataParallel(nn.Module):
             return
         synced(self)
         start = time.perf_counter()
-        for bucket in self.layout.buckets:
+        for bucket in self.split.buckets:
             if self.stage == 1 or bucket.deferred:
                 self._launch(bucket)
         self._wait_all()
@@ -245,14 +245,14 @@ class ZeroDataParallel(nn.Module):
         if self.stage == 1:
             # The local, unreduced gradients have served: the reduced shard is what the optimizer
             # uses. Keeping them would mislead (they are not the batch's gradient) and cost 1/N more.
-            for p in self.layout.params:
+            for p in self.split.params:
                 p.grad = None
         self.comm_wait_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------------------ internals
     def launch_group(self, index: int) -> None:
         """grad_hooks (stage 2): bucket `index` is complete (or backward is over: zeros where missing)."""
-        self._launch(self.layout.buckets[index])
+        self._launch(self.split.buckets[index])
 
     def wait_groups(self) -> None:
         """grad_hooks (stage 2): backward is over and every bucket but the deferred launched."""
@@ -262,22 +262,22 @@ class ZeroDataParallel(nn.Module):
 
     def _launch(self, bucket: ShardBucket) -> None:
         self._had_grad |= {id(p) for p in bucket.params if p.grad is not None}
-        flat = self.layout.pack(bucket)
+        flat = self.split.pack(bucket)
         if self.stage == 2:
             for p in bucket.params:
                 p.grad = None  # reduced from here on: the full gradient is no longer needed
-        op = averaging_op(flat, self.layout.world)
+        op = averaging_op(flat, self.split.world)
         to_comm_thread(flat.device, self.impl)
         self._handles[bucket.index] = comm.reduce_scatter(flat, op, self.group, impl=self.impl, async_op=True)
 
     def _wait_all(self) -> None:
-        for bucket in self.layout.buckets:
+        for bucket in self.split.buckets:
             handle = self._handles.pop(bucket.index, None)
             if handle is not None:
                 reduced = handle.wait()
                 bucket.grad_chunk = reduced if bucket.grad_chunk is None else bucket.grad_chunk.add_(reduced)
-        if self.layout.params:  # no host wait: the stream order is enough (buckets.from_comm_thread says why)
-            from_comm_thread(self.layout.params[0].device, self.impl)
+        if self.split.params:  # no host wait: the stream order is enough (buckets.from_comm_thread says why)
+            from_comm_thread(self.split.params[0].device, self.impl)
 
     def _assign_piece_grads(self) -> None:
         # A parameter no rank produced a gradient for keeps grad None (skipped by the optimizer, as
@@ -291,22 +291,22 @@ class ZeroDataParallel(nn.Module):
         # decay the parameter and age its moments, which one process would not; assuming the last
         # step's pattern fails when routing changes (an expert no token reached this step); and the
         # flags cannot ride in the reduce-scatter buckets, which hand each rank its chunk only.
-        has = [p.grad is not None or id(p) in self._had_grad for p in self.layout.params]
+        has = [p.grad is not None or id(p) in self._had_grad for p in self.split.params]
         self._had_grad = set()
-        device = self.layout.params[0].device
+        device = self.split.params[0].device
         if all(has):
             flags = torch.ones(len(has), device=device)  # made on the device: no host-to-device copy either
             comm.all_reduce(flags, "max", self.group)
-            used = {id(p) for p in self.layout.params}
+            used = {id(p) for p in self.split.params}
         else:
             flags = torch.tensor(has, dtype=torch.float32, device=device)
             comm.all_reduce(flags, "max", self.group)
-            used = {id(p) for p, f in zip(self.layout.params, flags.tolist()) if f > 0}
+            used = {id(p) for p, f in zip(self.split.params, flags.tolist()) if f > 0}
             # A piece still holding a gradient (an earlier finish_gradient_sync since zero_grad) keeps
             # it: its chunk has accumulated on, and a parameter used only in an earlier micro-batch
             # would otherwise lose that micro-batch's gradient.
-            used |= {id(pc.param) for pc in self.layout.pieces() if pc.tensor.grad is not None}
-        for bucket in self.layout.buckets:
+            used |= {id(pc.param) for pc in self.split.pieces() if pc.tensor.grad is not None}
+        for bucket in self.split.buckets:
             for piece in bucket.pieces:
                 n = piece.stop - piece.start
                 piece.tensor.grad = (bucket.grad_chunk[piece.chunk_offset : piece.chunk_offset + n]
@@ -317,19 +317,19 @@ class ZeroDataParallel(nn.Module):
         """The reduced gradients gathered whole, by parameter name (for verification, not training)."""
         out: dict[str, torch.Tensor | None] = {}
         full_flat = {}
-        for bucket in self.layout.buckets:
+        for bucket in self.split.buckets:
             p0 = bucket.params[0]
             mine = bucket.grad_chunk
             if mine is None:
                 mine = torch.zeros(bucket.chunk, dtype=p0.dtype, device=p0.device)
             full_flat[bucket.index] = comm.all_gather(mine.contiguous(), self.group,
                                                       out=torch.empty(bucket.padded, dtype=p0.dtype, device=p0.device))
-        where = {id(p): (b, off) for b in self.layout.buckets for p, off in zip(b.params, b.offsets)}
-        has = {id(pc.param) for pc in self.layout.pieces() if pc.tensor.grad is not None}
-        has_any = torch.tensor([id(p) in has for p in self.layout.params], dtype=torch.float32,
-                               device=self.layout.params[0].device)
+        where = {id(p): (b, off) for b in self.split.buckets for p, off in zip(b.params, b.offsets)}
+        has = {id(pc.param) for pc in self.split.pieces() if pc.tensor.grad is not None}
+        has_any = torch.tensor([id(p) in has for p in self.split.params], dtype=torch.float32,
+                               device=self.split.params[0].device)
         comm.all_reduce(has_any, "max", self.group)
-        used = {id(p) for p, f in zip(self.layout.params, has_any.tolist()) if f > 0}
+        used = {id(p) for p, f in zip(self.split.params, has_any.tolist()) if f > 0}
         for name, p in self.module.named_parameters():
             if id(p) not in where:
                 continue

@@ -117,7 +117,7 @@ class ExpertDataParallel(nn.Module):
         if self._experts is None:  # FSDP divided the experts' sums by the whole replica group already
             return
         if self._sync and self.zero:  # ZeRO averaged the experts' shards over (dp, cp): divide by ep
-            for bucket in self._experts.layout.buckets:
+            for bucket in self._experts.split.buckets:
                 if bucket.grad_chunk is not None:
                     bucket.grad_chunk.div_(self.ep)
         elif self._sync:

@@ -58,20 +58,20 @@ class ExpertZeroOptimizer(PieceOptimizer):
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], dense: Any,
                  experts: ZeroDataParallel, placement: Placement, **optimizer_kwargs: Any) -> None:
-        pieces = _DenseAndExpertPieces(dense.layout, experts.layout)
+        pieces = _DenseAndExpertPieces(dense.split, experts.split)
         super().__init__(param_groups(params), optimizer_cls, pieces, dense.group,
                          impl=dense.impl, placement=placement, **optimizer_kwargs)
         self.wrappers = (dense, experts)
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        device = self.layout.params[0].device if self.layout.params else None
+        device = self.split.params[0].device if self.split.params else None
         record: Placement = self.placement  # type: ignore[assignment]
         total = torch.zeros(1, dtype=torch.float64, device=device)
         for w in self.wrappers:  # the same collectives' sequence on every rank of a stage
-            grads = ((pc.tensor.grad, not pc.replicated, pc.param) for pc in w.layout.pieces()
+            grads = ((pc.tensor.grad, not pc.replicated, pc.param) for pc in w.split.pieces()
                      if pc.tensor.grad is not None and _counts(record, pc.param))
-            total += global_grad_norm(grads, device, dp_group=w.group, dp_size=w.layout.world,
+            total += global_grad_norm(grads, device, dp_group=w.group, dp_size=w.split.world,
                                       within_stage=record).square()
         # Under a pipeline, the stages' totals summed once, after both kinds: a stage without experts
         # (a plain ZeRO stage, parallel/layout.py) makes one reduction over pp too, so they pair up.
@@ -85,13 +85,13 @@ class ExpertZeroOptimizer(PieceOptimizer):
     def _after_step(self) -> None:
         for w in self.wrappers:  # each kind's updated chunks over its own group (ZeRO-3's shards: nothing)
             if isinstance(w, ZeroDataParallel):
-                gather_chunks(w.layout, w.group, w.impl)
+                gather_chunks(w.split, w.group, w.impl)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for w in self.wrappers:
             if isinstance(w, ZeroDataParallel):
-                for bucket in w.layout.buckets:
+                for bucket in w.split.buckets:
                     bucket.grad_chunk = None
             else:
                 w.zero_grad(set_to_none)

@@ -10,7 +10,7 @@
     loss = runner.run(x, y, on_step=lambda: (opt.step(), opt.zero_grad())).loss
 
 Files: actions.py (the vocabulary), schedules.py (naive, GPipe, 1F1B, interleaved, and the sends and
-receives each implies), zero_bubble.py (ZB-H1), check.py (simulation: deadlock proof and timing;
+receives each implies), zero_bubble.py (ZB-H1), simulation.py (simulation: deadlock proof and timing;
 deadlock.py its errors and the chain of waits that explains one),
 partition.py and stages.py (the split), splitgrad.py (backward split into BI and BW), executor.py,
 params.py (tied copies, gathering by original name), headers.py (validation mode: the step's
@@ -21,7 +21,7 @@ measurement of real runs bench/pipeline_measure.py). See docs/pipeline.md.
 """
 
 from shardlab.parallel.pipeline.actions import Action, Schedule, fmt
-from shardlab.parallel.pipeline.check import ScheduleError, Simulation, check, simulate
+from shardlab.parallel.pipeline.simulation import ScheduleError, Simulation, check, simulate
 from shardlab.parallel.pipeline.executor import PipelineExecutor, PipelineResult
 from shardlab.parallel.pipeline.model import PipelineParallel, StageOptimizer, forward_only
 from shardlab.parallel.pipeline.params import (

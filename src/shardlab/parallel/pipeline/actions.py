@@ -16,7 +16,7 @@ ranks within the pipeline group.
 
 The chunk of a communication action is always a chunk of the rank that performs it, so an executor
 finds every buffer by (microbatch, own chunk). Sends and receives are posts that never block; the
-compute action that needs a received tensor waits for it (see check.py for the exact semantics).
+compute action that needs a received tensor waits for it (see simulation.py for the exact semantics).
 """
 
 from __future__ import annotations

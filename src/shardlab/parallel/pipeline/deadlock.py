@@ -1,4 +1,4 @@
-"""What a failed proof of a schedule reports (check.py): the errors, and the chain of waits that
+"""What a failed proof of a schedule reports (simulation.py): the errors, and the chain of waits that
 explains a deadlock, followed from the first blocked rank to its root (a message never sent, or a
 cycle of waits). `explain_ops` follows a schedule run message by message (gloo's semantics),
 `explain_grouped` the plan the executor posts under NCCL's grouped semantics (streams.py), where a

@@ -4,7 +4,7 @@
     runner = PipelineExecutor(stage, schedule("1f1b", P, M), pp_group)
     result = runner.run(x, y, on_step=optimizer_step)   # result.loss_tensor on every rank
 
-Semantics (the ones check.py proves a schedule safe under, on gloo and NCCL alike):
+Semantics (the ones simulation.py proves a schedule safe under, on gloo and NCCL alike):
   * The executor runs check()'s plan of the schedule (check.grouped: the same computes and
     sends, each receive moved to where NCCL's in-order groups cannot deadlock). The sends and
     receives between two computes are one group, posted at once with one `batch_isend_irecv`
@@ -51,7 +51,7 @@ from shardlab.dist import flight
 from shardlab.models.dropout import rows_offset
 from shardlab.models.moe import aux_loss_scope
 from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule
-from shardlab.parallel.pipeline.check import check
+from shardlab.parallel.pipeline.simulation import check
 from shardlab.parallel.pipeline.headers import Header, Table, agree, check_send, header, is_message
 from shardlab.parallel.pipeline.params import TIED_TAG, clip_grad_norm_, sum_tied_grads
 from shardlab.parallel.pipeline.schedules import chunk_owner

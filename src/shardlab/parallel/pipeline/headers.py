@@ -16,7 +16,7 @@ matched by a later step. Each send is then checked, when posted, against the hea
 
 Why one exchange per step and not a header in front of each message: a gloo receive cannot be
 polled (its work reports completion only once waited on, and a wait that times out aborts), so a
-payload receive posted only after its header arrived would wait where check.py's proof has it
+payload receive posted only after its header arrived would wait where simulation.py's proof has it
 posted, and could deadlock a schedule the proof passes. Off (no exchange, no check) unless
 validation is on.
 """

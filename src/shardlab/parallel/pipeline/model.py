@@ -121,7 +121,7 @@ class StageOptimizer(PieceOptimizer):
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """The whole model's gradient norm (unscaled), the same on every stage: a collective over pp."""
-        device = self.layout.params[0].device if self.layout.params else None
+        device = self.split.params[0].device if self.split.params else None
         grads = ((pc.tensor.grad, False, pc.param) for pc in self.pieces if pc.tensor.grad is not None)
         self._norm = global_grad_norm(grads, device, within_stage=self.placement,
                                       across_stages=self.placement) / self.loss_scale

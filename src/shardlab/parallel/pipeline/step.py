@@ -9,7 +9,7 @@ parallelism): the stage's chunks are deep copies that keep the converted modules
 vocabulary-parallel loss, the sequence-parallel embedding, cp's tokens), so every chunk runs the
 model's own forward: no class of its own. After the data-parallel step the schedule wraps the
 stage, with the stage's data-parallel engine beside it: a stage's gradients are final at the
-schedule's STEP. rules.py (applied by train/config_check.py) refuses what a stage cannot be combined with yet, and says why.
+schedule's STEP. checks.py (applied by train/config_check.py) refuses what a stage cannot be combined with yet, and says why.
 
 Stages cut by tensor parallelism (tp x pp): each tp rank of a stage sends to the same tp rank of the
 next (the mesh's pp lines keep the tp coordinate). Without sequence parallelism every
@@ -36,7 +36,7 @@ from shardlab.parallel.step import Applying, Step
 def _plan(state: Applying) -> None:
     lay = state.layout
     # nccl is fine: the executor posts each step's sends and receives as groups (batch_isend_irecv)
-    # that check.py proves deadlock-free on NCCL's in-order stream (docs/pipeline.md).
+    # that simulation.py proves deadlock-free on NCCL's in-order stream (docs/pipeline.md).
     state.plans["pp"] = plan_split(state.model, lay.pp, lay.virtual_stages,
                                    layout_balance(state.model, lay.pp, lay.virtual_stages, lay.stage_layers))
 

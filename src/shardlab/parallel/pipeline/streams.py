@@ -1,4 +1,4 @@
-"""The grouped point-to-point model check.py simulates: each rank's groups on one stream, as NCCL runs them.
+"""The grouped point-to-point model simulation.py simulates: each rank's groups on one stream, as NCCL runs them.
 
 A rank's communication actions are cut into groups (check.comm_groups), each posted at once. A rank's groups run in order, one at a time (NCCL's communication stream): a
 group is *active* once posted and once the group before it has completed. A send and the receive it

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shardlab.parallel.pipeline.actions import COMPUTE, Schedule
-from shardlab.parallel.pipeline.check import Simulation
+from shardlab.parallel.pipeline.simulation import Simulation
 
 WAIT = "WAIT"  # a measured interval spent blocked on a receive or a send, not computing
 

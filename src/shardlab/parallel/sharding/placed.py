@@ -24,7 +24,7 @@ does not combine yet is refused (`placed_problems`): model dimensions over tp fo
 (its tensor-parallel form is hand-written, parallel/tensor/moe.py), and the sequence over tp or cp or
 storage over dp beside layers over pp at pp > 1. Model dimensions over tp beside layers over pp are
 compiled onto the whole model (compile.py) before the split, as the hand-written tp x pp converts it
-first (parallel/pipeline/tensor_stage.py): every stage holds its chunks' tp shards, the hidden states
+first (parallel/pipeline/step.py, after tp): every stage holds its chunks' tp shards, the hidden states
 between stages whole.
 """
 
