@@ -104,6 +104,9 @@ def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         return _train(cfg_dict)
 
 
+train_rank.stops_at_step_boundary = True  # type: ignore[attr-defined]  # a signal at start-up is kept for it
+
+
 def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     cfg = Config.from_dict(cfg_dict)
     run = resolve_run(cfg)  # what will run, decided once: below here, each part takes what it needs
