@@ -34,3 +34,4 @@ def test_a_batch_no_layout_can_take_says_so_not_that_all_fit(capsys):
     out = capsys.readouterr().out
     assert "(0 fit)" not in out and "fits in memory" not in out
     assert "No layout of llama3-8b on 8 devices can be built" in out and "verdict: no layout can be built" in out
+

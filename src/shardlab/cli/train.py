@@ -286,9 +286,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"shardlab train: {why}", file=sys.stderr)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
         check_before_launch(cfg, make_out_dir=not args.dry_run)
+        check_data_before_launch(cfg)  # the dry run too: what it passes, the run does not refuse
         if args.dry_run:
             return dry_run(cfg)
-        check_data_before_launch(cfg)
         for note in check_resume_before_launch(cfg):
             print(f"shardlab train: {note}", file=sys.stderr)
     except ConfigError as exc:
