@@ -89,3 +89,14 @@ def test_an_empty_or_unreadable_lock_is_stale_and_said_so(tmp_path, content):
             RunLock(tmp_path).acquire()
         finally:
             held.release()
+
+
+def test_a_failed_run_removes_a_half_written_save(tmp_path, monkeypatch):
+    """A run that failed (not by a stop signal) left its .tmp-step_* directory behind."""
+    ck = tmp_path / "run" / "checkpoints"
+    (ck / ".tmp-step_00000002").mkdir(parents=True)  # what a rank killed mid-save leaves
+    monkeypatch.setenv("SHARDLAB_FAULT", "0:0")  # rank 0 killed at the first step
+    code = main([*TRAIN, "--save-every", "1", "--set", f"log.out_dir={json.dumps(str(tmp_path / 'run'))}"])
+    assert code != 0
+    assert not (ck / ".tmp-step_00000002").exists()
+    assert not (tmp_path / "run" / LOCK).exists()

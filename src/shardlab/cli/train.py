@@ -11,7 +11,6 @@ from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, mem
 from shardlab.cli.train_report import rank_table, result_table, utilisation_line  # noqa: F401
 from shardlab.dist import signals, under_torchrun
 from shardlab.dist.env import read_torchrun_env
-from shardlab.dist.signals import Terminated
 from shardlab.parallel.pipeline import plan_split
 from shardlab.parallel.pipeline.partition import layout_balance
 from shardlab.train.config import ConfigError, load_config
@@ -308,8 +307,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = launch(train_rank, None if under_torchrun() else cfg.world_size, cfg.to_dict(),
                          **launch_kwargs(args))[0]
-    except Terminated:
-        discard_partial_save(cfg)
+    except BaseException:  # a stop signal or a failure: every local rank is gone, a torchrun peer may not be
+        if not under_torchrun():
+            discard_partial_save(cfg)
         raise
     finally:
         if lock is not None:
