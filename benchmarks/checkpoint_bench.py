@@ -28,7 +28,8 @@ import torch.distributed as dist
 from shardlab.checkpoint import Checkpointer, consolidate, load_checkpoint, verify_checkpoint
 from shardlab.checkpoint.format import file_digest
 from shardlab.dist import launch
-from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.parallel.layout import build_mesh
+from shardlab.parallel.parallelize import parallelize
 from shardlab.train.config import load_config
 from shardlab.train.resolve import resolve_run
 from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
@@ -49,7 +50,7 @@ def _build(overrides: list[str]):
     model, dp_rank = plain, 0
     if dist.is_initialized():
         mesh = build_mesh(cfg.layout)
-        model, dp_rank = apply_layout(plain, cfg.layout, mesh), mesh.local_rank("dp")
+        model, dp_rank = parallelize(plain, cfg.layout, mesh), mesh.local_rank("dp")
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     start = time.perf_counter()
     train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train), StepSetup(dp_rank=dp_rank, dp_size=cfg.layout.dp))

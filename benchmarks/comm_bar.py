@@ -17,7 +17,8 @@ import statistics
 import sys
 
 from shardlab.bench.comm import run_comm_bench
-from shardlab.bench.sweep import CommBenchConfig, format_size, parse_sizes
+from shardlab.bench.sizes import format_size, parse_sizes
+from shardlab.bench.sweep import CommBenchConfig
 
 OPS = ["all_reduce", "reduce_scatter", "all_gather"]
 # The bar from the issue: ring busbw / backend busbw at 16 MiB and above.

@@ -9,7 +9,7 @@ import argparse
 import json
 from collections import defaultdict
 
-from shardlab.bench.sweep import format_size
+from shardlab.bench.sizes import format_size
 
 SIZES = [16 * 2**20, 64 * 2**20, 256 * 2**20]
 

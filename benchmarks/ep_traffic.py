@@ -7,7 +7,7 @@ balanced-routing prediction (docs/expert-parallel.md, "What it moves (measured)"
 verify's GPT (2 layers, d_model 64, seq 32, global batch 12, fp32; VERIFY_BASE in train/verify.py)
 with its MLPs turned into mixtures of --experts experts, top --top-k, capacity factor
 --capacity-factor. For each layout the ranks (gloo, one thread each) build the model, apply the
-layout with `apply_layout`, and run --steps training steps through `train_step`, the trainer's own
+layout with `parallelize`, and run --steps training steps through `train_step`, the trainer's own
 step, on the data verify uses; after each step every rank reads `parallel/expert.comm_stats` (the
 all-to-alls of all its MoE layers: calls, bytes sent to other ranks, bytes kept on the rank, the
 count exchanges' bytes) and the assignments its routers dropped, then resets the counts.
@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 import shardlab.dist
 from shardlab.parallel.expert import comm_stats, expert_layers
-from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh
+from shardlab.parallel.layout import batch_rank, build_mesh
+from shardlab.parallel.parallelize import parallelize
 from shardlab.train.config import load_config
 from shardlab.train.resolve import resolve_run
 from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
@@ -61,7 +62,7 @@ def measure_rank(cfg_overrides: list[str], steps: int) -> list[dict[str, int]]:
     task = run.build_task(plain)
     mesh = build_mesh(cfg.layout)
     dp_rank, dp_size = batch_rank(mesh)
-    model = apply_layout(plain, cfg.layout, mesh, cfg.sharding)
+    model = parallelize(plain, cfg.layout, mesh, cfg.sharding)
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     layers = expert_layers(model)
     setup = StepSetup(dp_rank=dp_rank, dp_size=dp_size, grad_clip=cfg.optim.grad_clip, precision=cfg.layout.precision)

@@ -79,7 +79,9 @@ HW=h100-sxm  # the planner's preset for the device (an H200 has an H100 SXM's co
 step plan_350m 30 $PY -m shardlab plan --config configs/gpt-350m-gpu.toml --hardware $HW --gpus 1 --dp 1 \
     --json "$OUT/plan_350m.json"
 if [ "$DEVICE" != cpu ]; then  # issue 33: the planner's kernel constants measured on this GPU (last: it may not fit)
-    step calibrate_gpu 150 $PY -m shardlab plan --calibrate-gpu "$OUT/calibration_$HW.json"
+    # the trainer's own step (train_compiled) goes into the file: --calibration then fits the default stack to it
+    step calibrate_gpu 150 $PY -m shardlab plan --calibrate-gpu "$OUT/calibration_$HW.json" \
+        --train-json "$OUT/train_compiled.json" --config configs/gpt-350m-gpu.toml
 fi
 [ -n "$GPU_CHECK_DRY" ] && exit 0
 [ -f "$OUT/profile_trainer/trace.json" ] && gzip -f "$OUT/profile_trainer/trace.json"

@@ -67,14 +67,15 @@ def summarise(out: Path) -> dict[str, Any]:
     rows = {name: _figures(_load(out / f"{name}.json"), kind) for name, _, kind in ROWS}
     device = next((r["device"] for r in rows.values() if r and r.get("device")), None)
     plan = _load(out / "plan_350m.json")
-    predicted = None
+    predicted, stack = None, None
     if plan is not None:
         predicted = plan.get("evaluation", {}).get("time", {}).get("total_s")
+        stack = plan.get("stack")     # the stack predicted and its interval (docs/planner.md, "Stacks")
     train, alone = rows["train_compiled"], rows["mfu_standalone_compiled"]
     ratio = (train["tokens_per_s"] / alone["tokens_per_s"]
              if train and alone and train.get("tokens_per_s") and alone.get("tokens_per_s") else None)
     return {"device": device, "rows": rows, "ratio_train_over_standalone": ratio,
-            "gpu_tests": _tests(out / "pytest_gpu.xml"), "planned_step_s": predicted}
+            "gpu_tests": _tests(out / "pytest_gpu.xml"), "planned_step_s": predicted, "planned_stack": stack}
 
 
 def markdown(s: dict[str, Any]) -> str:
@@ -89,7 +90,12 @@ def markdown(s: dict[str, Any]) -> str:
     lines += ["", f"`shardlab train` over the stand-alone compiled step, same run: "
                   f"**{_fmt(s['ratio_train_over_standalone'], '.3f')}** (the bar: >= 1.0)."]
     if s["planned_step_s"]:
-        lines.append(f"`shardlab plan` predicts {1e3 * s['planned_step_s']:.1f} ms per step for the 350M config.")
+        st, t = s.get("planned_stack") or {}, s["planned_step_s"]
+        iv = st.get("interval") or {}
+        span = (f" ({1e3 * t / (1 + iv['hi']):.1f}-{1e3 * t / (1 + iv['lo']):.1f} ms)"
+                if iv.get("lo") is not None and iv["lo"] > -1 else "")
+        lines.append(f"`shardlab plan` (stack {st.get('stack', '?')}) predicts {1e3 * t:.1f} ms per step{span} "
+                     f"for the 350M config.")
     lines.append(f"GPU tests (`tests/test_gpu.py`): {s['gpu_tests'] or 'not run'}.")
     return "\n".join(lines) + "\n"
 

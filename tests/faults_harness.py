@@ -12,10 +12,9 @@ TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=
 
 def checked(tmp_path, *overrides: str):
     """The configuration after every check `shardlab train` makes before launch (ConfigError if refused)."""
-    from shardlab.cli.train import check_data_before_launch  # as the command imports it: after parsing
+    from shardlab.cli.train import check_data_before_launch, resolve_before_launch  # as the command: after parsing
 
     cfg = load_config(None, [*TINY, f'log.out_dir="{tmp_path / "run"}"', f'data.cache_dir="{tmp_path / "cache"}"',
                              *overrides])
     cfg.validate()
-    check_data_before_launch(cfg)
-    return cfg
+    return check_data_before_launch(resolve_before_launch(cfg)).config  # the configuration as resolved

@@ -58,7 +58,8 @@ def checkpoint_across(root: str) -> dict:
     """Train the derived Megatron layout 2 steps and save; load that into the hand-written tp layout and
     into a fresh derived one: whether every parameter (gathered whole by the placement record) is exact."""
     from shardlab.checkpoint import Checkpointer, load_checkpoint
-    from shardlab.parallel.layout import apply_layout, build_mesh, full_parameters
+    from shardlab.parallel.layout import build_mesh, full_parameters
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.train.config import load_config
     from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
     from shardlab.train.resolve import resolve_run
@@ -68,7 +69,7 @@ def checkpoint_across(root: str) -> dict:
         cfg = load_config(None, ["layout.tp=2", f"sharding.compute={rules}"], base=VERIFY_BASE)
         plain = resolve_run(cfg).build_model()
         task = resolve_run(cfg).build_task(plain)
-        model = apply_layout(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+        model = parallelize(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
         return cfg, model, make_optimizer(model, cfg.optim, cfg.layout.precision), task
 
     cfg, model, opt, task = setup("heads=tp, mlp=tp, vocab=tp, seq=tp")
@@ -113,7 +114,8 @@ def cp_traces(sets: list[str]) -> dict:
     """One training step (forward, backward, gradient sync, clipping, AdamW) of verify's GPT laid out
     by the hand-written flags `sets` (e.g. layout.cp=2) and again with the rules `sharding.compute=...`
     that describe it: every operation of each, and what the derived plan predicts for the cp axis."""
-    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.parallel.layout import build_mesh
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.train.config import load_config
     from shardlab.train.resolve import resolve_run
     from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
@@ -125,7 +127,7 @@ def cp_traces(sets: list[str]) -> dict:
         cfg.validate(dist.get_world_size())
         plain = resolve_run(cfg).build_model()
         task = resolve_run(cfg).build_task(plain)
-        model = apply_layout(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+        model = parallelize(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
         opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
         setup = StepSetup(grad_clip=cfg.optim.grad_clip)
         out[name] = _flight_trace(lambda: train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train), setup))
@@ -146,17 +148,18 @@ def cp_traces(sets: list[str]) -> dict:
 
 
 def engine_under_rules(sets: list[str]) -> dict:
-    """What apply_layout builds for verify's GPT under `sets` ([sharding] rules with seq over cp and a
+    """What parallelize builds for verify's GPT under `sets` ([sharding] rules with seq over cp and a
     ZeRO stage): the data-parallel engine, its stage and replica group, and the context swaps, so a
     verify that passes is known to have run ZeRO under the derived ring (not plain data parallelism)."""
-    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.parallel.layout import build_mesh
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.train.config import load_config
     from shardlab.train.resolve import resolve_run
     from shardlab.train.verify import VERIFY_BASE
 
     cfg = load_config(None, sets, base=VERIFY_BASE)
     cfg.validate(dist.get_world_size())
-    model = apply_layout(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+    model = parallelize(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
     inner = model.module
     return {"engine": type(model).__name__, "stage": getattr(model, "stage", None),
             "replicas": dist.get_world_size(model.group), "context": inner.derived_plan.context_axis,
@@ -166,8 +169,9 @@ def engine_under_rules(sets: list[str]) -> dict:
 def layout_traces(sets: list[str]) -> dict:
     """One training step of verify's GPT laid out by the hand-written flags `sets` and again with the
     [sharding] rules among them (layers over pp, experts over ep, ...): every shardlab.comm operation
-    of each in issue order, what apply_layout built, and the derived plan's axes."""
-    from shardlab.parallel.layout import apply_layout, build_mesh
+    of each in issue order, what parallelize built, and the derived plan's axes."""
+    from shardlab.parallel.layout import build_mesh
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.train.config import load_config
     from shardlab.train.resolve import resolve_run
     from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
@@ -180,7 +184,7 @@ def layout_traces(sets: list[str]) -> dict:
         run = resolve_run(cfg)
         plain = run.build_model()
         task = run.build_task(plain)
-        model = apply_layout(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+        model = parallelize(plain, cfg.layout, build_mesh(cfg.layout), cfg.sharding)
         opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
         setup = StepSetup(grad_clip=cfg.optim.grad_clip)
         out[name] = _flight_trace(lambda: train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train), setup))
@@ -194,14 +198,15 @@ def layout_traces(sets: list[str]) -> dict:
 
 
 def built(sets: list[str]) -> list[str]:
-    """The classes apply_layout builds for verify's model under `sets` (with [sharding] rules: the
+    """The classes parallelize builds for verify's model under `sets` (with [sharding] rules: the
     derived leaves, DerivedLinear and the like, where the rules cut tensors)."""
-    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.parallel.layout import build_mesh
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.train.config import load_config
     from shardlab.train.resolve import resolve_run
     from shardlab.train.verify import VERIFY_BASE
 
     cfg = load_config(None, sets, base=VERIFY_BASE)
     cfg.validate(dist.get_world_size())
-    model = apply_layout(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
+    model = parallelize(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout), cfg.sharding)
     return sorted({type(m).__name__ for m in model.modules()})

@@ -15,19 +15,8 @@ import torch
 import torch.distributed as dist
 
 from shardlab.bench.cases import SENTINEL, Case, count_wrong, pattern
-from shardlab.bench.sweep import (
-    OPS,
-    CommBenchConfig,
-    Point,
-    busbw_factor,
-    element_count,
-    format_size,
-    parse_dtype,
-    parse_size,
-    parse_sizes,
-    plan_points,
-    registered_impls,
-)
+from shardlab.bench.sizes import OPS, format_size, parse_dtype, parse_size, parse_sizes
+from shardlab.bench.sweep import CommBenchConfig, Point, busbw_factor, element_count, plan_points, registered_impls
 from shardlab.bench.report import ROW_FIELDS, format_table
 from shardlab.cli.main import main
 

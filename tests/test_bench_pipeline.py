@@ -9,8 +9,7 @@ from dataclasses import asdict
 import pytest
 
 from shardlab.bench.pipeline import PipelineBenchConfig, aggregate, pipeline_bench_rank
-from shardlab.bench.pipeline_gaps import message_delays
-from shardlab.bench.pipeline_replay import replay
+from shardlab.bench.pipeline_replay import message_delays, replay
 from shardlab.cli.main import main
 from shardlab.dist import RankFailure
 from shardlab.parallel.pipeline import Timeline, schedule, simulate

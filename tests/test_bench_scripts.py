@@ -4,38 +4,21 @@ is run by test_pp_verify.py; gpt_mfu.py needs a GPU, so only its refusal without
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import pytest
 
 import shardlab.dist
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts_harness import BENCHMARKS, in_script, script
 
 
-def _run(monkeypatch, name: str, *argv: str) -> ModuleType:
-    module = _script(name)
+def _run(monkeypatch, name: str, *argv: str) -> Any:
+    module = script(name)
     monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
     module.main()
     return module
-
-
-def _in_script(name: str, fn: str, *args):
-    """On a rank: a script's rank function, found by loading the script there (a script is no
-    module the ranks could import by name)."""
-    return getattr(_script(name), fn)(*args)
 
 
 @pytest.fixture
@@ -44,7 +27,7 @@ def pooled(pools, monkeypatch):
 
     def run(fn, ws, *args, **kw):
         if fn.__module__.startswith("bench_script_"):
-            return pools(ws).run(_in_script, fn.__module__.removeprefix("bench_script_"), fn.__name__, *args)
+            return pools(ws).run(in_script, fn.__module__.removeprefix("bench_script_"), fn.__name__, *args)
         return pools(ws).run(fn, *args)
 
     monkeypatch.setattr(shardlab.dist, "launch", run)
@@ -52,7 +35,7 @@ def pooled(pools, monkeypatch):
 
 
 def test_checkpoint_bench(pooled, monkeypatch, tmp_path, capsys):
-    module = _script("checkpoint_bench")
+    module = script("checkpoint_bench")
     monkeypatch.setattr(module, "launch", pooled)  # imported at its top
     monkeypatch.setattr(sys, "argv", ["checkpoint_bench.py", "--models", "tiny", "--repeats", "1",
                                       "--json", str(tmp_path / "c.json")])
@@ -90,7 +73,7 @@ def test_recompute_bench(monkeypatch, tmp_path):
 
 
 def test_tp_profile(pooled, capsys):
-    _script("tp_profile").main(["tp", "--set", "model.d_model=32", "--set", "model.n_head=2",
+    script("tp_profile").main(["tp", "--set", "model.d_model=32", "--set", "model.n_head=2",
                                 "--set", "model.seq_len=16", "--set", "model.n_layer=1"])
     out = capsys.readouterr().out
     assert "== tp, rank 0:" in out and " ms  " in out
@@ -99,7 +82,7 @@ def test_tp_profile(pooled, capsys):
 def test_gpt_mfu_says_it_needs_a_gpu(monkeypatch):
     import torch
 
-    module = _script("gpt_mfu")
+    module = script("gpt_mfu")
     assert module.peak_for("NVIDIA H100 80GB HBM3") == 989e12 and module.peak_for("a CPU") is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sys, "argv", ["gpt_mfu.py"])
@@ -122,7 +105,7 @@ def test_compose_matrix(monkeypatch, tmp_path, capsys):
     trainer, a case the configuration check refuses (its reason recorded, nothing launched), then
     the tables again from the JSON."""
     out = tmp_path / "compose.json"
-    module = _script("compose_matrix")
+    module = script("compose_matrix")
     monkeypatch.setattr(sys, "argv", ["compose_matrix.py", "--only", "rc-full,resume", "--no-multi",
                                       "--json", str(out), "--markdown", str(tmp_path / "compose.md")])
     assert module.main() == 0
@@ -153,3 +136,10 @@ def test_ep_traffic(pooled, monkeypatch, tmp_path, capsys):
         assert 0 <= r["dropped_share"] < 0.2 and abs(r["ratio_to_kept"] - 1) < 0.25, r
     assert rows[1]["sent_min"] * 4 == rows[0]["sent_min"] * 6  # a recomputed forward routes the same way
     assert "| ep 2 | 16 | 8 |" in (tmp_path / "e.md").read_text()
+
+
+def test_tensor_parallel_bench(pooled, monkeypatch, capsys):
+    """docs/tensor-parallel.md's tables at tp 2: each MLP form's collectives, the GPT's memory per rank."""
+    _run(monkeypatch, "tensor_parallel", "--tp", "2")
+    out = capsys.readouterr().out
+    assert "| 2 | lecture |" in out and "| 2 | megatron+sp |" in out and "Collective calls per step" in out

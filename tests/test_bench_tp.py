@@ -9,7 +9,8 @@ import json
 import pytest
 
 from shardlab.bench.tp_volume import Shapes, per_layer_and_edges, predicted_comm, totals
-from shardlab.bench.train_tp import TP_VARIANTS, WRONG_KV, tp_bench_rank
+from shardlab.bench.train_tp import tp_bench_rank
+from shardlab.bench.variants import TP_VARIANTS, WRONG_KV
 from shardlab.cli.main import main
 from shardlab.train.config import load_config
 

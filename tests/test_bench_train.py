@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from shardlab.bench.train import VARIANTS, aggregate, train_bench_rank
+from shardlab.bench.train import aggregate, train_bench_rank
+from shardlab.bench.variants import VARIANTS
 from shardlab.cli.main import main
 from shardlab.train.config import load_config
 

@@ -3,7 +3,7 @@
 saved under one layout loads under another with every parameter exact and the next step equal to
 the single process continuing from the same checkpoint (so the AdamW state came across too).
 
-Rank functions build the layout as train/loop.py does (prepare_model, build_mesh, apply_layout,
+Rank functions build the layout as train/loop.py does (prepare_model, build_mesh, parallelize,
 make_optimizer, the per-dp-rank seed) and train with train_step.
 """
 
@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from shardlab.checkpoint import Checkpointer, full_tensors, load_checkpoint, read_metadata
-from shardlab.parallel.layout import apply_layout, build_mesh, full_parameters
+from shardlab.parallel.layout import build_mesh, full_parameters
+from shardlab.parallel.parallelize import parallelize
 from shardlab.train.config import load_config
 from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.resolve import resolve_run
@@ -35,7 +36,7 @@ def _setup(overrides: list[str]):
     model, dp_rank = plain, 0
     if dist.is_initialized():  # else one process, without torch.distributed
         mesh = build_mesh(cfg.layout)  # the pool destroys its groups before the next task
-        model, dp_rank = apply_layout(plain, cfg.layout, mesh), mesh.local_rank("dp")
+        model, dp_rank = parallelize(plain, cfg.layout, mesh), mesh.local_rank("dp")
     opt = make_optimizer(model, cfg.optim, cfg.layout.precision)
     torch.manual_seed(cfg.train.seed * 1_000_003 + 1 + dp_rank)  # as train/loop.py seeds each dp rank
     return cfg, model, opt, task, dp_rank

@@ -161,7 +161,7 @@ def test_verify_a_pipeline_and_refuse_one_that_cannot_run(capfd, tmp_path):
     out, err = capfd.readouterr()
     assert "layout.dp_mode" not in err and "layout.virtual_stages 1 -> 2" in err  # overlap runs under pp
     assert "world size 4 (pp 2 x dp 2)" in out and "# chunk 3 (rank 1): layers.3" in out
-    assert "# apply_layout's steps, in order: pp, dp\n" in out
+    assert "# parallelize applies, in order: pp, dp\n" in out
 
 
 @pytest.mark.long  # test_multinode's two torchrun agents train, log and sample the same way

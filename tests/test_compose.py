@@ -165,6 +165,7 @@ def test_training_at_tp2_x_pp2_equals_one_process(pools, tmp_path):
     tensor-parallel stages) and sample (the last stage's logits gathered over tp, then handed to every
     stage) equal one process's; the summary places every rank in the mesh."""
     from shardlab.train.loop import train_rank
+    from shardlab.train.resolve import resolve_run
 
     common = ['model.name="gpt"', "model.n_layer=2", "model.d_model=32", "model.seq_len=16", "train.global_batch=8",
               "train.steps=3", "train.warmup_steps=1", "train.log_every=1", "train.eval_every=3",
@@ -174,7 +175,7 @@ def test_training_at_tp2_x_pp2_equals_one_process(pools, tmp_path):
     for name, layout in (("one", []), ("tp_pp", ["layout.tp=2", "layout.pp=2", "train.micro_batches=2"])):
         cfg = load_config(None, [*common, *layout, f'log.out_dir="{tmp_path / name}"'])
         cfg.validate()
-        summary = pools(cfg.world_size).run(train_rank, cfg.to_dict())[0]
+        summary = pools(cfg.world_size).run(train_rank, resolve_run(cfg))[0]
         runs[name] = summary, [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     (one, one_rec), (par, par_rec) = runs["one"], runs["tp_pp"]
     assert [r["loss"] for r in par_rec] == pytest.approx([r["loss"] for r in one_rec], rel=2e-6)

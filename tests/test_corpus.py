@@ -45,6 +45,7 @@ def test_gpt2_vocabulary_prepared_and_trained(pools, tmp_path):
     from shardlab.cli.train import check_data_before_launch
     from shardlab.data.tokenfile import read_token_file
     from shardlab.train.loop import train_rank
+    from shardlab.train.resolve import resolve_run
 
     tok = _gpt2_sized_tokenizer(tmp_path / "gpt2-shaped.json")
     (tmp_path / "a.txt").write_text(TEXT)
@@ -62,9 +63,9 @@ def test_gpt2_vocabulary_prepared_and_trained(pools, tmp_path):
         f'data.source="{out}"', "log.memory=false", "log.tensorboard=false", "log.plot=false",
         "log.sample_tokens=6", 'log.sample_prompt="def"', f'log.out_dir="{tmp_path / "run"}"'])
     cfg.validate()
-    check_data_before_launch(cfg)  # what `shardlab train` does before launch
-    assert cfg.model.vocab_size == 50304  # 50,257 padded to a multiple of 64
-    summary = pools(1).run(train_rank, cfg.to_dict())[0]
+    run = check_data_before_launch(resolve_run(cfg))  # what `shardlab train` does before launch
+    assert run.model.vocab_size == 50304  # 50,257 padded to a multiple of 64
+    summary = pools(1).run(train_rank, run)[0]
     assert summary["final_loss"] < summary["first_loss"]
     # Sampled through the same tokenizer: text, not ids, and never a padded id (it would not decode).
     assert summary["sample"].startswith("def") and len(summary["sample"]) > 6

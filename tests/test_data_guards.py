@@ -46,13 +46,13 @@ def _ids(n: int = 600, top: int = 290) -> np.ndarray:
 # ------------------------------------------------------------------------------ raw .bin
 def test_raw_bin_with_a_tokenizer_is_read_as_the_tokenizers_ids(tmp_path):
     """nanoGPT-style uint16 ids with data.tokenizer set: read as uint16 (they arrived as bytes: [3 0 10 0 ...])."""
-    from shardlab.cli.train import check_data_before_launch
+    from shardlab.cli.train import check_data_before_launch, resolve_before_launch
 
     tok = _bpe(tmp_path)
     ids = _ids(top=tok.vocab_size)
     ids.tofile(tmp_path / "train.bin")
     cfg = _cfg(tmp_path, f'data.source="{tmp_path / "train.bin"}"', f'data.tokenizer="{tok.path}"')
-    check_data_before_launch(cfg)
+    cfg = check_data_before_launch(resolve_before_launch(cfg)).config
     assert np.array_equal(_corpus(cfg), ids)
     assert cfg.model.vocab_size == 320  # the tokenizer's vocabulary, padded to 64's multiple
 
@@ -107,16 +107,16 @@ def test_ids_twice_as_wide_as_the_stated_type_are_refused(tmp_path):
 
 # ------------------------------------------------------------------------------ containers
 def test_jsonl_given_to_train_is_parsed_not_read_as_bytes(tmp_path):
-    from shardlab.cli.train import check_data_before_launch
+    from shardlab.cli.train import check_data_before_launch, resolve_before_launch
 
     records = [f"record {i}: " + TEXT[i * 40:(i + 1) * 40] for i in range(40)]
     src = tmp_path / "shard.jsonl"
     src.write_text("".join(json.dumps({"body": r, "id": i}) + "\n" for i, r in enumerate(records)))
     cfg = _cfg(tmp_path, f'data.source="{src}"')
     with pytest.raises(ValueError, match=r"shard.jsonl:1: no field 'text' \(found: body, id\); choose one with data.jsonl_field"):
-        check_data_before_launch(cfg)
+        cfg = check_data_before_launch(resolve_before_launch(cfg)).config
     cfg = _cfg(tmp_path, f'data.source="{src}"', 'data.jsonl_field="body"')
-    check_data_before_launch(cfg)
+    cfg = check_data_before_launch(resolve_before_launch(cfg)).config
     assert cfg.data.source.endswith(".tok")  # before: the JSON's bytes, braces and quotes included
     text = read_token_file(cfg.data.source).tokens.astype(np.uint8).tobytes()
     assert text == b"".join(r.encode() + b"\n\x0c\n" for r in records)
@@ -126,12 +126,12 @@ def test_parquet_given_to_train_is_parsed_not_read_as_bytes(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    from shardlab.cli.train import check_data_before_launch
+    from shardlab.cli.train import check_data_before_launch, resolve_before_launch
 
     rows = [f"row {i}: {TEXT[i * 30:(i + 1) * 30]}" for i in range(40)]
     pq.write_table(pa.table({"content": rows}), tmp_path / "books.parquet")
     cfg = _cfg(tmp_path, f'data.source="{tmp_path / "books.parquet"}"', 'data.jsonl_field="content"')
-    check_data_before_launch(cfg)
+    cfg = check_data_before_launch(resolve_before_launch(cfg)).config
     text = read_token_file(cfg.data.source).tokens.astype(np.uint8).tobytes()
     assert text == b"".join(r.encode() + b"\n\x0c\n" for r in rows)
 
@@ -161,13 +161,13 @@ def _hf_cfg(tmp_path, hf, *overrides: str):
 
 
 def test_init_from_hf_reads_text_through_the_checkpoints_tokenizer(tmp_path):
-    from shardlab.cli.train import check_data_before_launch
+    from shardlab.cli.train import check_data_before_launch, resolve_before_launch
 
     tok = _bpe(tmp_path)
     hf = _hf_dir(tmp_path, tok.vocab_size, tok)
     (tmp_path / "a.txt").write_text(TEXT)
     cfg = _hf_cfg(tmp_path, hf, f'data.source="{tmp_path / "a.txt"}"')
-    check_data_before_launch(cfg)
+    cfg = check_data_before_launch(resolve_before_launch(cfg)).config
     header = read_header(cfg.data.source)  # before: the text's bytes, fed to a 300-id BPE's embedding
     assert header.tokenizer["sha256"] == file_digest(hf / "tokenizer.json") and header.vocab_size == tok.vocab_size
     # A token file made with another tokenizer is refused, naming both.
@@ -175,18 +175,18 @@ def test_init_from_hf_reads_text_through_the_checkpoints_tokenizer(tmp_path):
     made = prepare([str(tmp_path / "a.txt")], tmp_path / "other.tok", str(other.path), workers=1, progress=False).out
     cfg = _hf_cfg(tmp_path, hf, f'data.source="{made}"')
     with pytest.raises(ConfigError, match=r"other.tok.* was made with tokenizer 'other.json'.*not with model.init_from_hf"):
-        check_data_before_launch(cfg)
+        cfg = check_data_before_launch(resolve_before_launch(cfg)).config
 
 
 def test_init_from_hf_without_a_tokenizer_refuses_data_of_another_vocabulary(tmp_path):
-    from shardlab.cli.train import check_data_before_launch
+    from shardlab.cli.train import check_data_before_launch, resolve_before_launch
 
     (tmp_path / "a.txt").write_text(TEXT)
     cfg = _hf_cfg(tmp_path, _hf_dir(tmp_path, 1000), f'data.source="{tmp_path / "a.txt"}"')
     with pytest.raises(ConfigError, match=r"a vocabulary of 256 ids .* has 1,000: its embedding rows are another"):
-        check_data_before_launch(cfg)
+        cfg = check_data_before_launch(resolve_before_launch(cfg)).config
     cfg = _hf_cfg(tmp_path, _hf_dir(tmp_path, 256), f'data.source="{tmp_path / "a.txt"}"')
-    check_data_before_launch(cfg)  # bytes for a byte-level checkpoint: accepted
+    cfg = check_data_before_launch(resolve_before_launch(cfg)).config  # bytes for a byte-level checkpoint: accepted
 
 
 # ------------------------------------------------------------------------------ tokenizers of token files
@@ -215,7 +215,7 @@ def test_two_prepares_into_one_directory_keep_their_own_tokenizers(tmp_path, cap
 
 
 def test_a_replaced_tokenizer_is_refused_wherever_a_token_file_loads_it(tmp_path, capsys):
-    from shardlab.cli.train import check_data_before_launch
+    from shardlab.cli.train import check_data_before_launch, resolve_before_launch
     from shardlab.data.tokenizer import token_file_tokenizer
 
     (tmp_path / "a.txt").write_text(TEXT)
@@ -228,12 +228,12 @@ def test_a_replaced_tokenizer_is_refused_wherever_a_token_file_loads_it(tmp_path
     assert "was replaced after the token file was made" in capsys.readouterr().err
     cfg = _cfg(tmp_path, f'data.source="{r.out}"', "log.sample_tokens=4")  # training samples
     with pytest.raises(ConfigError, match="was replaced after the token file was made"):
-        check_data_before_launch(cfg)
+        cfg = check_data_before_launch(resolve_before_launch(cfg)).config
 
 
 def test_ids_in_the_padding_of_the_vocabulary_are_refused(tmp_path):
     """50,257 ids padded to 50,304 rows: id 50300 has a row but no token."""
-    from shardlab.cli.train import check_data_before_launch
+    from shardlab.cli.train import check_data_before_launch, resolve_before_launch
 
     ids = (np.arange(500, dtype=np.uint16) * 101) % 50257
     ids[77] = 50300
@@ -244,8 +244,8 @@ def test_ids_in_the_padding_of_the_vocabulary_are_refused(tmp_path):
     cfg = _cfg(tmp_path, f'data.source="{path}"')
     with pytest.raises(ConfigError, match=r"padded.tok: token id 50300 at position 77 is past the data's vocabulary "
                                           r"\(its header's vocab_size = 50,257"):
-        check_data_before_launch(cfg)
-    assert cfg.model.vocab_size == 50304  # the model had a row for it
+        cfg = check_data_before_launch(resolve_before_launch(cfg)).config
+    assert resolve_before_launch(cfg).model.vocab_size == 50304  # the model had a row for it
 
 
 def test_a_garbled_or_incomplete_header_is_named(tmp_path, capsys):

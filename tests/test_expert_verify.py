@@ -124,7 +124,7 @@ def test_pp_ep_under_zero3(pools):
 def test_pp_ep_zb1_under_zero(pools, zero):
     # zb1 x ZeRO-2/3 x ep (refused before): the W passes make the weight gradients after the backward's
     # hooks, so ZeRO-2's expert-parallel wrapper defers every dense bucket and ZeRO-3 holds every unit
-    # for the schedule's end (parallel/data/factory.py); reduced during backward, they would miss them.
+    # for the schedule's end (parallel/replicas.py); reduced during backward, they would miss them.
     _verify(pools, 1, 2, "model.experts=4", "model.top_k=2", "model.n_layer=2", "train.micro_batches=2",
             'layout.schedule="zb1"', f"layout.zero={zero}", "optim.grad_clip=0.05", pp=2)
 
@@ -193,6 +193,7 @@ def test_checkpoint_of_ep2_resumes_under_ep1_and_ep4(pools, tmp_path):
     within fp32 rounding (the arithmetic is cut differently)."""
     from shardlab.train.config import Config
     from shardlab.train.loop import train_rank
+    from shardlab.train.resolve import resolve_run
 
     def run(name: str, world: int, layout: dict, **checkpoint) -> dict[int, float]:
         out = tmp_path / name
@@ -205,7 +206,7 @@ def test_checkpoint_of_ep2_resumes_under_ep1_and_ep4(pools, tmp_path):
             "layout": layout, "checkpoint": {"dir": str(tmp_path / "ck"), "async_save": False, **checkpoint},
         })
         cfg.validate()
-        pools(world).run(train_rank, cfg.to_dict())
+        pools(world).run(train_rank, resolve_run(cfg))
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows}
 

@@ -8,6 +8,8 @@ import torch.distributed as dist
 from shardlab import comm
 from shardlab.dist import flight
 
+from scripts_harness import in_script, script
+
 
 def _entries_since(first_id: int) -> list[dict]:
     return [e for e in flight.snapshot("test")["entries"] if e["id"] >= first_id]
@@ -100,18 +102,10 @@ def test_recording_can_be_turned_off(pools):
 
 def test_overhead_benchmark_smoke(pools, tmp_path):
     """benchmarks/flight_overhead.py's two parts at tiny sizes (its figures are in docs/reliability.md)."""
-    import importlib.util
-    from pathlib import Path
-
-    from shardlab.bench.flight import measure_calls
-
-    calls = pools(2).run(measure_calls, 5, 1)[0]
+    calls = pools(2).run(in_script, "flight_overhead", "measure_calls", 5, 1)[0]
     assert set(calls) >= {"record (begin+end)", "all_reduce 4 B torch", "all_reduce 4 B ring", "isend+irecv 4 B"}
     assert all(v["on_us"] > 0 and v["off_us"] > 0 for v in calls.values())
-    path = Path(__file__).parents[1] / "benchmarks" / "flight_overhead.py"
-    spec = importlib.util.spec_from_file_location("flight_overhead", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("flight_overhead")
     # One rank: the launch path and the count of recorded operations, without a second rank to start.
     step_s, ops = bench.train_step_s(True, 2, ["--set", "data.max_bytes=65536"])
     assert step_s > 0 and ops > 0

@@ -36,13 +36,13 @@ def _verify_with(cfg_dict: dict, policy: str | None = None, min_shard_numel: int
     # types: MLP units nested in Block units; size 20000: each block's MLP (33k elements) is a unit and
     # its attention and norms (17k) fall to the root, with the embeddings.
     chosen = {None: None, "types": {Block, MLP}, "size": 20_000}[policy]
-    original = verify.apply_layout
-    verify.apply_layout = lambda model, layout, mesh=None, sharding=None: FullyShardedDataParallel(
+    original = verify.parallelize
+    verify.parallelize = lambda model, layout, mesh=None, sharding=None: FullyShardedDataParallel(
         model, None if mesh is None else mesh.group("dp"), impl=layout.comm_impl, policy=chosen, min_shard_numel=min_shard_numel)
     try:
         return verify.verify_rank(cfg_dict, 1e-6, 1e-5)
     finally:
-        verify.apply_layout = original
+        verify.parallelize = original
 
 
 def _check(report: dict) -> None:
@@ -188,7 +188,7 @@ def test_custom_model_equals_one_process(pools, policy, min_numel):
 
 # --------------------------------------------------------------------------------------- memory
 def _step_peak(zero: int) -> dict[str, int]:
-    from shardlab.parallel.layout import apply_layout
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.train.config import Config
     from shardlab.train.memory_tracker import MemoryTracker
     from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
@@ -203,7 +203,7 @@ def _step_peak(zero: int) -> dict[str, int]:
     gc.collect()
     with MemoryTracker("cpu") as before:  # everything the process holds now, the plain model included
         pass
-    model = apply_layout(plain, cfg.layout)
+    model = parallelize(plain, cfg.layout)
     opt = make_optimizer(model, cfg.optim)
     kw = dict(dp_rank=dist.get_rank(), dp_size=4, grad_clip=1.0)
     train_step(model, opt, task, 0, lr_at(0, cfg.optim, cfg.train), StepSetup(**kw))  # creates the optimizer state

@@ -179,6 +179,7 @@ def test_training_with_the_chunked_loss_follows_the_full_one(pools, tmp_path):
     # (tests/test_train.py, 2e-6), only summation orders differ; Adam (eps 1e-4) carries them on.
     from shardlab.train.config import load_config
     from shardlab.train.loop import train_rank
+    from shardlab.train.resolve import resolve_run
 
     losses = {}
     for loss in ("full", "chunked"):
@@ -189,7 +190,7 @@ def test_training_with_the_chunked_loss_follows_the_full_one(pools, tmp_path):
             "log.plot=false", "log.sample_tokens=0", f'log.out_dir="{tmp_path / loss}"', f'model.loss="{loss}"',
             "model.loss_chunk=100"])
         cfg.validate()
-        pools(2).run(train_rank, cfg.to_dict())
+        pools(2).run(train_rank, resolve_run(cfg))
         rows = [json.loads(x) for x in (tmp_path / loss / "metrics.jsonl").read_text().splitlines()]
         losses[loss] = [r[k] for r in rows for k in ("loss", "val_loss") if r.get(k) is not None]
     assert len(losses["full"]) >= 6

@@ -55,13 +55,14 @@ def test_nccl_world_size_1():
 def _train(tmp_path, *overrides: str) -> dict:
     from shardlab.train.config import load_config
     from shardlab.train.loop import train_rank
+    from shardlab.train.resolve import resolve_run
 
     cfg = load_config(None, ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.seq_len=64",
                              "train.steps=4", "train.global_batch=8", "train.warmup_steps=1", "train.log_every=2",
                              "train.eval_batches=1", "log.sample_tokens=8", "log.tensorboard=false",
                              "log.plot=false", f'log.out_dir="{tmp_path}"', "data.max_bytes=200000", *overrides])
     cfg.validate(1)
-    return launch(train_rank, 1, cfg.to_dict(), backend="nccl")[0]
+    return launch(train_rank, 1, resolve_run(cfg), backend="nccl")[0]
 
 
 @pytest.mark.parametrize("overrides", [

@@ -1,5 +1,5 @@
 """The GPU hot path, held on CPU by proxies (issue 29): what a training step reads back to the host
-and how many operators it runs, beside a bare forward / backward / AdamW step (bench/hot_path.py),
+and how many operators it runs, beside a bare forward / backward / AdamW step (benchmarks/hot_path.py),
 and nothing at world size 1 that a plain model would not do. On an H200 the trainer ran at half the
 speed of a 100-line step: a host synchronisation after every step, per-parameter kernels, a
 data-parallel wrapper around one rank (docs/gpu.md). These tests fail if any of it comes back."""
@@ -7,19 +7,17 @@ data-parallel wrapper around one rank (docs/gpu.md). These tests fail if any of 
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
-from shardlab.bench.hot_path import counting_reads
 from shardlab.comm.validate import validation_off
 from shardlab.train.config import Config
 from shardlab.train.step import NonFiniteError, StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.resolve import resolve_run
 
-ROOT = Path(__file__).resolve().parent.parent
+from scripts_harness import ScriptPool, in_script, script
+
 SMALL = {
     "model": {"name": "gpt", "n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16},
     "data": {"max_bytes": 65536},
@@ -27,11 +25,8 @@ SMALL = {
 }
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("hot_path_script", ROOT / "benchmarks" / "hot_path.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+HOT_PATH = script("hot_path")
+counting_reads = HOT_PATH.counting_reads
 
 
 def test_trainer_steps_read_nothing_and_run_the_bare_steps_operators(pools, tmp_path):
@@ -39,7 +34,7 @@ def test_trainer_steps_read_nothing_and_run_the_bare_steps_operators(pools, tmp_
     step (which reads one per parameter in torch's per-tensor AdamW on CPU, and one converting its
     batch); (b) it runs within 1.10x the bare step's top-level operators (the norm, clipping and the
     loss's bookkeeping are a few multi-tensor calls). Before issue 29: 55 reads and 1.91x."""
-    costs = _script().measure(str(tmp_path), pools(1))  # benchmarks/hot_path.py's figures (its smoke test too)
+    costs = HOT_PATH.measure(str(tmp_path), ScriptPool(pools(1), "hot_path"))  # benchmarks/hot_path.py's figures (its smoke test too)
     assert costs["trainer_reads_per_step"] <= costs["bare_reads_per_step"], costs
     assert costs["ops_ratio"] <= 1.10, costs
 
@@ -136,13 +131,14 @@ def test_a_nonfinite_step_stops_the_run_when_the_window_is_read(pools):
 
 def _wrapped(dp: int, tp: int) -> tuple[str, str]:
     from shardlab.parallel.contract import step_contract
-    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.parallel.layout import build_mesh
+    from shardlab.parallel.parallelize import parallelize
 
     cfg = Config.from_dict(SMALL)
     cfg.set("layout.dp", dp)
     cfg.set("layout.tp", tp)
-    model = apply_layout(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout))
-    model.finish_gradient_sync()  # apply_layout's contract holds unwrapped too (nothing to do)
+    model = parallelize(resolve_run(cfg).build_model(), cfg.layout, build_mesh(cfg.layout))
+    model.finish_gradient_sync()  # parallelize's contract holds unwrapped too (nothing to do)
     return type(model).__name__, type(step_contract(model).model).__name__
 
 
@@ -155,7 +151,7 @@ def test_one_replica_gets_no_data_parallel_wrapper(pools, dp, tp, expected):
 
 
 # ------------------------------------------------------------------ world size > 1: reads per step
-# Each layout's trainer, counted on every rank per non-logging step (bench/hot_path.py's
+# Each layout's trainer, counted on every rank per non-logging step (benchmarks/hot_path.py's
 # layout_reads): the step's own reads, apart from torch's AdamW reading its host-side step counters.
 STOP_SITE = "shardlab/train/stop.py"
 """The ranks' stop agreement (train/stop.py): an int of a CPU tensor reduced on a gloo group, on a GPU
@@ -173,7 +169,7 @@ LAYOUTS = {
 def _loop_config(tmp_path, overrides: list[str]) -> dict:
     from shardlab.train.config import load_config
 
-    cfg = load_config(None, [*_script().LOOP, *overrides, f'log.out_dir="{tmp_path}"'])
+    cfg = load_config(None, [*HOT_PATH.LOOP, *overrides, f'log.out_dir="{tmp_path}"'])
     cfg.validate()
     return cfg.to_dict()
 
@@ -181,9 +177,8 @@ def _loop_config(tmp_path, overrides: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def one_rank_reads(pools, tmp_path_factory):
     """What the one-rank trainer's step reads itself (the same loop, world size 1)."""
-    from shardlab.bench.hot_path import layout_reads
-
-    return pools(1).run(layout_reads, _loop_config(tmp_path_factory.mktemp("one"), []))[0]
+    cfg = _loop_config(tmp_path_factory.mktemp("one"), [])
+    return pools(1).run(in_script, "hot_path", "layout_reads", cfg)[0]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -192,9 +187,8 @@ def test_a_layouts_steps_read_no_more_than_one_ranks(pools, tmp_path, one_rank_r
     reads no more of its step's own values than the one-rank trainer does, plus the stop agreement
     (a CPU tensor: see STOP_SITE). Before: the buckets read one flag per parameter (22 here), ZeRO-1/2
     and ZeRO-3 their reduced flags, the pipeline its loss, every step."""
-    from shardlab.bench.hot_path import layout_reads
-
-    for rank, reads in enumerate(pools(2).run(layout_reads, _loop_config(tmp_path, LAYOUTS[layout]))):
+    per_rank = pools(2).run(in_script, "hot_path", "layout_reads", _loop_config(tmp_path, LAYOUTS[layout]))
+    for rank, reads in enumerate(per_rank):
         extra = {s: n for s, n in reads["sites"].items() if s not in one_rank_reads["sites"]}
         assert reads["step"] <= one_rank_reads["step"] + 1, (rank, reads, one_rank_reads)
         assert all(s.startswith(STOP_SITE) for s in extra), (rank, extra)

@@ -19,12 +19,14 @@ import tokenize
 from functools import cache
 from pathlib import Path
 
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardlab"
 
 # Top to bottom: a module may import its own layer and the layers after it, never one before it.
 LAYERS = ["cli", "bench", "train", "plan", "checkpoint", "parallel", "models", "comm", "dist", "data"]
-# Modules of the package root: `python -m shardlab` is the CLI; the package's __init__ imports nothing.
-ROOT_LAYER = {"shardlab.__main__": "cli", "shardlab": "data", "shardlab._forkserver": "dist"}
+# Modules of the package root: `python -m shardlab` is the CLI; the package's __init__ and _lazy.py (a
+# package's names loaded on first use) import nothing of shardlab.
+ROOT_LAYER = {"shardlab.__main__": "cli", "shardlab": "data", "shardlab._forkserver": "dist", "shardlab._lazy": "data"}
 
 # Upward imports not yet removed, each with its reason: (importer, imported) -> why. Any other
 # upward import fails the test.
@@ -222,6 +224,40 @@ def test_no_circles_among_modules():
         "\n  ".join(f"{', '.join(c)}; one circle: {one_cycle(graph, c)}" for c in found)
 
 
+def parallel_unit(module: str) -> str | None:
+    """The part of parallel/ a module belongs to: its strategy's folder, or the loose file itself."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) >= 3 and parts[1] == "parallel" else None
+
+
+def unit_pairs(graph: dict[str, dict[str, int]], unit) -> list[str]:
+    """Pairs of units (folders, loose files) that import each other, each with one arrow both ways."""
+    arrows: dict[tuple[str, str], str] = {}
+    for module, targets in graph.items():
+        for target, line in targets.items():
+            a, b = unit(module), unit(target)
+            if a and b and a != b:
+                arrows.setdefault((a, b), f"{module} (line {line}) -> {target}")
+    return sorted(f"{a} <-> {b}: {arrows[a, b]}; {arrows[b, a]}" for a, b in arrows if a < b and (b, a) in arrows)
+
+
+def test_unit_pairs_are_found():
+    graph = {"shardlab.parallel.a.x": {"shardlab.parallel.b.y": 3}, "shardlab.parallel.b.y": {},
+             "shardlab.parallel.b.z": {"shardlab.parallel.a.w": 5}, "shardlab.parallel.a.w": {},
+             "shardlab.parallel.c": {"shardlab.parallel.a.w": 1}}
+    assert unit_pairs(graph, parallel_unit) == [
+        "shardlab.parallel.a <-> shardlab.parallel.b: shardlab.parallel.a.x (line 3) -> shardlab.parallel.b.y; "
+        "shardlab.parallel.b.z (line 5) -> shardlab.parallel.a.w"]
+
+
+def test_no_two_parts_of_parallel_import_each_other():
+    # Each strategy's folder (and each loose file of parallel/) is a unit; what combines strategies
+    # (parallelize.py, replicas.py) sits beside them, so the arrows between units run one way.
+    found = unit_pairs(import_graph(), parallel_unit)
+    assert not found, "parts of parallel/ that import each other (move what combines them out of the folder):\n  " + \
+        "\n  ".join(found)
+
+
 def function_imports(module: str, path: Path) -> list[tuple[int, int]]:
     """(first line, last line) of every import statement of shardlab inside a function of `module`."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -268,9 +304,34 @@ def unexplained_function_imports() -> list[str]:
     return bad
 
 
+def function_import_reasons() -> dict[str, list[str]]:
+    """The comment that explains each run of imports of shardlab inside a function (on its first line or
+    the line above), with where it stands."""
+    reasons: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        said = {t.start[0]: t.string.lstrip("# ").strip() for t in tokens if t.type == tokenize.COMMENT}
+        imported = import_lines(path)
+        for first, _ in function_imports(module, path):
+            if first - 1 in imported:
+                continue  # explained with the run it belongs to
+            text = said.get(first) or said.get(first - 1)
+            if text:
+                reasons.setdefault(text, []).append(f"{path.relative_to(SRC.parent)}:{first}")
+    return reasons
+
+
+def test_a_reason_to_wait_is_stated_once():
+    # The one general reason (cli/main.py's: commands are imported when run) is written once, in main.py's
+    # docstring; a sentence pasted beside many imports says nothing about any of them.
+    pasted = {text: sites for text, sites in function_import_reasons().items() if len(sites) > 1}
+    assert not pasted, "one comment explaining imports inside functions in several places (hoist them, or say " \
+        "why each waits):\n  " + "\n  ".join(f"{text!r}: {', '.join(sites)}" for text, sites in pasted.items())
+
+
 def test_imports_inside_functions_say_why():
-    # Kept inside a function only for a reason written beside it (a heavy module the command line's
-    # start need not load, an optional dependency); else it belongs at the top of the file.
+    # Kept inside a function only for a reason written beside it (an optional dependency, a module the
+    # command line loads only once a command runs); else it belongs at the top of the file.
     bad = unexplained_function_imports()
     assert not bad, (f"{len(bad)} imports of shardlab inside functions without a reason (a comment on the line "
                      "or above the run of imports it heads); move each to the top of its file, or say why it waits:\n  " +
@@ -292,3 +353,38 @@ def test_files_stay_small():
     too_long = long_files()
     assert not too_long, (f"files over {MAX_LINES} lines (split each along its concepts, a docstring saying what "
                           f"each part holds): " + ", ".join(f"{p} ({n})" for p, n in sorted(too_long.items())))
+
+
+def named_modules(path: Path) -> set[str]:
+    """Modules a file names in a string, imported by importlib when needed: a command's run function
+    (`Run("shardlab.cli.viz:run_schedule")`), a package's names loaded on first use (`_EXPORTS`)."""
+    names = {node.value.partition(":")[0] for node in ast.walk(tree(path))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return names & set(MODULES)
+
+
+def unreachable_modules() -> list[str]:
+    """Modules of src/shardlab that nothing a user runs or imports loads: not the command line (the
+    `shardlab` script, `python -m shardlab`: cli/main.py, its parsers and the commands they name), nor
+    what those import, at the top, in a function or by name, nor the packages above anything imported
+    (a package's __init__ runs first: its names are the package's API)."""
+    graph = import_graph()
+    seen: set[str] = set()
+    todo = ["shardlab.__main__", "shardlab.cli.main"]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in MODULES]
+        todo += [*graph[module], *named_modules(MODULES[module])]
+    return sorted(set(MODULES) - seen)
+
+
+def test_every_module_serves_the_library():
+    # Tooling that only produces docs/ figures or serves tests lives in benchmarks/ or tests/; a module
+    # of src/shardlab is imported by a command or by what a command imports, or it does not belong.
+    bad = unreachable_modules()
+    assert not bad, ("modules of src/shardlab that no command imports (move a benchmark's or a test's helper to "
+                     "benchmarks/ or tests/, or import it where the library uses it):\n  " + "\n  ".join(bad))

@@ -1,6 +1,6 @@
-"""The one ordered list of strategy steps (parallel/layout.py STEPS) every layout goes through.
+"""The one order of strategies (parallel/parallelize.py: `parallelize`, and `strategies` that names them).
 
-Which steps a layout runs, in which order, and the one place where two orders were once in use:
+Which strategies a layout runs, in which order, and the one place where two orders were once in use:
 expert and context parallelism (the whole-model path ran ep then cp, the pipeline's cp then ep).
 Both orders are built here on the same ranks and compared bit for bit: the same modules, the same
 placement entries, and verify's per-step numbers (losses, gradient and parameter differences to
@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from shardlab.parallel.layout import STEPS, layout_steps
+from shardlab.parallel.parallelize import strategies
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.train.config import load_config
@@ -31,11 +31,19 @@ from shardlab.train.verify import VERIFY_BASE
     ({"pp": 2, "recompute": "selective"}, None, ["pp", "recompute", "dp"]),
 ])
 def test_a_layout_runs_its_steps_in_the_one_order(layout, sharding, steps):
-    assert layout_steps(LayoutSection(**layout), sharding) == steps
-    # Every step named once; data parallelism last (it wraps what the others made).
-    names = [s.name for s in STEPS]
+    names = strategies(LayoutSection(**layout), sharding)
+    assert names == steps
+    # Every strategy named once; data parallelism last (it wraps what the others made).
     assert len(set(names)) == len(names) and names[-1] == "dp"
-    assert [s.name for s in STEPS if not s.needs_mesh] == ["dp"]
+
+
+def test_only_data_parallelism_runs_without_a_mesh():
+    from shardlab.parallel.parallelize import check_mesh
+
+    check_mesh(LayoutSection(zero=1), None, None)  # data parallelism alone: over every rank
+    for layout in ({"tp": 2}, {"recompute": "full"}, {"pp": 2}):
+        with pytest.raises(ValueError, match="needs a DeviceMesh"):
+            check_mesh(LayoutSection(**layout), None, None)
 
 
 def _cfg(*flags: str) -> dict:
@@ -47,34 +55,31 @@ def _cfg(*flags: str) -> dict:
 
 
 def _both_orders(cfg_dict: dict) -> dict | None:
-    """The layout built with STEPS as it is (ep, cp) and with cp before ep: what differs."""
+    """The layout built in parallelize's order (ep, cp) and with cp before ep: what differs."""
     import torch.distributed as dist
 
-    from shardlab.parallel import layout
-    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.parallel import parallelize as straight
+    from shardlab.parallel.layout import build_mesh
     from shardlab.train.config import Config
     from shardlab.train.resolve import resolve_run
     from shardlab.train.verify import verify_rank
 
-    names = [s.name for s in layout.STEPS]
-    i, j = names.index("ep"), names.index("cp")
-    swapped = list(layout.STEPS)
-    swapped[i], swapped[j] = swapped[j], swapped[i]
     cfg = Config.from_dict(cfg_dict)
     plain = resolve_run(cfg).build_model()
     mesh = build_mesh(cfg.layout)
     built, reports = {}, {}
-    original = layout.STEPS
+    ep_first = (straight.apply_expert_parallel, straight.apply_context)
     try:
-        for order, steps in (("ep,cp", original), ("cp,ep", tuple(swapped))):
-            layout.STEPS = steps
-            model = apply_layout(copy.deepcopy(plain), cfg.layout, mesh)
+        # Both run here (ep = cp = 2), so swapping what the two lines call swaps their order.
+        for order, (first, second) in (("ep,cp", ep_first), ("cp,ep", ep_first[::-1])):
+            straight.apply_expert_parallel, straight.apply_context = first, second
+            model = straight.parallelize(copy.deepcopy(plain), cfg.layout, mesh)
             modules = [(n, type(m).__name__, repr(getattr(m, "rows", None))) for n, m in model.named_modules()]
             built[order] = (modules, dict(model.placement.params), sorted(a.name for a in model.placement.axes),
                             [a.name for a in model.placement.axes])
             reports[order] = verify_rank(cfg_dict, 1e-6, 1e-5)
     finally:
-        layout.STEPS = original
+        straight.apply_expert_parallel, straight.apply_context = ep_first
     same_model = built["ep,cp"][:3] == built["cp,ep"][:3]
     rows_set = all("ZigzagRows" in rows for _, kind, rows in built["ep,cp"][0] if kind == "ExpertParallelMoE")
     if dist.get_rank() != 0:
@@ -109,7 +114,7 @@ def _engines() -> dict:
     import torch.distributed as dist
 
     from shardlab.models import DeepMLP, MLPConfig
-    from shardlab.parallel.data.factory import DataOptions, wrap_data_parallel
+    from shardlab.parallel.replicas import DataOptions, wrap_data_parallel
 
     ws = dist.get_world_size()
     got = {}
@@ -137,7 +142,7 @@ def test_one_data_parallel_factory(pools):
 
 
 def test_a_stage_reduces_once_where_overlap_cannot_hook():
-    from shardlab.parallel.data.factory import DataOptions
+    from shardlab.parallel.replicas import DataOptions
 
     def mode(**kw) -> str:
         return DataOptions.of(LayoutSection(dp_mode="overlap", **kw)).stage_mode()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardlab.parallel.layout import apply_layout
+from shardlab.parallel.parallelize import parallelize
 from shardlab.train.config import Config
 from shardlab.train.step import NonFiniteError, StepSetup, lr_at, make_optimizer, train_step
 from shardlab.train.resolve import resolve_run
@@ -69,7 +69,7 @@ def _dp_rank_poisoned(on_nonfinite: str):
     import torch.distributed as dist
 
     cfg, model, task = setup(on_nonfinite, dp=2)
-    model = apply_layout(model, cfg.layout)
+    model = parallelize(model, cfg.layout)
     opt = make_optimizer(model, cfg.optim)
     rank = dist.get_rank()
     if rank == 1:

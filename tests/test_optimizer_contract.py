@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardlab.parallel.data.stepguard import HOW
+from shardlab.parallel.stepguard import HOW
 from shardlab.train.config import load_config
 from shardlab.train.verify import VERIFY_BASE, verify_base
 
@@ -36,7 +36,8 @@ def _cfg(*flags: str) -> dict:
 def _plain_adamw_vs_one_process(cfg_dict: dict, steps: int = 3) -> dict:
     """Train the layout with torch.optim.AdamW(model.parameters()) and the plain model with the same;
     the worst relative parameter difference after `steps`, or the error the first step raised."""
-    from shardlab.parallel.layout import apply_layout, batch_rank, build_mesh, full_parameters
+    from shardlab.parallel.layout import batch_rank, build_mesh, full_parameters
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.train.config import Config
     from shardlab.train.step import StepSetup, adamw_kwargs, lr_at, train_step
     from shardlab.train.resolve import resolve_run
@@ -47,7 +48,7 @@ def _plain_adamw_vs_one_process(cfg_dict: dict, steps: int = 3) -> dict:
     task = resolve_run(cfg).build_task(plain)
     mesh = build_mesh(cfg.layout)
     dp_rank, dp_size = batch_rank(mesh)
-    model = apply_layout(plain, cfg.layout, mesh)
+    model = parallelize(plain, cfg.layout, mesh)
     opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(cfg.optim))
     ref_opt = torch.optim.AdamW(reference.parameters(), **adamw_kwargs(cfg.optim))
     before = full_parameters(model)

@@ -88,13 +88,14 @@ def test_grouped_posting_reuses_buffers_only_after_the_backward(pools):
 
 def _nccl_layout_task() -> str:
     from shardlab.parallel import layout as lay
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.parallel.layout_section import LayoutSection
 
     section = LayoutSection(pp=2, schedule="1f1b")
     real = dist.get_backend
     dist.get_backend = lambda *a, **k: "nccl"  # what the pipeline step refused on, until the grouped path
     try:
-        model = lay.apply_layout(_model(), section, lay.build_mesh(section))
+        model = parallelize(_model(), section, lay.build_mesh(section))
     finally:
         dist.get_backend = real
     return type(model).__name__

@@ -86,7 +86,8 @@ LAYOUTS = {
 
 def _check_layout(flags: list[str]) -> dict:
     from shardlab.models import GPT, GPTConfig
-    from shardlab.parallel.layout import apply_layout, build_mesh
+    from shardlab.parallel.layout import build_mesh
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.train.config import load_config
 
     layout = load_config(None, flags).layout
@@ -94,7 +95,7 @@ def _check_layout(flags: list[str]) -> dict:
     experts = 4 if layout.ep > 1 else 0
     plain = GPT(GPTConfig(n_layer=4, d_model=32, n_head=4, seq_len=16, n_experts=experts))
     whole = {n: p.detach().clone() for n, p in plain.named_parameters()}
-    model = apply_layout(copy.deepcopy(plain), layout, build_mesh(layout))
+    model = parallelize(copy.deepcopy(plain), layout, build_mesh(layout))
     record = model.placement
     assert set(record.params) == set(whole)
     checked, counted, cut = 0, 0, {}

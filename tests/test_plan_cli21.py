@@ -9,14 +9,15 @@ import sys
 
 import pytest
 
-from shardlab.cli.plan import add_parser, build_hardware, build_spec
+from shardlab.cli.plan import build_hardware, build_spec
+from shardlab.cli.plan_flags import add_plan_parser
 from shardlab.plan.compare import compare_networks, format_comparison
 from shardlab.plan.models import get_model
 
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    add_plan_parser(parser.add_subparsers())
     return parser.parse_args(["plan", *argv])
 
 
@@ -50,7 +51,7 @@ def test_cluster_flags_and_checks(capsys):
         _args("--mem-fraction", "1.5")
     assert "(0, 1]" in capsys.readouterr().err
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    add_plan_parser(parser.add_subparsers())
     text = parser._subparsers._group_actions[0].choices["plan"].format_help()
     assert "default: a100-80gb" in text and "h100-nvl256" in text and "tpu-v5e" in text
 

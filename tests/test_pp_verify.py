@@ -145,6 +145,7 @@ def test_training_at_pp2_equals_one_process(pools, tmp_path):
     """The trainer's loss curve, gradient norm, validation loss (a forward-only pass through the
     stages) and sample (logits handed from the last stage to every stage)."""
     from shardlab.train.loop import train_rank
+    from shardlab.train.resolve import resolve_run
 
     common = ['model.name="gpt"', "model.n_layer=2", "model.d_model=64", "model.seq_len=32", "train.global_batch=8",
               "train.steps=4", "train.warmup_steps=1", "train.log_every=2", "train.eval_every=2",
@@ -155,7 +156,7 @@ def test_training_at_pp2_equals_one_process(pools, tmp_path):
                                               "layout.virtual_stages=2", "train.micro_batches=4"])):
         cfg = load_config(None, [*common, *layout, f'log.out_dir="{tmp_path / name}"'])
         cfg.validate()
-        summary = pools(cfg.world_size).run(train_rank, cfg.to_dict())[0]
+        summary = pools(cfg.world_size).run(train_rank, resolve_run(cfg))[0]
         runs[name] = summary, [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     (one, one_rec), (pp, pp_rec) = runs["one"], runs["pp"]
     assert [r["loss"] for r in pp_rec] == pytest.approx([r["loss"] for r in one_rec], rel=2e-6)

@@ -82,11 +82,11 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
 
 def _overflow_on_one_rank(zero: int) -> dict:
     """fp16 ZeRO-`zero`: an inf in one rank's gradient shard makes every rank skip the step."""
-    from shardlab.parallel.layout import apply_layout
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.train.config import LayoutSection, OptimSection
     from shardlab.train.step import make_optimizer
 
-    model = apply_layout(apply_precision(_model(), "fp16"), LayoutSection(dp=dist.get_world_size(), zero=zero))
+    model = parallelize(apply_precision(_model(), "fp16"), LayoutSection(dp=dist.get_world_size(), zero=zero))
     opt = make_optimizer(model, OptimSection(loss_scale=1024.0), "fp16")
     before = {n: t.clone() for n, t in _full(model).items()}
     (model(torch.randn(4, 8).half()).float().square().mean() * opt.loss_scale).backward()

@@ -113,7 +113,8 @@ def test_memory_shrinks_as_the_formulas_say():
 def _tp_dropout_rank(sp: bool) -> dict[str, float]:
     """On each rank of a tp 2 group: loss and gradients with dropout under each mode, compared
     with 'none' on the same rank (exact equality expected: max abs difference returned)."""
-    from shardlab.parallel.layout import apply_layout, build_mesh, full_gradients
+    from shardlab.parallel.layout import build_mesh, full_gradients
+    from shardlab.parallel.parallelize import parallelize
     from shardlab.train.config import LayoutSection
 
     torch.manual_seed(0)
@@ -123,7 +124,7 @@ def _tp_dropout_rank(sp: bool) -> dict[str, float]:
     ref = None
     for mode in MODES:
         layout = LayoutSection(tp=2, sp=sp, recompute=mode, dp_mode="naive")
-        model = apply_layout(copy.deepcopy(plain), layout, build_mesh(layout))
+        model = parallelize(copy.deepcopy(plain), layout, build_mesh(layout))
         torch.manual_seed(5)
         loss = model(idx, tgt)
         loss.backward()

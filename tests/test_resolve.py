@@ -41,6 +41,43 @@ def test_the_mlp_has_no_data_and_the_strategies_come_in_the_order_they_are_appli
     assert mlp.data is None and mlp.vocab == 0 and mlp.world_size == 1
     run = resolve_run(load_config(None, [*TINY, "model.n_layer=2", "layout.pp=2", "layout.tp=2", "layout.sp=true",
                                          "layout.dp=2", "layout.zero=1", "train.micro_batches=2"]))
-    assert run.strategies == ("pp 2 (1f1b)", "tp 2 + sp (megatron)", "dp 2 (ZeRO-1)")
+    # Described in parallelize's one order (tests/test_layout_steps.py pins it): tp before the cut into stages.
+    assert run.strategies == ("tp 2 + sp (megatron)", "pp 2 (1f1b)", "dp 2 (ZeRO-1)")
     assert dict(run.mesh_shape) == {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2} and run.world_size == 8
     assert run.vocab == 256 and run.precision == "fp32"
+
+
+def test_the_users_configuration_is_unchanged_by_a_run(pools, tmp_path):
+    """What the data decides (the vocabulary, the token file text is encoded into, the tokenizer that
+    reads it) is the resolved run's: the Config the user passed stays as written through resolution,
+    data preparation, the trip to the ranks and the run itself (train/corpus.py wrote data.source,
+    data.tokenizer and data.max_bytes into it, and the launcher model.vocab_size)."""
+    import copy
+    import math
+    import pickle
+    import tomllib
+
+    from shardlab.data.tokenizer import train_bpe
+    from shardlab.train.loop import train_rank
+
+    text = "".join(f"def function_{i}(value):\n    return value * {i} + len('text {i}')\n\n" for i in range(60))
+    (tmp_path / "a.txt").write_text(text)
+    tok = train_bpe([text], 300, tmp_path / "bpe.json")
+    cfg = load_config(None, [*TINY, f'data.source="{tmp_path / "a.txt"}"', f'data.tokenizer="{tok.path}"',
+                             "data.max_bytes=100000", f'data.cache_dir="{tmp_path / "cache"}"', "train.steps=2",
+                             "train.warmup_steps=1", "train.eval_every=0", "train.eval_batches=1",
+                             "log.sample_tokens=0", "log.plot=false", "log.tensorboard=false", "log.memory=false",
+                             f'log.out_dir="{tmp_path / "run"}"'])
+    cfg.validate()
+    before = copy.deepcopy(cfg.to_dict())
+    run = resolve_run(cfg).prepared(progress=False)  # what `shardlab train` does before launch
+    d = run.config.data
+    assert d.source.endswith(".tok") and (d.tokenizer, d.max_bytes) == ("", 0) and run.data.kind == "tokens"
+    assert run.model.vocab_size == run.vocab == 320  # the tokenizer's 300 ids padded to a multiple of 64
+    assert pickle.loads(pickle.dumps(run)).config.to_dict() == run.config.to_dict()  # what the ranks receive
+    summary = pools(1).run(train_rank, run)[0]
+    assert math.isfinite(summary["final_loss"])
+    assert cfg.to_dict() == before
+    # The run records the configuration as resolved, as before: the token file it read, the vocabulary.
+    recorded = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert recorded["data"]["source"] == d.source and recorded["model"]["vocab_size"] == 320

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from shardlab.parallel.pipeline import plan_split
-from shardlab.parallel.pipeline.partition import even_layers, layout_balance
+from shardlab.parallel.pipeline.partition import even_layers
+from shardlab.parallel.pipeline.stages import layout_balance
 from shardlab.plan.execution import Execution
 from shardlab.train.config import ConfigError, load_config
 from shardlab.train.task import build_model

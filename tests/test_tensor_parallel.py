@@ -28,7 +28,10 @@ from shardlab.parallel.tensor import (
     GPT_PLAN, LECTURE_MLP_PLAN, MEGATRON_MLP_PLAN, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
     apply_tensor_parallel, check_plan, full_gradients, full_parameters, unshard_tensor, vocab_parallel_cross_entropy,
 )
-from shardlab.bench.tensor_parallel import activation_bytes
+
+from scripts_harness import script
+
+activation_bytes = script("tensor_parallel").activation_bytes  # benchmarks/tensor_parallel.py measures with it
 
 STEPS = 3
 BATCH = 8

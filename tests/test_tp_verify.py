@@ -102,6 +102,7 @@ def test_a_norm_without_the_tp_sum_fails(pools, zero):
 def test_training_at_dp2_x_tp2_equals_one_process(pools, tmp_path):
     """The trainer's loss (mean over dp ranks, not over tp copies), validation loss and sample."""
     from shardlab.train.loop import train_rank
+    from shardlab.train.resolve import resolve_run
 
     common = ['model.name="gpt"', "model.n_layer=2", "model.d_model=64", "model.seq_len=32", "train.global_batch=8",
               "train.steps=4", "train.warmup_steps=1", "train.log_every=2", "train.eval_every=2",
@@ -111,7 +112,7 @@ def test_training_at_dp2_x_tp2_equals_one_process(pools, tmp_path):
     for name, layout in (("one", []), ("mesh", ["layout.dp=2", "layout.tp=2", "layout.sp=true"])):
         cfg = load_config(None, [*common, *layout, f'log.out_dir="{tmp_path / name}"'])
         cfg.validate()
-        summary = pools(cfg.world_size).run(train_rank, cfg.to_dict())[0]
+        summary = pools(cfg.world_size).run(train_rank, resolve_run(cfg))[0]
         runs[name] = summary, [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     (one, one_rec), (mesh, mesh_rec) = runs["one"], runs["mesh"]
     assert [r["loss"] for r in mesh_rec] == pytest.approx([r["loss"] for r in one_rec], rel=2e-6)

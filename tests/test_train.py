@@ -13,6 +13,7 @@ import pytest
 
 from shardlab.parallel import MODES
 from shardlab.train.config import load_config
+from shardlab.train.resolve import Run, resolve_run
 from shardlab.train.verify import VERIFY_BASE
 
 # Frozen parameters (the position table), tied ones (the GPT's embedding and head), and layer 0
@@ -62,16 +63,16 @@ def _broken_rank(cfg_dict: dict) -> dict | None:
     return _verify_with(cfg_dict, lambda model, layout, mesh=None, sharding=None: DataParallel(model, mode=layout.dp_mode, average=False))
 
 
-def _verify_with(cfg_dict: dict, apply_layout) -> dict | None:
-    """verify_rank with `apply_layout` standing in for the real one."""
+def _verify_with(cfg_dict: dict, parallelize) -> dict | None:
+    """verify_rank with `parallelize` standing in for the real one."""
     import shardlab.train.verify as verify
 
-    original = verify.apply_layout
-    verify.apply_layout = apply_layout
+    original = verify.parallelize
+    verify.parallelize = parallelize
     try:
         return verify.verify_rank(cfg_dict, 1e-6, 1e-5)
     finally:
-        verify.apply_layout = original
+        verify.parallelize = original
 
 
 def test_a_wrong_layout_fails(pools):
@@ -82,13 +83,13 @@ def test_a_wrong_layout_fails(pools):
     assert pools(1).run(_broken_rank, _verify_cfg("mlp", 1, "overlap"))[0]["passed"]
 
 
-def _train_cfg(tmp_path, ws: int, *extra: str) -> dict:
+def _train_cfg(tmp_path, ws: int, *extra: str) -> Run:
     cfg = load_config(None, [
         'model.name="gpt"', "model.n_layer=2", "model.d_model=64", "model.seq_len=32", "train.global_batch=8",
         "train.steps=6", "train.warmup_steps=2", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
         "data.max_bytes=1048576", f"layout.dp={ws}", "log.sample_tokens=40", f'log.out_dir="{tmp_path}"', *extra])
     cfg.validate()
-    return cfg.to_dict()
+    return resolve_run(cfg)  # resolved once, as the launcher does
 
 
 def test_training_writes_metrics_events_plot_and_samples(pools, tmp_path):
@@ -102,12 +103,12 @@ def test_training_writes_metrics_events_plot_and_samples(pools, tmp_path):
     for r in records:
         assert r["loss"] > 0 and r["tokens_per_s"] > 0 and 0 <= r["comm_wait_share"] <= 1 and r["mfu"] is None
     logged = [r for r in records if r["peak_mem_bytes"]]
-    assert [r["step"] for r in logged] == [1, 3, 5, 6] and all(len(r["peak_mem_bytes"]) == 2 for r in logged)
+    # The first step, every log_every-th (steps 2, 4, counted from 1) and the last.
+    assert [r["step"] for r in logged] == [1, 2, 4, 6] and all(len(r["peak_mem_bytes"]) == 2 for r in logged)
     # Peak tensor memory holds at least the parameters, their gradients and AdamW's two moments.
-    from shardlab.train.config import Config
     from shardlab.train.task import build_model
 
-    cfg = Config.from_dict(_train_cfg(tmp_path, 2))
+    cfg = _train_cfg(tmp_path, 2).config
     param_bytes = 4 * sum(p.numel() for p in build_model(cfg.model).parameters())
     assert all(min(r["peak_mem_bytes"]) >= 4 * param_bytes for r in logged[1:])
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
@@ -127,7 +128,7 @@ def test_training_writes_metrics_events_plot_and_samples(pools, tmp_path):
     assert written == json.loads(json.dumps(summary)) and "final_val_bits_per_byte" in written and written["ranks"]
 
 
-def _train_recording(cfg: dict) -> list[tuple[str, str]]:
+def _train_recording(cfg: Run) -> list[tuple[str, str]]:
     """train_rank, returning the (operation, call site) of what this rank's flight recorder holds of it."""
     from shardlab.dist import flight
     from shardlab.train.loop import train_rank
@@ -148,10 +149,10 @@ def test_the_trainers_own_collectives_are_in_the_flight_recorder(pools, tmp_path
                      "log.memory=false")
     for ops in pools(2).run(_train_recording, cfg):
         agreed = [site for op, site in ops if op == "all_reduce" and "stop.py" in site and "in agree" in site]
-        # Read at the logging steps only: step 0 and the last (train.log_every is larger than the run).
+        # Read at the logging steps only: steps 1 (the first), 2 (train.log_every = 2) and 3 (the last).
         gathers = [site for op, site in ops if op == "all_gather" and "window.py" in site and "in read" in site]
         evals = [site for op, site in ops if op == "all_reduce" and "loop.py" in site and "in evaluate" in site]
-        assert (len(agreed), len(gathers), len(evals)) == (3, 2, 1), ops[-20:]
+        assert (len(agreed), len(gathers), len(evals)) == (3, 3, 1), ops[-20:]
 
 
 def test_training_is_the_same_at_one_and_two_ranks(pools, tmp_path):

@@ -20,16 +20,17 @@ from shardlab.models import GPT, GPTConfig
 from shardlab.train.compile import compile_model, compiled_everywhere, compiled_target_count, reset_compile_counters
 from shardlab.train.config import load_config
 from shardlab.train.memory_tracker import MemoryTracker
+from shardlab.train.resolve import Run, resolve_run
 
 
-def _train_cfg(tmp_path, *extra: str) -> dict:
+def _train_cfg(tmp_path, *extra: str) -> Run:
     cfg = load_config(None, [
         'model.name="gpt"', "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16",
         "train.global_batch=4", "train.steps=2", "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0",
         "data.max_bytes=262144", "log.sample_tokens=0", "log.plot=false", f'log.out_dir="{tmp_path}"',
         "train.compile=true", 'train.compile_backend="aot_eager"', *extra])
     cfg.validate()
-    return cfg.to_dict()
+    return resolve_run(cfg)  # resolved once, as the launcher does
 
 
 @pytest.mark.parametrize("world, overrides", [

@@ -79,7 +79,7 @@ def _bin(path, ids):
 
 
 def test_val_source_is_a_separate_validation_file(tmp_path):
-    from shardlab.cli.train_checks import check_data_before_launch
+    from shardlab.cli.train_checks import check_data_before_launch, resolve_before_launch
     from shardlab.train.task import build_model
     from shardlab.train.resolve import resolve_run
 
@@ -89,7 +89,7 @@ def test_val_source_is_a_separate_validation_file(tmp_path):
     cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=16",
                              "train.global_batch=4", f'data.source="{train}"', f'data.val_source="{val}"'])
     cfg.validate()
-    check_data_before_launch(cfg)
+    cfg = check_data_before_launch(resolve_before_launch(cfg)).config
     task = resolve_run(cfg).build_task(build_model(cfg.model, 256))
     x, _ = task.val.global_batch(0)
     assert x.min() >= 200
@@ -103,4 +103,4 @@ def test_val_source_is_a_separate_validation_file(tmp_path):
         bad = load_config(None, ["model.seq_len=16", f'data.source="{train}"', f'data.val_source="{source}"'])
         with pytest.raises((ConfigError, ValueError), match=why):
             bad.validate()
-            check_data_before_launch(bad)
+            bad = check_data_before_launch(resolve_before_launch(bad)).config

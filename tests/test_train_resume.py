@@ -15,6 +15,7 @@ import pytest
 from shardlab.dist import RankFailure, launch
 from shardlab.train.config import Config
 from shardlab.train.loop import train_rank
+from shardlab.train.resolve import resolve_run
 
 # Small enough for seconds per run; dropout so that the random streams must be restored too.
 SMALL = {
@@ -43,7 +44,7 @@ def losses(out_dir: Path) -> dict[int, tuple[float, float | None]]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, pools) -> dict[int, tuple[float, float | None]]:
     out = tmp_path_factory.mktemp("full")
-    pools(2).run(train_rank, config(out, layout={"dp": 2}).to_dict())  # a long-lived pool: no start-up
+    pools(2).run(train_rank, resolve_run(config(out, layout={"dp": 2})))  # a long-lived pool: no start-up
     return losses(out)
 
 
@@ -51,12 +52,12 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, uninterrupted, po
     cfg = config(tmp_path, layout={"dp": 2}, checkpoint={"every": 2, "async_save": False})
     monkeypatch.setenv("SHARDLAB_FAULT", "4:1")  # rank 1 is SIGKILLed as it starts step 4
     with pytest.raises(RankFailure) as failure:
-        launch(train_rank, 2, cfg.to_dict())
+        launch(train_rank, 2, resolve_run(cfg))
     assert "rank 1" in str(failure.value) and "SIGKILL" in str(failure.value)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
     monkeypatch.delenv("SHARDLAB_FAULT")
     cfg.set("checkpoint.resume", "latest")
-    summary = pools(2).run(train_rank, cfg.to_dict())[0]  # the resume needs no fresh ranks: the pool's
+    summary = pools(2).run(train_rank, resolve_run(cfg))[0]  # the resume needs no fresh ranks: the pool's
     assert summary["resumed_from"].endswith("step_00000004")
     # Steps 1-4 from the killed run, 5-6 from the resumed one: the uninterrupted run's, exactly.
     assert losses(tmp_path) == uninterrupted
@@ -71,10 +72,10 @@ def test_resume_under_another_layout(tmp_path, pools):
     ref_dir, part_dir = tmp_path / "ref", tmp_path / "part"
     saving = config(ref_dir, model={"dropout": 0.0}, layout={"dp": 2, "zero": 3},
                     checkpoint={"every": 4, "async_save": False})
-    pools(2).run(train_rank, saving.to_dict())
+    pools(2).run(train_rank, resolve_run(saving))
     step4 = ref_dir / "checkpoints" / "step_00000004"
     loading = config(part_dir, model={"dropout": 0.0}, layout={"tp": 2}, checkpoint={"resume": str(step4)})
-    summary = pools(2).run(train_rank, loading.to_dict())[0]
+    summary = pools(2).run(train_rank, resolve_run(loading))[0]
     assert summary["resumed_from"].endswith("step_00000004")
     ref, got = losses(ref_dir), losses(part_dir)
     assert sorted(got) == [5, 6]  # the steps after the checkpoint of 4 steps, from 1
@@ -108,7 +109,7 @@ def test_resume_latest_falls_back_past_damaged_checkpoints(tmp_path, capfd, unin
     share of the files), say on rank 0 once which it skipped and why, and retrain steps 2-5 to the
     uninterrupted run's losses exactly."""
     cfg = config(tmp_path, layout={"dp": 2}, checkpoint={"every": 2, "async_save": False})
-    pools(2).run(train_rank, cfg.to_dict())  # the saving run on the long-lived pool: no start-up
+    pools(2).run(train_rank, resolve_run(cfg))  # the saving run on the long-lived pool: no start-up
     ck = tmp_path / "checkpoints"
     flipped = ck / "step_00000006" / "rank00001.pt"
     data = bytearray(flipped.read_bytes())
@@ -120,7 +121,7 @@ def test_resume_latest_falls_back_past_damaged_checkpoints(tmp_path, capfd, unin
     capfd.readouterr()
     cfg.set("checkpoint.resume", "latest")
     # Freshly launched ranks, whose rank-0 output the test captures (the pool's was bound at its start).
-    summary = launch(train_rank, 2, cfg.to_dict())[0]
+    summary = launch(train_rank, 2, resolve_run(cfg))[0]
     assert summary["resumed_from"].endswith("step_00000002")
     out = capfd.readouterr().out
     assert out.count("resume: skipped") == 2, out
@@ -138,7 +139,7 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys
 
     cfg = config(tmp_path, layout={"dp": 2}, train={"steps": 2, "warmup_steps": 0, "eval_every": 0},
                  checkpoint={"every": 2, "async_save": False})
-    pools(2).run(train_rank, cfg.to_dict())
+    pools(2).run(train_rank, resolve_run(cfg))
     # The real command line, its ranks from the pool instead of a fresh launch (seconds of start-up).
     monkeypatch.setattr(shardlab.dist, "launch", lambda fn, world, *args, **kw: pools(world).run(fn, *args))
     capsys.readouterr()

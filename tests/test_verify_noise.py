@@ -29,7 +29,7 @@ def _faulty(cfg_dict: dict) -> dict | None:
 
     import shardlab.train.verify as verify
 
-    original = verify.apply_layout
+    original = verify.parallelize
     calls = [0]
 
     def hook(g):  # noqa: ANN001, ANN202
@@ -42,11 +42,11 @@ def _faulty(cfg_dict: dict) -> dict | None:
             next(p for n, p in out.named_parameters() if n.endswith("blocks.0.mlp.fc.weight")).register_hook(hook)
         return out
 
-    verify.apply_layout = faulty
+    verify.parallelize = faulty
     try:
         return verify.verify_rank(cfg_dict, 1e-6, 1e-5, 1e-7, 2.0, True)
     finally:
-        verify.apply_layout = original
+        verify.parallelize = original
 
 
 def _no_decay_on_rank1(cfg_dict: dict, **perturb: float) -> dict | None:

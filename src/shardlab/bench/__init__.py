@@ -7,9 +7,15 @@
 The CLI is `shardlab bench comm`; docs/bench-comm.md explains what is measured and how.
 """
 
-from shardlab.bench.cases import count_wrong
-from shardlab.bench.comm import run_comm_bench
-from shardlab.bench.sweep import OPS, CommBenchConfig, busbw_factor, parse_sizes, plan_points
+from shardlab._lazy import lazy_names
+
+_EXPORTS = {name: module for module, names in {
+    "shardlab.bench.cases": ("count_wrong",),
+    "shardlab.bench.comm": ("run_comm_bench",),
+    "shardlab.bench.sizes": ("OPS", "parse_sizes"),
+    "shardlab.bench.sweep": ("CommBenchConfig", "busbw_factor", "plan_points"),
+}.items() for name in names}
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 __all__ = [
     "OPS",

@@ -22,24 +22,30 @@ busbw = algbw x the op's factor (busbw_factor). 1 GB = 1e9 bytes.
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+import datetime
 import json
 import math
 import os
+import platform
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from shardlab import comm
-
 from shardlab.bench.cases import Case
-from shardlab.bench.sweep import DTYPES, CommBenchConfig, Point, busbw_factor, format_size, plan_points
+from shardlab.bench.ceiling import exchange_bandwidth_gbps, link_ceiling, memcpy_ceilings
+from shardlab.bench.sizes import format_size
+from shardlab.bench.sweep import DTYPES, CommBenchConfig, Point, busbw_factor, plan_points
+import shardlab.dist
+from shardlab.dist import under_torchrun
 from shardlab.dist.env import read_torchrun_env
 from shardlab.plan.alphabeta import fit_rows
+from shardlab.plan.topo import cpu_info, gpu_links
 
 
 class _Clock:
@@ -151,9 +157,6 @@ def bench_on_ranks(cfg: CommBenchConfig, done_before: int = 0, total: int | None
 
     `done_before` and `total` number the progress lines across the world sizes of one run.
     """
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.bench.ceiling import exchange_bandwidth_gbps, memcpy_ceilings
-
     group = None
     n, me = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -202,8 +205,6 @@ def run_comm_bench(cfg: CommBenchConfig, **launch_kwargs) -> dict | None:
     When a launch fails or is interrupted, the rows measured so far are kept and the result says
     `incomplete: true` with the `error`.
     """
-    from shardlab.dist import launch, under_torchrun  # looked up when called: tests put a pool of ranks in its place
-
     world_sizes: list[int | None]
     if under_torchrun():
         world_sizes = [None]
@@ -221,7 +222,7 @@ def run_comm_bench(cfg: CommBenchConfig, **launch_kwargs) -> dict | None:
     try:
         for ws, n in zip(world_sizes, plan_sizes):
             try:
-                out = launch(bench_on_ranks, ws, replace(cfg, rows_log=log), done, total, **launch_kwargs)[0]
+                out = shardlab.dist.launch(bench_on_ranks, ws, replace(cfg, rows_log=log), done, total, **launch_kwargs)[0]
             except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - keep what was measured, then report
                 if under_torchrun():
                     raise
@@ -246,9 +247,6 @@ def run_comm_bench(cfg: CommBenchConfig, **launch_kwargs) -> dict | None:
 
 def add_ceiling_fractions(result: dict) -> None:
     """Fill each world size's p2p ceiling from its sendrecv rows, then every row's fractions."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.bench.ceiling import link_ceiling
-
     link = None
     for c in result["ceilings"]:
         sendrecv = [r for r in result["rows"] if r["op"] == "sendrecv" and r["world_size"] == c["world_size"]]
@@ -259,9 +257,6 @@ def add_ceiling_fractions(result: dict) -> None:
             c["p2p_source"] = f"sendrecv busbw at the sweep's largest size, {format_size(biggest)} ({best['dtype']})"
         if c.get("backend") == "nccl":
             if link is None:
-                # lazy: `shardlab --help` imports this file but need not import these modules
-                from shardlab.plan.topo import gpu_links
-
                 link = link_ceiling(gpu_links())
             c.update(link)
     by_ws = {c["world_size"]: c for c in result["ceilings"]}
@@ -275,12 +270,6 @@ def add_ceiling_fractions(result: dict) -> None:
 
 
 def _meta(cfg: CommBenchConfig) -> dict:
-    import datetime
-    import platform
-
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.plan.topo import cpu_info
-
     cpu = cpu_info()
     return {
         "tool": "shardlab bench comm",

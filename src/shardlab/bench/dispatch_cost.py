@@ -28,11 +28,13 @@ operators ran slower than unprofiled, the per-event cost charged to compute inst
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
+
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import shardlab.comm.handle as handle
 
@@ -84,8 +86,6 @@ def split_events(events: Any) -> tuple[float, float]:
 @contextlib.contextmanager
 def _marked_waits() -> Iterator[None]:
     """shardlab's blocking waits as profiler spans named WAIT_SPAN, while profiling."""
-    from torch.profiler import record_function
-
     original = handle.wait_work
 
     def marked(*args: Any, **kwargs: Any) -> None:
@@ -102,8 +102,6 @@ def _marked_waits() -> Iterator[None]:
 def profile_steps(run_step: Callable[[int], None], first: int, steps: int) -> list[tuple[float, float, float]]:
     """Run steps first .. first + steps - 1 each under its own CPU profiler; per step (wall s,
     compute s, comm s), wall being the profiled step's own (kept for reference, not used for dispatch)."""
-    from torch.profiler import ProfilerActivity, profile
-
     out = []
     with _marked_waits():
         for i in range(first, first + steps):

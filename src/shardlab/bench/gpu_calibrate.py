@@ -27,6 +27,7 @@ import platform
 import time
 
 import torch
+import torch.nn.functional as F
 
 # The sweep: widths, tp cuts, token counts (a GPU run); each GEMM's FLOPs are capped.
 WIDTHS = (1024, 2048, 4096, 8192, 12288, 16384, 18432)
@@ -109,8 +110,6 @@ def measure_gemms(shapes, device, dtype, timer) -> list[dict]:
 
 
 def measure_attention(seqs, tokens, device, dtype, timer) -> list[dict]:
-    import torch.nn.functional as F
-
     rows = []
     for head_dim, heads in ((128, 16), (64, 16)):
         for s in seqs:
@@ -136,8 +135,6 @@ def measure_attention(seqs, tokens, device, dtype, timer) -> list[dict]:
 
 
 def measure_elementwise(shapes, device, dtype, timer) -> list[dict]:
-    import torch.nn.functional as F
-
     rows = []
     for m, n in shapes:
         x = torch.randn(m, n, device=device, dtype=dtype)

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from shardlab.dist.env import synchronize
-from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.parallel.layout import build_mesh
+from shardlab.parallel.parallelize import parallelize
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
 from shardlab.train.memory_tracker import MemoryTracker, storage_of
@@ -61,7 +62,7 @@ def _measure(run: Run, device: torch.device) -> dict[str, Any]:
     trainable = sum(p.numel() for p in plain.parameters() if p.requires_grad)
     task = run.build_task(plain)
     mesh = build_mesh(run.layout)
-    model = apply_layout(plain, run.layout, mesh)
+    model = parallelize(plain, run.layout, mesh)
     optimizer = make_optimizer(model, run.optim, run.precision)
     kw = dict(dp_rank=mesh.local_rank("dp"), dp_size=run.layout.dp, micro_batches=run.train.micro_batches,
               grad_clip=run.optim.grad_clip, device=device)

@@ -35,27 +35,31 @@ their min-max, and ours/torch = torch's median step time / ours (> 1: ours is fa
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 import gc
+import gzip
+import json
 import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardlab.bench.pipeline_gaps import idle_breakdown, message_delays
-from shardlab.bench.pipeline_replay import replay
+import shardlab.dist
+from shardlab.bench.pipeline_measure import MeasuredModel
+from shardlab.bench.pipeline_replay import idle_breakdown, message_delays, replay
 from shardlab.bench.pipeline_report import environment
+from shardlab.bench.pipeline_variants import (
+    OURS, TORCH, TORCH_KINDS, build_variant, check_equal, split_name, variant_names,
+)
 from shardlab.bench.train_timing import timed_steps
-from shardlab.bench.pipeline_variants import OURS, TORCH, TORCH_KINDS, build_variant, check_equal, split_name, variant_names
 from shardlab.parallel.pipeline import Timeline, bubble_theory, compute_order, in_flight_theory
 from shardlab.parallel.pipeline.actions import B, BI, BW, F
-from shardlab.parallel.pipeline.simulation import simulate
-from shardlab.bench.pipeline_measure import MeasuredModel
 from shardlab.parallel.pipeline.schedules import schedule
+from shardlab.parallel.pipeline.simulation import simulate
 from shardlab.parallel.pipeline.timeline import Event
 from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 
@@ -270,7 +274,7 @@ def _theory(kind: str, p: int, m: int, v: int, ops: dict[str, float]) -> dict[st
 
 def _gaps(per_run: list[dict[str, Any]], name: str, side: str) -> dict[str, Any]:
     """The in-step message delays (median, 90th percentile over every run's steps) and, for ours,
-    the median over runs of each category of non-compute time (pipeline_gaps.py), in ms per rank."""
+    the median over runs of each category of non-compute time (pipeline_replay.py idle_breakdown), in ms per rank."""
     delays = sorted(d for s in per_run for d in s[name]["delays_s"])
     pick = (lambda q: delays[min(len(delays) - 1, int(q * len(delays)))] * 1e3) if delays else (lambda q: None)
     idle = {k: statistics.median(s[name]["idle_s"][k] for s in per_run) * 1e3
@@ -336,7 +340,6 @@ def _say(text: str) -> None:
 def run_pipeline_bench(cfg: PipelineBenchConfig, progress: bool = True, **launch_kwargs: Any) -> dict[str, Any]:
     """`runs` launches per stage count (runs alternate between stage counts), aggregated. The
     result's "raw" holds every run's figures, every step's events included (see save_raw)."""
-    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
     cfg.validate()
     d = asdict(cfg)
@@ -345,7 +348,7 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, progress: bool = True, **launch
         for p in cfg.stages:
             if progress:
                 _say(f"run {i + 1}/{cfg.runs}, {p} stages ...")
-            raw = launch(pipeline_bench_rank, p, d, **launch_kwargs)[0]
+            raw = shardlab.dist.launch(pipeline_bench_rank, p, d, **launch_kwargs)[0]
             raws[p].append(raw)
             if progress:
                 _say("  median step " + ", ".join(f"{n} {statistics.median(t) * 1e3:.1f} ms"
@@ -364,9 +367,6 @@ def report_from_raw(raws: dict[int, list[dict[str, Any]]], cfg: PipelineBenchCon
 def save_raw(result: dict[str, Any], path: str) -> None:
     """Every run's figures and every step's events, so that the report can be made again (say with
     another analysis) without measuring again: load_raw(path) -> report_from_raw(...)."""
-    import gzip
-    import json
-
     raws = {p: [{**r, "events": {n: [[[asdict(e) for e in evs] for evs in step] for step in steps]
                                  for n, steps in r["events"].items()}} for r in runs]
             for p, runs in result["raw"].items()}
@@ -375,9 +375,6 @@ def save_raw(result: dict[str, Any], path: str) -> None:
 
 
 def load_raw(path: str) -> tuple[dict[int, list[dict[str, Any]]], PipelineBenchConfig]:
-    import gzip
-    import json
-
     with gzip.open(path, "rt") as f:
         data = json.load(f)
     raws = {int(p): [{**r, "events": {n: [[[Event(**e) for e in evs] for evs in step] for step in steps]

@@ -12,6 +12,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import matplotlib
+from matplotlib.colors import to_rgb
+from matplotlib.patches import Patch
+import matplotlib.pyplot as plt
+
 from shardlab.bench.plot import save_figure
 from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECVS, SENDS
 from shardlab.parallel.pipeline.timeline import WAIT, Event, Timeline
@@ -27,12 +32,7 @@ def _label(e: Event, chunks: bool) -> str:
 
 def draw_gantt(timeline: Timeline, path: str | Path, title: str | None = None) -> Path:
     """Write the chart as a PNG (matplotlib, Agg backend: no display needed); returns the path."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import to_rgb
-    from matplotlib.patches import Patch
 
     comp = timeline.compute()
     ranks = timeline.ranks

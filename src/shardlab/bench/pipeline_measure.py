@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import shardlab.dist
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel.pipeline.actions import B, BI, BW, F
 from shardlab.parallel.pipeline.simulation import simulate
@@ -163,10 +164,9 @@ def summarise(kind: str, stages: int, m: int, v: int, per_rank: list) -> Report:
 def measure(cases: list[Case], stages: int, spec: MeasuredModel | None = None, steps: int = 3, warmup: int = 1,
             **launch_kwargs: object) -> list[Report]:
     """Launch `stages` local ranks and measure every case on them (one launch for all cases)."""
-    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
     spec = spec or MeasuredModel()
-    results = launch(measure_rank, stages, cases, spec, steps, warmup, **launch_kwargs)[0]
+    results = shardlab.dist.launch(measure_rank, stages, cases, spec, steps, warmup, **launch_kwargs)[0]
     reports = []
     for r in results or []:  # under torchrun only rank 0 holds the figures
         kind, m, v = r["case"]

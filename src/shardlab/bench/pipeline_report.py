@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
+import platform
 from typing import Any
+
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
 
 from shardlab.bench import common_report
 from shardlab.bench.pipeline_gantt import draw_gantt
@@ -18,11 +25,6 @@ RATIO_BAR = 1.0     # ours_1f1b throughput / torch_1f1b's
 
 def environment(first: dict[str, Any]) -> dict[str, Any]:
     """The JSON's "meta": machine, torch, threads, units."""
-    import datetime
-    import platform
-
-    import torch
-
     cpu = cpu_info()
     return {
         "tool": "shardlab bench pipeline",
@@ -42,7 +44,7 @@ def environment(first: dict[str, Any]) -> dict[str, Any]:
             "bubble_theory": "(p-1)/(m+p-1); interleaved (p-1)/(vm+p-1); zb1 (p-1)/(3m+p-1)",
             "activation_bytes": "peak live tensor storage in one step minus what was live at its start, per rank",
             "held_bytes": "live at a step's start beyond data, parameters, gradients and AdamW state, per rank",
-            "message_delay_ms": "producer end to consumer start for inputs the consumer waited for (pipeline_gaps.py)",
+            "message_delay_ms": "producer end to consumer start for inputs the consumer waited for (pipeline_replay.py)",
             "idle_ms_per_rank": "ours: non-compute time within the span by kind, mean over ranks, median over steps and runs",
             "bubble_replay_runtime": "ours: the time-aware replay with the executor's recorded posts (> 50 us) and "
                                      "STEP replayed as CPU work too (evidence for the gap, not a theory)",
@@ -180,11 +182,7 @@ def write_markdown(result: dict[str, Any], path: str | Path) -> Path:
 def plot(result: dict[str, Any], path: str | Path) -> Path:
     """Per stage count: throughput per variant (min-max over runs, ours/torch on the bar) beside the
     bubble measured, replayed and in theory."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
 
     stages = sorted({r["stages"] for r in result["rows"]})
     gpt = result["config"]["model"]["name"] == "gpt"

@@ -23,17 +23,20 @@ Waits on messages and torch's own bookkeeping fall outside, as our executor's do
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Callable
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import pipelining
 import torch.nn.functional as F_
 
-from shardlab.parallel.pipeline import PipelineExecutor, build_stage, gather_gradients, plan_split, schedule, sum_tied_grads
-from shardlab.parallel.pipeline.actions import B, F
 from shardlab.bench.pipeline_measure import MeasuredModel
+from shardlab.parallel.pipeline import (
+    PipelineExecutor, build_stage, gather_gradients, plan_split, schedule, sum_tied_grads,
+)
+from shardlab.parallel.pipeline.actions import B, F
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.pipeline.timeline import Event
 
@@ -111,8 +114,6 @@ class Ours(Variant):
 class Torch(Variant):
     def __init__(self, name: str, spec: MeasuredModel, stages: int, microbatches: int, virtual: int,
                  loss_scale: float = 1.0) -> None:
-        from torch.distributed import pipelining
-
         kind = split_name(name)[1]
         if kind not in TORCH_KINDS:
             raise ValueError(f"torch.distributed.pipelining has no {kind!r} schedule; it has {list(TORCH_KINDS)}")

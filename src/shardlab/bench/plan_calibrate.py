@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from shardlab.bench.comm import bench_on_ranks
 from shardlab.bench.sweep import CommBenchConfig
@@ -100,8 +102,6 @@ def copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
 def attention_rate(b: int = 8, heads: int = 4, s: int = 128, d: int = 64) -> float:
     """Fused causal attention forward + backward, in FLOP/s as op_costs.py counts it (forward
     4 b s (s/2) heads d, backward 2.5x that)."""
-    import torch.nn.functional as F
-
     q, k, v = (torch.randn(b, heads, s, d, requires_grad=True) for _ in range(3))
 
     def fwd_bwd() -> None:
@@ -114,8 +114,6 @@ def attention_rate(b: int = 8, heads: int = 4, s: int = 128, d: int = 64) -> flo
 def activation_rate(n: int = 2**21) -> float:
     """GELU forward + backward in bytes/s as op_costs.py counts them (forward reads and writes n
     values, backward 1.5x that): on a CPU the error function is compute-bound."""
-    import torch.nn.functional as F
-
     x = torch.randn(n, requires_grad=True)
     g = torch.ones(n)
 
@@ -187,8 +185,6 @@ COMM_SIZES = [4096, 262144, 4 * 2**20]
 def comm_fits_rank() -> list[dict]:
     """A short `shardlab bench comm` sweep (gloo, fp32, three sizes) and its alpha-beta fits, so a
     calibration never depends on a stale file; every rank runs it, all return the same fits."""
-    import torch.distributed as dist
-
     cfg = CommBenchConfig(ops=COMM_OPS, impls=["torch"], sizes=COMM_SIZES, target_s=0.05, warmup=1, probe=2,
                           min_iters=3, max_iters=200, check=False, ceiling_bytes=0, p2p_bytes=0, progress=False)
     out = bench_on_ranks(cfg)
@@ -201,8 +197,6 @@ def overlap_cost_rank(nbytes: int = 4 * 2**20) -> float:
     """How much of a collective still costs when it runs behind compute: (time of matmuls with an
     asynchronous all-reduce in flight - matmuls alone) / all-reduce alone, clamped to [0, 1]. On a
     CPU the collective's thread competes with the compute for cores and memory."""
-    import torch.distributed as dist
-
     buf = torch.ones(nbytes // 4)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
 
@@ -262,8 +256,6 @@ def reference_step_s(steps: int = 4) -> list[float]:
 def calibrate_rank(threads: int = 1) -> dict | None:
     """Calibrate on every rank at once (each with `threads` threads, as training runs them, so the
     ranks share memory bandwidth as they will); rank 0 returns the calibration."""
-    import torch.distributed as dist
-
     cal = calibrate(threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -9,6 +9,7 @@ code (plan_measure.py); the prediction and the comparison are the planner's (pla
 
 from __future__ import annotations
 
+import shardlab.dist
 from shardlab.bench.plan_calibrate import calibrate_rank
 from shardlab.bench.plan_measure import measure_rank
 from shardlab.plan.calibrate import load_calibration
@@ -40,15 +41,13 @@ def local_config(overrides: list[str]):
 
 def calibrate_here(threads: int = 1, world_size: int = 2, **launch_kwargs) -> dict:
     """Calibrate on `world_size` ranks of this machine (bench/plan_calibrate.py's calibrate_rank)."""
-    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
-    return launch(calibrate_rank, world_size, threads, threads=threads, **launch_kwargs)[0]
+    return shardlab.dist.launch(calibrate_rank, world_size, threads, threads=threads, **launch_kwargs)[0]
 
 
 def measure(cfg, steps: int = 5, threads: int = 1, **launch_kwargs) -> dict:
-    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
 
-    return launch(measure_rank, cfg.world_size, cfg.to_dict(), steps, threads=threads, **launch_kwargs)[0]
+    return shardlab.dist.launch(measure_rank, cfg.world_size, cfg.to_dict(), steps, threads=threads, **launch_kwargs)[0]
 
 
 def local_report(rows: list[dict], cal: dict) -> str:

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from shardlab.bench.plan_calibrate import probe_rate, reference_step
 from shardlab.dist.env import synchronize
-from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.parallel.layout import build_mesh
+from shardlab.parallel.parallelize import parallelize
 from shardlab.train.config import Config
 from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
@@ -40,7 +41,7 @@ def measure_rank(cfg_dict: dict, steps: int = 5) -> dict[str, Any]:
     task = resolve_run(cfg).build_task(plain)
     mesh = build_mesh(lay)
     dp_rank = mesh.local_rank("dp")
-    model = apply_layout(plain, lay, mesh)
+    model = parallelize(plain, lay, mesh)
     optimizer = make_optimizer(model, cfg.optim, lay.precision)
 
     setup = StepSetup(dp_rank=dp_rank, dp_size=lay.dp, micro_batches=t.micro_batches, grad_clip=cfg.optim.grad_clip,

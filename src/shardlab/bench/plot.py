@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from shardlab.bench.sweep import OPS, format_size
+import matplotlib
+
+from shardlab.bench.sizes import OPS, format_size
 # save_figure lives in the planner's plots (a layer below bench) so that both can use it; kept
 # importable from here for the bench modules that do.
 from shardlab.plan.plot import save_figure
@@ -19,8 +21,6 @@ def _size_label(nbytes: float) -> str:
 
 def plot_busbw(result: dict, path: str | Path, title: str | None = None) -> Path:
     """Write a PNG of busbw vs size (log2 x, log y) for every op and impl in `result`; returns the path."""
-    import matplotlib
-
     matplotlib.use("Agg")  # files only: no display needed (CI, ssh)
     import matplotlib.pyplot as plt
 

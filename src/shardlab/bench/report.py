@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from shardlab.bench.sweep import BUSBW_FORMULA, format_size
+from shardlab.bench.sizes import format_size
+from shardlab.bench.sweep import BUSBW_FORMULA
 
 # Row fields in the order CSV columns and readers expect them.
 ROW_FIELDS = [

@@ -41,6 +41,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel, loss_parallel,
+    parallelize_module,
+)
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -64,11 +70,6 @@ def fuse_kv_by_rank(model: GPT, n: int) -> None:
 
 def torch_plan(model: GPT, sequence_parallel: bool) -> dict[str, Any]:
     """The parallelize_module plan described in the module docstring."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-    )
-
     sp = sequence_parallel
     stream = Shard(1) if sp else Replicate()  # the residual stream: tokens split, or whole
     plan: dict[str, Any] = {
@@ -103,8 +104,6 @@ def torch_tensor_parallel(model: nn.Module, mesh: Any, sequence_parallel: bool =
     """`model` (a plain GPT) parallelized in place by torch over the 1-D DeviceMesh `mesh`.
     permute_kv=False keeps the naive split of the fused key/value weight: a wrong model, kept so that
     the benchmark's equality check can be shown to catch it."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     if not isinstance(model, GPT):
         raise ValueError(f"torch_tp is built for the GPT, not {type(model).__name__}")
     if model.cfg.dropout > 0:
@@ -122,8 +121,6 @@ def torch_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
     """AdamW over the trainer's parameter groups (decay on matrices only), foreach, each group split
     into its DTensor and plain parameters (a foreach op cannot mix them; the position table and,
     without SP, the norms stay plain)."""
-    from torch.distributed.tensor import DTensor
-
     groups = []
     for g in decay_groups(model, optim_cfg):
         for dtensor in (True, False):
@@ -135,15 +132,11 @@ def torch_optimizer(model: nn.Module, optim_cfg: Any) -> torch.optim.Optimizer:
 
 def local_loss(loss: torch.Tensor) -> torch.Tensor:
     """The loss as a plain tensor (loss_parallel returns a replicated DTensor)."""
-    from torch.distributed.tensor import DTensor
-
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def forward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The loss of a torch_tp model (no gradient: backward must run inside loss_parallel too)."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     with loss_parallel():
         return model(x, y)
 
@@ -152,8 +145,6 @@ def forward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Te
 def reduce_partial_grads(model: nn.Module) -> None:
     """Gradients of replicated parameters that a DTensor left as partial sums (norms under SP), made
     whole: one all-reduce each (the optimizer would otherwise reduce them inside every op using them)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
     for p in model.parameters():
         g = p.grad
         if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
@@ -164,8 +155,6 @@ def reduce_partial_grads(model: nn.Module) -> None:
 def clip_grads(model: nn.Module, max_norm: float) -> float:
     """torch.nn.utils.clip_grad_norm_ over a model of DTensor and plain parameters: the global norm
     of each kind (the DTensors' sharded across ranks), combined, then one coefficient for all."""
-    from torch.distributed.tensor import DTensor
-
     params = [p for p in model.parameters() if p.grad is not None]
     kinds = ([p for p in params if isinstance(p.grad, DTensor)], [p for p in params if not isinstance(p.grad, DTensor)])
     squares = 0.0
@@ -184,8 +173,6 @@ def clip_grads(model: nn.Module, max_norm: float) -> float:
 def torch_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
                      *, lr: float, grad_clip: float, after_backward: Callable[[], None] | None = None) -> float:
     """One optimizer step over the micro-batches `batches`; returns this rank's mean loss."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     for group in optimizer.param_groups:
         group["lr"] = lr
     total = torch.zeros((), dtype=torch.float64)
@@ -218,8 +205,6 @@ _OPS = {  # dispatcher op -> (our name, the argument that is nccl-tests' buffer,
 def _group_size(namespace: str, args: tuple) -> int:
     """The ranks of the collective's group: a c10d op carries it as its first TorchScript object
     (its reduce op is another, later), a functional one names it in its last argument."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     if namespace == "c10d":
         return dist.ProcessGroup.unbox(next(a for a in args if isinstance(a, torch.ScriptObject))).size()
     return _resolve_process_group(args[-1]).size()

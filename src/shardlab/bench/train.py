@@ -33,7 +33,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import shardlab.dist
 from shardlab.bench.train_timing import DrawnBatches, timed_steps
+from shardlab.bench.variants import DDP, DDP_VIEW, KNOWN, TORCH_FSDP2, TORCH_ZERO1
 from shardlab.dist import under_torchrun
 from shardlab.dist.env import synchronize
 from shardlab.parallel import DataParallel, ZeroDataParallel
@@ -44,17 +46,11 @@ from shardlab.train.memory_tracker import MemoryTracker, tensor_bytes
 from shardlab.train.step import StepSetup, adamw_kwargs, decay_groups, lr_at, make_optimizer, train_step
 from shardlab.train.resolve import resolve_run
 from shardlab.train.sections import OptimSection
+from shardlab.bench.train_report import environment
+from shardlab.bench.tp_report import summarize
+from shardlab.bench.train_tp import YARDSTICK, tp_bench_rank
+from shardlab.train.loop import rank_device
 
-DDP = "torch_ddp"
-DDP_VIEW = "torch_ddp_view"
-TORCH_ZERO1 = "torch_zero1"
-TORCH_FSDP2 = "torch_fsdp2"
-VARIANTS: tuple[str, ...] = (DDP, "naive", "bucketed", "overlap")
-"""The default set. KNOWN adds DDP with gradient_as_bucket_view=True, whose gradients live in its
-buckets as ours do (not DDP's default, so not the yardstick, but the like-for-like design); our
-ZeRO stages 1, 2 and 3 (zero1, zero2, zero3); torch's ZeRO-1, DDP with a ZeroRedundancyOptimizer;
-and torch's FSDP2 (`fully_shard` on every block or layer, then the root), the yardstick of zero3."""
-KNOWN: tuple[str, ...] = (*VARIANTS, DDP_VIEW, "zero1", "zero2", "zero3", TORCH_ZERO1, TORCH_FSDP2)
 
 
 def _wrap(variant: str, model: torch.nn.Module, lay: LayoutSection, skips_layers: bool) -> torch.nn.Module:
@@ -116,9 +112,6 @@ def train_bench_rank(cfg_dict: dict[str, Any], variants: list[str], reps: int, s
                      warmup: int) -> dict[str, Any] | None:
     """One run on this rank (see the module docstring); rank 0 returns per variant the timed steps'
     times in seconds (all repetitions, in order) and every rank's peak tensor bytes."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.train.loop import rank_device
-
     unknown = [v for v in variants if v not in KNOWN]
     if unknown or reps < 1 or steps < 1 or warmup < 1:
         raise ValueError(f"variants {unknown} unknown, or reps {reps} / steps {steps} / warmup {warmup} < 1")
@@ -249,31 +242,23 @@ def run_train_bench(cfg: Config, variants: list[str], *, runs: int = 3, reps: in
     bench/train_tp.py's `tp_bench_rank` (tensor parallelism vs torch's). Under torchrun the runs
     share torchrun's processes and only rank 0 gets the result. When a run fails after at least one
     has finished, the finished runs are reported with `incomplete: true` and the `error`."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.bench.train_report import environment
-    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
-
     if runs < 1:
         raise ValueError(f"runs must be at least 1, got {runs}")
     variants = list(variants)
     tensor_parallel = cfg.layout.tp > 1 or cfg.layout.sp
-    if tensor_parallel:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.bench.train_tp import tp_bench_rank as rank_fn
-    else:
-        rank_fn = train_bench_rank
+    rank_fn = tp_bench_rank if tensor_parallel else train_bench_rank
     args = (cfg.to_dict(), variants, reps, steps, warmup)
     raw: list[dict[str, Any]] = []
     error = None
     if under_torchrun():
-        raw = launch(_runs_in_place, None, rank_fn, args, variants, runs, progress, **launch_kwargs)[0]
+        raw = shardlab.dist.launch(_runs_in_place, None, rank_fn, args, variants, runs, progress, **launch_kwargs)[0]
         if raw is None:
             return None  # a rank other than 0
     for i in range(0 if raw else runs):
         if progress:
             _progress(i, runs, variants)
         try:
-            raw.append(launch(rank_fn, cfg.world_size, *args, **launch_kwargs)[0])
+            raw.append(shardlab.dist.launch(rank_fn, cfg.world_size, *args, **launch_kwargs)[0])
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - keep the finished runs, then report
             if not raw:
                 raise
@@ -283,10 +268,6 @@ def run_train_bench(cfg: Config, variants: list[str], *, runs: int = 3, reps: in
             _progress(i, runs, variants, raw[-1])
     first = raw[0]
     if tensor_parallel:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.bench.tp_report import summarize
-        from shardlab.bench.train_tp import YARDSTICK
-
         result = aggregate(raw, variants, cfg.train.global_batch, first["tokens_per_row"], refs=YARDSTICK,
                            key="ratio_to_torch")
         result["tp"] = summarize(raw, cfg.model, cfg.layout, cfg.train)

@@ -5,7 +5,7 @@ the communication each moves and the activation memory each holds: `shardlab ben
 
 Variants, all on the same plain GPT from the same seed, trained on the same batches:
 
-  tp           ours: parallel/layout.py's apply_layout (GPT_PLAN over the mesh's tp axis, then the
+  tp           ours: parallel/layout.py's parallelize (GPT_PLAN over the mesh's tp axis, then the
                data-parallel wrapper over its dp axis), stepped by the trainer's train_step
   tp_sp        the same with sequence parallelism
   torch_tp     torch's ColwiseParallel/RowwiseParallel plan (bench/torch_tp.py), loss_parallel
@@ -53,10 +53,12 @@ import torch.nn as nn
 from shardlab.bench import torch_tp as ttp
 from shardlab.bench.dispatch_cost import dispatch_split, profile_steps
 from shardlab.bench.train_timing import DrawnBatches, timed_steps
+from shardlab.bench.variants import DECL, DECL_SP, TORCH_TP, TORCH_TP_SP, TP, TP_KNOWN, TP_SP, WRONG_KV
 from shardlab.comm.autograd import count_comm
 from shardlab.comm.validate import validation_off
 from shardlab.dist.env import synchronize
-from shardlab.parallel.layout import apply_layout, build_mesh
+from shardlab.parallel.layout import build_mesh
+from shardlab.parallel.parallelize import parallelize
 from shardlab.parallel.sharding import ShardingSection
 from shardlab.train.config import Config
 from shardlab.train.loop import rank_device
@@ -65,12 +67,7 @@ from shardlab.train.step import StepHooks, StepSetup, lr_at, make_optimizer, tra
 from shardlab.train.task import Task
 from shardlab.train.resolve import Run, resolve_run
 
-TORCH_TP, TP, TORCH_TP_SP, TP_SP = "torch_tp", "tp", "torch_tp_sp", "tp_sp"
-WRONG_KV = "torch_tp_naive_kv"
-DECL, DECL_SP = "decl", "decl_sp"
 DECL_RULES = {DECL: "heads=tp, mlp=tp, vocab=tp", DECL_SP: "heads=tp, mlp=tp, vocab=tp, seq=tp"}
-TP_VARIANTS: tuple[str, ...] = (TORCH_TP, TP, TORCH_TP_SP, TP_SP)
-TP_KNOWN: tuple[str, ...] = (*TP_VARIANTS, DECL, DECL_SP, WRONG_KV)
 YARDSTICK = {TP: TORCH_TP, TORCH_TP: TORCH_TP, TP_SP: TORCH_TP_SP, TORCH_TP_SP: TORCH_TP_SP, WRONG_KV: TORCH_TP,
              DECL: TORCH_TP, DECL_SP: TORCH_TP_SP}
 """Each variant's ratio is to torch's version of the same layout (with or without SP)."""
@@ -120,9 +117,9 @@ def build(variant: str, s: Setup, n_layer: int | None = None) -> tuple[nn.Module
         model = ttp.torch_tensor_parallel(model, s.torch_mesh, uses_sp(variant), permute_kv=variant != WRONG_KV)
         return model, ttp.torch_optimizer(model, run.optim)
     if variant in DECL_RULES:
-        model = apply_layout(model, run.layout, s.mesh, ShardingSection(compute=DECL_RULES[variant]))
+        model = parallelize(model, run.layout, s.mesh, ShardingSection(compute=DECL_RULES[variant]))
     else:
-        model = apply_layout(model, dataclasses.replace(run.layout, sp=uses_sp(variant)), s.mesh)
+        model = parallelize(model, dataclasses.replace(run.layout, sp=uses_sp(variant)), s.mesh)
     return model, make_optimizer(model, run.optim, run.precision)
 
 

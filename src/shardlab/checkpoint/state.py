@@ -2,7 +2,7 @@
 
     held = local_tensors(model, optimizer)   # [Held(name, slice, live tensor), ...]
 
-Works for every layout `apply_layout` builds, and for a pipeline stage, by reading the model's
+Works for every layout `parallelize` builds, and for a pipeline stage, by reading the model's
 placement record (parallel/placement.py) rather than asking which layout it is:
 
   * names: the plain model's, as the record names this rank's parameters;
@@ -63,7 +63,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def placement(model: nn.Module) -> Placement:
-    """The record of where `model`'s parameters live (apply_layout's, a strategy's), or, for a model
+    """The record of where `model`'s parameters live (parallelize's, a strategy's), or, for a model
     no strategy placed, every parameter whole under its own names."""
     record = placement_of(model)
     return Placement.whole(unwrap(model).named_parameters()) if record is None else record

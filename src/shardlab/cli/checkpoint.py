@@ -1,63 +1,17 @@
-"""`shardlab checkpoint`: look into a checkpoint, or turn it into one whole state dict.
-
-    shardlab checkpoint inspect runs/gpt-small/checkpoints          # the newest one under a root
-    shardlab checkpoint inspect runs/gpt-small/checkpoints/step_00000200 --json -
-    shardlab checkpoint consolidate runs/gpt-small/checkpoints --out model.pt
-    python -c "import torch; m.load_state_dict(torch.load('model.pt', weights_only=True))"
-    shardlab checkpoint export runs/gpt-small/checkpoints --hf hf-model    # transformers: GPT-2 or Llama, tokenizer
-    python -c "import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf-model')"
-    shardlab checkpoint export runs/gpt-small/checkpoints --dcp dcp-ckpt   # torch.distributed.checkpoint
-
-Neither starts ranks nor needs the layout the checkpoint was saved under: the metadata says where
-every slice of every tensor is (docs/checkpoints.md).
-
-Both verify every file first (its size and SHA-256 against the metadata, the step stamped in it,
-the metadata's step against its step_N directory): inspect lists each problem and exits with 1,
-consolidate refuses to write anything (docs/reliability.md).
-"""
+"""`shardlab checkpoint`: look into a checkpoint, or turn it into one whole state dict (its flags and description: tool_flags.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+import sys
 from typing import Any
 
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("checkpoint", help="inspect a checkpoint, or consolidate it into one state dict",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    ins = actions.add_parser("inspect", help="what a checkpoint holds (step, ranks, files, every tensor's slices) and "
-                                                  "whether every file passes its checks (exit status 1 if not)")
-    ins.add_argument("path", help="a checkpoint directory, or a root holding checkpoints (its newest is shown)")
-    ins.add_argument("--json", metavar="PATH", help="write the description as JSON ('-' for stdout only)")
-    ins.add_argument("--all", action="store_true", help="list every tensor (default: parameters, then a count)")
-    con = actions.add_parser("consolidate", help="write the whole model state dict to one file (a checkpoint that "
-                                                      "fails its checks is refused)")
-    con.add_argument("path", help="a checkpoint directory, or a root holding checkpoints (its newest is used)")
-    con.add_argument("--out", required=True, help="the file to write (torch.save; load with weights_only=True)")
-    con.add_argument("--optimizer", action="store_true",
-                     help="also the optimizer state: writes {'model': ..., 'optimizer': ..., 'step': N}")
-    exp = actions.add_parser("export", help="write the model in another library's format: Hugging Face "
-                                            "(safetensors + config.json) or torch.distributed.checkpoint")
-    exp.add_argument("path", help="a checkpoint directory, or a root holding checkpoints (its newest is used)")
-    exp.add_argument("--hf", metavar="OUT",
-                     help="write OUT/model.safetensors, config.json, generation_config.json and the run's tokenizer "
-                          "(tokenizer.json, tokenizer_config.json: AutoTokenizer.from_pretrained(OUT)), loadable "
-                          "with transformers' AutoModelForCausalLM.from_pretrained(OUT) as GPT2LMHeadModel (layernorm, gelu, learned "
-                          "positions) or LlamaForCausalLM (rmsnorm, swiglu, rotary); other shapes are refused with "
-                          "the reason (checkpoint/hf.py)")
-    exp.add_argument("--dcp", metavar="OUT",
-                     help="write the model (and the optimizer state, unless --no-optimizer) as a "
-                          "torch.distributed.checkpoint directory: {'model': ..., 'optimizer': ..., 'step': N}, "
-                          "loadable with torch.distributed.checkpoint.load (checkpoint/dcp.py)")
-    exp.add_argument("--no-optimizer", action="store_true", help="--dcp: the model only")
-    exp.add_argument("--overwrite", action="store_true",
-                     help="write into an OUT that already holds a model, replacing its files (without it, such an "
-                          "OUT is refused: a model or tokenizer there would be replaced, or mixed with this one)")
-    p.set_defaults(func=run)
+from shardlab.checkpoint import CheckpointError, consolidate, describe, read_metadata
+from shardlab.checkpoint.dcp import export_dcp
+from shardlab.checkpoint.format import resolve_checkpoint
+from shardlab.train.export import export_hf
 
 
 def _size(n: float) -> str:
@@ -104,9 +58,6 @@ def format_description(d: dict[str, Any], show_all: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.checkpoint import CheckpointError, consolidate, describe
-
     try:
         if args.action == "inspect":
             d = describe(args.path)
@@ -134,9 +85,6 @@ def run(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     """`shardlab checkpoint export PATH --hf OUT | --dcp OUT`."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.checkpoint.format import resolve_checkpoint
-
     if not (args.hf or args.dcp):  # a usage error (exit 2), not a fault of the checkpoint
         print("shardlab checkpoint export: give --hf OUT and/or --dcp OUT (the formats to write)", file=sys.stderr)
         return 2
@@ -171,15 +119,9 @@ def _write_exports(args: argparse.Namespace, path: Path) -> None:
     from shardlab.checkpoint import read_metadata
 
     if args.dcp:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.checkpoint.dcp import export_dcp
-
         out = export_dcp(path, args.dcp, optimizer=not args.no_optimizer)
         print(f"wrote {out} (torch.distributed.checkpoint, step {read_metadata(path).step})")
     if args.hf:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.train.export import export_hf
-
         for line in export_hf(path, args.hf):
             print(line)
 
@@ -187,8 +129,6 @@ def _write_exports(args: argparse.Namespace, path: Path) -> None:
 def _held_model_files(hf: str | None, dcp: str | None) -> list[str]:
     """The files of a model already in the export's directories: --hf's Hugging Face files (a
     tokenizer too), anything in --dcp's (a DCP directory is its files together)."""
-    from pathlib import Path
-
     held = []
     if hf and Path(hf).is_dir():
         held += sorted(str(f) for f in Path(hf).iterdir()

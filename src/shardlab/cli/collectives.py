@@ -1,8 +1,4 @@
-"""`shardlab collectives`: what each collective does, shown rank by rank.
-
-Every rank starts from [0, 1, ..., n-1] + rank (at world size 4: [0, 1, 2, 3] + rank), so the
-results can be checked by hand: all_reduce gives [6, 10, 14, 18] on every rank at world size 4.
-"""
+"""`shardlab collectives`: what each collective does, shown rank by rank (its flags and description: tool_flags.py)."""
 
 from __future__ import annotations
 
@@ -12,38 +8,18 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
-from shardlab.cli.common import add_launch_options, launch_kwargs, name_list
+from shardlab.cli.common import launch_kwargs
+from shardlab.cli.tool_flags import COLLECTIVES
 from shardlab.comm.algorithms import ALGORITHMS
 from shardlab.dist import launch, print_ordered, under_torchrun
 from shardlab.dist.output import print_rank0
 
-OPS = ["all_reduce", "reduce_scatter_all_gather", "broadcast", "scatter", "gather", "reduce", "all_to_all"]
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "collectives",
-        help="show what each collective does, rank by rank",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--world-size", "-n", type=int, default=None,
-                   help="number of local ranks (default: 4; under torchrun, its WORLD_SIZE)")
-    p.add_argument("--impl", default="torch",
-                   help="'torch' for the backend's collectives, or one of our algorithms (ring, tree, rd, "
-                        "pairwise, hierarchical); operations the algorithm lacks use the backend "
-                        "(default: %(default)s)")
-    p.add_argument("--ops", type=name_list, default=OPS,
-                   help=f"comma-separated subset of {','.join(OPS)} (default: all)")
-    add_launch_options(p)
-    p.set_defaults(func=run)
-
 
 def run(args: argparse.Namespace) -> int:
-    unknown = [op for op in args.ops if op not in OPS and op not in ("reduce_scatter", "all_gather")]
+    unknown = [op for op in args.ops if op not in COLLECTIVES and op not in ("reduce_scatter", "all_gather")]
     if unknown:
         raise SystemExit(f"shardlab collectives: --ops {','.join(args.ops)}: unknown operation(s) "
-                         f"{', '.join(unknown)}; choose from {', '.join(OPS)}")
+                         f"{', '.join(unknown)}; choose from {', '.join(COLLECTIVES)}")
     if args.impl != comm.TORCH:
         if args.impl not in ALGORITHMS:  # refused before any rank starts
             raise SystemExit(f"shardlab collectives: unknown --impl {args.impl!r}; "

@@ -1,9 +1,27 @@
-"""Options shared by every sub-command that starts ranks."""
+"""What the commands' parsers share: the launch options of every command that starts ranks, list
+types, and `Run`, a command's run function named rather than imported."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+from typing import Any
+
+
+class Run:
+    """The function that runs a command, as "module" (its `run`) or "module:function": imported when
+    the command is chosen, so that building the parsers loads none of it (main.py says why)."""
+
+    def __init__(self, target: str) -> None:
+        self.module, _, name = target.partition(":")
+        self.name = name or "run"
+
+    def __call__(self, args: argparse.Namespace) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)(args)
+
+    def __repr__(self) -> str:
+        return f"Run({self.module}:{self.name})"
 
 
 def int_list(text: str) -> list[int]:

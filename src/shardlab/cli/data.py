@@ -1,63 +1,15 @@
-"""`shardlab data`: turn text into a token file the trainer memory-maps, or look into one.
-
-    shardlab data prepare stdlib --train-bpe 4096 --out runs/data/stdlib-bpe.tok
-    shardlab data prepare 'corpus/**/*.md' notes.txt --tokenizer bytes --out runs/data/notes.tok
-    shardlab data prepare shards/ --jsonl-field text --tokenizer gpt2/tokenizer.json --out owt.tok --workers 8
-    shardlab data inspect runs/data/stdlib-bpe.tok
-    shardlab train --config configs/gpt-small.toml --set data.source=runs/data/stdlib-bpe.tok
-
-A token file (src/shardlab/data/tokenfile.py) is a 4 KiB JSON header (dtype, vocabulary size,
-tokenizer, token count, documents) followed by the ids and the documents' start offsets. The trainer
-reads the header: model.vocab_size follows the tokenizer's vocabulary (padded to a multiple of 64 and
-of the tp degree) and samples are decoded with the same tokenizer. Nothing is downloaded: tokenizers
-are files on disk or trained here.
-"""
+"""`shardlab data`: turn text into a token file the trainer memory-maps, or look into one (its flags and description: tool_flags.py)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 import json
 import sys
 
+from shardlab.data.prepare import prepare as run_prepare
 from shardlab.data.tokenfile import read_token_file
 from shardlab.data.tokenizer import token_file_tokenizer
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="tokenize text into a token file (prepare), or describe one (inspect)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    prep = actions.add_parser(
-        "prepare", help="tokenize text files, directories, globs, JSONL or Parquet into one token file",
-        description="Tokenize SOURCEs into one memory-mapped token file, in parallel over files. A run that "
-                    "stops leaves OUT.parts/ behind; running the same command again keeps the files already "
-                    "encoded and does the rest.")
-    prep.add_argument("sources", nargs="+", metavar="SOURCE",
-                      help="'stdlib' (this machine's Python standard library sources), a directory (its .py, .md, "
-                           ".txt, ... .jsonl and .parquet files, recursively), a glob in quotes ('**' recursive) "
-                           "or a file; .jsonl/.ndjson files hold one document per line, .parquet one per row")
-    prep.add_argument("--out", "-o", required=True, metavar="FILE", help="the token file to write")
-    prep.add_argument("--tokenizer", default="bytes", metavar="bytes|FILE",
-                      help="'bytes' (one id per byte, vocabulary 256; the default), a Hugging Face tokenizer.json, "
-                           "or a tiktoken rank file (.tiktoken); never downloaded")
-    prep.add_argument("--train-bpe", type=int, default=0, metavar="VOCAB_SIZE",
-                      help="first train a byte-level BPE of VOCAB_SIZE ids on the sources (Hugging Face tokenizers), "
-                           "save it as --tokenizer-out and encode with it (replaces --tokenizer)")
-    prep.add_argument("--tokenizer-out", default=None, metavar="FILE",
-                      help="where --train-bpe saves its tokenizer (default: beside --out, named after it: "
-                           "c.tok -> c.tokenizer.json); an existing file that is not --out's own tokenizer is refused")
-    prep.add_argument("--jsonl-field", "--field", dest="field", default="text", metavar="NAME",
-                      help="the text field of JSONL records and the text column of Parquet files (default: text)")
-    prep.add_argument("--workers", type=int, default=0, metavar="N",
-                      help="processes encoding files in parallel (default: one per core; 1: no pool)")
-    prep.add_argument("--max-bytes", type=int, default=0, metavar="N",
-                      help="read whole files, in order, until their sizes reach N bytes (default: all)")
-    prep.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
-    ins = actions.add_parser("inspect", help="a token file's header, its first ids and their text")
-    ins.add_argument("path", help="a token file written by `shardlab data prepare`")
-    ins.add_argument("--json", action="store_true", help="the header as JSON")
-    ins.add_argument("--show", type=int, default=32, metavar="N", help="decode the first N ids (0: none)")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,9 +21,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.data.prepare import prepare as run_prepare
-
     if args.train_bpe and args.tokenizer != "bytes":
         raise ValueError(f"--train-bpe {args.train_bpe} trains its own tokenizer; drop --tokenizer {args.tokenizer}")
     if args.workers < 0:
@@ -88,8 +37,6 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
     tf = read_token_file(args.path)
     h = tf.header
     if args.json:

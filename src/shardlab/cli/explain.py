@@ -7,54 +7,16 @@ import json
 import sys
 from typing import Any
 
-from shardlab.cli.train import add_config_options, resolve_config
+from shardlab.cli.train import resolve_config
+from shardlab.parallel.layout import build_mesh, mesh_order
+from shardlab.parallel.sharding.apply import mesh_sizes, rules_of
 from shardlab.parallel.sharding.derive import derive
 from shardlab.parallel.sharding.rules import ShardingError
+from shardlab.plan.comm import Group, collective_time, p2p_time
 from shardlab.plan.hardware import get_hardware
 from shardlab.train.config import ConfigError
+from shardlab.train.resolve import resolve_run
 from shardlab.train.task import empty_model
-
-EXPLAIN_DOC = """\
-Derives the plan of a configuration's [sharding] rules (docs/sharding.md) on the model it describes
-(built on the meta device: no memory, no ranks) and prints, per module in forward order, where its input
-and output live, how its weights are cut, and each collective that reconciles producer and consumer:
-the comm.autograd function, its group (the mesh axis, its size and rank 0's members), what it moves
-forward and backward (the nccl-tests size of the buffer, per micro-batch) and the planner's predicted
-time for it on --hardware (plan/comm.py's alpha-beta model of the group's links). Context parallelism
-(seq over cp) shows each attention core's ring: the key/value messages sent to the next cp rank
-('sendrecv xN': N steps of one message each way, forward and again backward) and the key/value
-gradients passed back in backward, each step timed as one point-to-point exchange (plan/comm.py
-p2p_time). Rules that place whole modules show where they go: with layers over pp, each module's
-pipeline rank and, at every chunk boundary, the hidden states sent on ('p2p', and their gradient
-back); with experts over ep, each mixture's three all-to-alls (per-expert counts, dispatch, combine;
-the rows' size is the most that can move, top_k rows per token) and the dense and expert weights'
-separate gradient reductions. Totals per step at the end (model-axis and cp collectives x micro-batches, plus the
-data-parallel engine's, once per step).
-
-The rules are sharding.compute (how activations and weights in compute are laid out) and
-sharding.params (storage where it differs: embed=dp is FSDP), as 'logical=axis' text or TOML tables.
-
-examples:
-  shardlab explain --config configs/gpt-small.toml --tp 2 \\
-      --set 'sharding.compute={heads="tp", mlp="tp", vocab="tp"}'
-  shardlab explain --model mlp --tp 2 --set sharding.compute=mlp=tp --json plan.json
-  shardlab explain --config configs/gpt-small.toml --dp 2 --tp 2 \\
-      --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=tp' --set sharding.params=embed=dp
-  shardlab explain --model gpt --dp 2 --tp 2 --cp 2 \
-      --set 'sharding.compute=heads=tp, mlp=tp, vocab=tp, seq=cp' --set sharding.params=embed=dp
-  shardlab explain --config configs/gpt-moe-rules.toml     # layers over pp, experts over ep
-"""
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("explain", help="the collectives [sharding] rules derive, per module, before launch",
-                       description=EXPLAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_options(p)
-    p.add_argument("--hardware", default="h100-sxm", metavar="NAME",
-                   help="the planner's hardware preset for predicted times (plan/hardware.py; default h100-sxm)")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="write the plan as JSON to PATH ('-' or no value: to stdout instead of the table)")
-    p.set_defaults(func=run)
 
 
 def _axes(axis: str) -> str | tuple[str, ...]:
@@ -76,15 +38,9 @@ def _fmt_bytes(n: float) -> str:
 def explain(cfg: Any, hardware: str) -> dict[str, Any]:
     """The plan of `cfg`'s rules as a dict (modules, collectives with group, bytes and predicted
     seconds, totals per step)."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.parallel.layout import build_mesh, mesh_order
-    from shardlab.parallel.sharding.apply import mesh_sizes, rules_of
-    from shardlab.plan.comm import Group, collective_time, p2p_time
-    from shardlab.train.resolve import resolve_run
-
     lay, t = cfg.layout, cfg.train
     model = empty_model(cfg.model, resolve_run(cfg).vocab)
-    rows = max(1, t.global_batch // max(1, lay.dp * lay.ep * t.micro_batches))  # per batch rank (dp x ep)
+    rows = max(1, t.global_batch // max(1, lay.batch_ranks * t.micro_batches))  # per batch rank (dp x ep)
     itemsize = 2 if lay.precision in ("bf16", "fp16") else 4
     plan = derive(model, rules_of(cfg.sharding), mesh_sizes(lay), rows=rows, itemsize=itemsize,
                   micro_batches=t.micro_batches, zero=lay.zero, virtual_stages=lay.virtual_stages,

@@ -6,45 +6,17 @@ import argparse
 import json
 import sys
 
-from shardlab.cli.common import add_launch_options, int_list, launch_kwargs
-from shardlab.cli.train import add_config_options, resolve_config
+from shardlab.bench.memory_measure import measure_stages_rank
+from shardlab.cli.common import launch_kwargs
+from shardlab.cli.train import resolve_config
+import shardlab.dist
+from shardlab.dist import under_torchrun
+from shardlab.plan.memory_model import model_state_bytes
 from shardlab.train.config import ConfigError
 from shardlab.train.task import empty_model
 
-MEMORY_DOC = """\
-For each ZeRO stage, the bytes of parameters, gradients and optimizer state one rank holds:
-predicted by the formulas of the ZeRO paper (Rajbhandari et al. 2020), with Psi parameters, N ranks
-and the precision's bytes per parameter (--precision; fp32 AdamW: 4 + 4 + 8; bf16 or fp16 with fp32
-master weights: 2 + 2 + 12, the paper's mixed-precision Adam):
-
-  stage 0 (DDP)  (P + G + K) Psi      stage 2  P Psi + (G + K) Psi / N
-  stage 1        (P + G) Psi + K Psi / N      stage 3  (P + G + K) Psi / N
-
-and measured on real ranks: the model is wrapped by each stage, trained two steps, and when the second
-step's backward has finished the tensors each rank holds are counted by storage (never RSS, which keeps
-freed memory). The step's peak of all tensor memory, activations included, is shown beside.
-Without --config: the GPT of the default configuration (4 layers, d_model 128, 0.84 M parameters),
-global batch 12, sequence 64.
-
-examples:
-  shardlab memory --model gpt --dp 4
-  shardlab memory --model gpt --dp 4 --precision bf16
-  shardlab memory --config configs/mlp-2048.toml --dp 2 --stages 0,1,2 --json mem.json
-  shardlab memory --model gpt --dp 8 --predict-only     # formulas only, no ranks started
-"""
 
 MEMORY_BASE = ["train.global_batch=12", "model.seq_len=64", "train.warmup_steps=0", "data.max_bytes=2097152"]
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("memory", help="model-state memory per rank by ZeRO stage: formulas beside measurement",
-                       description=MEMORY_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_options(p)
-    p.add_argument("--stages", type=int_list, default=[0, 1, 2, 3], help="ZeRO stages to show (default: 0,1,2,3)")
-    p.add_argument("--predict-only", action="store_true", help="print the formulas' figures without starting ranks")
-    p.add_argument("--json", default=None, metavar="PATH", help="write predicted and measured figures as JSON")
-    add_launch_options(p)
-    p.set_defaults(func=run)
 
 
 def _mib(n: float) -> str:
@@ -52,10 +24,6 @@ def _mib(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardlab.dist import launch, under_torchrun  # looked up when called: tests put a pool of ranks in its place
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.plan.memory_model import model_state_bytes
-
     bad = [s for s in args.stages if s not in (0, 1, 2, 3)]
     if bad:
         print(f"shardlab memory: --stages {bad} are not ZeRO stages (0-3)", file=sys.stderr)
@@ -83,10 +51,7 @@ def run(args: argparse.Namespace) -> int:
     n = cfg.layout.dp
     measured: dict[int, dict] = {}
     if not args.predict_only:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.bench.memory_measure import measure_stages_rank
-
-        rows = launch(measure_stages_rank, None if under_torchrun() else n, cfg.to_dict(), args.stages,
+        rows = shardlab.dist.launch(measure_stages_rank, None if under_torchrun() else n, cfg.to_dict(), args.stages,
                       **launch_kwargs(args))[0]
         if rows is None:
             return 0

@@ -3,69 +3,35 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, replace
+import datetime
 import json
+from pathlib import Path
 import sys
-from dataclasses import replace
 
-from shardlab.cli.plan_flags import add_plan_arguments
+from shardlab.bench.gpu_calibrate import calibrate_gpu
+from shardlab.bench.plan_local import calibrate_here, print_local_validation
 from shardlab.cli.plan_inputs import build_hardware, build_spec
 from shardlab.plan.alphabeta import load_fits
+from shardlab.plan.calibrate import save_calibration
+from shardlab.plan.compare_report import print_comparison
 from shardlab.plan.devices import match_device
 from shardlab.plan.execution import TORCHTITAN_OP, Execution, LayoutError
+from shardlab.plan.gpu_calibration import calibration_runs, fit_calibration, stack_runs_table
 from shardlab.plan.hardware import PRESETS
+from shardlab.plan.models import spec_from_config
+from shardlab.plan.plot import plot_breakdown
+from shardlab.plan.report import explain, format_one, format_ranked, result_json
+from shardlab.plan.report_h100 import print_comm_validation, print_h100_validation
+from shardlab.plan.runs import runs_from_table
+from shardlab.plan.search import evaluate, search
+from shardlab.plan.stack_report import print_stack_fits
+from shardlab.plan.stack_use import stack_use
+from shardlab.plan.stackfit import scaled
+from shardlab.plan.validate_local import trainer_layout
+from shardlab.plan.validate_report import print_validation
 from shardlab.train.config import load_config
-
-PLAN_DOC = """\
-Predict, before anything runs, which parallel layouts of a model fit in a cluster's memory and how
-fast they train: per-rank memory (parameters, gradients and optimizer state by ZeRO stage;
-activations tensor by tensor, Korthikanti et al. 2022; micro-batches in flight by pipeline schedule;
-buffers) and time per step (matmuls and memory-bound ops on a roofline, each collective on the links
-its group crosses, the pipeline bubble, overlap, the optimizer), with tokens/s and MFU.
-
-With --dp, --tp or --pp: that one layout, in full (unset degrees are 1; dp fills the rest); a layout
-that does not fit still prints its breakdown, with the verdict (exit 0; non-zero only on errors).
-Otherwise: every layout that divides, fits and that shardlab's trainer can run (its own rules,
-train/config_check.py; --any-layout to drop that), ranked by predicted throughput; other layout flags
-given (--zero, --schedule, --recompute, --micro-batch, --sp ...) are kept fixed in the search.
-The layout is the trainer's own [layout] (dp does not count ep: world = dp x ep x cp x tp x pp;
-schedules by the trainer's names: zb1 is ZB-H1); --emit-config FILE writes the one layout, or the
-search's fastest, as a configuration `shardlab train --config FILE` runs.
-Model: a preset (--model), a shardlab configuration (--config), or any GPT shape: shape flags alone
-(--layers, --hidden, --heads, ...) build exactly that shape; with --model or --config they override
-its fields. Cluster: a preset (--hardware, default a100-80gb), with --peak-tflops, --memory-gb and
---link to describe any other. The model, its sources and its validation against published and
-measured runs: docs/planner.md.
-
-examples:
-  shardlab plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536 --seq 2048
-  shardlab plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536 --json plan.json
-  shardlab plan --model megatron-175b --gpus 64 --global-batch 64 --tp 8 --pp 8 --sp --recompute selective
-  shardlab plan --model llama3-70b --gpus 256 --hardware h100-sxm --global-batch 512 --zero 1
-  shardlab plan --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --seq 8192 \\
-      --gated --gpus 64 --hardware h200 --global-batch 256
-  shardlab plan --model llama3-405b --hardware h100-sxm --gpus 8192 --tp 8 --pp 16 --dp 64 \
-      --global-batch 2048 --zero 2 --sp --tp-comm-overlap      # Llama 3 405B as published (126 layers / 16)
-  shardlab plan --compare-networks --model gpt3-175b --gpus 256 --global-batch 1536
-  shardlab plan --hardware h100-sxm --link nvl:size=8,kind=switch,gbps=450,us=5 \
-      --link roce:kind=fat-tree,gbps=50,us=12,oversub=2 --model llama3-70b --gpus 512 --global-batch 1024
-  shardlab plan --validate                        # Korthikanti et al. 2022 Tables 4-5, predicted vs published
-  shardlab plan --validate-h100                   # NeMo's DGX-H100 table, H100 bf16 runs, one H200
-  shardlab plan --validate-comm                   # collectives vs nccl-tests and TPU all-gathers
-  shardlab plan --validate-local                  # this machine: predicted vs measured memory and step time
-  shardlab plan --calibrate cal.json              # measure this machine (matmuls, copies, collectives)
-  shardlab plan --calibrate-gpu h200.json         # measure this GPU's kernels (about a minute)
-  shardlab plan --config configs/gpt-350m-gpu.toml --hardware h200 --calibration h200.json --gpus 1
-  shardlab plan --config configs/gpt-small.toml --hardware this-cpu --calibration cal.json --gpus 2 --dp 2
-  shardlab plan --layers 4 --hidden 64 --heads 4 --seq 32 --vocab 256 --gpus 4 --global-batch 8 \
-      --emit-config plan.toml && shardlab train --config plan.toml --dry-run   # the fastest layout, runnable
-"""
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="predict memory and step time of parallel layouts; rank those that fit",
-                       description=PLAN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_plan_arguments(p)
-    p.set_defaults(func=run)
+from shardlab.train.plan_config import trainer_rules, write_config
 
 
 def _bench_comm_fits(path: str) -> tuple:
@@ -86,20 +52,13 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate_gpu:
         return _calibrate_gpu(args)
     if args.validate_local:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.bench.plan_local import print_local_validation
-
         return print_local_validation(args.calibration, args.json, args.plot, args.threads)
 
     if args.validate_comm:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.plan.report_h100 import print_comm_validation
-
         return print_comm_validation(args.json)
+    if args.fit_stacks:
+        return print_stack_fits(args.fit_stacks, args.json)
     if args.validate_h100:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.plan.report_h100 import print_h100_validation
-
         return print_h100_validation(args.json, args.plot)
     try:
         spec = build_spec(args)
@@ -111,9 +70,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardlab plan: {exc}", file=sys.stderr)
         return 2
     if args.validate:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.plan.validate_report import print_validation
-
         return print_validation(args.json, args.plot)
     names = ("dp", "tp", "pp", "cp", "ep", "zero", "schedule", "virtual", "micro_batch", "sp", "recompute", "precision")
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
@@ -122,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
     base, config_batch, config = Execution(precision="bf16"), None, None
     if args.config:
         # A shardlab configuration brings its layout and batch; flags override them.
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.plan.validate_local import trainer_layout
 
         config = load_config(args.config, [])
         base, config_batch = trainer_layout(config), config.train.global_batch
@@ -161,9 +115,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardlab plan: --gpus {gpus} on {hw.name}: {exc}", file=sys.stderr)
         return 2
     if args.compare_networks:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.plan.compare_report import print_comparison
-
         return print_comparison(spec, gpus, gb, base, set(given) | ({"stage_layers"} if stage_layers else set()),
                                 args.mem_fraction, args.compare_networks, args.json, args.plot)
     print(spec.summary())
@@ -172,53 +123,53 @@ def run(args: argparse.Namespace) -> int:
           f"global batch {gb} x {spec.seq_len} tokens, {base.precision}")
     if hw.network:
         print("network: " + "; ".join(lv.describe() for lv in hw.network))
+
+    use = stack_use(args.stack, hw, spec, base.precision, _calibration_runs(args))
+    hw = scaled(hw, use.values)
+    print("\n".join(use.describe()))
     if base.recompute == "selective" and spec.attention == "flash" and not base.recompute_keep:
         print("note: --recompute selective changes nothing here: with flash attention no s x s tensors are kept "
               "(the fused kernel already recomputes them in its backward); memory and time are as without it")
-    if args.config and hw.kernels is not None and base.step_overhead_s == 0:
+    if args.config and hw.kernels is not None and base.step_overhead_s == 0 and args.stack != "shardlab":
         print("note: the step below is the GPU's kernels (a compiled stand-alone step); shardlab train's own loop "
               "measured on one H200 (2026-11-28) added 85 ms per step beyond them: --step-overhead-ms 85 includes it "
               "(docs/planner.md, 'One GPU')")
     try:
         if single:
-            return _one(spec, base, hw, gpus, gb, args, config)
-        return _search(spec, base, set(given), hw, gpus, gb, args, config)
+            return _one(spec, base, hw, gpus, gb, args, config, use)
+        return _search(spec, base, set(given), hw, gpus, gb, args, config, use)
     except LayoutError as exc:
         print(f"shardlab plan: {exc}", file=sys.stderr)
         return 2
 
 
-def _one(spec, lay, hw, gpus, gb, args, config=None) -> int:
-    from dataclasses import asdict
+def _calibration_runs(args: argparse.Namespace) -> tuple:
+    """The `shardlab` stack's runs a --calibration file from --calibrate-gpu carries (none otherwise)."""
+    if not args.calibration or args.hardware == "this-cpu":
+        return ()
 
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.plan.report import format_one
-    from shardlab.plan.search import evaluate
+    return calibration_runs(args.calibration)
 
+
+def _one(spec, lay, hw, gpus, gb, args, config=None, use=None) -> int:
     lay.check(spec, world=gpus, global_batch=gb)
     e = evaluate(spec, lay, hw, gb, args.mem_fraction)
-    print(format_one(e))
+    print(format_one(e, use))
     m = e.memory
     print(f"verdict: {'fits' if e.fits else 'DOES NOT FIT'} ({m.total / 1e9:.1f} GB of {e.capacity / 1e9:.1f} GB "
           f"usable on the busiest rank, pipeline stage {m.stage})")
     if args.json:
         _write(args.json, {"tool": "shardlab plan", "model": asdict(spec), "hardware": hw.to_dict(),
+                           "stack": use.to_dict() if use else None,
                            "gpus": gpus, "global_batch": gb, "evaluation": e.to_dict()})
     if args.emit_config:
-        return _emit(spec, lay, gb, args.emit_config, config)
+        return _emit(spec, lay, gb, args.emit_config, config, hw.devices_per_node)
     return 0
 
 
-def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.plan.report import explain, format_ranked, result_json
-    from shardlab.plan.search import search
-
+def _search(spec, base, pinned, hw, gpus, gb, args, config=None, use=None) -> int:
     admit = None
     if not args.any_layout:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.train.plan_config import trainer_rules
-
         admit = trainer_rules(spec, gb, config)
     result = search(spec, hw, gpus, gb, base, pinned, args.mem_fraction, admit=admit, keep=max(args.top, 50))
     shown = min(args.top, len(result.ranked))
@@ -227,15 +178,12 @@ def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
     else:
         print(f"{result.considered:,} layouts considered, {result.fitting:,} fit; of the {result.checked:,} fastest "
               f"checked against the trainer's rules, {len(result.ranked):,} run; the fastest {shown}:")
-    print(format_ranked(result, args.top))
+    print(format_ranked(result, args.top, use))
     print()
-    print("\n".join(explain(result, spec, gpus)))
+    print("\n".join(explain(result, spec, gpus, use=use)))
     if args.json:
-        _write(args.json, result_json(result, spec, hw, gpus, gb))
+        _write(args.json, result_json(result, spec, hw, gpus, gb, use=use))
     if args.plot and result.ranked:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.plan.plot import plot_breakdown
-
         title = f"{spec.name} on {gpus} x {hw.name}, global batch {gb}: the fastest layouts"
         print(f"wrote {plot_breakdown(result.ranked[:args.top], args.plot, title)}")
     print(f"verdict: {len(result.ranked):,} layout(s) fit" if result.ranked else
@@ -244,17 +192,14 @@ def _search(spec, base, pinned, hw, gpus, gb, args, config=None) -> int:
         if not result.ranked:
             print(f"shardlab plan: --emit-config {args.emit_config}: no layout to write", file=sys.stderr)
             return 1
-        return _emit(spec, result.ranked[0].layout, gb, args.emit_config, config)
+        return _emit(spec, result.ranked[0].layout, gb, args.emit_config, config, hw.devices_per_node)
     return 0
 
 
-def _emit(spec, lay, gb, path: str, config=None) -> int:
+def _emit(spec, lay, gb, path: str, config=None, devices_per_node: int = 0) -> int:
     """Write `lay` as a configuration the trainer runs; say so if the trainer's rules refuse it."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.train.plan_config import write_config
-
     try:
-        refused = write_config(spec, lay, gb, path, config)
+        refused = write_config(spec, lay, gb, path, config, devices_per_node)
     except OSError as exc:
         print(f"shardlab plan: --emit-config {path}: {exc}", file=sys.stderr)
         return 2
@@ -267,6 +212,19 @@ def _emit(spec, lay, gb, path: str, config=None) -> int:
     return 0
 
 
+def _stack_runs(args: argparse.Namespace, preset, device: str) -> dict:
+    """The trainer's measured step (--train-json) as a `shardlab` stack run, and the stack refitted to it."""
+    config = load_config(args.config, [])
+    with open(args.train_json) as f:
+        summary = json.load(f)
+    spec, lay = spec_from_config(config.model), trainer_layout(config)
+    table = stack_runs_table(summary, spec, lay, config.train.global_batch, preset.name, device,
+                             datetime.date.today().isoformat())
+    use = stack_use("shardlab", preset, spec, lay.precision, tuple(runs_from_table(table, Path(args.train_json))))
+    print("\n".join(use.describe()))
+    return table
+
+
 def _write(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, default=str)
@@ -275,10 +233,6 @@ def _write(path: str, data: dict) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.bench.plan_local import calibrate_here
-    from shardlab.plan.calibrate import save_calibration
-
     print(f"calibrating this machine on {args.world_size} rank(s), {args.threads} thread(s) each ...")
     cal = calibrate_here(args.threads, args.world_size)
     save_calibration(cal, args.calibrate)
@@ -290,11 +244,6 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _calibrate_gpu(args: argparse.Namespace) -> int:
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.bench.gpu_calibrate import calibrate_gpu
-    from shardlab.plan.calibrate import save_calibration
-    from shardlab.plan.gpu_calibration import fit_calibration
-
     cal = calibrate_gpu()
     spec = match_device(cal["device"]) if not cal["smoke"] else None
     preset = PRESETS.get(spec.key) if spec else None
@@ -307,6 +256,12 @@ def _calibrate_gpu(args: argparse.Namespace) -> int:
     else:
         print("note: " + ("a CPU smoke test: " if cal["smoke"] else f"{cal['device']!r} has no preset with a kernel "
                           "model: ") + "the file is written; no preset reads it")
+    if args.train_json:
+        if preset is None or not args.config:
+            print(f"note: --train-json {args.train_json} is not written: it needs --config (the run's model and "
+                  f"layout) and a GPU with a preset")
+        else:
+            cal["stack_runs"] = _stack_runs(args, preset, cal["device"])
     save_calibration(cal, args.calibrate_gpu)
     print(f"wrote {args.calibrate_gpu}")
     return 0

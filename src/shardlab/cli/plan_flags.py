@@ -1,15 +1,17 @@
-"""`shardlab plan`'s flags, in the groups `--help` shows them: the model (a preset, a configuration or a
-shape), the cluster, the layout (a degree given evaluates one layout; otherwise the search), and the
-output and other modes. cli/plan_inputs.py turns the model and cluster flags into the planner's inputs;
-cli/plan.py reads the layout and the modes."""
+"""`shardlab plan`'s parser (main.py says why it is apart) and its flags, in the groups `--help` shows
+them: the model (a preset, a configuration or a shape), the cluster, the layout (a degree given
+evaluates one layout; otherwise the search), and the output and other modes. cli/plan_inputs.py
+turns the model and cluster flags into the planner's inputs; cli/plan.py runs the command."""
 
 from __future__ import annotations
 
 import argparse
 
+from shardlab.cli.common import Run
 from shardlab.plan.execution import PRECISIONS, RECOMPUTE, SCHEDULES, SCHEDULE_ALIASES
 from shardlab.plan.hardware import ALIASES, PRESETS as HW
 from shardlab.plan.models import PRESETS as MODELS
+from shardlab.plan.runs import stack_table
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +36,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--hardware", default="a100-80gb",
                    help=f"a cluster preset (default: a100-80gb, DGX A100 nodes on an HDR fat-tree): "
                         f"{', '.join(list(HW) + list(ALIASES))}, or this-cpu (needs --calibration)")
+    stacks = stack_table()
+    c.add_argument("--stack", choices=list(stacks), default="shardlab",
+                   help="the software stack whose speed is predicted, each fitted per GPU generation to its own "
+                        "published runs (plan/data/runs/; rows, errors and sources: docs/planner.md, 'Stacks'); "
+                        "default shardlab (shardlab train, fitted to this project's GPU runs): "
+                        + "; ".join(f"{k}: {v['what']}" for k, v in stacks.items()))
     c.add_argument("--peak-tflops", type=float, default=None,
                    help="dense 16-bit (bf16/fp16) peak TFLOP/s per device, replacing the preset's")
     c.add_argument("--memory-gb", type=float, default=None, help="device memory in GB, replacing the preset's")
@@ -119,6 +127,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare with NeMo Framework's published DGX-H100 fp8 table (fit, leave-one-out), Llama 3 "
                         "405B (held out), llm-foundry's H100 bf16 table (leave-one-out), Llama 3's Table 4, and the "
                         "runs measured on one H200 (about 30 s)")
+    o.add_argument("--fit-stacks", default=None, metavar="PATH",
+                   help="refit every stack's scales to the runs in plan/data/runs/, print each stack and "
+                        "generation's rows, leave-one-out error and interval coverage, and write the fits to PATH "
+                        "(the planner reads src/shardlab/plan/data/stack_fits.json; about 10 s)")
     o.add_argument("--validate-comm", action="store_true",
                    help="compare predicted collective times with published nccl-tests bus bandwidths and the TPU "
                         "all-gathers of How to Scale Your Model")
@@ -140,6 +152,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure this GPU (bf16 GEMMs of transformer-layer shapes, fused attention 1k-32k, GELU, "
                         "LayerNorm, fused AdamW; about a minute on an H100) and write PATH, which --calibration reads; "
                         "without CUDA a tiny fp32 sweep on the CPU (a smoke test whose file no preset accepts)")
+    o.add_argument("--train-json", default=None, metavar="PATH",
+                   help="with --calibrate-gpu and --config: `shardlab train --config ... --json PATH`'s summary, "
+                        "measured on this GPU, written into the calibration as a run of the `shardlab` stack; "
+                        "--calibration FILE then fits the default stack to it (the trainer's own speed)")
     o.add_argument("--world-size", type=int, default=2, help="ranks for --calibrate (default 2)")
     o.add_argument("--threads", type=int, default=1,
                    help="threads per rank for --calibrate and --validate-local (default 1)")
@@ -150,3 +166,56 @@ def _fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"--mem-fraction must lie in (0, 1], got {value}")
     return value
+
+
+PLAN_DOC = """\
+Predict, before anything runs, which parallel layouts of a model fit in a cluster's memory and how
+fast they train: per-rank memory (parameters, gradients and optimizer state by ZeRO stage;
+activations tensor by tensor, Korthikanti et al. 2022; micro-batches in flight by pipeline schedule;
+buffers) and time per step (matmuls and memory-bound ops on a roofline, each collective on the links
+its group crosses, the pipeline bubble, overlap, the optimizer), with tokens/s and MFU.
+
+With --dp, --tp or --pp: that one layout, in full (unset degrees are 1; dp fills the rest); a layout
+that does not fit still prints its breakdown, with the verdict (exit 0; non-zero only on errors).
+Otherwise: every layout that divides, fits and that shardlab's trainer can run (its own rules,
+train/config_check.py; --any-layout to drop that), ranked by predicted throughput; other layout flags
+given (--zero, --schedule, --recompute, --micro-batch, --sp ...) are kept fixed in the search.
+The layout is the trainer's own [layout] (dp does not count ep: world = dp x ep x cp x tp x pp;
+schedules by the trainer's names: zb1 is ZB-H1); --emit-config FILE writes the one layout, or the
+search's fastest, as a configuration `shardlab train --config FILE` runs.
+Model: a preset (--model), a shardlab configuration (--config), or any GPT shape: shape flags alone
+(--layers, --hidden, --heads, ...) build exactly that shape; with --model or --config they override
+its fields. Cluster: a preset (--hardware, default a100-80gb), with --peak-tflops, --memory-gb and
+--link to describe any other. The model, its sources and its validation against published and
+measured runs: docs/planner.md.
+
+examples:
+  shardlab plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536 --seq 2048
+  shardlab plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536 --json plan.json
+  shardlab plan --model megatron-175b --gpus 64 --global-batch 64 --tp 8 --pp 8 --sp --recompute selective
+  shardlab plan --model llama3-70b --gpus 256 --hardware h100-sxm --global-batch 512 --zero 1
+  shardlab plan --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --seq 8192 \\
+      --gated --gpus 64 --hardware h200 --global-batch 256
+  shardlab plan --model llama3-405b --hardware h100-sxm --gpus 8192 --tp 8 --pp 16 --dp 64 \\
+      --global-batch 2048 --zero 2 --sp --tp-comm-overlap      # Llama 3 405B as published (126 layers / 16)
+  shardlab plan --compare-networks --model gpt3-175b --gpus 256 --global-batch 1536
+  shardlab plan --hardware h100-sxm --link nvl:size=8,kind=switch,gbps=450,us=5 \\
+      --link roce:kind=fat-tree,gbps=50,us=12,oversub=2 --model llama3-70b --gpus 512 --global-batch 1024
+  shardlab plan --validate                        # Korthikanti et al. 2022 Tables 4-5, predicted vs published
+  shardlab plan --validate-h100                   # NeMo's DGX-H100 table, H100 bf16 runs, one H200
+  shardlab plan --validate-comm                   # collectives vs nccl-tests and TPU all-gathers
+  shardlab plan --validate-local                  # this machine: predicted vs measured memory and step time
+  shardlab plan --calibrate cal.json              # measure this machine (matmuls, copies, collectives)
+  shardlab plan --calibrate-gpu h200.json         # measure this GPU's kernels (about a minute)
+  shardlab plan --config configs/gpt-350m-gpu.toml --hardware h200 --calibration h200.json --gpus 1
+  shardlab plan --config configs/gpt-small.toml --hardware this-cpu --calibration cal.json --gpus 2 --dp 2
+  shardlab plan --layers 4 --hidden 64 --heads 4 --seq 32 --vocab 256 --gpus 4 --global-batch 8 \\
+      --emit-config plan.toml && shardlab train --config plan.toml --dry-run   # the fastest layout, runnable
+"""
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="predict memory and step time of parallel layouts; rank those that fit",
+                       description=PLAN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_arguments(p)
+    p.set_defaults(func=Run("shardlab.cli.plan"))

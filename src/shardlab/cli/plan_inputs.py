@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
 
+from shardlab.plan.gpu_calibration import apply_gpu_calibration, is_gpu_calibration, load_gpu_calibration
 from shardlab.plan.hardware import get_hardware
 from shardlab.plan.models import ModelSpec, get_model, spec_from_config
 from shardlab.plan.network import parse_link
@@ -68,11 +70,6 @@ def build_hardware(args: argparse.Namespace, gpus: int | None = None):
     levels, shaped for the device count."""
     gpu_cal = None
     if args.calibration and args.hardware != "this-cpu":
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.plan.gpu_calibration import is_gpu_calibration, load_gpu_calibration
-
-        from pathlib import Path
-
         if not Path(args.calibration).is_file():
             raise ValueError(f"--calibration {args.calibration}: cannot read it (no such file)")
         if not is_gpu_calibration(args.calibration):  # it would be ignored: the preset has its own rates
@@ -82,9 +79,6 @@ def build_hardware(args: argparse.Namespace, gpus: int | None = None):
         gpu_cal = load_gpu_calibration(args.calibration)
     hw = get_hardware(args.hardware, None if gpu_cal else args.calibration)
     if gpu_cal is not None:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.plan.gpu_calibration import apply_gpu_calibration
-
         hw = apply_gpu_calibration(hw, gpu_cal, args.calibration)
     if args.peak_tflops is not None:
         if args.peak_tflops <= 0:

@@ -4,35 +4,48 @@ vocabulary. Each raises ConfigError naming the field and the value."""
 
 from __future__ import annotations
 
+import fnmatch
+import os
+import sys
+from pathlib import Path
+
+from safetensors import SafetensorError
+
+from shardlab.checkpoint.format import CheckpointError, list_checkpoints, read_metadata
+from shardlab.checkpoint.hf import TRAINING_FIELDS, hf_import_notes, hf_model_fields, read_hf
+from shardlab.cli.flags import FlagError, check_writable_dir
+from shardlab.data.tokenizer import file_digest
 from shardlab.train.config import ConfigError, toml_value
+from shardlab.train.corpus import DataSource, load_corpus
+from shardlab.train.corpus_checks import check_token_ids
+from shardlab.train.loop import checkpoint_dir
+from shardlab.train.resolve import resolve_run
+from shardlab.train.sections import DataSection
 from shardlab.train.task import empty_model, hf_misfit
 
 
 def hf_assignments(path: str) -> list[str]:
     """`--init-from-hf DIR` as model.* assignments: the checkpoint's shape, then where to load it from."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.checkpoint import CheckpointError
-    from shardlab.checkpoint.hf import hf_model_fields
-
     try:
         fields = hf_model_fields(path)
+        notes = hf_import_notes(path)
     except (CheckpointError, OSError, ValueError) as exc:
         raise ConfigError(f"--init-from-hf {path}: {exc}") from exc
+    for note in notes:  # what the run cannot train as the source model did, each field named
+        print(f"shardlab: --init-from-hf: {note}", file=sys.stderr)
     return [f"model.{k}={toml_value(v)}" for k, v in fields.items()] + [f"model.init_from_hf={toml_value(path)}"]
 
 
 def hf_problems(m) -> list[str]:
     """Where the model.* fields differ from the Hugging Face checkpoint model.init_from_hf names."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.checkpoint import CheckpointError
-    from shardlab.checkpoint.hf import hf_model_fields
-
     try:
         fields = hf_model_fields(m.init_from_hf)
     except (CheckpointError, OSError, ValueError) as exc:
         return [f"model.init_from_hf = {m.init_from_hf!r}: {exc}"]
     out = []
     for k, v in fields.items():
+        if k in TRAINING_FIELDS:  # the run's to choose (--set after --init-from-hf)
+            continue
         ours = getattr(m, k)
         if k == "n_kv_head":
             ours, v = ours or m.n_head, v or fields["n_head"]
@@ -47,12 +60,6 @@ def hf_tensor_misfit(m) -> str | None:
     """The tensors of the Hugging Face checkpoint model.init_from_hf names that are missing or of
     another shape than the model's, read from the files' headers (no weights loaded): found here, not
     in every rank after launch. None when they fit."""
-    from safetensors import SafetensorError
-
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.checkpoint import CheckpointError
-    from shardlab.checkpoint.hf import read_hf
-
     model = empty_model(m)
     try:
         state = read_hf(m.init_from_hf, model.cfg, shapes_only=True)
@@ -64,9 +71,6 @@ def hf_tensor_misfit(m) -> str | None:
 def check_before_launch(cfg, make_out_dir: bool = True) -> None:
     """What validation cannot see without building the model (on the meta device: no memory) or
     touching the disk; raises ConfigError."""
-    import fnmatch
-    from pathlib import Path
-
     if cfg.model.init_from_hf:
         problems = hf_problems(cfg.model)
         if problems:
@@ -83,36 +87,43 @@ def check_before_launch(cfg, make_out_dir: bool = True) -> None:
         raise ConfigError(f"model.freeze = {cfg.model.freeze!r} freezes all {len(names)} parameters of the "
                           f"{cfg.model.name}: nothing would train")
     if make_out_dir:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.cli.flags import FlagError, check_writable_dir
-
-        try:
-            Path(cfg.log.out_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"log.out_dir = {cfg.log.out_dir!r} cannot be created: {exc.strerror}") from exc
-        # Found now, not at the first save or the last step's summary.
-        for field, where in (("log.out_dir", cfg.log.out_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
-            if where:
-                try:
-                    check_writable_dir(field, where)
-                except FlagError as exc:
-                    raise ConfigError(str(exc).replace(f"{field} {where}:", f"{field} = {where!r}:", 1)) from None
+        make_run_dirs(cfg)
 
 
-def check_data_before_launch(cfg) -> None:
-    """The data, before any rank starts: text for a tokenizer other than bytes is encoded (once,
-    cached), every id is checked against model.vocab_size (naming the id and the file), and a sample
-    needs a tokenizer to be read. Raises ConfigError."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.train.corpus import load_corpus
-    from shardlab.train.corpus_checks import check_token_ids
-    from shardlab.train.resolve import resolve_data, resolve_run
-
-    if cfg.model.name != "gpt":
-        return
+def make_run_dirs(cfg) -> None:
+    """log.out_dir created, it and checkpoint.dir checked writable: the last check before launch, so
+    that a launch refused by any other (the data's, say) leaves no empty run directory behind."""
     try:
-        resolve_data(cfg)
-        run = resolve_run(cfg)
+        Path(cfg.log.out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"log.out_dir = {cfg.log.out_dir!r} cannot be created: {exc.strerror}") from exc
+    # Found now, not at the first save or the last step's summary.
+    for field, where in (("log.out_dir", cfg.log.out_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if where:
+            try:
+                check_writable_dir(field, where)
+            except FlagError as exc:
+                raise ConfigError(str(exc).replace(f"{field} {where}:", f"{field} = {where!r}:", 1)) from None
+
+
+def resolve_before_launch(cfg):
+    """train/resolve.py's Run of `cfg`, resolved once for the ranks (cfg stays as written); a data source
+    that cannot say its vocabulary raises ConfigError naming it."""
+    try:
+        return resolve_run(cfg)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def check_data_before_launch(run):
+    """`run` (train/resolve.py's Run) with its data prepared before any rank starts (text for a tokenizer
+    other than bytes encoded, once, cached: Run.prepared), every id checked against model.vocab_size
+    (naming the id and the file), and a sample needing a tokenizer to be read. Raises ConfigError."""
+    if run.data is None:
+        return run
+    try:
+        run = run.prepared()
+        cfg = run.config
         src, seq = run.data, cfg.model.seq_len
         # As the ranks will read it (a token file is memory-mapped, not read): a corpus too small for
         # the model's windows is refused here, not by every rank after the launch.
@@ -127,6 +138,7 @@ def check_data_before_launch(cfg) -> None:
         raise ConfigError(f"log.sample_tokens = {cfg.log.sample_tokens}: data.source = {cfg.data.source!r} holds raw "
                           f"ids and names no tokenizer to turn samples into text; set data.tokenizer to its "
                           f"tokenizer.json (or .tiktoken) file, or log.sample_tokens = 0")
+    return run
 
 
 def ignored_flags(args, cfg) -> list[str]:
@@ -139,7 +151,7 @@ def ignored_flags(args, cfg) -> list[str]:
     def given(attr: str) -> bool:
         return getattr(args, attr, None) is not None
 
-    replicas = lay.dp * lay.ep * lay.cp
+    replicas = lay.replicas
     if given("dp_mode"):
         if replicas == 1:
             out.append(f"--dp-mode {args.dp_mode}: there are no data-parallel replicas to synchronise "
@@ -176,12 +188,6 @@ _QUIET = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batc
 def _resumed_checkpoint(cfg):
     """The checkpoint checkpoint.resume will load (for 'latest': the newest under checkpoint.dir; the
     ranks may fall back past a damaged one, which the same run saved), or None."""
-    from pathlib import Path
-
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.checkpoint.format import list_checkpoints
-    from shardlab.train.loop import checkpoint_dir
-
     ck = cfg.checkpoint
     if ck.resume == "latest":
         found = list_checkpoints(checkpoint_dir(ck, cfg.log.out_dir))
@@ -192,13 +198,6 @@ def _resumed_checkpoint(cfg):
 def _tokenizer_identity(data: dict) -> str | None:
     """What names the tokenizer whose ids the data section `data` feeds the model ('bytes' or a file's
     sha256), or None when it cannot be told (a BPE still to train, a file gone)."""
-    import os
-
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.data.tokenizer import file_digest
-    from shardlab.train.corpus import DataSource
-    from shardlab.train.sections import DataSection
-
     try:
         d = DataSection(**data)
         src = DataSource(d)
@@ -221,9 +220,6 @@ def check_resume_before_launch(cfg) -> list[str]:
     traceback); data of another tokenizer is refused (same-sized tokenizers loaded without an error,
     the embedding rows meaning other tokens); other changed settings (seed, batch, data, optimizer)
     are returned as notes: the run then no longer continues the saved one as it was. ConfigError."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.checkpoint.format import CheckpointError, read_metadata
-
     path = _resumed_checkpoint(cfg)
     if path is None:
         return []

@@ -4,12 +4,17 @@ Tables go through rich, rendered to plain text so a terminal, a CI log and a fil
 
 from __future__ import annotations
 
+import io
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from shardlab.train.metrics import fmt_bytes
+
 
 def utilisation_line(summary: dict) -> str:
     """MFU at the median step with its conventions (train/mfu.py), and peak memory."""
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.train.metrics import fmt_bytes
-
     if summary.get("mfu") is not None:
         text = (f"MFU {summary['mfu']:.1%} (causal attention over s/2"
                 + (f"; {summary['mfu_full_attention']:.1%} counting the whole square"
@@ -29,10 +34,6 @@ def utilisation_line(summary: dict) -> str:
 
 def _render(table) -> str:
     """A rich table as plain text: no colour or cursor codes, so CI logs and files read the same as a terminal."""
-    import io
-
-    from rich.console import Console
-
     console = Console(file=io.StringIO(), width=120, color_system=None, force_terminal=False)
     console.print(table)
     return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines()).strip("\n")
@@ -40,9 +41,6 @@ def _render(table) -> str:
 
 def result_table(summary: dict) -> str:
     """The run's end: training and validation loss, perplexity, bits per byte, throughput."""
-    from rich import box
-    from rich.table import Table
-
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, title="result", title_justify="left")
     table.add_column("")
     table.add_column("value", justify="right")
@@ -59,9 +57,6 @@ def result_table(summary: dict) -> str:
 
 def rank_table(ranks: list[dict]) -> str:
     """One row per rank: its place in the mesh (axes of degree > 1), peak memory, communication share."""
-    from rich import box
-    from rich.table import Table
-
     axes = [a for a in ranks[0]["coords"] if len({r["coords"][a] for r in ranks}) > 1]
     nodes = len({r["node"] for r in ranks}) > 1
     table = Table(box=box.SIMPLE_HEAD, show_edge=False)
@@ -72,3 +67,15 @@ def rank_table(ranks: list[dict]) -> str:
         table.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in axes), *([str(r["node"])] if nodes else []),
                       mem, f"{r['comm_wait_share']:.0%}")
     return _render(table)
+
+
+def closing_lines(summary: dict, tensorboard: bool) -> str:
+    """What the run wrote, then where its model is and what reads it (or how to make a run leave one)."""
+    wrote = (f"wrote {summary['metrics']}" + (f", {summary['plot']}" if summary.get("plot") else "")
+             + f" and TensorBoard events in {summary['out_dir']}/tb" * tensorboard)
+    saved, out = summary.get("checkpoint"), summary["out_dir"]
+    if saved is None:
+        return wrote + ("\nno checkpoint saved (checkpoint.final and checkpoint.every are off): --set "
+                        "checkpoint.final=true saves one after the last step, --save-every N every N steps")
+    return wrote + (f"\nmodel saved: {saved} (shardlab generate {out} --prompt \"def \"; "
+                    f"shardlab checkpoint export {out} --hf hf-model)")

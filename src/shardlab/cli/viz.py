@@ -4,101 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+import sys
 
-from shardlab.cli.common import add_launch_options, int_list, launch_kwargs, name_list
+from shardlab.bench.pipeline_gantt import draw_gantt, render_text
+from shardlab.bench.pipeline_measure import MeasuredModel, measure
+from shardlab.cli.common import launch_kwargs, name_list
 from shardlab.parallel.pipeline import ScheduleError, Timeline, bubble_theory, fmt, in_flight_theory, schedule, simulate
 from shardlab.parallel.pipeline.schedules import KINDS, compute_order
-
-SCHEDULE_DOC = """\
-Draw a pipeline schedule as planned: every rank's action list (schedules as data) simulated with
-unit-time forwards and backwards twice as long (split into equal input- and weight-gradient halves
-for zb1), no message latency. Prints the theoretical bubble fraction beside the simulated one, the
-most microbatches each rank holds in flight, and the chart in text; --out writes it as a PNG.
-
-  naive        one microbatch at a time through the whole pipeline: bubble (p-1)/p
-  gpipe        all forwards, then all backwards (Huang et al. 2019): (p-1)/(m+p-1), m in flight
-  1f1b         PipeDream-flush (Narayanan et al. 2021): the same bubble, at most p - rank in flight
-  interleaved  1F1B over v chunks per rank (Megatron-LM): (p-1)/(v m+p-1); needs m divisible by p
-  zb1          ZB-H1 (Qi et al. 2023): backward split, weight gradients fill the bubble: (p-1)/(3m+p-1)
-
-examples:
-  shardlab viz schedule --schedule 1f1b --stages 4 --microbatches 8 --out s.png
-  shardlab viz schedule --schedule interleaved --stages 4 --microbatches 8 --virtual-stages 2
-  shardlab viz schedule --schedule zb1 --stages 4 --microbatches 8 --actions
-"""
-
-MEASURE_DOC = """\
-Run real pipeline steps on local ranks (one per stage) and report, per schedule and microbatch count:
-the measured bubble fraction (idle share of rank-time between the first compute and the last;
-median and best of the timed steps),
-the papers' formula with the measured forward/backward times, the plan simulated with those times,
-the step time, and the activation memory per stage (peak live tensor storage during forward and
-backward above what the step started with; 1F1B holds at most p - rank microbatches, GPipe m).
---trace and --out write the measured timeline (median step) as Chrome-trace JSON and as a chart; with
-several cases each file name gets the case appended.
-
-examples:
-  shardlab viz measure --schedule 1f1b --stages 2 --microbatches 8 --trace t.json --out t.png
-  shardlab viz measure --schedule gpipe,1f1b,zb1 --stages 2 --microbatches 1,4,8 --json bubble.json
-"""
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("viz", help="pipeline schedules as Gantt charts: planned (schedule) and measured (measure)",
-                       description="Pictures of pipeline schedules. `viz schedule`: the plan, simulated. "
-                                   "`viz measure`: real steps on local ranks, timed and drawn.")
-    kinds = p.add_subparsers(dest="viz", metavar="WHAT")
-    _add_schedule(kinds)
-    _add_measure(kinds)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
-
-
-def _common(q: argparse.ArgumentParser, many: bool) -> None:
-    if many:
-        q.add_argument("--schedule", type=name_list, default=["1f1b"], metavar="KIND[,KIND]",
-                       help=f"schedules, comma-separated: {', '.join(KINDS)} (default: 1f1b)")
-        q.add_argument("--microbatches", type=int_list, default=[8], metavar="M[,M]",
-                       help="microbatches per step, comma-separated (default: 8)")
-    else:
-        q.add_argument("--schedule", choices=KINDS, default="1f1b", help="the schedule (default: 1f1b)")
-        q.add_argument("--microbatches", type=int, default=8, help="microbatches per step, m (default: 8)")
-    q.add_argument("--stages", type=int, default=4 if not many else 2, help="pipeline stages (ranks), p")
-    q.add_argument("--virtual-stages", type=int, default=2, metavar="V",
-                   help="chunks per rank for interleaved, v (ignored by the other schedules; default: 2)")
-    q.add_argument("--out", default=None, metavar="PNG", help="write the Gantt chart here")
-    q.add_argument("--trace", default=None, metavar="JSON", help="write the timeline as Chrome-trace JSON "
-                                                                 "(chrome://tracing, ui.perfetto.dev)")
-    q.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
-
-
-def _add_schedule(kinds: argparse._SubParsersAction) -> None:
-    q = kinds.add_parser("schedule", help="draw a schedule as planned, with its theoretical bubble",
-                         description=SCHEDULE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(q, many=False)
-    q.add_argument("--times", default="F=1,B=2,BI=1,BW=1", metavar="OP=T,...",
-                   help="time of each op for one microbatch through a whole stage (default: %(default)s)")
-    q.add_argument("--actions", action="store_true", help="also print every rank's full action list")
-    q.add_argument("--width", type=int, default=200, help="widest text chart, in characters (default: 200)")
-    q.set_defaults(func=run_schedule)
-
-
-def _add_measure(kinds: argparse._SubParsersAction) -> None:
-    q = kinds.add_parser("measure", help="time real pipeline steps: bubble vs theory, activation memory per stage",
-                         description=MEASURE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(q, many=True)
-    q.add_argument("--model", choices=["mlp", "gpt"], default="mlp", help="model to split (default: mlp)")
-    q.add_argument("--d-model", type=int, default=256, help="model width (default: 256)")
-    q.add_argument("--layers", type=int, default=8, help="layers (blocks for the GPT; default: 8)")
-    q.add_argument("--batch", type=int, default=2048, help="rows per step, split into microbatches (default: 2048)")
-    q.add_argument("--seq-len", type=int, default=64, help="GPT sequence length (default: 64)")
-    q.add_argument("--steps", type=int, default=3, help="timed steps per case, after one warm-up (default: 3)")
-    q.add_argument("--sleep-us", type=float, default=0.0, metavar="US",
-                   help="make every layer also sleep US microseconds per row (forward; twice in backward): "
-                        "work that does not compete for the CPU, to see the schedule's own bubble on a busy machine")
-    add_launch_options(q)
-    q.set_defaults(func=run_measure)
 
 
 def _times(text: str) -> dict[str, float]:
@@ -113,9 +26,6 @@ def _times(text: str) -> dict[str, float]:
 
 
 def run_schedule(args: argparse.Namespace) -> int:
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.bench.pipeline_gantt import draw_gantt, render_text
-
     p, m = args.stages, args.microbatches
     v = args.virtual_stages if args.schedule == "interleaved" else 1
     times = _times(args.times)
@@ -158,10 +68,6 @@ def _suffixed(path: str, case: str, many: bool) -> str:
 
 
 def run_measure(args: argparse.Namespace) -> int:
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.bench.pipeline_gantt import draw_gantt
-    from shardlab.bench.pipeline_measure import MeasuredModel, measure
-
     cases = []
     for kind in args.schedule:
         if kind not in KINDS:

@@ -7,13 +7,18 @@ Data parallelism (three variants side by side), ZeRO stages 1, 2 and 3 (FSDP), m
     model = DataParallel(net, group, mode="overlap", bucket_mb=25.0, impl="ring")
 """
 
-from shardlab.parallel.data.buckets import Bucket, build_buckets, trainable_params
-from shardlab.parallel.data.replicate import MODES, DataParallel
-from shardlab.parallel.data.fsdp import FullyShardedDataParallel
-from shardlab.parallel.optim import MixedPrecisionOptimizer, PieceOptimizer
-from shardlab.parallel.precision import PRECISIONS, LossScaler, Precision, apply_precision, get_precision
-from shardlab.parallel.data.syncbn import SyncBatchNorm, convert_sync_batchnorm
-from shardlab.parallel.data.zero import ShardedOptimizer, ZeroDataParallel
+from shardlab._lazy import lazy_names
+
+_EXPORTS = {name: module for module, names in {
+    "shardlab.parallel.data.buckets": ("Bucket", "build_buckets", "trainable_params"),
+    "shardlab.parallel.data.replicate": ("MODES", "DataParallel"),
+    "shardlab.parallel.data.fsdp": ("FullyShardedDataParallel",),
+    "shardlab.parallel.optim": ("MixedPrecisionOptimizer", "PieceOptimizer"),
+    "shardlab.parallel.precision": ("PRECISIONS", "LossScaler", "Precision", "apply_precision", "get_precision"),
+    "shardlab.parallel.data.syncbn": ("SyncBatchNorm", "convert_sync_batchnorm"),
+    "shardlab.parallel.data.zero": ("ShardedOptimizer", "ZeroDataParallel"),
+}.items() for name in names}
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 __all__ = [
     "MODES",

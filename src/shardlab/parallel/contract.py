@@ -1,6 +1,6 @@
 """What a layout hands the training step, as typed objects instead of attributes probed for.
 
-    contract = step_contract(model)        # model: what apply_layout returned, or a plain module
+    contract = step_contract(model)        # model: what parallelize returned, or a plain module
     build = contract.build_optimizer       # None: any optimizer fits, else the layout's own
     optimizer = build(groups, torch.optim.AdamW, placement=record, lr=1e-3) if build else ...
     with contract.no_sync(): ...           # micro-batches before the last: no communication

@@ -1,29 +1,12 @@
-"""Apply a layout to a plain model: the one place that turns `[layout]` into parallel wrappers.
+"""The layout's mesh and its whole views: what every rank builds and reads around `parallelize`.
 
     mesh = build_mesh(cfg.layout)                  # every rank: axes in layout.mesh_order (pp ... tp)
-    model = apply_layout(plain, cfg.layout, mesh)  # the layout's steps of STEPS, in its order
+    model = parallelize(plain, cfg.layout, mesh)   # parallel/parallelize.py: every strategy, in order
     index, count = batch_rank(mesh)                # this rank's share of every global batch's rows
+    full_parameters(model), full_gradients(model)  # whole tensors by the plain names (verify, tests)
 
-Every layout goes through one ordered list of strategy steps, `STEPS` below, as torchtitan's
-parallelize does, each step acting on what the previous ones produced; a step that does not apply
-to the layout is skipped. Each is a `Step` (parallel/step.py: a name, when it applies, its apply
-function) that lives with its strategy:
-
-  sharding   [sharding] rules: tp (and seq over cp) derived and compiled (sharding/step.py);
-  tp         or tensor and sequence parallelism by the named plan, in place (tensor/step.py);
-  ep         experts spread over "ep", in place (expert/step.py);
-  cp         tokens and attention cores swapped for the ring over "cp", in place (context/step.py);
-  pp         this rank's stage cut from the model so converted, planned on the plain model
-             (pipeline/step.py); the steps after it apply to the stage, and the schedule wraps it last;
-  recompute  activation checkpointing on the blocks the steps above left (recompute.py);
-  dp         data parallelism last, plain or ZeRO 1/2/3, because it wraps whatever the earlier steps
-             produced: over the ranks that hold the same parameters and see other tokens, the mesh's
-             ("dp", "ep", "cp") group (data/factory.py: one factory, options read once).
-
-Each step writes its entries into the placement record (parallel/placement.py: what every mesh axis
-does to every parameter, by plain name) as it applies itself; the returned module carries the whole
-record as `model.placement` (the gradient norm, checkpoints and the whole views read it). Its "dp"
-axis is the replica group data parallelism wraps, ("dp", "ep", "cp").
+The returned module's record (`model.placement`) has a "dp" axis over the replica group data
+parallelism wraps, ("dp", "ep", "cp") (parallel/replicas.py).
 
 A wrapper may provide, besides forward: `no_sync()`, `finish_gradient_sync()`, `build_optimizer()`
 (when the optimizer must know the sharding), `clip_grad_norm_()` (when gradients are sharded) and
@@ -34,50 +17,20 @@ its type in parallel/contract.py (step_contract), which train/step.py calls;
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from shardlab.comm.algorithms.hierarchical import RANKS_PER_NODE_ENV
 from shardlab.dist.mesh import DeviceMesh
-from shardlab.parallel.context.step import CONTEXT
-from shardlab.parallel.data.factory import DATA, REPLICA_AXES, replica_group
-from shardlab.parallel.expert.step import EXPERT
-from shardlab.parallel.pipeline.step import PIPELINE
-from shardlab.parallel.placement import Placement, tied_aliases
-from shardlab.parallel.recompute import RECOMPUTE
-from shardlab.parallel.sharding.step import SHARDING
-from shardlab.parallel.step import Applying, Step
+from shardlab.parallel.replicas import REPLICA_AXES, replica_group
 from shardlab.parallel.tensor import find_tensor_parallel, whole_tensors
-from shardlab.parallel.tensor.step import TENSOR, uses_tensor_parallel
 
 if TYPE_CHECKING:
     from shardlab.parallel.layout_section import LayoutSection
-    from shardlab.parallel.sharding.section import ShardingSection
 
-__all__ = ["BATCH_AXES", "MESH_AXES", "REPLICA_AXES", "STEPS", "apply_layout", "batch_rank", "build_mesh",
-           "full_gradients", "full_parameters", "layout_steps", "mesh_order", "replica_group", "uses_pipeline",
-           "uses_tensor_parallel"]
-
-STEPS: tuple[Step, ...] = (
-    SHARDING,
-    TENSOR,
-    # Expert before context parallelism. The two paths once ran them in opposite orders (the
-    # pipeline's cp first). Both orders build the same modules and the same numbers bit for bit
-    # (tests/test_layout_steps.py: cp 2 x ep 2, pp 2 x cp 2 x ep 2): cp's whole-row routing reaches
-    # any MoE layer and ExpertParallelMoE keeps the rows of the layer it replaces, and cp writes only
-    # Replicate entries, so the records differ in the order of their axes alone, which changes no
-    # result. ep first: cp's routing is then set on the layers that run, not copied over from
-    # layers about to be replaced.
-    EXPERT,
-    CONTEXT,
-    PIPELINE,
-    RECOMPUTE,
-    DATA,
-)
-"""Every strategy step, in the one order every layout goes through."""
+__all__ = ["BATCH_AXES", "MESH_AXES", "REPLICA_AXES", "batch_rank", "build_mesh", "full_gradients",
+           "full_parameters", "mesh_order", "replica_group", "uses_pipeline"]
 
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
 """The mesh's axes in their default order, outermost first (layout.mesh_order permutes them)."""
@@ -119,61 +72,6 @@ def batch_rank(mesh: DeviceMesh) -> tuple[int, int]:
     c = mesh.coords()
     ep = mesh.size("ep") if "ep" in mesh.names else 1
     return c["dp"] * ep + c.get("ep", 0), mesh.size("dp") * ep
-
-
-def _check_mesh(layout: "LayoutSection", mesh: DeviceMesh) -> None:
-    want = {axis: getattr(layout, axis) for axis in MESH_AXES}
-    sizes = {axis: mesh.size(axis) if axis in mesh.names else 1 for axis in MESH_AXES}
-    if sizes != want:
-        wrong = ", ".join(f"layout.{a} = {want[a]} but the mesh's {a} is {sizes[a]}" for a in MESH_AXES
-                          if sizes[a] != want[a])
-        raise ValueError(f"the mesh does not match the layout: {wrong}")
-
-
-def _use_nodes(layout: "LayoutSection", mesh: DeviceMesh) -> None:
-    """Tell the hierarchical all-reduce how many of the replica group's ranks share a node (it
-    reads SHARDLAB_RANKS_PER_NODE, comm/algorithms/hierarchical.py), when the layout names nodes."""
-    if layout.nodes > 1 and layout.comm_impl == "hierarchical":
-        axes = tuple(a for a in REPLICA_AXES if a in mesh.names)
-        os.environ[RANKS_PER_NODE_ENV] = str(mesh.ranks_per_node(axes))
-
-
-def layout_steps(layout: "LayoutSection", sharding: "ShardingSection | None" = None) -> list[str]:
-    """The names of the steps `layout` goes through, in order (what apply_layout will run)."""
-    return [s.name for s in STEPS if s.applies(Applying(nn.Module(), Placement(), layout, None, sharding))]
-
-
-def apply_layout(model: nn.Module, layout: "LayoutSection", mesh: DeviceMesh | None = None,
-                 sharding: "ShardingSection | None" = None) -> nn.Module:
-    """Apply `layout` to `model` over `mesh`: the steps of STEPS that apply to it, in that order
-    (None: data parallelism alone over every rank; any other step needs the mesh). Tensor, expert
-    and context parallelism convert `model` in place; a pipeline stage is a copy.
-
-    The returned module trains like the plain one: forward, backward, then
-    `finish_gradient_sync()` (a no-op where backward already synchronised), optimizer step. Its
-    `placement` is the record every step wrote. `sharding` (a [sharding] section with rules): the
-    tensor-parallel step is derived from its rules (parallel/sharding) instead of layout.tp_plan and
-    layout.sp, and storage over dp (sharding.params) makes data parallelism ZeRO-3.
-    """
-    state = Applying(model, Placement.whole(model.named_parameters(), tied_aliases(model)),  # the plain names
-                     layout, mesh, sharding)
-    steps = [s for s in STEPS if s.applies(state)]  # decided on the plain model, before any step runs
-    if mesh is not None:
-        _check_mesh(layout, mesh)
-        _use_nodes(layout, mesh)
-    elif any(s.needs_mesh for s in steps):
-        raise ValueError(f"layout.pp = {layout.pp}, tp = {layout.tp}, sp = {layout.sp}, ep = {layout.ep}, cp = "
-                         f"{layout.cp}: this layout needs a DeviceMesh (build_mesh(layout)) to know its groups "
-                         f"(its steps: {', '.join(s.name for s in steps)})")
-    for step in steps:
-        if step.prepare is not None:
-            step.prepare(state)
-    for step in steps:
-        step.apply(state)
-    for wrap in reversed(state.around):
-        wrap(state)
-    state.model.placement = state.record
-    return state.model
 
 
 # ---------------------------------------------------------------------------- whole-model views

@@ -101,3 +101,30 @@ class LayoutSection:
         """Ranks holding the same dense parameters, over which their gradients are reduced and ZeRO
         shards: dp x ep x cp."""
         return self.dp * self.ep * self.cp
+
+    def strategy_text(self, name: str, micro_batches: int | None = None, comm_impl: bool = False) -> str:
+        """One strategy of the layout (a name of parallel/parallelize.py's `strategies`) with its degree
+        and options: 'pp 4 (1f1b, m 8)', 'dp 2 (ZeRO-1)', 'tp 2 + sp (megatron)', 'ep 2', 'recompute
+        (full)'. micro_batches: a pipeline's m, when given; comm_impl: the data-parallel collectives'
+        implementation beside the reduction."""
+        if name == "pp":
+            options = [self.schedule] + [f"m {micro_batches}"] * (micro_batches is not None)
+            return f"pp {self.pp} ({', '.join(options + [f'v {self.virtual_stages}'] * (self.virtual_stages > 1))})"
+        if name == "dp":
+            reduction = f"ZeRO-{self.zero}" if self.zero else self.dp_mode
+            return f"dp {self.dp} ({reduction}{', ' + self.comm_impl if comm_impl else ''})"
+        if name == "tp":
+            return f"tp {self.tp}{' + sp' if self.sp else ''} ({self.tp_plan})"
+        if name == "recompute":
+            return f"recompute ({self.recompute})"
+        if name == "sharding":
+            return "sharding rules"
+        return f"{name} {getattr(self, name)}"
+
+    def describe(self, micro_batches: int | None = None, comm_impl: bool = False) -> str:
+        """The layout in one line, its axes outermost first: 'pp 4 (1f1b, m 8) x dp 2 (ZeRO-2) x ep 2 x tp
+        2 + sp (megatron)'. The one description of a layout the trainer's header and plot title and
+        verify's report print (arguments as in `strategy_text`)."""
+        axes = ["pp"] * (self.pp > 1) + ["dp"] + [a for a in ("ep", "cp") if getattr(self, a) > 1]
+        axes += ["tp"] * (self.tp > 1 or self.sp)
+        return " x ".join(self.strategy_text(a, micro_batches, comm_impl) for a in axes)

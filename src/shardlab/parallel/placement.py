@@ -1,8 +1,8 @@
 """The placement record: for every parameter, by its plain model name, what each mesh axis does to it.
 
-This is shardlab's one description of where a parameter lives (docs/ARCHITECTURE.md; DESIGN.md
-principle 12). It follows JAX's `PartitionSpec` and torch's DTensor placements: a parameter has,
-for each named mesh axis, one of
+This is shardlab's one description of where a parameter lives (docs/ARCHITECTURE.md, "parallel:
+the placement record"). It follows JAX's `PartitionSpec` and torch's DTensor placements: a
+parameter has, for each named mesh axis, one of
 
   Replicate()             every rank of the axis holds the same tensor (the default: an axis a
                           parameter does not list replicates it);
@@ -16,10 +16,10 @@ for each named mesh axis, one of
                           copies (the GPT's embedding and head on the first and the last stage);
                           `owner` is the copy that counts (the lowest holder);
 
-Axes apply in the order strategies apply (parallel/layout.py): pp and ep take whole parameters, tp
+Axes apply in the order strategies apply (parallel/parallelize.py): pp and ep take whole parameters, tp
 cuts what they hold, and ZeRO-3's Shard(0, even=False) over dp cuts the rows of what remains. Each strategy writes its own
 entries when it applies itself (`with_axis`), and the result sits on the model it returned as
-`model.placement` (a `Placed` module); apply_layout sets it on the outermost wrapper.
+`model.placement` (a `Placed` module); parallelize sets it on the outermost wrapper.
 
 Everything else is read from it instead of being worked out again:
 
@@ -254,7 +254,7 @@ def _cut(box: tuple[tuple[int, int], ...], shard: Shard, axis: MeshAxis, block: 
 
 
 class Placed(Protocol):
-    """A module that carries its placement record (what apply_layout and every strategy return)."""
+    """A module that carries its placement record (what parallelize and every strategy return)."""
 
     placement: Placement
 

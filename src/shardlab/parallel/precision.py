@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardlab.parallel.data.stepguard import carry_refusal, refusal, refuse_plain_step
+from shardlab.parallel.stepguard import carry_refusal, refusal, refuse_plain_step
 
 _FP32_SOURCE = "_shardlab_fp32_source"
 

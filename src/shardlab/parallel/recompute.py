@@ -56,7 +56,6 @@ from shardlab.models.gpt import Block, CausalSelfAttention
 from shardlab.models.mlp import DeepMLP, GeluLayers
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.pipeline.splitgrad import deferring, recompute_context
-from shardlab.parallel.step import Applying, Step
 
 def _checkpoint(fn, *args, **kwargs):
     """torch's non-reentrant checkpoint; under a zero-bubble forward, its recomputation runs under the
@@ -174,15 +173,6 @@ def _recompute_mlp(mlps: list[nn.Module]) -> None:
     for m in mlps:
         m.body = CheckpointedPairs()
         _swap(m, Recomputed)
-
-
-def _apply_step(state: Applying) -> None:
-    state.model = apply_recompute(state.model, state.layout.recompute)
-
-
-RECOMPUTE = Step("recompute", lambda s: s.layout.recompute != "none", _apply_step)
-"""Activation checkpointing (layout.recompute): on the blocks or attentions the earlier steps left,
-a pipeline stage's copies of its blocks included, in place."""
 
 
 class Model(Protocol):

@@ -21,14 +21,17 @@ nvidia-smi listings published in public repositories (found with the session's c
 several listings agree on each). For the other devices no listing was checked: their memory is the
 data sheet's GB x 1e9 (for HBM parts that undercounts by up to 7%).
 
-Sources: NVIDIA's data sheets (V100 2017; A100 2020/2021; A10, L4, L40S 2022-2023; H100 SXM5/PCIe
+The table itself is data/devices.toml (one TOML table per device: a device of one's own is a table
+added there). Sources: NVIDIA's data sheets (V100 2017; A100 2020/2021; A10, L4, L40S 2022-2023; H100 SXM5/PCIe
 2022; H100 NVL 2023; H200 2023; B200 and GB200 NVL72 2024), AMD's MI300X data sheet (2023, dense
 matrix rates), Google Cloud's TPU system-architecture pages (v4, v5e, v5p: bf16 per chip).
 """
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 TFLOPS = 1e12
 GB = 1e9
@@ -58,36 +61,26 @@ class DeviceSpec:
 
 
 MIB = 2 ** 20
+_TABLE = Path(__file__).parent / "data" / "devices.toml"
+
+
+def _spec(key: str, entry: dict) -> DeviceSpec:
+    """One table of data/devices.toml; memory is the driver's MiB where `reported_mib` is given."""
+    try:
+        mib = entry.get("reported_mib")
+        peaks = {p: float(v) * TFLOPS for p, v in entry["tflops"].items()}
+        bad = set(peaks) - set(PRECISIONS)
+        if bad:
+            raise ValueError(f"unknown precision(s) {sorted(bad)}; known: {', '.join(PRECISIONS)}")
+        return DeviceSpec(key, tuple(entry["names"]), peaks, mib * MIB if mib else entry["memory_gb"] * GB,
+                          entry["bandwidth_gbps"] * GB, entry.get("sms", 0), reported=bool(mib))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{_TABLE.name}: [{key}]: {type(exc).__name__}: {exc}") from None
+
+
+DEVICES: dict[str, DeviceSpec] = {k: _spec(k, v) for k, v in tomllib.loads(_TABLE.read_text()).items()}
 # Total memory as the driver reports it (nvidia-smi, MiB), where a published listing was checked.
-REPORTED_MIB = {"a100-80gb": 81920, "h100-sxm": 81559, "h200": 143771}
-
-
-def _spec(key: str, names: tuple[str, ...], mem_gb: float, bw_gbps: float, sms: int = 0,
-          **tflops: float) -> DeviceSpec:
-    mib = REPORTED_MIB.get(key)
-    return DeviceSpec(key, names, {p: v * TFLOPS for p, v in tflops.items()}, mib * MIB if mib else mem_gb * GB,
-                      bw_gbps * GB, sms, reported=bool(mib))
-
-
-DEVICES: dict[str, DeviceSpec] = {d.key: d for d in [
-    _spec("v100", ("V100",), 32, 900, 80, fp32=15.7, fp16=125),
-    _spec("a10", ("A10",), 24, 600, 72, fp32=31.2, tf32=62.5, bf16=125, fp16=125),
-    _spec("a100-40gb", ("A100-SXM4-40GB", "A100-PCIE-40GB"), 40, 1555, 108,
-          fp32=19.5, tf32=156, bf16=312, fp16=312),
-    _spec("a100-80gb", ("A100",), 80, 2039, 108, fp32=19.5, tf32=156, bf16=312, fp16=312),
-    _spec("l4", ("L4",), 24, 300, 58, fp32=30.3, tf32=60, bf16=121, fp16=121, fp8=242.5),
-    _spec("l40s", ("L40S",), 48, 864, 142, fp32=91.6, tf32=183, bf16=362, fp16=362, fp8=733),
-    _spec("h100-pcie", ("H100 PCIe",), 80, 2000, 114, fp32=51, tf32=378, bf16=756, fp16=756, fp8=1513),
-    _spec("h100-nvl", ("H100 NVL",), 94, 3900, 132, fp32=60, tf32=417.5, bf16=835.5, fp16=835.5, fp8=1670.5),
-    _spec("h100-sxm", ("H100",), 80, 3350, 132, fp32=67, tf32=494.5, bf16=989, fp16=989, fp8=1979),
-    _spec("h200", ("H200",), 141, 4800, 132, fp32=67, tf32=494.5, bf16=989, fp16=989, fp8=1979),
-    _spec("b200", ("B200",), 180, 8000, 148, fp32=80, tf32=1125, bf16=2250, fp16=2250, fp8=4500),
-    _spec("gb200", ("GB200",), 186, 8000, 152, fp32=80, tf32=1250, bf16=2500, fp16=2500, fp8=5000),
-    _spec("mi300x", ("MI300X",), 192, 5300, 304, fp32=163.4, tf32=653.7, bf16=1307.4, fp16=1307.4, fp8=2614.9),
-    _spec("tpu-v4", ("TPU v4",), 32, 1200, 0, bf16=275),
-    _spec("tpu-v5e", ("TPU v5e", "TPU v5 lite"), 16, 819, 0, bf16=197),
-    _spec("tpu-v5p", ("TPU v5p",), 95, 2765, 0, bf16=459),
-]}
+REPORTED_MIB = {k: int(d.memory_bytes // MIB) for k, d in DEVICES.items() if d.reported}
 
 
 def device_spec(key: str) -> DeviceSpec:

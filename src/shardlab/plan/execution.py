@@ -77,6 +77,8 @@ class Execution(LayoutSection):
     grad_clip: bool = True       # the optimizer step reads every gradient once more for the global norm
     step_overhead_s: float = 0.0  # host time per optimizer step the GPU waits for (a framework's own loop,
                                   # measured: plan/validate_gpu.py), added to the step
+    zero3_unit: str = "layer"    # ZeRO-3 gathers a transformer layer at a time (FSDP's wrapping) or "module":
+                                 # one weight matrix at a time (DeepSpeed's per-submodule fetch)
     recompute_keep: tuple[str, ...] = ()  # per-op selective recomputation (recompute "selective"): the ops whose
                                           # outputs are kept (flops.OP_KEYS); every other one is redone in backward
 
@@ -95,6 +97,8 @@ class Execution(LayoutSection):
         self.schedule = SCHEDULE_ALIASES.get(self.schedule, self.schedule)
         self.stage_layers = tuple(self.stage_layers)
         self.recompute_keep = tuple(self.recompute_keep)
+        if self.zero3_unit not in ("layer", "module"):
+            raise ValueError(f"zero3_unit is 'layer' or 'module', got {self.zero3_unit!r}")
 
     @property
     def virtual(self) -> int:

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from shardlab.plan.devices import match_device
 from shardlab.plan.hardware import Hardware
+from shardlab.plan.execution import Execution
 from shardlab.plan.kernels import Kernels, fit_attention, fit_gemm
+from shardlab.plan.models import ModelSpec
+from shardlab.plan.runs import runs_from_table
 
 REQUIRED = ("kind", "device", "gemm", "attention", "elementwise", "optimizer")
 
@@ -82,3 +85,31 @@ def apply_gpu_calibration(hw: Hardware, cal: dict, source: str = "") -> Hardware
     k = fit_calibration(cal, hw.kernels, hw.peak("bf16"), hw.sms, hw.memory_bw)
     return replace(hw, kernels=k, name=hw.name + "+cal",
                    memory_bytes=cal.get("memory_bytes") or hw.memory_bytes)
+
+
+def calibration_runs(path: str | Path) -> tuple:
+    """The runs a calibration file carries for the stacks (`stack_runs`: a source table in
+    plan/data/runs/'s schema, written by `--calibrate-gpu --train-json`); () when it has none."""
+    cal = load_gpu_calibration(path)
+    return tuple(runs_from_table(cal["stack_runs"], Path(path))) if cal.get("stack_runs") else ()
+
+
+def stack_runs_table(summary: dict, spec: ModelSpec, layout: Execution, global_batch: int, hardware: str,
+                     device: str, when: str) -> dict:
+    """`shardlab train --json`'s summary as a `shardlab` stack run (plan/data/runs/'s schema), for the
+    calibration file: the trainer's own speed on this GPU, which the default stack is then fitted to."""
+    model = {k: v for k, v in asdict(spec).items() if k not in ("name", "source", "notes")}
+    default = Execution()
+    lay = {f.name: list(v) if isinstance(v, tuple) else v for f in fields(Execution)
+           if (v := getattr(layout, f.name)) != getattr(default, f.name)}
+    peak = max(summary.get("peak_mem_bytes") or [0]) / 2 ** 30
+    row = {"name": f"shardlab train on {device} ({when})",
+           "cite": f"median step {summary['median_step_s'] * 1e3:.1f} ms, {summary.get('tokens_per_s', 0):,.0f} tok/s",
+           "model": "trainer", "gpus": layout.world, "global_batch": global_batch, "layout": lay,
+           "step_s": summary["median_step_s"]}
+    if peak:
+        row["memory_gib"] = round(peak, 2)
+    return {"source": {"id": f"shardlab-{hardware}-{when}", "stack": "shardlab", "hardware": hardware,
+                       "cite": f"shardlab train measured by `shardlab plan --calibrate-gpu --train-json` on {device}, {when}",
+                       "url": "this calibration file"},
+            "models": {"trainer": model}, "run": [row]}

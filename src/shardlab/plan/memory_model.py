@@ -191,8 +191,9 @@ def buffer_bytes(spec: ModelSpec, lay: Execution, b: int, last: bool) -> float:
         total += sb * spec.vocab_size / lay.tp * (lay.act_bytes if spec.fused_loss else 4)
     if lay.pp > 1:
         total += 2 * sb * h * e / (lay.tp if lay.sp else 1)
-    if lay.zero == 3:
-        total += spec.layer_params() / lay.tp * lay.param_bytes   # the unit whose backward is starting
+    if lay.zero == 3:   # the unit whose backward is starting: a layer (FSDP) or its largest matrix (DeepSpeed)
+        unit = spec.layer_params() if lay.zero3_unit == "layer" else spec.d_model * max(spec.d_ff, 3 * spec.d_model)
+        total += unit / lay.tp * lay.param_bytes
     if spec.moe:
         total += 2 * spec.top_k * sb * h * e
     return total

@@ -1,4 +1,5 @@
-"""Published training runs the planner is checked against, with their sources.
+"""Korthikanti et al. 2022's runs as validate.py reads them, from plan/data/runs/korthikanti2022.toml
+(the rows, Figure 1's memory and Table 4's layer times are data there; this module shapes them).
 
 Korthikanti, Casper, Lym, McAfee, Andersch, Shoeybi, Catanzaro (2022), "Reducing Activation
 Recomputation in Large Transformer Models", arXiv 2205.05198 (MLSys 2023):
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 from shardlab.plan.execution import Execution
 from shardlab.plan.models import PRESETS, ModelSpec
+from shardlab.plan.runs import source_file, source_runs
 
 SOURCE = "Korthikanti et al. 2022, arXiv 2205.05198"
 
@@ -73,53 +75,23 @@ class PublishedRun:
                           schedule="interleaved" if self.virtual > 1 else "1f1b")
 
 
-_T3 = "Table 3 (configuration)"
-_T5 = "Table 5 (iteration time, MFU, HFU)"
-_CONFIGS = {  # model: (tp, pp, gpus, global batch, micro-batch), Table 3; virtual chunks (see above)
-    "megatron-22b": (8, 1, 8, 4, 4, 1),
-    "megatron-175b": (8, 8, 64, 64, 1, 3),
-    "megatron-530b": (8, 35, 280, 280, 1, 3),
-    "megatron-1t": (8, 64, 512, 512, 1, 1),
-}
-_TIMES = {  # model: (full recompute s, present work s, present MFU, present HFU), Table 5
-    "megatron-22b": (1.42, 1.10, 0.415, 0.437),
-    "megatron-175b": (18.13, 13.75, 0.514, 0.528),
-    "megatron-530b": (49.05, 37.83, 0.560, 0.570),
-    "megatron-1t": (94.42, 71.49, 0.563, 0.570),
-}
+def _table5() -> list[PublishedRun]:
+    """Table 5's rows as plan/data/runs/korthikanti2022.toml holds them (layouts from Table 3)."""
+    out = []
+    for r in source_runs("korthikanti2022"):
+        lay = r.layout
+        full = lay.recompute == "full"
+        out.append(PublishedRun(r.name, r.spec.name, lay.tp, lay.pp, r.gpus, r.global_batch, lay.micro_batch,
+                                "full recompute" if full else "sp + selective", r.step_s, lay.virtual_stages,
+                                r.reported.get("mfu"), r.reported.get("hfu"), r.cite))
+    return out
 
-KORTHIKANTI_TABLE5: list[PublishedRun] = [
-    PublishedRun(f"{model.split('-')[1].upper()} {variant}", model, *_CONFIGS[model][:5], variant, time,
-                 _CONFIGS[model][5],
-                 mfu if variant != "full recompute" else None, hfu if variant != "full recompute" else None,
-                 f"{SOURCE}, {_T3}; {_T5}")
-    for model, (full, present, mfu, hfu) in _TIMES.items()
-    for variant, time in (("full recompute", full), ("sp + selective", present))
-]
 
-# Figure 1: per-GPU memory (GiB) of parameters with optimizer state, and of activations for the
-# tensor-parallel baseline and for the present work, as Calculon transcribes it
-# (calculon/llm/validation.py, seqsel_fig1). The values equal the paper's closed forms: 18 bytes
-# x 12 L h^2 / (t p) for the state (the layers' weights only) and L x Table 2 x the interleaving
-# factor for the activations; the bar chart itself prints no numbers.
-FIGURE1_GIB: dict[str, tuple[float, float, float]] = {  # model: (params + optimizer, act baseline, act present)
-    "megatron-22b": (45.5625, 59.25, 9.5625),
-    "megatron-175b": (45.5625, 66.84375, 12.3515625),
-    "megatron-530b": (31.640625, 114.0234375, 23.076171875),
-    "megatron-1t": (32.958984375, 131.25, 26.5625),
-}
-
-# Table 4: one layer of the 22B model (micro-batch 4, tp 8), forward and backward milliseconds.
-# Less certain than Table 5 (transcribed from memory of the paper, no second source found; its
-# fwd + bwd sums 19.6, 19.0, 27.2, 20.9, 20.3 ms are as we remember the table's "combined" column);
-# shown for insight, not asserted in tests.
+KORTHIKANTI_TABLE5: list[PublishedRun] = _table5()
+_TABLES = source_file("korthikanti2022")["tables"]
+FIGURE1_GIB: dict[str, tuple[float, float, float]] = {k: tuple(v) for k, v in _TABLES["figure1_gib"].items()}
 KORTHIKANTI_TABLE4_22B: list[tuple[str, dict, float, float]] = [
-    ("baseline, no recompute", dict(sp=False, recompute="none"), 7.7, 11.9),
-    ("sequence parallel", dict(sp=True, recompute="none"), 7.2, 11.8),
-    ("full recompute", dict(sp=False, recompute="full"), 7.7, 19.5),
-    ("selective recompute", dict(sp=False, recompute="selective"), 7.7, 13.2),
-    ("selective + sequence parallel", dict(sp=True, recompute="selective"), 7.2, 13.1),
-]
+    (name, row["layout"], row["forward_ms"], row["backward_ms"]) for name, row in _TABLES["table4_22b"].items()]
 
 
 def paper_model_flops(spec: ModelSpec, global_batch: int, hardware: bool = False) -> float:

@@ -1,4 +1,5 @@
-"""Published H100 bf16 training runs, beyond NeMo's fp8 table: MosaicML's llm-foundry benchmark table
+"""Published H100 bf16 training runs as validate_bf16.py reads them from plan/data/runs/
+(llm_foundry_h100.toml, llama3_2024.toml; the rows are data there), beyond NeMo's fp8 table: MosaicML's llm-foundry benchmark table
 and Llama 3's Table 4. validate_bf16.py holds them against the planner.
 
 MosaicML llm-foundry, "MPT Training Benchmarks" (github.com/mosaicml/llm-foundry,
@@ -32,21 +33,17 @@ from dataclasses import dataclass
 
 from shardlab.plan.execution import Execution
 from shardlab.plan.models import PRESETS, ModelSpec
+from shardlab.plan.runs import source_file, source_runs
 
 FOUNDRY = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md, 'H100 80GB BF16' "
            "(github.com/mosaicml/llm-foundry; Composer + FSDP, 2023)")
 LLAMA3 = "Llama 3 Herd of Models, arXiv 2407.21783, Table 4 (H100 80GB, bf16)"
 
-# MPT sizes: (layers, width); head size 128.
-MPT = {"760m": (24, 1536), "1b": (24, 2048), "3b": (32, 2560), "7b": (32, 4096), "13b": (40, 5120),
-       "30b": (48, 7168), "70b": (80, 8192)}
-
-
 def mpt_spec(size: str, seq: int) -> ModelSpec:
-    layers, d = MPT[size]
-    return ModelSpec(name=f"mpt-{size}", n_layer=layers, d_model=d, n_head=d // 128, vocab_size=50368, seq_len=seq,
-                     bias=True, tie_embeddings=True, rotary=False, attention="flash", dropout=0.0,
-                     fused_loss=True, source=FOUNDRY)
+    """An MPT model's shape (plan/data/runs/llm_foundry_h100.toml's [models]) at sequence `seq`."""
+    name = f"mpt-{size}"
+    return ModelSpec(**{"name": name, **source_file("llm-foundry-h100")["models"][name], "seq_len": seq,
+                        "source": FOUNDRY})
 
 
 @dataclass(frozen=True)
@@ -101,56 +98,29 @@ class Bf16Run:
                           zero=2, precision="bf16", tp_comm_overlap=True)
 
 
-def _f(size, seq, gpus, mb, ga, tps, ckpt, mfu) -> Bf16Run:
-    return Bf16Run(size, seq, gpus, mb, ga, tps, ckpt, mfu)
+def _foundry() -> list[Bf16Run]:
+    """llm-foundry's rows as plan/data/runs/llm_foundry_h100.toml holds them, in the table's order."""
+    out = []
+    for r in source_runs("llm-foundry-h100"):
+        lay = r.layout
+        accum = r.global_batch // (lay.dp * lay.micro_batch)
+        out.append(Bf16Run(r.spec.name.removeprefix("mpt-"), r.spec.seq_len, r.gpus, lay.micro_batch, accum,
+                           r.tokens_per_s, lay.recompute == "full", r.reported["mfu"]))
+    return out
 
 
-# (size, seq, GPUs, micro-batch, grad. accumulation, tokens/s, activation checkpointing, MFU %),
-# the table's rows in its order.
-FOUNDRY_H100: list[Bf16Run] = [
-    _f("70b", 2048, 64, 8, 4, 66523, True, 42.57), _f("70b", 2048, 32, 2, 16, 28242, True, 36.15),
-    _f("30b", 8192, 8, 1, 21, 11072, True, 29.92), _f("30b", 4096, 8, 1, 21, 14419, True, 35.86),
-    _f("30b", 2048, 32, 14, 3, 73860, True, 43.92), _f("30b", 2048, 16, 10, 3, 36209, True, 43.07),
-    _f("30b", 2048, 8, 3, 21, 16022, True, 38.11), _f("30b", 1024, 8, 6, 21, 16672, True, 38.76),
-    _f("13b", 32768, 8, 1, 3, 15812, True, 31.68), _f("13b", 16384, 8, 3, 3, 23881, True, 35.55),
-    _f("13b", 4096, 8, 10, 3, 37740, True, 41.6), _f("13b", 2048, 64, 2, 1, 307209, False, 39.86),
-    _f("13b", 2048, 32, 2, 1, 153960, False, 39.95), _f("13b", 2048, 16, 2, 1, 76280, False, 39.58),
-    _f("13b", 2048, 8, 2, 1, 38336, False, 39.79), _f("13b", 1024, 8, 40, 3, 44019, True, 44.27),
-    _f("7b", 65536, 8, 1, 2, 15654, True, 28.59), _f("7b", 32768, 8, 2, 2, 26550, True, 30.94),
-    _f("7b", 8192, 8, 8, 2, 55481, True, 37.14), _f("7b", 4096, 8, 16, 2, 68893, True, 40.42),
-    _f("7b", 2048, 8, 6, 1, 85144, False, 46.44), _f("7b", 1024, 8, 64, 2, 81628, True, 42.83),
-    _f("3b", 65536, 8, 1, 2, 26099, True, 26.81), _f("3b", 32768, 8, 3, 6, 46984, True, 28.84),
-    _f("3b", 16384, 8, 1, 6, 89223, False, 36.34), _f("3b", 8192, 8, 3, 6, 132626, False, 40.31),
-    _f("3b", 4096, 8, 5, 6, 167712, False, 42.31), _f("3b", 2048, 64, 6, 3, 1441663, False, 40.8),
-    _f("3b", 2048, 32, 6, 3, 736701, False, 41.7), _f("3b", 2048, 16, 10, 3, 386285, False, 43.73),
-    _f("3b", 1024, 8, 20, 6, 216369, False, 46.2), _f("3b", 512, 8, 40, 6, 223721, False, 46.32),
-    _f("1b", 65536, 8, 1, 2, 44050, True, 26.34), _f("1b", 32768, 8, 1, 4, 96203, False, 33.54),
-    _f("1b", 16384, 8, 2, 4, 157194, False, 35.22), _f("1b", 8192, 8, 3, 4, 233256, False, 37.73),
-    _f("1b", 4096, 8, 7, 4, 308282, False, 40.26), _f("1b", 2048, 64, 20, 1, 2841754, False, 40.85),
-    _f("1b", 2048, 32, 20, 1, 1444183, False, 41.52), _f("1b", 2048, 16, 20, 1, 736596, False, 42.36),
-    _f("1b", 2048, 8, 14, 1, 363645, False, 41.82), _f("1b", 1024, 8, 18, 4, 391287, False, 41.95),
-    _f("1b", 512, 8, 56, 4, 418201, False, 43.21),
-    _f("760m", 32768, 8, 1, 2, 130333, False, 31.84), _f("760m", 16384, 8, 3, 2, 222521, False, 33.57),
-    _f("760m", 8192, 8, 6, 2, 334602, False, 34.84), _f("760m", 4096, 8, 12, 2, 443674, False, 35.83),
-    _f("760m", 2048, 32, 24, 1, 2175091, False, 37.57), _f("760m", 2048, 16, 24, 1, 1096819, False, 37.89),
-    _f("760m", 2048, 8, 24, 2, 505177, False, 34.9), _f("760m", 1024, 8, 48, 2, 628648, False, 39.76),
-    _f("760m", 512, 8, 96, 2, 669998, False, 40.42),
-]
+FOUNDRY_H100: list[Bf16Run] = _foundry()
 
 
-def _llama(gpus: int, seq: int, dp: int, cp: int, per_dp: int, tflops: float, in_mean: bool = True) -> Bf16Run:
-    spec = PRESETS["llama3-405b"]
-    from dataclasses import replace
+def _llama() -> list[Bf16Run]:
+    """Table 4's three rows (plan/data/runs/llama3_2024.toml; micro-batch 1 assumed), the last shown, not averaged."""
+    out = []
+    for r in source_runs("llama3-2024"):
+        lay = r.layout
+        tflops = r.tokens_per_s / r.gpus * r.spec.flops_per_token(causal=False) / 1e12
+        out.append(Bf16Run("llama3-405b", r.spec.seq_len, r.gpus, 1, r.global_batch // lay.dp, r.tokens_per_s, False,
+                           tflops / 9.89, source=LLAMA3, tp=lay.tp, pp=lay.pp, cp=lay.cp, in_mean=r.fit))
+    return out
 
-    per_token = replace(spec, seq_len=seq).flops_per_token(causal=False)
-    tokens_per_s = tflops * 1e12 * gpus / per_token
-    return Bf16Run("llama3-405b", seq, gpus, 1, per_dp, tokens_per_s, False, tflops / 9.89, source=LLAMA3, tp=8,
-                   pp=16, cp=cp, in_mean=in_mean)
 
-
-# Table 4's three rows (batch size per DP rank: 32, 16, 16 sequences; micro-batch 1 assumed).
-LLAMA3_H100: list[Bf16Run] = [
-    _llama(8192, 8192, 64, 1, 32, 430),
-    _llama(16384, 8192, 128, 1, 16, 400),
-    _llama(16384, 131072, 8, 16, 16, 380, in_mean=False),
-]
+LLAMA3_H100: list[Bf16Run] = _llama()

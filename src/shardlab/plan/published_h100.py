@@ -1,4 +1,5 @@
-"""Published H100 training runs the planner is calibrated and checked against, with their sources.
+"""Published H100 training runs the planner is calibrated and checked against, as validate_h100.py
+reads them from plan/data/runs/nemo_24_07.toml and llama3_2024.toml (the rows are data there).
 
 NVIDIA NeMo Framework, "Performance Benchmarks" (docs/source/performance/performance_summary.md in
 github.com/NVIDIA/NeMo, the NeMo 24.07 container; also docs.nvidia.com/nemo-framework/user-guide,
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from shardlab.plan.execution import Execution
 from shardlab.plan.models import PRESETS, ModelSpec
+from shardlab.plan.runs import source_runs
 
 NEMO = "NVIDIA NeMo Framework performance summary, NeMo 24.07, DGX-H100, fp8 (github.com/NVIDIA/NeMo " \
        "docs/source/performance/performance_summary.md)"
@@ -71,21 +73,21 @@ class H100Run:
                           grad_fp32=False, tp_comm_overlap=self.tp > 1, param_gather_overlap=True)
 
 
-NEMO_H100: list[H100Run] = [
-    H100Run("GPT3-5B", "gpt3-5b", 64, 2048, 4, 1, 1, 1, 1, 22521, 736),
-    H100Run("GPT3-20B", "gpt3-20b", 64, 256, 2, 2, 1, 1, 1, 5851, 750),
-    H100Run("GPT3-175B 128 GPUs", "gpt3-175b-nemo", 128, 256, 1, 4, 8, 1, 6, 726, 782),
-    H100Run("GPT3-175B 512 GPUs", "gpt3-175b-nemo", 512, 2048, 2, 4, 8, 1, 6, 782, 842),
-    H100Run("LLAMA2-7B", "llama2-7b", 8, 128, 1, 1, 1, 1, 1, 16847, 776),
-    H100Run("LLAMA2-13B", "llama2-13b", 16, 128, 1, 1, 4, 1, 10, 8646, 754),
-    H100Run("LLAMA2-70B", "llama2-70b", 64, 128, 1, 4, 4, 1, 20, 1707, 759),
-    H100Run("LLAMA3-8B", "llama3-8b", 8, 128, 1, 1, 1, 2, 1, 12036, 697),
-    H100Run("LLAMA3-70B", "llama3-70b", 64, 128, 1, 4, 4, 2, 5, 1533, 738),
-]
+def _nemo() -> list[H100Run]:
+    """NeMo's rows as plan/data/runs/nemo_24_07.toml holds them."""
+    return [H100Run(r.name, r.spec.name, r.gpus, r.global_batch, r.layout.micro_batch, r.layout.tp, r.layout.pp,
+                    r.layout.cp, r.layout.virtual_stages, r.tokens_per_s / r.gpus, r.reported["model_tflops_gpu"])
+            for r in source_runs("nemo-24.07")]
 
-# Llama 3 405B as published: 16M tokens per step = 2,048 sequences of 8,192; micro-batch 1 (assumed).
-LLAMA3_405B = H100Run("Llama 3 405B (bf16)", "llama3-405b", 8192, 2048, 1, 8, 16, 1, 1,
-                      430e12 / PRESETS["llama3-405b"].flops_per_token(causal=False), 430,
+
+NEMO_H100: list[H100Run] = _nemo()
+
+# Llama 3 405B as published (plan/data/runs/llama3_2024.toml, first row): 16M tokens per step = 2,048
+# sequences of 8,192; micro-batch 1 (assumed).
+_L3 = source_runs("llama3-2024")[0]
+LLAMA3_405B = H100Run("Llama 3 405B (bf16)", _L3.spec.name, _L3.gpus, _L3.global_batch, 1, _L3.layout.tp, _L3.layout.pp,
+                      1, 1, _L3.tokens_per_s / _L3.gpus,
+                      _L3.tokens_per_s / _L3.gpus * _L3.spec.flops_per_token(causal=False) / 1e12,
                       precision="bf16", source=LLAMA3)
 
 

@@ -27,13 +27,40 @@ def with_kernel_values(hw: Hardware, values: dict[str, float]) -> Hardware:
     return replace(hw, kernels=replace(hw.kernels, **values))
 
 
-def decompose(hw: Hardware, names: tuple[str, ...], step_s: Callable[[Hardware], float]) -> tuple[list[float], float]:
-    """([C_p at v_p = 1 for each name], R) of one run whose predicted step is step_s(hw)."""
-    base = {n: getattr(hw.kernels, n) for n in names}
+SCALES = ("gemm", "attn", "mem", "all", "comm")
+
+
+def scaled(hw: Hardware, values: dict[str, float]) -> Hardware:
+    """`hw` with a stack's scales applied: `gemm`, `attn`, `mem` (or `all` three at once) multiply the
+    rates of GEMMs, fused attention and memory-bound kernels: on a kernel model (Hopper) its
+    gemm/attn/mem scales, on a roofline preset (A100) mm_eff (and fp8_eff), attn_eff and mem_eff;
+    `comm` multiplies the share of link bandwidth its collectives reach (link_eff)."""
+    bad = set(values) - set(SCALES)
+    if bad:
+        raise ValueError(f"unknown stack scale(s) {sorted(bad)}; known: {', '.join(SCALES)}")
+    if not values:
+        return hw
+    a = values.get("all", 1.0)
+    g, at, m = values.get("gemm", 1.0) * a, values.get("attn", 1.0) * a, values.get("mem", 1.0) * a
+    hw = replace(hw, link_eff=hw.link_eff * values.get("comm", 1.0))
+    if hw.kernels is not None:
+        k = hw.kernels
+        return replace(hw, kernels=replace(k, gemm_scale=k.gemm_scale * g, attn_scale=k.attn_scale * at,
+                                           mem_scale=k.mem_scale * m))
+    # attn_eff 0 means "as a GEMM" (mm_eff): it is set only when attention is scaled apart
+    return replace(hw, mm_eff=hw.mm_eff * g, fp8_eff=hw.fp8_eff * g, mem_eff=hw.mem_eff * m,
+                   attn_eff=(hw.attn_eff or hw.mm_eff) * at if at != g else hw.attn_eff * at)
+
+
+def decompose(hw: Hardware, names: tuple[str, ...], step_s: Callable[[Hardware], float],
+              stack: bool = False) -> tuple[list[float], float]:
+    """([C_p at v_p = 1 for each name], R) of one run whose predicted step is step_s(hw). Names are the
+    kernel model's fields, or with `stack` the stack scales of `scaled` (all at 1 in `hw`)."""
+    base = {n: 1.0 if stack else getattr(hw.kernels, n) for n in names}
     t0 = step_s(hw)
     comps = []
     for n in names:
-        t2 = step_s(with_kernel_values(hw, {n: 2 * base[n]}))
+        t2 = step_s(scaled(hw, {n: 2.0}) if stack else with_kernel_values(hw, {n: 2 * base[n]}))
         comps.append(2 * base[n] * (t0 - t2))       # C_p / v + R at v and 2v
     rest = t0 - sum(c / base[n] for c, n in zip(comps, names))
     return comps, rest

@@ -37,6 +37,7 @@ from shardlab.plan.devices import device_spec
 from shardlab.plan.kernels import Kernels
 from shardlab.plan.execution import Execution
 from shardlab.plan.models import ModelSpec
+from shardlab.plan.runs import source_file, source_runs
 from shardlab.plan.steptime import step_time
 
 H200_RUN = "one H200 (141 GB), torch 2.11.0+cu130, driver 580.159.04, 2026-11-28 (docs/planner.md, One GPU)"
@@ -47,33 +48,29 @@ GPT_350M = ModelSpec(name="shardlab-gpt-24x1024", n_layer=24, d_model=1024, n_he
                      attention_output_copied=True, source="configs/gpt-350m-gpu.toml")
 BATCH = 16
 
-# The profile of the compiled stand-alone step (standalone_step_compiled.ops.txt: self CUDA time of
-# three steps, divided by 3).
+# The profile of the compiled stand-alone step and every way the model ran on that GPU: data in
+# plan/data/runs/shardlab_h200_2026_11_28.toml (and the H100 file of 2026-11-22), by this module's names.
+_P = source_file("shardlab-h200-2026-11-28")["tables"]["profile"]
 PROFILE = {
-    "step_s": 0.0875,                  # wall time per step (187,146 tokens/s)
-    "busy_s": 0.254481 / 3,            # the GPU's kernel time per step (95.5% of the wall)
-    "gemm_s": (0.101871 + 0.042448) / 3,   # aten::mm + aten::addmm (their nvjet kernels)
-    "attn_fwd_s": 0.008554 / 3,        # aten::_cudnn_attention_forward
-    "attn_bwd_s": 0.027844 / 3,        # aten::_cudnn_attention_backward (its kernels)
-    "optimizer_s": 0.008599 / 3,       # aten::_fused_adamw_
-    "matmul_8192_flops": 790e12,       # an 8192^3 bf16 matmul alone
+    "step_s": _P["step_s"],
+    "busy_s": _P["busy_3_steps_s"] / 3,
+    "gemm_s": sum(_P["gemm_3_steps_s"]) / 3,
+    "attn_fwd_s": _P["attn_fwd_3_steps_s"] / 3,
+    "attn_bwd_s": _P["attn_bwd_3_steps_s"] / 3,
+    "optimizer_s": _P["optimizer_3_steps_s"] / 3,
+    "matmul_8192_flops": _P["matmul_8192_tflops"] * 1e12,
 }
+_CASES = {"stand-alone step, compiled": "stand-alone, compiled", "stand-alone step, eager": "stand-alone, eager",
+          "trainer train_step, compiled blocks": "trainer step, blocks compiled",
+          "trainer train_step, eager": "trainer step, eager", "shardlab train, compiled": "shardlab train (compiled)"}
+_H200 = {r.name: r.step_s for r in source_runs("shardlab-h200-2026-11-28")}
+MEASURED = {case: _H200[name] for name, case in _CASES.items()}
 
-# Every way that model ran on that GPU (step ms, from the same README and log).
-MEASURED = {
-    "stand-alone, compiled": 0.0875,
-    "stand-alone, eager": 0.1099,
-    "trainer step, blocks compiled": 0.1134,
-    "trainer step, eager": 0.1270,
-    "shardlab train (compiled)": 0.1736,
-}
-
-
-# The same stand-alone step measured on one H100 80GB HBM3 (driver 580.159.04, torch 2.11.0+cu130,
-# 2026-11-22; docs/gpu.md, "One GPT training step in bf16"): nothing of it enters the fit, and the
-# H100's memory bandwidth (3.35 TB/s against 4.8) moves the memory-bound share; a held-out check.
+# The same stand-alone step measured on one H100 80GB HBM3 (docs/gpu.md, "One GPT training step in
+# bf16"): nothing of it enters the fit, and the H100's memory bandwidth (3.35 TB/s against 4.8) moves
+# the memory-bound share; a held-out check.
 H100_RUN = "one H100 80GB HBM3, torch 2.11.0+cu130, driver 580.159.04, 2026-11-22 (docs/gpu.md)"
-MEASURED_H100 = {"stand-alone, compiled": 0.0920, "stand-alone, eager": 0.1200}
+MEASURED_H100 = {_CASES[r.name]: r.step_s for r in source_runs("shardlab-h100-2026-11-22")}
 
 
 def standalone_layout() -> Execution:

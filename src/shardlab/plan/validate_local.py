@@ -51,11 +51,11 @@ def trainer_layout(cfg) -> Execution:
     """A run configuration's `[layout]` as the planner sees shardlab's trainer run it (any layout)."""
     lay, t = cfg.layout, cfg.train
     return Execution.from_section(
-        lay, micro_batch=max(1, t.global_batch // (lay.dp * lay.ep * t.micro_batches)),
+        lay, micro_batch=max(1, t.global_batch // (lay.batch_ranks * t.micro_batches)),
         # shardlab overlaps gradient reduction with backward in dp_mode "overlap" and in ZeRO-2/3.
         dp_overlap=(lay.zero == 0 and lay.dp_mode == "overlap") or lay.zero in (2, 3),
         # The trainer computes the global gradient norm every step (it logs it even when not clipping).
-        tp_overlap=False, grads_persist=lay.zero == 0 and lay.dp * lay.ep * lay.cp > 1, grad_clip=True,
+        tp_overlap=False, grads_persist=lay.zero == 0 and lay.replicas > 1, grad_clip=True,
     )
 
 

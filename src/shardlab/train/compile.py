@@ -1,6 +1,6 @@
 """`train.compile`: torch.compile of the model after the layout is applied, under every layout.
 
-    model = apply_layout(plain, lay, mesh)
+    model = parallelize(plain, lay, mesh)
     compile_model(model, backend="inductor")   # the whole GPT where the layout leaves it plain, else its blocks
 
 The whole GPT (embedding, blocks, final norm, head and loss: one graph, so the vocabulary's
@@ -47,7 +47,7 @@ In the trainer each rank counts what dynamo compiled during its first step (`com
 rank 0 prints the graphs per rank once, summary.json keeps them, and a rank that had blocks to compile
 but traced no graph stops the run. That check exists because compiling can be undone without a word:
 dynamo refuses to trace a frame while a Python dispatch mode is active, and marks that code as skipped
-for every later call (torch/_dynamo/convert_frame.py, "non-infra torch dispatch mode present"). The CPU
+for every later call (dynamo's frame conversion: "non-infra torch dispatch mode present"). The CPU
 memory tracker is such a mode (train/memory_tracker.py), and the first step is a logged one, so every
 rank trained eagerly until the trainer stopped tracking CPU memory under compile (train/loop.py).
 

@@ -104,9 +104,8 @@ class Config:
     # ---------------------------------------------------------------------------- validation
     @property
     def world_size(self) -> int:
-        """Ranks this layout needs: the product of its degrees."""
-        lay = self.layout
-        return lay.pp * lay.dp * lay.ep * lay.cp * lay.tp
+        """Ranks this layout needs: the product of its degrees (LayoutSection.world)."""
+        return self.layout.world
 
     def problems(self) -> list[str]:
         """Every reason this configuration cannot run, each naming its fields and values (empty: it can):

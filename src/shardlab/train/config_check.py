@@ -19,8 +19,9 @@ from shardlab.models.gpt_config import LOSSES, MLPS, NORMS
 from shardlab.parallel.context.checks import context_parallel_problems
 from shardlab.parallel.data.checks import data_parallel_problems
 from shardlab.parallel.expert.checks import expert_problems
-from shardlab.parallel.layout import MESH_AXES, uses_tensor_parallel
+from shardlab.parallel.layout import MESH_AXES
 from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.parallelize import uses_tensor_parallel
 from shardlab.parallel.pipeline.checks import pipeline_problems
 from shardlab.parallel.pipeline.schedules import KINDS
 from shardlab.parallel.recompute import recompute_problems
@@ -173,13 +174,13 @@ def mesh_problems(lay: LayoutSection, t: TrainSection) -> list[str]:
     if sorted(order) != sorted(MESH_AXES):
         out.append(f"layout.mesh_order = {lay.mesh_order!r} must name each of {', '.join(MESH_AXES)} once "
                    f"(outermost first), e.g. {','.join(MESH_AXES)!r}")
-    world = lay.pp * lay.dp * lay.ep * lay.cp * lay.tp
+    world = lay.world
     if lay.nodes > 0 and world > 0 and world % lay.nodes:
         out.append(f"layout.nodes = {lay.nodes} does not divide the world size {world} (= layout.pp x dp x ep x cp x "
                    f"tp = {lay.pp} x {lay.dp} x {lay.ep} x {lay.cp} x {lay.tp}): every node holds the same number of ranks")
-    if lay.ep > 1 and lay.dp > 0 and t.micro_batches > 0 and t.global_batch % (lay.dp * lay.ep * t.micro_batches):
+    if lay.ep > 1 and lay.dp > 0 and t.micro_batches > 0 and t.global_batch % (lay.batch_ranks * t.micro_batches):
         out.append(f"train.global_batch = {t.global_batch} is not divisible by layout.dp = {lay.dp} x layout.ep = "
-                   f"{lay.ep} x train.micro_batches = {t.micro_batches} = {lay.dp * lay.ep * t.micro_batches} "
+                   f"{lay.ep} x train.micro_batches = {t.micro_batches} = {lay.batch_ranks * t.micro_batches} "
                    f"(the rows are split over the dp x ep batch ranks)")
     return out
 

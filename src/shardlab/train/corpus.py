@@ -3,7 +3,8 @@ on them are train/corpus_checks.py).
 
     src = DataSource(cfg.data)      # data.source: its kind decided, a token file's header read once
     src.kind, src.vocab, src.tokenizer  # 'text' | 'tokens' | 'bin'; the data's own vocabulary; its tokenizer
-    encode_text(cfg.data)           # before launch: text for a non-byte tokenizer -> a token file (cached)
+    encode_text(cfg.data)           # before launch: text for a non-byte tokenizer -> a token file (cached):
+                                    # the section that reads it, a copy (the user's is never written)
 
 train/resolve.py calls these once per process and hands the decided values down (its `Run`).
 
@@ -30,7 +31,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -129,11 +131,12 @@ class DataSource:
 
     @cached_property
     def has_containers(self) -> bool:
-        """Whether a text source names JSONL or Parquet files: their records, not their bytes, are the
-        text, so they are prepared (parsed) as `shardlab data prepare` does, whatever the tokenizer."""
+        """Whether a text source names records (JSON Lines, JSON arrays, Parquet: their records, not their
+        bytes, are the text, whatever the file's name) or compressed files: they are prepared (parsed,
+        decompressed) as `shardlab data prepare` does, whatever the tokenizer."""
         if self.spec in ("", "stdlib") or self.kind != "text":
             return False
-        return any(u.kind != "text" for u in expand_sources([self.spec], self.section.max_bytes or None))
+        return any(not u.plain_text for u in expand_sources([self.spec], self.section.max_bytes or None))
 
     @property
     def needs_preparing(self) -> bool:
@@ -199,8 +202,9 @@ def load_corpus(src: DataSource, seq_len: int, split: bool) -> np.ndarray:
 def prepared_path(d: DataSection) -> Path:
     """Where a text source encoded with a non-byte tokenizer is cached: named by what made it."""
     units = expand_sources([d.source or "stdlib"], d.max_bytes or None)
-    tok = f"bpe{d.bpe_vocab}" if d.tokenizer == "bpe" else Path(d.tokenizer or "bytes").name
-    key = {"units": [(u.path, u.size, u.mtime_ns) for u in units], "tokenizer": d.tokenizer,
+    tok = f"bpe{d.bpe_vocab}" if d.tokenizer == "bpe" else tokenizer_label(d.tokenizer or "bytes")
+    # The kind too: a file read as text before content decided its kind is another corpus now.
+    key = {"units": [(u.path, u.size, u.mtime_ns, u.kind, u.compression) for u in units], "tokenizer": d.tokenizer,
            "bpe_vocab": d.bpe_vocab if d.tokenizer == "bpe" else 0}
     if any(u.kind != "text" for u in units):
         key["field"] = d.jsonl_field  # another field is another text
@@ -208,13 +212,28 @@ def prepared_path(d: DataSection) -> Path:
         key["sha256"] = file_digest(Path(d.tokenizer).expanduser())  # another file under the same name
     key = json.dumps(key, sort_keys=True)
     stem = Path(d.source).stem if d.source not in ("", "stdlib") else "stdlib"
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._-")  # a glob's '*' is no part of a file name
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return Path(d.cache_dir).expanduser() / f"{stem or 'corpus'}-{tok}-{digest}.tok"
 
 
-def encode_text(d: DataSection, progress: bool = True) -> None:
-    """A text source the ranks cannot read as bytes (DataSource.needs_preparing) is encoded into a token
-    file, once (later runs find it under data.cache_dir), which becomes data.source."""
+def tokenizer_label(tokenizer: str) -> str:
+    """A tokenizer file's short name for a cache file's name: `gpt2/tokenizer.json` -> 'gpt2',
+    `lic.tokenizer.json` -> 'lic', `cl100k_base.tiktoken` -> 'cl100k_base'."""
+    path = Path(tokenizer)
+    name = path.name
+    for suffix in (".json", ".tiktoken", ".model"):
+        name = name.removesuffix(suffix)
+    name = name.removesuffix(".tokenizer")
+    if name == "tokenizer":  # the file Hugging Face names tokenizer.json: its directory says whose
+        name = path.resolve().parent.name or name
+    return name
+
+
+def encode_text(d: DataSection, progress: bool = True) -> DataSection:
+    """A text source the ranks cannot read as bytes (DataSource.needs_preparing) encoded into a token
+    file, once (later runs find it under data.cache_dir): the data section that reads that file (a
+    copy of `d`, which is left as the user wrote it; train/resolve.py's Run holds the copy)."""
     import fcntl  # POSIX only: imported where a file is locked, not where this module is read
 
     out = prepared_path(d)
@@ -231,7 +250,7 @@ def encode_text(d: DataSection, progress: bool = True) -> None:
             except ValueError as exc:  # a record without the field: name the trainer's key, not the flag
                 raise ValueError(str(exc).replace("--jsonl-field", "data.jsonl_field")) from exc
     print(f"data: {d.source or 'stdlib'} with tokenizer {d.tokenizer!r} -> {out}", flush=True)
-    d.source, d.tokenizer, d.max_bytes = str(out), "", 0
+    return replace(d, source=str(out), tokenizer="", max_bytes=0)
 
 
 def hf_tokenizer_file(init_from_hf: str) -> Path | None:
@@ -242,20 +261,22 @@ def hf_tokenizer_file(init_from_hf: str) -> Path | None:
     return f if f.is_file() else None
 
 
-def adopt_hf_tokenizer(d: DataSection, init_from_hf: str) -> None:
+def adopt_hf_tokenizer(d: DataSection, init_from_hf: str) -> DataSection:
     """A model started from a Hugging Face checkpoint reads its data through the checkpoint's own
     tokenizer.json: its embedding rows mean that tokenizer's ids, and nothing else's. Text left at
     data.tokenizer = 'bytes' (the default) is encoded with it, said in one line; a tokenizer file
     named that is another file (by digest), or 'bpe', is refused; so are a token file or a raw .bin
-    made with another tokenizer (check_hf_vocabulary)."""
+    made with another tokenizer (check_hf_vocabulary). Returns the section to read the data with (a
+    copy where the tokenizer is adopted: `d` is left as the user wrote it)."""
     hf_tok = hf_tokenizer_file(init_from_hf)
     if hf_tok is None or DataSource(d).kind == "tokens":
-        return
+        return d
     if d.tokenizer in ("", "bytes"):
         print(f"data: data.tokenizer = {d.tokenizer!r} -> {hf_tok} (the tokenizer of model.init_from_hf = "
               f"{init_from_hf!r}: its embedding rows are that tokenizer's ids)", flush=True)
-        d.tokenizer = str(hf_tok)
-    elif d.tokenizer == "bpe" or file_digest(Path(d.tokenizer).expanduser()) != file_digest(hf_tok):
+        return replace(d, tokenizer=str(hf_tok))
+    if d.tokenizer == "bpe" or file_digest(Path(d.tokenizer).expanduser()) != file_digest(hf_tok):
         raise ValueError(f"data.tokenizer = {d.tokenizer!r} is not the tokenizer of model.init_from_hf = "
                          f"{init_from_hf!r} ({hf_tok}): the checkpoint's embedding rows are its ids. Leave "
                          f"data.tokenizer at 'bytes' (then {hf_tok.name} is used) or set it to {hf_tok}")
+    return d

@@ -39,14 +39,13 @@ from shardlab.parallel.precision import autocast_context, get_precision
 from shardlab.train.applied import applied_everywhere
 from shardlab.train.compile import (compile_model, compiled_everywhere, compiled_target_count, describe_compiled,
                                     reset_compile_counters)
-from shardlab.train.config import Config
 from shardlab.train.mfu import FlopsAccounting, run_flops
 from shardlab.train.nonfinite import nothing_trained, raise_together
 from shardlab.train.memory_tracker import MemoryTracker
 from shardlab.train.metrics import MetricsWriter, step_line
 from shardlab.train.plot import plot_loss
 from shardlab.train.prefetch import Prefetcher
-from shardlab.train.resolve import resolve_run
+from shardlab.train.resolve import Run
 from shardlab.train.sample import sample_text
 from shardlab.train.sections import CheckpointSection
 from shardlab.train.step import StepSetup, lr_at, make_optimizer, train_step
@@ -81,35 +80,28 @@ def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, bat
 
 def layout_name(lay: LayoutSection, micro_batches: int) -> str:
     """'dp 2 (overlap)', 'dp 2 (ZeRO-2) x tp 2 + sp (megatron)', 'pp 4 (1f1b, m 8) x dp 2 (bucketed)',
-    ... for headers and titles (`micro_batches`: train.micro_batches, a pipeline's m)."""
-    text = f"dp {lay.dp} ({'ZeRO-' + str(lay.zero) if lay.zero else lay.dp_mode})"
-    if lay.pp > 1:
-        v = f", v {lay.virtual_stages}" if lay.virtual_stages > 1 else ""
-        text = f"pp {lay.pp} ({lay.schedule}, m {micro_batches}{v}) x " + text
-    for axis in ("ep", "cp"):
-        if getattr(lay, axis) > 1:
-            text += f" x {axis} {getattr(lay, axis)}"
-    if lay.tp > 1 or lay.sp:
-        text += f" x tp {lay.tp}{' + sp' if lay.sp else ''} ({lay.tp_plan})"
+    ... for headers and titles (`micro_batches`: train.micro_batches, a pipeline's m): the layout's own
+    description (LayoutSection.describe), then where it runs and in which precision."""
+    text = lay.describe(micro_batches)
     if lay.nodes > 1:
         text += f" on {lay.nodes} nodes"
     return text + ("" if lay.precision == "fp32" else f", {lay.precision}")
 
 
-def train_rank(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """Train as configured on this rank; rank 0 returns the run's summary. A stop signal (SIGTERM,
-    SIGHUP, Ctrl-C) ends the run at the next step boundary, on every rank at the same step, with
-    the summary, metrics and plot of the steps done (dist/signals.py)."""
+def train_rank(run: Run) -> dict[str, Any] | None:
+    """Train `run` (resolved once by the launcher, train/resolve.py) on this rank; rank 0 returns the
+    run's summary. A stop signal (SIGTERM, SIGHUP, Ctrl-C) ends the run at the next step boundary, on
+    every rank at the same step, with the summary, metrics and plot of the steps done (dist/signals.py)."""
     with signals.cooperative():
-        return _train(cfg_dict)
+        return _train(run)
 
 
 train_rank.stops_at_step_boundary = True  # type: ignore[attr-defined]  # a signal at start-up is kept for it
 
 
-def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    cfg = Config.from_dict(cfg_dict)
-    run = resolve_run(cfg)  # what will run, decided once: below here, each part takes what it needs
+def _train(run: Run) -> dict[str, Any] | None:
+    # Below here each part takes what it needs of the run; the resolved configuration is only recorded.
+    cfg = run.config
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     t, lay, o = run.train, run.layout, run.optim
@@ -184,7 +176,9 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     stopped_by = 0  # the stop signal the ranks agreed to end on (0: none)
     for step in range(start_step, t.steps):
         inject_fault(step, rank)
-        logged = step % t.log_every == 0 or step == t.steps - 1
+        # Steps count from 1 on the console: the first, every log_every-th (so step 100's line also
+        # carries its validation loss when eval_every is a multiple) and the last.
+        logged = step == 0 or (step + 1) % t.log_every == 0 or step == t.steps - 1
         tracker = MemoryTracker(device) if (logged and track_memory) else None
         window.started()
         if tracker is not None:
@@ -203,9 +197,9 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         # a one-number collective on a CPU group, which never waits for the device.
         stopped_by = stop.agree(signals.requested())
         evaluating = not stopped_by and ((t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1)
-        save_every = run.checkpoint.every
-        saving = checkpointer is not None and ((save_every and ((step + 1) % save_every == 0 or step == t.steps - 1))
-                                               or (stopped_by and run.checkpoint.save_on_signal))
+        ck, last = run.checkpoint, step == t.steps - 1
+        saving = checkpointer is not None and ((ck.every and ((step + 1) % ck.every == 0 or last))
+                                               or (ck.final and last) or (stopped_by and ck.save_on_signal))
         if not (logged or evaluating or saving or stopped_by):
             continue
         # Read the window: one synchronisation and one gather for the steps since the last read; a
@@ -224,7 +218,7 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
                 with autocast_context(lay.precision, device):
                     rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
             records.append(rec)
-            rec_logged = done % t.log_every == 0 or done == t.steps - 1
+            rec_logged = done == 0 or (done + 1) % t.log_every == 0 or done == t.steps - 1
             if writer is not None:
                 writer.write(rec)
                 if rec_logged or "val_loss" in rec or (skipped and not loss_scaling):  # each skip said
@@ -241,8 +235,10 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
 
     feed.close()
     failed = nothing_trained(model, optimizer, task, records, setup, lambda s: lr_at(s, o, t))  # all skipped
+    saved = None  # the newest checkpoint this run wrote
     if checkpointer is not None:
-        checkpointer.close()  # waits for an asynchronous save still in flight
+        saved = checkpointer.wait()  # an asynchronous save still in flight committed
+        checkpointer.close()
     wall = time.perf_counter() - run_start
     sample = None
     m, log = run.model, run.log
@@ -271,6 +267,8 @@ def _train(cfg_dict: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         summary["final_val_bits_per_byte"] = summary["final_val_loss"] / math.log(2) / task.bytes_per_token
     if resumed:
         summary["resumed_from"] = resumed
+    if saved is not None:
+        summary["checkpoint"] = str(saved)
     summary["applied"] = facts
     if t.compile:
         summary["compiled"] = compiled
@@ -313,7 +311,7 @@ def checkpoint_dir(ck: CheckpointSection, out_dir: str | Path) -> Path:
 
 def open_checkpoints(ck: CheckpointSection, root: Path, steps: int, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer) -> tuple[Any, int, str | None]:
-    """The checkpointer (None when checkpoint.every is 0), the step to start from, and the
+    """The checkpointer (None when nothing is ever saved), the step to start from, and the
     checkpoint resumed from (None: afresh), under `root` (checkpoint_dir), for a run of `steps` steps
     (train.steps). Every rank, at the same point: loading is collective.
 
@@ -321,7 +319,7 @@ def open_checkpoints(ck: CheckpointSection, root: Path, steps: int, model: torch
     "latest" takes the newest one that passes and says on rank 0 which newer ones it skipped and
     why; a named one that fails is refused."""
     checkpointer = Checkpointer(root, keep=ck.keep or None, async_save=ck.async_save) \
-        if ck.every or ck.save_on_signal else None
+        if ck.every or ck.final or ck.save_on_signal else None
     if ck.resume == "latest":
         path, skipped = newest_verified(root, agreed=True)
         if skipped and (not dist.is_initialized() or dist.get_rank() == 0):

@@ -39,7 +39,7 @@ def sharding_problems(sharding: ShardingSection, lay: LayoutSection, m: ModelSec
     if out or not model_ok or vocab is None:
         return out
     model = empty_model(m, vocab)
-    rows = max(1, t.global_batch // max(1, lay.dp * lay.ep * t.micro_batches))  # per batch rank (dp x ep)
+    rows = max(1, t.global_batch // max(1, lay.batch_ranks * t.micro_batches))  # per batch rank (dp x ep)
     try:
         derive(model, rules, mesh_sizes(lay), rows=rows, virtual_stages=lay.virtual_stages,
                stage_layers=lay.stage_layers)

@@ -30,10 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardlab.parallel.layout import (
-    apply_layout, batch_rank, build_mesh, full_gradients, full_parameters, replica_group,
-)
+from shardlab.parallel.layout import batch_rank, build_mesh, full_gradients, full_parameters, replica_group
 from shardlab.parallel.layout_section import LayoutSection
+from shardlab.parallel.parallelize import parallelize
 from shardlab.parallel.precision import get_precision
 from shardlab.train.compile import compile_model, compile_stats, fresh_compile_state
 from shardlab.train.config import Config
@@ -79,7 +78,7 @@ def verify_base(layout: LayoutSection, micro_batches: int, model: str) -> list[s
     base = list(VERIFY_BASE)
     if layout.precision != "fp32":
         base += MIXED_VERIFY_BASE
-    rows = layout.dp * layout.ep * micro_batches
+    rows = layout.batch_ranks * micro_batches
     if rows > 0 and 12 % rows:
         base.append(f"train.global_batch={rows * math.ceil(12 / rows)}")
     chunks = layout.pp * layout.virtual_stages
@@ -145,8 +144,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     task = run.build_task(plain)
     mesh = build_mesh(cfg.layout)
     (dp_rank, dp_size), dp_group = batch_rank(mesh), replica_group(mesh)
-    # apply_layout by name, not Run.apply: tests put a faulty layout here (verify must catch it).
-    model = apply_layout(plain, cfg.layout, mesh, cfg.sharding)
+    # parallelize by name, not Run.apply: tests put a faulty layout here (verify must catch it).
+    model = parallelize(plain, cfg.layout, mesh, cfg.sharding)
     if t.compile:  # the layout compiled as the trainer compiles it (train/compile.py); the reference stays eager
         fresh_compile_state()
         compile_model(model, backend=t.compile_backend)

@@ -4,10 +4,14 @@ the AdamW bound's bars (train/verify_noise.py format_bars)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from shardlab.parallel.layout_section import LayoutSection
 from shardlab.train.sections import ModelSection
 from shardlab.train.verify_noise import format_bars
+
+LAYOUT_FIELDS = {f.name for f in dataclasses.fields(LayoutSection)}
 
 
 def family(m: ModelSection) -> str:
@@ -22,15 +26,10 @@ def family(m: ModelSection) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     lay = report["layout"]
-    tp = lay.get("tp", 1)
-    tensor = f" x tp {tp}{' + sp' if lay.get('sp') else ''} ({lay.get('tp_plan')})" if tp > 1 or lay.get("sp") else ""
-    pp = lay.get("pp", 1)
-    v = lay.get("virtual_stages", 1)
-    pipeline = f"pp {pp} ({lay.get('schedule')}{f', v {v}' if v > 1 else ''}) x " if pp > 1 else ""
-    tensor = "".join(f" x {a} {lay[a]}" for a in ("ep", "cp") if lay.get(a, 1) > 1) + tensor
+    # The layout's own description, from the fields the report records (the others at their defaults).
+    section = LayoutSection(**{k: v for k, v in lay.items() if k in LAYOUT_FIELDS})
     lines = [
-        f"verify {report['model']}{report.get('family', '')}: {pipeline}dp {lay['dp']} "
-        f"({'ZeRO-' + str(lay['zero']) if lay['zero'] else lay['dp_mode']}, {lay['comm_impl']}){tensor}, "
+        f"verify {report['model']}{report.get('family', '')}: {section.describe(comm_impl=True)}, "
         f"{lay['micro_batches']} micro-batch(es), {lay['precision']}, world size {report['world_size']}, "
         f"against one process on the whole batch, {report['steps']} steps",
         f"{'step':>4} {'loss (ref)':>11} {'loss diff':>10} {'grad abs':>9} {'grad rel':>9} "

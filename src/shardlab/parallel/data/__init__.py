@@ -7,7 +7,7 @@ parameter) and takes its slice of the batch.
     zero.py        ZeRO-1/2: optimizer state (and gradients) sharded over the replicas
     fsdp*.py       ZeRO-3 / FSDP: parameters sharded too, gathered per unit for forward and backward
     sync_guard.py  a torch optimizer's step over gradients not yet synchronised is refused
-    stepguard.py   parameters a plain torch optimizer must not step
     syncbn.py      batch-norm statistics over the replicas
-    factory.py     the one factory apply_layout's data-parallel step calls (layout.zero chooses)
+
+parallel/replicas.py chooses among these engines (layout.zero), for experts and pipeline stages too.
 """

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from shardlab.comm import Handle
 from shardlab.parallel.precision import MixedPrecisionPolicy, fp32_source, forget_fp32_source, set_fp32_source
-from shardlab.parallel.data.stepguard import refuse_plain_step
+from shardlab.parallel.stepguard import refuse_plain_step
 
 def rows_per_rank(dim0: int, world: int) -> int:
     """Rows each rank's shard is padded to: torch.chunk's ceil(dim0 / world)."""

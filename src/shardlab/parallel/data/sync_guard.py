@@ -5,7 +5,7 @@ called. Under DataParallel's naive and bucketed modes those are the rank's own u
 `finish_gradient_sync()` averages them; under FSDP (ZeRO-3) the shards have none until it hands them
 their reduced gradients. A loop that forgets the call would let every rank step on its own rows (the
 replicas drifting apart) or not step at all, without an error. (ZeRO-1/2 and ZeRO-3 parameters refuse a
-plain optimizer outright: stepguard.py.)
+plain optimizer outright: parallel/stepguard.py.)
 
 So a wrapper's forward that will need the call registers the wrapper here (`await_sync`), the call
 clears it (`synced`), and one global optimizer step pre-hook (torch.optim's, installed on first use)

@@ -49,7 +49,7 @@ from shardlab.parallel.data.buckets import (
 from shardlab.parallel.data.grad_hooks import GradHooks
 from shardlab.parallel.optim import Piece, PieceOptimizer, param_groups, unique_trainable
 from shardlab.parallel.precision import LossScaler, averaging_op
-from shardlab.parallel.data.stepguard import refuse_plain_step
+from shardlab.parallel.stepguard import refuse_plain_step
 from shardlab.parallel.data.sync_guard import await_sync, check_synced, synced
 
 @dataclass

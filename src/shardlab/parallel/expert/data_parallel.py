@@ -39,6 +39,7 @@ from shardlab.parallel.data.replicate import DataParallel
 from shardlab.parallel.expert.layer import expert_layers, expert_parameters
 from shardlab.parallel.optim import MixedPrecisionOptimizer
 from shardlab.parallel.placement import Owned, Placement
+from shardlab.parallel.expert.zero import ExpertZeroOptimizer, zero_wrappers
 
 
 class ExpertDataParallel(nn.Module):
@@ -71,9 +72,6 @@ class ExpertDataParallel(nn.Module):
         self.zero = zero
         # In a tuple, not as attributes: submodules would list the model's parameters twice more.
         if zero:
-            # lazy: `shardlab --help` imports this file but need not import these modules
-            from shardlab.parallel.expert.zero import zero_wrappers
-
             self._wrappers = zero_wrappers(module, dense, experts, group, layers[0].expert_replicas, zero, bucket_mb,
                                            impl, deferred, fsdp or {})
         else:
@@ -82,7 +80,7 @@ class ExpertDataParallel(nn.Module):
         self._expert_params = [p for p in experts if p.requires_grad]
         # The record convert_expert_parallel wrote: experts Owned over "ep", what the norm sums over it
         # (under ZeRO-3 with FSDP's entries too: the dense shards' rows over "dp", the experts' over
-        # "edp", their replicas, when FSDP cuts them; parallel/data/factory.py data_placement agrees).
+        # "edp", their replicas, when FSDP cuts them; parallel/replicas.py data_placement agrees).
         self.placement: Placement = module.placement
         if zero == 3:
             self.placement = fsdp_placement(self._wrappers[0], self.placement)
@@ -145,9 +143,6 @@ class ExpertDataParallel(nn.Module):
         if self._experts is None:  # ZeRO-3's one wrapper: its optimizer, the record's ep and edp axes for the norm
             return self._dense.build_optimizer(groups, optimizer_cls, placement=self.placement, **kwargs)
         if self.zero:
-            # lazy: `shardlab --help` imports this file but need not import these modules
-            from shardlab.parallel.expert.zero import ExpertZeroOptimizer
-
             return ExpertZeroOptimizer(groups, optimizer_cls, self._dense, self._experts, self.placement, **kwargs)
         return MixedPrecisionOptimizer(groups, optimizer_cls, placement=self.placement, **kwargs)
 

@@ -110,7 +110,7 @@ def zero_wrappers(module: nn.Module, dense: list[nn.Parameter], experts: list[nn
     over `expert_group` (their replicas) at stage 1 whatever `stage` (see below), or, under ZeRO-3
     with more than one replica of each expert, one FSDP wrapper for both kinds. `deferred`: dense
     parameters reduced only at finish_gradient_sync (a pipeline stage's tied embedding copies, whose
-    whole gradients are summed over pp first: parallel/data/factory.py wrap_data_parallel). `fsdp`:
+    whole gradients are summed over pp first: parallel/replicas.py wrap_data_parallel). `fsdp`:
     more of FSDP's options under ZeRO-3 (a pipeline stage's entries, regathering for recomputation)."""
     fsdp = fsdp or {}
     # The experts' buckets are reduced once, after backward (stage 1), even under ZeRO-2: ranks route

@@ -15,23 +15,26 @@ deadlock.py its errors and the chain of waits that explains one),
 partition.py and stages.py (the split), splitgrad.py (backward split into BI and BW), executor.py,
 params.py (tied copies, gathering by original name), headers.py (validation mode: the step's
 messages agreed before any is posted), model.py (a stage packaged for the trainer:
-PipelineParallel, its forward-only pass and StageOptimizer), step.py (the layout's pipeline step:
-the split planned on the plain model, the stage cut after tp, ep and cp; tp x pp), timeline.py (traces; the charts are bench/pipeline_gantt.py and the
+PipelineParallel, its forward-only pass and StageOptimizer), (parallel/parallelize.py's
+parallelize_stage cuts the stage after tp, ep and cp, the split planned on the plain model; tp x pp), timeline.py (traces; the charts are bench/pipeline_gantt.py and the
 measurement of real runs bench/pipeline_measure.py). See docs/pipeline.md.
 """
 
-from shardlab.parallel.pipeline.actions import Action, Schedule, fmt
-from shardlab.parallel.pipeline.simulation import ScheduleError, Simulation, check, simulate
-from shardlab.parallel.pipeline.executor import PipelineExecutor, PipelineResult
-from shardlab.parallel.pipeline.model import PipelineParallel, StageOptimizer, forward_only
-from shardlab.parallel.pipeline.params import (
-    clip_grad_norm_, gather_gradients, gather_parameters, stage_placement, sum_tied_grads,
-)
-from shardlab.parallel.pipeline.schedules import (
-    KINDS, bubble_theory, chunk_owner, compute_order, in_flight_theory, schedule, with_comms,
-)
-from shardlab.parallel.pipeline.stages import PipelineStage, SplitPlan, build_stage, plan_split, split_model
-from shardlab.parallel.pipeline.timeline import Event, Timeline
+from shardlab._lazy import lazy_names
+
+_EXPORTS = {name: module for module, names in {
+    "shardlab.parallel.pipeline.actions": ("Action", "Schedule", "fmt"),
+    "shardlab.parallel.pipeline.simulation": ("ScheduleError", "Simulation", "check", "simulate"),
+    "shardlab.parallel.pipeline.executor": ("PipelineExecutor", "PipelineResult"),
+    "shardlab.parallel.pipeline.model": ("PipelineParallel", "StageOptimizer", "forward_only"),
+    "shardlab.parallel.pipeline.params": ("clip_grad_norm_", "gather_gradients", "gather_parameters",
+                                          "stage_placement", "sum_tied_grads"),
+    "shardlab.parallel.pipeline.schedules": ("KINDS", "bubble_theory", "chunk_owner", "compute_order",
+                                             "in_flight_theory", "schedule", "with_comms"),
+    "shardlab.parallel.pipeline.stages": ("PipelineStage", "SplitPlan", "build_stage", "plan_split", "split_model"),
+    "shardlab.parallel.pipeline.timeline": ("Event", "Timeline"),
+}.items() for name in names}
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 __all__ = [
     "KINDS",

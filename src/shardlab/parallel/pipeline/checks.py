@@ -12,7 +12,8 @@ from typing import Protocol
 import torch.nn as nn
 
 from shardlab.parallel.layout_section import LayoutSection
-from shardlab.parallel.pipeline.partition import layout_balance, model_pieces, stage_layer_problems
+from shardlab.parallel.pipeline.partition import stage_layer_problems
+from shardlab.parallel.pipeline.stages import layout_balance, model_pieces
 from shardlab.parallel.pipeline.schedules import compute_order
 from shardlab.parallel.pipeline.stages import plan_split
 

@@ -8,7 +8,7 @@ evaluation and sampling, the whole model's views for verify, and the stage's opt
     loss = model.run_schedule(x, y, M, on_step=update)   # this replica's batch mean, every stage
     val = model(x_val, y_val)                            # forward only: the loss, every stage
 
-parallel/layout.py builds it from [layout]; train/step.py's `train_step` drives it: the executor's
+parallel/parallelize.py builds it from [layout]; train/step.py's `train_step` drives it: the executor's
 microbatches replace the step's micro-batch loop, and `on_step` (at the schedule's STEP, after the
 tied copies' gradients are summed) does what every layout does after backward: data-parallel sync,
 clipping, the optimizer step.
@@ -48,6 +48,7 @@ from shardlab.parallel.pipeline.timeline import WAIT
 from shardlab.parallel.placement import Placement
 from shardlab.parallel.precision import LossScaler
 from shardlab.parallel.data.zero import ZeroDataParallel
+from shardlab.parallel.expert.zero import ExpertZeroOptimizer
 
 # Above the executor's activation/gradient tags and the tied-weight exchange's, below the tags
 # validation adds to every point-to-point message (comm/p2p.py, from 1 << 20).
@@ -149,7 +150,7 @@ class PipelineParallel(nn.Module):
     the stage's plan gives the stages and the virtual chunks per rank), with `data_parallel` (a
     DataParallel wrapping the same stage) over its replicas. The microbatch count is the step's:
     a schedule is made and checked the first time each count is asked for. `tp_group`: the stage's
-    layers are tensor-parallel over it (pipeline/step.py); whole views gather over it too."""
+    layers are tensor-parallel over it (parallel/parallelize.py); whole views gather over it too."""
 
     def __init__(self, stage: PipelineStage, kind: str, group: dist.ProcessGroup | None = None,
                  *, data_parallel: nn.Module | None = None, tp_group: dist.ProcessGroup | None | bool = False) -> None:
@@ -236,9 +237,6 @@ class PipelineParallel(nn.Module):
                                                              **optimizer_kwargs)
         zero = _expert_zero(self.data_parallel)
         if zero is not None:  # experts at ep > 1 under ZeRO-1/2 (or 3, one replica each): one optimizer over both
-            # lazy: `shardlab --help` imports this file but need not import these modules
-            from shardlab.parallel.expert.zero import ExpertZeroOptimizer
-
             return ExpertZeroOptimizer(params, optimizer_cls, *zero, self.placement, **optimizer_kwargs)
         return StageOptimizer(params, optimizer_cls, self.placement, **optimizer_kwargs)
 

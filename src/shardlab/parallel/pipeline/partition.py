@@ -10,7 +10,8 @@ The trainer's default and the planner's (plan/execution.py) are one rule, `even_
 (GPT blocks, MLP layers) spread over the chunks as evenly as possible, the chunks with one layer
 fewer at the two ends (the GPT's first chunk also holds the embedding and its last the head), or an
 explicit count per chunk (layout.stage_layers). `split_sizes` turns either into pieces per chunk;
-`model_pieces` names a GPT's or an MLP's pieces, which stages.py then cuts.
+stages.py names a GPT's or an MLP's pieces (`model_pieces`) and cuts them. Pure arithmetic: the
+planner reads it without torch.
 """
 
 from __future__ import annotations
@@ -18,22 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import torch.nn as nn
-
-from shardlab.models import GPT, DeepMLP
-
 EDGE_PIECES = ("embed", "head")   # the GPT's pieces that are not layers: they ride on the end chunks
-
-
-def model_pieces(model: nn.Module) -> list[tuple[str, list[str]]]:
-    """The model's pieces in order: (piece name, attribute paths of its modules)."""
-    if isinstance(model, GPT):
-        embed = ["tok_emb"] + (["pos_emb"] if model.pos_emb is not None else [])
-        return [("embed", embed)] + [(f"blocks.{i}", [f"blocks.{i}"]) for i in range(len(model.blocks))] + \
-            [("head", ["ln_f", "head"])]
-    if isinstance(model, DeepMLP):
-        return [(f"layers.{i}", [f"layers.{i}"]) for i in range(len(model.layers))]
-    raise TypeError(f"cannot split {type(model).__name__} into pipeline stages: GPT and DeepMLP are supported")
 
 
 def even_layers(layers: int, parts: int) -> list[int]:
@@ -132,9 +118,3 @@ def check_sizes(sizes: Sequence[int], pieces: int, parts: int) -> list[int]:
     return sizes
 
 
-def layout_balance(model, stages: int, virtual: int = 1, stage_layers: Sequence[int] = ()) -> list[int] | str:
-    """The trainer's split of `model` (a GPT or DeepMLP) for stages x virtual chunks, as plan_split's
-    `balance`: the pieces per chunk of `split_sizes`, or "params" when the model has fewer layers
-    than chunks (a tiny GPT whose embedding or head takes a chunk of its own)."""
-    sizes = split_sizes([name for name, _ in model_pieces(model)], stages * virtual, stage_layers)
-    return "params" if sizes is None else sizes

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +35,7 @@ import torch.nn as nn
 from shardlab.models import GPT, DeepMLP
 from shardlab.parallel.placement import MeshAxis, Owned, Placement, tied_aliases
 from shardlab.parallel.pipeline.partition import balance as balance_costs
-from shardlab.parallel.pipeline.partition import check_sizes, model_pieces
+from shardlab.parallel.pipeline.partition import check_sizes, split_sizes
 from shardlab.parallel.pipeline.schedules import chunk_owner
 from shardlab.parallel.precision import restore_fp32_sources
 from shardlab.parallel.tensor.sequence import SumScope, norm_params
@@ -312,3 +312,22 @@ def split_model(model: nn.Module, stages: int, rank: int, virtual: int = 1,
                 sample: tuple[torch.Tensor, torch.Tensor] | None = None) -> PipelineStage:
     """plan_split then build_stage, for a rank that does not need the plan itself."""
     return build_stage(model, plan_split(model, stages, virtual, balance, sample), rank)
+
+
+def model_pieces(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """The model's pieces in order: (piece name, attribute paths of its modules)."""
+    if isinstance(model, GPT):
+        embed = ["tok_emb"] + (["pos_emb"] if model.pos_emb is not None else [])
+        return [("embed", embed)] + [(f"blocks.{i}", [f"blocks.{i}"]) for i in range(len(model.blocks))] + \
+            [("head", ["ln_f", "head"])]
+    if isinstance(model, DeepMLP):
+        return [(f"layers.{i}", [f"layers.{i}"]) for i in range(len(model.layers))]
+    raise TypeError(f"cannot split {type(model).__name__} into pipeline stages: GPT and DeepMLP are supported")
+
+
+def layout_balance(model, stages: int, virtual: int = 1, stage_layers: Sequence[int] = ()) -> list[int] | str:
+    """The trainer's split of `model` (a GPT or DeepMLP) for stages x virtual chunks, as plan_split's
+    `balance`: the pieces per chunk of `split_sizes`, or "params" when the model has fewer layers
+    than chunks (a tiny GPT whose embedding or head takes a chunk of its own)."""
+    sizes = split_sizes([name for name, _ in model_pieces(model)], stages * virtual, stage_layers)
+    return "params" if sizes is None else sizes

@@ -1,7 +1,8 @@
-"""Step 2 of apply_layout when a configuration has `[sharding]` rules: derive the plan for this mesh and
-compile it onto the model; storage over dp (sharding.params) hands step 5 to the ZeRO-3 engine. Rules
-that place whole modules (layers over pp, experts over ep) are executed by steps 1 and 3, the
-pipeline split and expert parallelism (placed.py says why those are the derivation's executors)."""
+"""Tensor parallelism from `[sharding]` rules (parallelize's first strategy when a configuration has them):
+derive the plan for this mesh and compile it onto the model; storage over dp (sharding.params) hands data
+parallelism to the ZeRO-3 engine. Rules that place whole modules (layers over pp, experts over ep) are
+executed by the pipeline split and expert parallelism (placed.py says why those are the derivation's
+executors)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from shardlab.parallel.sharding.compile import compile_plan
 from shardlab.parallel.sharding.derive import derive
 from shardlab.parallel.sharding.plan import ShardingPlan
 from shardlab.parallel.sharding.rules import CONTEXT_AXIS, MODEL_AXIS, Rules, ShardingError
+from shardlab.parallel.expert.rows import route_whole_rows
 
 if TYPE_CHECKING:
     from shardlab.parallel.layout_section import LayoutSection
@@ -39,15 +41,14 @@ def derive_for(model: nn.Module, layout: "LayoutSection", sharding: "ShardingSec
 def apply_sharding(model: nn.Module, layout: "LayoutSection", sharding: "ShardingSection", mesh: DeviceMesh,
                    record: Placement) -> tuple[nn.Module, "LayoutSection"]:
     """`model` with the derived plan compiled over the mesh's "tp" group and, for seq over cp, its "cp"
-    group (in place; apply_layout's step 3 then leaves context parallelism alone) and the layout step
-    5 then applies: layout.zero = 3 when the rules store weights over dp (FSDP), else as given.
-    Experts over ep are placed by step 3 (parallel/expert), which the rules require at layout.ep > 1."""
+    group (in place; parallelize's context parallelism then leaves the model alone) and the layout data
+    parallelism then reads: layout.zero = 3 when the rules store weights over dp (FSDP), else as given.
+    Experts over ep are placed by expert parallelism (parallel/expert), which the rules require at
+    layout.ep > 1."""
     plan = pipeline_plan(model, layout, sharding) if layout.pp > 1 else derive_for(model, layout, sharding)
     cp_group = mesh.group(CONTEXT_AXIS) if plan.context_axis and layout.cp > 1 else None
     model = compile_plan(model, plan, mesh.group(MODEL_AXIS), base=record, cp_group=cp_group)
     if cp_group is not None:  # a mixture's capacity and load-balancing term are the whole row's
-        from shardlab.parallel.expert.rows import route_whole_rows
-
         route_whole_rows(model, cp_group)
     if plan.fsdp:
         layout = dataclasses.replace(layout, zero=3)
@@ -56,7 +57,7 @@ def apply_sharding(model: nn.Module, layout: "LayoutSection", sharding: "Shardin
 
 def pipeline_plan(model: nn.Module, layout: "LayoutSection", sharding: "ShardingSection") -> ShardingPlan:
     """The plan under rules at pp > 1 (layers over pp), derived on the plain model: its tensor cuts are
-    compiled onto the whole model, then the hand-written pipeline split (pipeline/step.py) executes
+    compiled onto the whole model, then the hand-written pipeline split (parallelize.py's parallelize_stage) executes
     the placement of the layers (parallel/sharding/placed.py: the same chunks, the same messages). The
     derivation refuses what the split cannot run yet (tp, cp or storage rules beside it)."""
     plan = derive_for(model, layout, sharding)

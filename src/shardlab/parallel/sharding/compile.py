@@ -24,6 +24,7 @@ from shardlab.parallel.placement import MeshAxis, Placement, tied_aliases
 from shardlab.parallel.precision import carry_fp32_source
 from shardlab.parallel.sharding.plan import Collective, ModulePlan, ShardingPlan
 from shardlab.parallel.tensor.shards import SharesGroups, TensorParallelModel
+from shardlab.parallel.sharding.context import compile_context
 
 _FNS: dict[str, Callable[[torch.Tensor, Group, int | None], torch.Tensor]] = {
     "copy_to_group": lambda x, g, d: ops.copy_to_group(x, g),
@@ -132,9 +133,6 @@ def compile_plan(model: nn.Module, plan: ShardingPlan, group: Group, base: Place
                 owner, _, attr = name.rpartition(".")
                 carry_fp32_source(p, p, lambda t, n=name: record.local_slice(t, n), modules[owner], attr)
     if plan.context_axis:
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.parallel.sharding.context import compile_context
-
         compile_context(model, plan.modules, cp_group)
     for mp in plan.modules:
         if mp.context_axis or mp.kind in ("experts", "pipeline"):  # placed by parallel/expert, parallel/pipeline

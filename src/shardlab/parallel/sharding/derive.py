@@ -43,6 +43,7 @@ from shardlab.parallel.sharding.plan import Collective, ModulePlan, ShardingPlan
 from shardlab.parallel.sharding.rules import (
     CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, MODEL_AXIS, PIPELINE_AXIS, Rules, ShardingError, axes_of, split_seq,
 )
+from shardlab.parallel.sharding.context import add_context, context_problems
 
 
 def fmt(axes: TensorAxes | tuple[str, ...], mapping: Mapping[str, str | None], partial: str | None = None) -> str:
@@ -75,9 +76,6 @@ def derive(model: nn.Module, rules: Rules, sizes: Mapping[str, int], *, rows: in
         _twice(f"parameter {name}", ta, compute, problems)
         _divides(name, ta, dict(model.named_parameters())[name].shape, compute, sizes, problems)
     if isinstance(model, GPT):
-        # lazy: `shardlab --help` imports this file but need not import these modules
-        from shardlab.parallel.sharding.context import add_context, context_problems
-
         t_all = seq or model.cfg.seq_len
         n_cp = sizes.get(CONTEXT_AXIS, 1) if cp else 1
         if cp:

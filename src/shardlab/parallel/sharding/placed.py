@@ -24,8 +24,8 @@ does not combine yet is refused (`placed_problems`): model dimensions over tp fo
 (its tensor-parallel form is hand-written, parallel/tensor/moe.py), and the sequence over tp or cp or
 storage over dp beside layers over pp at pp > 1. Model dimensions over tp beside layers over pp are
 compiled onto the whole model (compile.py) before the split, as the hand-written tp x pp converts it
-first (parallel/pipeline/step.py, after tp): every stage holds its chunks' tp shards, the hidden states
-between stages whole.
+first (parallel/parallelize.py: parallelize_stage cuts after tp): every stage holds its chunks' tp
+shards, the hidden states between stages whole.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 import torch.nn as nn
 
 from shardlab.models.moe import MoE
-from shardlab.parallel.pipeline.partition import layout_balance
+from shardlab.parallel.pipeline.stages import layout_balance
 from shardlab.parallel.pipeline.schedules import chunk_owner
 from shardlab.parallel.pipeline.stages import plan_split
 from shardlab.parallel.sharding.plan import Collective, ModulePlan

@@ -1,4 +1,5 @@
-"""Data parallelism over the replicas, the last step: one factory for plain DP, ZeRO-1/2 and ZeRO-3.
+"""Data parallelism over the replicas, the last strategy parallelize applies: one factory for plain DP,
+ZeRO-1/2 and ZeRO-3, over a whole model or a pipeline stage, with or without experts.
 
     options = DataOptions.of(layout)                      # the [layout] fields it reads, read once
     model = wrap_data_parallel(model, group, options)     # DataParallel, ZeroDataParallel, FSDP, ...
@@ -11,7 +12,10 @@ over different groups at ep > 1, share one wrapper (parallel/expert/data_paralle
 rank gets no wrapper: the step is the plain model's, and `finish_gradient_sync()` is there with
 nothing to do.
 
-A pipeline stage (parallel/pipeline/step.py cut it before this step) is wrapped by the same
+It sits beside the strategies' folders, not in data/, because it combines them: data/'s engines, expert/'s
+wrapper for experts and dense parameters, pipeline/'s stages.
+
+A pipeline stage (parallel/parallelize.py cut it before this step) is wrapped by the same
 factory, with what a stage adds: its tied embedding's copies (first and last stage) are summed over
 pp at the schedule's STEP from whole gradients, so ZeRO-1/2 reduce them there rather than during
 backward (`deferred`) and ZeRO-3 keeps them whole (`replicate`); ZeRO-3's units are the stage's
@@ -35,7 +39,6 @@ from shardlab.parallel.data.fsdp import FullyShardedDataParallel
 from shardlab.parallel.data.fsdp_pieces import fsdp_placement
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.placement import MeshAxis, Placement
-from shardlab.parallel.step import Applying, Step
 from shardlab.parallel.data.zero import ZeroDataParallel
 
 if TYPE_CHECKING:
@@ -146,11 +149,3 @@ def replica_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
         return None
     return mesh.group(tuple(a for a in REPLICA_AXES if a in mesh.names))
 
-
-def _apply(state: Applying) -> None:
-    group = replica_group(state.mesh)
-    state.model = wrap_data_parallel(state.model, group, DataOptions.of(state.layout))
-    state.record = data_placement(state.model, state.record, group)
-
-
-DATA = Step("dp", lambda s: True, _apply, needs_mesh=False)

@@ -1,7 +1,8 @@
 """Measurements for docs/tensor-parallel.md: communication per step of each form, and activation
 memory per rank with and without sequence parallelism.
 
-    python -m shardlab.bench.tensor_parallel            # tp 1, 2 and 4 on local gloo ranks
+    python benchmarks/tensor_parallel.py             # tp 1, 2 and 4 on local gloo ranks
+    python benchmarks/tensor_parallel.py --tp 2      # one degree
 
 Communication is counted by comm.autograd's `count_comm` around one forward and backward (every
 tensor-parallel collective goes through it). Activation memory is shardlab.train.memory_tracker's
@@ -12,12 +13,14 @@ figure during forward and backward (gradients included).
 
 from __future__ import annotations
 
+import argparse
 import copy
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+import shardlab.dist
 from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel.tensor.lecture_mlp import LECTURE_MLP_PLAN, MEGATRON_MLP_PLAN, step_comm
 from shardlab.parallel.tensor.plan import apply_tensor_parallel
@@ -70,16 +73,16 @@ def _kib(n: float) -> str:
 
 
 def main() -> None:
-    from shardlab.dist import launch  # looked up when called: tests put a pool of ranks in its place
-    # By module name, not __main__'s copies: the ranks are fresh processes that import them.
-    from shardlab.bench.tensor_parallel import gpt_rank, mlp_comm_rank
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", default="1,2,4", help="tensor-parallel degrees (the MLP's table skips 1)")
+    degrees = [int(t) for t in ap.parse_args().tp.split(",")]
 
     d, layers, batch = 256, 4, 32
     print(f"## DeepMLP d={d}, {layers} layers, batch {batch}: collectives per step (fwd + bwd), per rank\n")
     print("| tp | form | all-gather | reduce-scatter | all-reduce | calls | buffer KiB | bus KiB |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
-    for tp in (2, 4):
-        res = launch(mlp_comm_rank, tp, d, layers, batch)[0]
+    for tp in [t for t in degrees if t > 1]:
+        res = shardlab.dist.launch(mlp_comm_rank, tp, d, layers, batch)[0]
         for form, ops in res.items():
             calls = {op: ops.get(op, {}).get("calls", 0) for op in ("all_gather", "reduce_scatter", "all_reduce")}
             nbytes = sum(o["bytes"] for o in ops.values())
@@ -92,8 +95,8 @@ def main() -> None:
     print("| tp | plain held | TP held | TP+SP held | plain peak | TP peak | TP+SP peak | TP bus | TP+SP bus |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     calls = {}
-    for tp in (1, 2, 4):
-        r = launch(gpt_rank, tp, cfg, batch)[0]
+    for tp in degrees:
+        r = shardlab.dist.launch(gpt_rank, tp, cfg, batch)[0]
         bus = {k: sum(o["bus_bytes"] for o in r[k]["comm"].values()) for k in ("tp", "sp")}
         calls[tp] = {k: {op: o["calls"] for op, o in r[k]["comm"].items()} for k in ("tp", "sp")}
         print(f"| {tp} | {_kib(r['plain']['held'])} | {_kib(r['tp']['held'])} | {_kib(r['sp']['held'])} | "
