@@ -12,6 +12,7 @@ from shardlab.checkpoint import CheckpointError, consolidate, describe, read_met
 from shardlab.checkpoint.dcp import export_dcp
 from shardlab.checkpoint.format import resolve_checkpoint
 from shardlab.train.export import export_hf
+from shardlab.train.run_dir import RunDirError, RunLock, RunLocks
 
 
 def _size(n: float) -> str:
@@ -95,9 +96,6 @@ def export(args: argparse.Namespace) -> int:
               f"or --overwrite", file=sys.stderr)
         return 2
     path = resolve_checkpoint(args.path)
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.train.run_dir import RunDirError, RunLocks, RunLock
-
     locks = RunLocks()  # a live run's directory is not written into, --overwrite or not
     try:
         for flag, target in (("--hf", args.hf), ("--dcp", args.dcp)):
@@ -115,9 +113,6 @@ def export(args: argparse.Namespace) -> int:
 
 
 def _write_exports(args: argparse.Namespace, path: Path) -> None:
-    # lazy: `shardlab --help` imports this file but need not import these modules
-    from shardlab.checkpoint import read_metadata
-
     if args.dcp:
         out = export_dcp(path, args.dcp, optimizer=not args.no_optimizer)
         print(f"wrote {out} (torch.distributed.checkpoint, step {read_metadata(path).step})")
