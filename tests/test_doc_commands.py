@@ -1,6 +1,6 @@
 """Every command README.md and docs/*.md give runs as written, as far as a test can run it cheaply.
 
-Every `shardlab ...` line of a fenced block (a `$ ` prompt dropped, `\\` continuations joined, read
+Every `shardlab ...` line of a fenced block but a ```text one (shown output) (a `$ ` prompt dropped, `\\` continuations joined, read
 up to its `#` comment; also the shardlab part of `torchrun ... -m shardlab ...` and the arguments of
 `examples/slurm/train.sbatch`) is parsed by shardlab's own parser and its values checked as `main`
 checks them before anything starts (cli/flags.py): flags, choices, numbers. A line with a
@@ -80,7 +80,8 @@ def _blocks(page: Path):
                     text = text[:-1] + " " + lines[k].strip()
                 body.append((start, text))
                 k += 1
-            yield body, runnable
+            if lines[i].strip() != "```text":  # a program's output, shown: nothing in it is a command
+                yield body, runnable
             i = j + 1
         else:
             i += 1

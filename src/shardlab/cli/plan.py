@@ -186,7 +186,8 @@ def _search(spec, base, pinned, hw, gpus, gb, args, config=None, use=None) -> in
     if args.plot and result.ranked:
         title = f"{spec.name} on {gpus} x {hw.name}, global batch {gb}: the fastest layouts"
         print(f"wrote {plot_breakdown(result.ranked[:args.top], args.plot, title)}")
-    print(f"verdict: {len(result.ranked):,} layout(s) fit" if result.ranked else "verdict: no layout fits")
+    print(f"verdict: {len(result.ranked):,} layout(s) fit" if result.ranked else
+          "verdict: no layout fits" if result.misses or result.refused else "verdict: no layout can be built")
     if args.emit_config:
         if not result.ranked:
             print(f"shardlab plan: --emit-config {args.emit_config}: no layout to write", file=sys.stderr)

@@ -40,6 +40,7 @@ from shardlab.train.applied import applied_everywhere
 from shardlab.train.compile import (compile_model, compiled_everywhere, compiled_target_count, describe_compiled,
                                     reset_compile_counters)
 from shardlab.train.mfu import FlopsAccounting, run_flops
+from shardlab.train.nonfinite import nothing_trained, raise_together
 from shardlab.train.memory_tracker import MemoryTracker
 from shardlab.train.metrics import MetricsWriter, step_line
 from shardlab.train.plot import plot_loss
@@ -93,6 +94,9 @@ def train_rank(run: Run) -> dict[str, Any] | None:
     every rank at the same step, with the summary, metrics and plot of the steps done (dist/signals.py)."""
     with signals.cooperative():
         return _train(run)
+
+
+train_rank.stops_at_step_boundary = True  # type: ignore[attr-defined]  # a signal at start-up is kept for it
 
 
 def _train(run: Run) -> dict[str, Any] | None:
@@ -217,7 +221,7 @@ def _train(run: Run) -> dict[str, Any] | None:
             rec_logged = done == 0 or (done + 1) % t.log_every == 0 or done == t.steps - 1
             if writer is not None:
                 writer.write(rec)
-                if rec_logged or "val_loss" in rec:
+                if rec_logged or "val_loss" in rec or (skipped and not loss_scaling):  # each skip said
                     print(step_line(rec, t.steps), flush=True)
             if rec_logged:
                 window.logged()
@@ -230,6 +234,7 @@ def _train(run: Run) -> dict[str, Any] | None:
             break
 
     feed.close()
+    failed = nothing_trained(model, optimizer, task, records, setup, lambda s: lr_at(s, o, t))  # all skipped
     saved = None  # the newest checkpoint this run wrote
     if checkpointer is not None:
         saved = checkpointer.wait()  # an asynchronous save still in flight committed
@@ -237,7 +242,7 @@ def _train(run: Run) -> dict[str, Any] | None:
     wall = time.perf_counter() - run_start
     sample = None
     m, log = run.model, run.log
-    if m.name == "gpt" and log.sample_tokens > 0 and task.tokenizer is not None and not stopped_by:
+    if m.name == "gpt" and log.sample_tokens > 0 and task.tokenizer is not None and not (stopped_by or failed):
         # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward,
         # and a pipeline's forward passes through every stage and hands the logits to all of them.
         # Sequence parallelism splits every sequence over tp, context parallelism into 2 cp chunks (and
@@ -248,7 +253,7 @@ def _train(run: Run) -> dict[str, Any] | None:
                                  multiple=(lay.tp if lay.sp else 1) * (2 * lay.cp if lay.cp > 1 else 1),
                                  tokenizer=task.tokenizer)
     if rank != 0:
-        return None
+        return raise_together(failed)
     assert writer is not None
     writer.close()
     if not records:  # resumed from a checkpoint of the last step: nothing left to train
@@ -274,6 +279,7 @@ def _train(run: Run) -> dict[str, Any] | None:
                          "comm_wait_share": sum(s[r] for s in shares) / len(shares)} for r in range(world)]
     # Again, whole: summary.json held only what _finish knew (no bits per byte, resume or ranks).
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    raise_together(failed)
     return summary
 
 

@@ -17,6 +17,11 @@ from shardlab.parallel.pipeline.stages import layout_balance, model_pieces
 from shardlab.parallel.pipeline.schedules import LOOPED, V_KINDS, chunks_per_rank, compute_order
 from shardlab.parallel.pipeline.stages import plan_split
 
+# The most microbatches per step a schedule is built for: its order lists each of them on every rank
+# (zb1's takes about 4 us per microbatch and rank here), so a planner's search over an absurd global
+# batch (1e12 sequences: 1e11 microbatches) asked these rules for orders it could never build.
+MAX_MICROBATCHES = 1 << 16
+
 
 class Model(Protocol):
     """The [model] fields these rules read (train/sections.py's ModelSection has them)."""
@@ -53,6 +58,10 @@ def pipeline_problems(lay: LayoutSection, m: Model, t: Train,
     elif kind in LOOPED and mb > 0 and mb % p:
         out.append(f"layout.schedule = {kind!r} needs train.micro_batches = {mb} divisible by {where} "
                    f"(Megatron's order runs the microbatches in rounds of pp)")
+    elif mb > MAX_MICROBATCHES:
+        out.append(f"train.micro_batches = {mb:,} at {where}: the schedule orders every microbatch of a step on "
+                   f"every rank, and above {MAX_MICROBATCHES:,} microbatches per step that order is not built (it "
+                   f"would take minutes and gigabytes); raise the rows per microbatch (a smaller train.micro_batches)")
     elif kind == "dualpipev" and 0 < mb < 2 * p:
         out.append(f"layout.schedule = 'dualpipev' needs train.micro_batches = {mb} >= 2 x {where} = {2 * p}: its "
                    f"steady state pairs a forward of one leg of the V with a backward of the other")
