@@ -34,7 +34,7 @@ demo: $(STAMP)
 	$(BIN)/shardlab collectives --world-size 4
 	$(BIN)/shardlab collectives --world-size 4 --impl ring --ops all_reduce,reduce_scatter,all_gather
 
-# The suite CI runs (under 12 minutes on 2 cores); `make test-long` runs the few costliest variants it
+# The suite CI runs (16-22 minutes measured on 2 cores of an Intel Xeon); `make test-long` runs the few costliest variants it
 # leaves out (torchrun restarts and signals under torchrun, the 8-rank layouts beyond the issue's three).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 -m "not long" $(PYTEST_ARGS)

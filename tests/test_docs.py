@@ -23,8 +23,8 @@ PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 # Paths a page names: any `dir/file.py` (in the repository or the package: `parallel/layout.py`,
 # `tensor/plan.py`), and data, configs and pages under the repository's own directories.
 PY_PATH = re.compile(r"(?<![\w./*-])((?:[\w.-]+/)+[\w-]+\.py)\b")
-DATA_PATH = re.compile(r"(?<![\w./*-])((?:src|tests|benchmarks|configs|docs)/(?:[\w.-]+/)*"
-                       r"[\w-]+\.(?:md|toml|json|csv|png|txt))\b")
+DATA_PATH = re.compile(r"(?<![\w./*-])((?:src|tests|benchmarks|configs|docs|examples)/(?:[\w.-]+/)*"
+                       r"[\w-]+\.(?:md|toml|json|csv|png|txt|sh|sbatch))\b")
 # What a command writes (`--json docs/results/new.json`) need not exist yet.
 OUTPUT = re.compile(r"--(?:json|csv|plot|markdown|out|output|profile|gantt|emit-config)[ =]+(\S+)")
 # Other projects' files, cited with their repository: (path, whose).
@@ -50,7 +50,7 @@ def code_spans(text: str) -> list[str]:
 
 
 def package_paths() -> set[str]:
-    files = {p.relative_to(ROOT).as_posix() for top in ("src", "tests", "benchmarks", "configs", "docs")
+    files = {p.relative_to(ROOT).as_posix() for top in ("src", "tests", "benchmarks", "configs", "docs", "examples")
              for p in (ROOT / top).rglob("*") if p.is_file()}
     return files | {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")}
 

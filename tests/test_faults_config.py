@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardlab.cli.main import main
 from shardlab.train.config import ConfigError, load_config
 
 
@@ -43,3 +44,10 @@ def test_a_misspelt_compile_backend_is_refused_while_compile_is_off():
     """train.compile_backend = 'aot-eager' (for 'aot_eager') passed while train.compile was false."""
     cfg = load_config(None, ["train.compile_backend='aot-eager'"])
     assert any("train.compile_backend = 'aot-eager' is not one of" in p for p in cfg.problems())
+
+
+def test_a_dry_run_checks_the_data(tmp_path, capsys):
+    """`--dry-run` skipped the data check: data.max_bytes=100 passed it and was refused only by the run."""
+    code = main(["train", "--model", "gpt", "--dry-run", "--set", "data.max_bytes=100",
+                 "--set", f'data.cache_dir="{tmp_path}"', "--set", f'log.out_dir="{tmp_path / "run"}"'])
+    assert code == 2 and "data.max_bytes" in capsys.readouterr().err

@@ -10,6 +10,8 @@ starts `shardlab train --init-from-hf` with its logits and its loss. Nothing is 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,10 +224,11 @@ def test_export_keeps_the_source_models_positions_and_dropout(tmp_path, capsys):
     save_checkpoint(tmp_path / "run" / "checkpoints", 3, model, config=cfg.to_dict())
     assert main(["checkpoint", "export", str(tmp_path / "run" / "checkpoints"), "--hf", str(tmp_path / "hf")]) == 0
     printed = capsys.readouterr().out
-    assert "n_positions 16 -> 64" in printed and "resid_pdrop 0.1" in printed
+    assert "n_positions 16 -> 64" in printed and "dropout 0.1: model.dropout, what was trained" in printed
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     c = exported.config
-    assert (c.n_positions, c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) == (64, 0.1, 0.1, 0.1)
+    # GPT-2's 0.1 was trained (model.dropout from resid_pdrop); shardlab has no embedding dropout.
+    assert cfg.model.dropout == 0.1 and (c.n_positions, c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) == (64, 0.1, 0.0, 0.1)
     wpe, source = exported.transformer.wpe.weight, theirs.transformer.wpe.weight
     assert torch.equal(wpe[:16], model.pos_emb.weight) and torch.equal(wpe[16:], source[16:])
 
@@ -260,3 +263,23 @@ def test_the_documented_dcp_snippet_loads_into_the_models_own_state_dict(tmp_pat
     for name, t in saved.state_dict().items():
         assert torch.equal(model.state_dict()[name], t), name
     assert model.head.weight is model.tok_emb.weight  # still tied after loading
+
+
+def test_import_keeps_gpt2_dropout_and_names_what_it_cannot_keep(tmp_path, capsys):
+    """--init-from-hf: GPT-2's resid_pdrop becomes model.dropout (it trained with 0.0 before, silently),
+    --set after it may change it, and the fields shardlab cannot train as the source did are named."""
+    from shardlab.cli.train import check_before_launch, resolve_config
+
+    _hf_model("gpt2", tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config.update(resid_pdrop=0.2, attn_pdrop=0.05, embd_pdrop=0.1)
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    args = build_parser().parse_args(["train", "--init-from-hf", str(tmp_path / "src"), "--set", "model.seq_len=16"])
+    assert resolve_config(args).model.dropout == 0.2
+    err = capsys.readouterr().err
+    assert "attn_pdrop 0.05 differs from resid_pdrop 0.2" in err and "embd_pdrop 0.1 is not applied" in err
+    args = build_parser().parse_args(["train", "--init-from-hf", str(tmp_path / "src"), "--set", "model.seq_len=16",
+                                      "--set", "model.dropout=0"])
+    cfg = resolve_config(args)
+    assert cfg.model.dropout == 0.0
+    check_before_launch(cfg, make_out_dir=False)  # a training setting, not the checkpoint's shape

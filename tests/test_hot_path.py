@@ -125,7 +125,7 @@ def test_a_nonfinite_step_stops_the_run_when_the_window_is_read(pools):
     keeps the records of the steps before the first non-finite one and holds the error naming it and
     the step the run had reached (the loop writes the records, then raises)."""
     step, message = pools(1).run(_deferred_stop)[0]
-    assert step == 1 and "step 1: the gradient norm is nan; found at step 2" in message
+    assert step == 2 and "step 2: the gradient norm is nan; found at step 3" in message  # as the logs number them
     assert "The run stopped" in message
 
 

@@ -42,7 +42,8 @@ def test_stop_names_the_step_and_parameters(precision):
     poison(model)
     with pytest.raises(NonFiniteError) as err:
         train_step(model, opt, task, 1, lr_at(1, cfg.optim, cfg.train), StepSetup(grad_clip=1.0, on_nonfinite="stop"))
-    assert err.value.step == 1 and "step 1: the gradient norm is nan" in str(err.value)
+    # the loop's index 1 is step 2 as the logs and checkpoints number steps (from 1)
+    assert err.value.step == 2 and "step 2: the gradient norm is nan" in str(err.value)
     assert "blocks.1.mlp.fc.weight" in err.value.names
 
 

@@ -80,3 +80,28 @@ def test_planners_top_layout_runs_through_verify(pools, tmp_path, capsys):
     report = pools(4).run(verify_rank, cfg.to_dict(), 1e-6, 1e-5)[0]
     assert report["passed"], json.dumps(report["per_step"], indent=1)
     assert report["layout"]["pp"] == lay.pp and report["world_size"] == 4
+
+
+def test_emitted_config_runs_on_the_plans_machines_or_names_what_to_fill(tmp_path, capsys):
+    """A plan for 2 nodes of 8 GPUs writes layout.nodes = 2 (it wrote 1 before), and a 32,000-id model
+    gets a data.source placeholder that --dry-run refuses until it names a token file (before: the
+    stdlib as bytes, 256 ids, accepted)."""
+    from shardlab.data.prepare import prepare
+
+    path = tmp_path / "plan.toml"
+    assert main(["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "32000",
+                 "--gpus", "16", "--hardware", "a100-80gb", "--global-batch", "32", "--emit-config", str(path)]) == 0
+    text = path.read_text()
+    assert "2 node(s) x 8 rank(s) per node" in text and "torchrun --nnodes 2 --nproc-per-node 8" in text
+    cfg = load_config(path)
+    assert (cfg.layout.nodes, cfg.world_size) == (2, 16)
+    assert cfg.data.source == "REPLACE-ME-with-a-token-file-of-32000-ids.tok"
+    capsys.readouterr()
+    assert main(["train", "--config", str(path), "--dry-run"]) == 2
+    assert "data.source = 'REPLACE-ME-with-a-token-file-of-32000-ids.tok' does not exist" in capsys.readouterr().err
+    (tmp_path / "c.txt").write_text("def f(x):\n    return x\n" * 50)
+    tok = prepare([str(tmp_path / "c.txt")], tmp_path / "c.tok", workers=1, progress=False).out
+    assert main(["train", "--config", str(path), "--set", f'data.source="{tok}"', "--dry-run"]) == 0
+    # A byte-sized vocabulary keeps the default data: nothing to fill.
+    assert main(["plan", *TINY, "--gpus", "4", "--global-batch", "8", "--emit-config", str(path)]) == 0
+    assert "placeholder" not in path.read_text() and load_config(path).data.source == "stdlib"

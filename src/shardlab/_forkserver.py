@@ -9,6 +9,12 @@ the server ignores them too: it still exits when the launcher does (its "alive" 
 rank forked from it inherits the ignored dispositions and sets its own first thing (dist/launch.py,
 dist/pool.py).
 
+The server also blocks the three stop signals (SIGINT, SIGTERM, SIGHUP), and a fork inherits the
+mask: a stop signal sent to a rank before it has set its handlers (importing shardlab, a second or
+more) stays pending instead of being discarded as ignored, and arrives when the rank unblocks it
+after setting them (dist/signals.py `install`). Before, a SIGTERM in those seconds was lost: the
+run trained to its last step.
+
 At the package's root, not in shardlab.dist, so that preloading it imports nothing else of
 shardlab into the server (dist/start.py: shardlab's modules read settings from the environment
 when imported, which must happen in each rank).
@@ -18,3 +24,4 @@ import signal
 
 for _signum in (signal.SIGTERM, signal.SIGHUP):
     signal.signal(_signum, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})

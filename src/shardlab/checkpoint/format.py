@@ -315,14 +315,20 @@ def latest_checkpoint(root: str | os.PathLike, *, agreed: bool = False) -> Path 
     return path
 
 
+NO_CHECKPOINT_HINT = ("a run saves one after its last step with checkpoint.final = true (shardlab train --set "
+                      "checkpoint.final=true; the shipped configurations set it), or every N steps with --save-every N")
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """`path` itself when it is a checkpoint directory, else the newest checkpoint under it."""
+    """`path` itself when it is a checkpoint directory, else the newest checkpoint under it, or under
+    its checkpoints/ (a run directory, as `shardlab train` writes it)."""
     p = Path(path)
     if p.name.startswith((".tmp-", ".trash-")):
         raise CheckpointError(f"{p} is an unfinished or discarded save, not a checkpoint")
     if (p / METADATA).is_file():
         return p
-    latest = latest_checkpoint(p)
+    latest = latest_checkpoint(p) or latest_checkpoint(p / "checkpoints")
     if latest is None:
-        raise CheckpointError(f"{p} is neither a checkpoint nor a directory holding one")
+        raise CheckpointError(f"{p} is neither a checkpoint nor a directory holding one (nor a run directory whose "
+                              f"checkpoints/ holds one): {NO_CHECKPOINT_HINT}")
     return latest

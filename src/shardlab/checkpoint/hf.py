@@ -67,7 +67,9 @@ def hf_config(cfg: GPTConfig, dtype: torch.dtype = torch.float32) -> dict[str, A
                 "n_positions": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
                 "n_inner": cfg.d_ff, "layer_norm_epsilon": cfg.norm_eps,
                 "activation_function": "gelu_new" if cfg.mlp == "gelu_tanh" else "gelu",
-                "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+                # What was trained: model.dropout on the residual branches and the attention
+                # probabilities; shardlab's GPT has no dropout after the embeddings.
+                "resid_pdrop": cfg.dropout, "embd_pdrop": 0.0, "attn_pdrop": cfg.dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                 # Stated, not left to transformers' GPT-2 default (50256, past a small vocabulary).
                 "bos_token_id": None, "eos_token_id": None}
@@ -195,7 +197,8 @@ def hf_model_fields(path: str | os.PathLike) -> dict[str, Any]:
         return dict(name="gpt", n_layer=c.get("n_layer", 12), d_model=d, n_head=c.get("n_head", 12), n_kv_head=0,
                     d_ff=c.get("n_inner") or 4 * d, vocab_size=c.get("vocab_size", 50257),
                     seq_len=c.get("n_positions", 1024), norm="layernorm", mlp=mlp, bias=True, rotary=False,
-                    tie_embeddings=c.get("tie_word_embeddings", True), norm_eps=c.get("layer_norm_epsilon", 1e-5))
+                    tie_embeddings=c.get("tie_word_embeddings", True), norm_eps=c.get("layer_norm_epsilon", 1e-5),
+                    dropout=float(c.get("resid_pdrop", 0.1)))
     if kind == "llama":
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -215,8 +218,37 @@ def hf_model_fields(path: str | os.PathLike) -> dict[str, Any]:
                     vocab_size=c["vocab_size"], seq_len=c.get("max_position_embeddings", 2048), norm="rmsnorm",
                     mlp="swiglu", bias=bool(c.get("attention_bias", False)), rotary=True,
                     tie_embeddings=c.get("tie_word_embeddings", False), norm_eps=c.get("rms_norm_eps", 1e-6),
-                    rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+                    rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))), dropout=0.0)
     raise CheckpointError(f"{where}: model_type {kind!r}; shardlab reads gpt2 and llama checkpoints")
+
+
+TRAINING_FIELDS = frozenset({"dropout"})
+"""hf_model_fields' fields that are training settings, not the checkpoint's shape: taken as the
+defaults of a run started from it, which may change them (--set model.dropout=0 to fine-tune without)."""
+
+
+def hf_import_notes(path: str | os.PathLike) -> list[str]:
+    """What a run started from the Hugging Face model in `path` cannot train as that model did, each
+    naming its config.json field: shardlab's one model.dropout covers GPT-2's resid_pdrop and
+    attn_pdrop (the residual branches, the attention probabilities) and has no embedding dropout."""
+    path = Path(path)
+    c = _read_config(path)
+    where = path / "config.json"
+    if c.get("model_type") == "gpt2":
+        resid = float(c.get("resid_pdrop", 0.1))
+        notes = []
+        if float(c.get("attn_pdrop", 0.1)) != resid:
+            notes.append(f"{where}: attn_pdrop {c.get('attn_pdrop', 0.1)} differs from resid_pdrop {resid}; "
+                         f"shardlab's model.dropout is one probability for both: trained with {resid}")
+        if float(c.get("embd_pdrop", 0.1)):
+            notes.append(f"{where}: embd_pdrop {c.get('embd_pdrop', 0.1)} is not applied: shardlab's GPT has no "
+                         f"dropout after the embeddings (the export writes embd_pdrop 0.0, what was trained)")
+        return notes
+    if c.get("model_type") == "llama" and float(c.get("attention_dropout", 0.0)):
+        return [f"{where}: attention_dropout {c['attention_dropout']} is not kept: shardlab's model.dropout also "
+                f"drops the residual branches, which Llama does not; trained with model.dropout = 0 (--set "
+                f"model.dropout=P applies P at both)"]
+    return []
 
 
 def _read_tensors(path: Path, shapes_only: bool = False) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from shardlab.checkpoint import CheckpointError, consolidate, describe, read_met
 from shardlab.checkpoint.dcp import export_dcp
 from shardlab.checkpoint.format import resolve_checkpoint
 from shardlab.train.export import export_hf
+from shardlab.train.run_dir import RunDirError, RunLock, RunLocks
 
 
 def _size(n: float) -> str:
@@ -95,13 +96,29 @@ def export(args: argparse.Namespace) -> int:
               f"or --overwrite", file=sys.stderr)
         return 2
     path = resolve_checkpoint(args.path)
+    locks = RunLocks()  # a live run's directory is not written into, --overwrite or not
+    try:
+        for flag, target in (("--hf", args.hf), ("--dcp", args.dcp)):
+            if target and Path(target).is_dir():
+                locks.locks.append(RunLock(target, flag).acquire("shardlab checkpoint export", args.overwrite))
+    except RunDirError as exc:
+        locks.release()
+        print(f"shardlab checkpoint export: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _write_exports(args, path)
+    finally:
+        locks.release()
+    return 0
+
+
+def _write_exports(args: argparse.Namespace, path: Path) -> None:
     if args.dcp:
         out = export_dcp(path, args.dcp, optimizer=not args.no_optimizer)
         print(f"wrote {out} (torch.distributed.checkpoint, step {read_metadata(path).step})")
     if args.hf:
         for line in export_hf(path, args.hf):
             print(line)
-    return 0
 
 
 def _held_model_files(hf: str | None, dcp: str | None) -> list[str]:

@@ -56,6 +56,10 @@ RANGES = {
     "master_port": (0, 65535, True, "a TCP port; 0: any free port"),
     "mem_fraction": (0.0, 1.0, False, "a fraction of device memory"),
     "top_p": (0.0, 1.0, False, "a probability mass; 1: no limit"),
+    # plan's batch: sequences per step (per micro-batch). Llama 3 405B's largest batch was 16M tokens, 2,048
+    # sequences of 8,192 (Dubey et al. 2024); 2^24 sequences is 8,192 times that, and bounds the search's work.
+    "global_batch": (1, 1 << 24, True, "sequences per optimizer step, at most 2^24"),
+    "micro_batch": (1, 1 << 24, True, "sequences per micro-batch, at most 2^24"),
 }
 # Files a command writes ('-' is standard output where a command documents it) and directories it writes into.
 OUTPUT_FILES = ("json", "csv", "plot", "markdown", "out", "trace", "raw", "calibrate", "gantt")

@@ -163,7 +163,7 @@ def _one(spec, lay, hw, gpus, gb, args, config=None, use=None) -> int:
                            "stack": use.to_dict() if use else None,
                            "gpus": gpus, "global_batch": gb, "evaluation": e.to_dict()})
     if args.emit_config:
-        return _emit(spec, lay, gb, args.emit_config, config)
+        return _emit(spec, lay, gb, args.emit_config, config, hw.devices_per_node)
     return 0
 
 
@@ -186,19 +186,20 @@ def _search(spec, base, pinned, hw, gpus, gb, args, config=None, use=None) -> in
     if args.plot and result.ranked:
         title = f"{spec.name} on {gpus} x {hw.name}, global batch {gb}: the fastest layouts"
         print(f"wrote {plot_breakdown(result.ranked[:args.top], args.plot, title)}")
-    print(f"verdict: {len(result.ranked):,} layout(s) fit" if result.ranked else "verdict: no layout fits")
+    print(f"verdict: {len(result.ranked):,} layout(s) fit" if result.ranked else
+          "verdict: no layout fits" if result.misses or result.refused else "verdict: no layout can be built")
     if args.emit_config:
         if not result.ranked:
             print(f"shardlab plan: --emit-config {args.emit_config}: no layout to write", file=sys.stderr)
             return 1
-        return _emit(spec, result.ranked[0].layout, gb, args.emit_config, config)
+        return _emit(spec, result.ranked[0].layout, gb, args.emit_config, config, hw.devices_per_node)
     return 0
 
 
-def _emit(spec, lay, gb, path: str, config=None) -> int:
+def _emit(spec, lay, gb, path: str, config=None, devices_per_node: int = 0) -> int:
     """Write `lay` as a configuration the trainer runs; say so if the trainer's rules refuse it."""
     try:
-        refused = write_config(spec, lay, gb, path, config)
+        refused = write_config(spec, lay, gb, path, config, devices_per_node)
     except OSError as exc:
         print(f"shardlab plan: --emit-config {path}: {exc}", file=sys.stderr)
         return 2

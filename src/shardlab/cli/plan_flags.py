@@ -196,10 +196,10 @@ examples:
   shardlab plan --model llama3-70b --gpus 256 --hardware h100-sxm --global-batch 512 --zero 1
   shardlab plan --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --seq 8192 \\
       --gated --gpus 64 --hardware h200 --global-batch 256
-  shardlab plan --model llama3-405b --hardware h100-sxm --gpus 8192 --tp 8 --pp 16 --dp 64 \
+  shardlab plan --model llama3-405b --hardware h100-sxm --gpus 8192 --tp 8 --pp 16 --dp 64 \\
       --global-batch 2048 --zero 2 --sp --tp-comm-overlap      # Llama 3 405B as published (126 layers / 16)
   shardlab plan --compare-networks --model gpt3-175b --gpus 256 --global-batch 1536
-  shardlab plan --hardware h100-sxm --link nvl:size=8,kind=switch,gbps=450,us=5 \
+  shardlab plan --hardware h100-sxm --link nvl:size=8,kind=switch,gbps=450,us=5 \\
       --link roce:kind=fat-tree,gbps=50,us=12,oversub=2 --model llama3-70b --gpus 512 --global-batch 1024
   shardlab plan --validate                        # Korthikanti et al. 2022 Tables 4-5, predicted vs published
   shardlab plan --validate-h100                   # NeMo's DGX-H100 table, H100 bf16 runs, one H200
@@ -209,7 +209,7 @@ examples:
   shardlab plan --calibrate-gpu h200.json         # measure this GPU's kernels (about a minute)
   shardlab plan --config configs/gpt-350m-gpu.toml --hardware h200 --calibration h200.json --gpus 1
   shardlab plan --config configs/gpt-small.toml --hardware this-cpu --calibration cal.json --gpus 2 --dp 2
-  shardlab plan --layers 4 --hidden 64 --heads 4 --seq 32 --vocab 256 --gpus 4 --global-batch 8 \
+  shardlab plan --layers 4 --hidden 64 --heads 4 --seq 32 --vocab 256 --gpus 4 --global-batch 8 \\
       --emit-config plan.toml && shardlab train --config plan.toml --dry-run   # the fastest layout, runnable
 """
 

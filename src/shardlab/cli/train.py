@@ -14,11 +14,10 @@ from shardlab.checkpoint.save import clear_leftovers
 from shardlab.cli.common import launch_kwargs
 from shardlab.cli.train_checks import (  # noqa: F401  (re-exported: verify, memory and tests use them)
     check_before_launch, check_data_before_launch, check_resume_before_launch, hf_assignments, ignored_flags,
-    resolve_before_launch)
-from shardlab.cli.train_report import rank_table, result_table, utilisation_line  # noqa: F401
+    make_run_dirs, resolve_before_launch)
+from shardlab.cli.train_report import closing_lines, rank_table, result_table, utilisation_line  # noqa: F401
 from shardlab.dist import signals, under_torchrun
 from shardlab.dist.env import read_torchrun_env
-from shardlab.dist.signals import Terminated
 from shardlab.parallel.parallelize import strategies
 from shardlab.parallel.pipeline import plan_split
 from shardlab.parallel.pipeline.stages import layout_balance
@@ -111,27 +110,30 @@ def run(args: argparse.Namespace) -> int:
             print(f"shardlab train: {why}", file=sys.stderr)
         cfg.validate(read_torchrun_env().world_size if under_torchrun() else None)
         resolved = resolve_before_launch(cfg)  # the one resolution: what every rank runs (cfg stays as written)
-        check_before_launch(resolved.config, make_out_dir=not args.dry_run)
+        check_before_launch(resolved.config, make_out_dir=False)
+        resolved = check_data_before_launch(resolved)  # the dry run too: what it passes, the run does not refuse
         if args.dry_run:
             return dry_run(resolved)
-        resolved = check_data_before_launch(resolved)
         for note in check_resume_before_launch(resolved.config):
             print(f"shardlab train: {note}", file=sys.stderr)
+        make_run_dirs(resolved.config)  # last: a refused launch leaves no empty run directory
     except ConfigError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
 
     try:
         lock = claim_run_dir(cfg.log.out_dir, str(checkpoint_dir(cfg.checkpoint, cfg.log.out_dir)),
-                             bool(cfg.checkpoint.resume), args.overwrite)
+                             bool(cfg.checkpoint.resume), args.overwrite,
+                             writes_checkpoints=bool(cfg.checkpoint.every or cfg.checkpoint.save_on_signal))
     except RunDirError as exc:
         print(f"shardlab train: {exc}", file=sys.stderr)
         return 2
     try:
         summary = shardlab.dist.launch(train_rank, None if under_torchrun() else cfg.world_size, resolved,
                          **launch_kwargs(args))[0]
-    except Terminated:
-        discard_partial_save(cfg)
+    except BaseException:  # a stop signal or a failure: every local rank is gone, a torchrun peer may not be
+        if not under_torchrun():
+            discard_partial_save(cfg)
         raise
     finally:
         if lock is not None:
@@ -159,8 +161,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + rank_table(summary["ranks"]))
     if summary.get("sample"):
         print("\nsampled text:\n" + "-" * 60 + "\n" + summary["sample"] + "\n" + "-" * 60)
-    print(f"wrote {summary['metrics']}" + (f", {summary['plot']}" if summary.get("plot") else "")
-          + f" and TensorBoard events in {summary['out_dir']}/tb" * bool(cfg.log.tensorboard))
+    print(closing_lines(summary, cfg.log.tensorboard))
     if summary.get("stopped_by"):
         signum = signal.Signals[summary["stopped_by"]]
         print(f"shardlab train: {signals.describe(signum)}: stopped after {summary['steps']} of "

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import sys
 from pathlib import Path
 
 from safetensors import SafetensorError
 
 from shardlab.checkpoint.format import CheckpointError, list_checkpoints, read_metadata
-from shardlab.checkpoint.hf import hf_model_fields, read_hf
+from shardlab.checkpoint.hf import TRAINING_FIELDS, hf_import_notes, hf_model_fields, read_hf
 from shardlab.cli.flags import FlagError, check_writable_dir
 from shardlab.data.tokenizer import file_digest
 from shardlab.train.config import ConfigError, toml_value
@@ -27,8 +28,11 @@ def hf_assignments(path: str) -> list[str]:
     """`--init-from-hf DIR` as model.* assignments: the checkpoint's shape, then where to load it from."""
     try:
         fields = hf_model_fields(path)
+        notes = hf_import_notes(path)
     except (CheckpointError, OSError, ValueError) as exc:
         raise ConfigError(f"--init-from-hf {path}: {exc}") from exc
+    for note in notes:  # what the run cannot train as the source model did, each field named
+        print(f"shardlab: --init-from-hf: {note}", file=sys.stderr)
     return [f"model.{k}={toml_value(v)}" for k, v in fields.items()] + [f"model.init_from_hf={toml_value(path)}"]
 
 
@@ -40,6 +44,8 @@ def hf_problems(m) -> list[str]:
         return [f"model.init_from_hf = {m.init_from_hf!r}: {exc}"]
     out = []
     for k, v in fields.items():
+        if k in TRAINING_FIELDS:  # the run's to choose (--set after --init-from-hf)
+            continue
         ours = getattr(m, k)
         if k == "n_kv_head":
             ours, v = ours or m.n_head, v or fields["n_head"]
@@ -81,17 +87,23 @@ def check_before_launch(cfg, make_out_dir: bool = True) -> None:
         raise ConfigError(f"model.freeze = {cfg.model.freeze!r} freezes all {len(names)} parameters of the "
                           f"{cfg.model.name}: nothing would train")
     if make_out_dir:
-        try:
-            Path(cfg.log.out_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"log.out_dir = {cfg.log.out_dir!r} cannot be created: {exc.strerror}") from exc
-        # Found now, not at the first save or the last step's summary.
-        for field, where in (("log.out_dir", cfg.log.out_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
-            if where:
-                try:
-                    check_writable_dir(field, where)
-                except FlagError as exc:
-                    raise ConfigError(str(exc).replace(f"{field} {where}:", f"{field} = {where!r}:", 1)) from None
+        make_run_dirs(cfg)
+
+
+def make_run_dirs(cfg) -> None:
+    """log.out_dir created, it and checkpoint.dir checked writable: the last check before launch, so
+    that a launch refused by any other (the data's, say) leaves no empty run directory behind."""
+    try:
+        Path(cfg.log.out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"log.out_dir = {cfg.log.out_dir!r} cannot be created: {exc.strerror}") from exc
+    # Found now, not at the first save or the last step's summary.
+    for field, where in (("log.out_dir", cfg.log.out_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if where:
+            try:
+                check_writable_dir(field, where)
+            except FlagError as exc:
+                raise ConfigError(str(exc).replace(f"{field} {where}:", f"{field} = {where!r}:", 1)) from None
 
 
 def resolve_before_launch(cfg):

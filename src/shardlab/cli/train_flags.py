@@ -15,8 +15,8 @@ Train the GPT (on text, by default the Python standard library's sources on this
 through a tokenizer; or on a token file from `shardlab data prepare`) or the lecture's deep MLP, with
 the parallel layout the configuration or the flags give. model.vocab_size follows the data.
 
-The configuration is resolved in order: built-in defaults, --config FILE, --set overrides, then the
-shortcut flags (--model, --dp, ...). It is validated before any rank starts; errors name the fields.
+The configuration is resolved in order: built-in defaults, --config FILE, --model (its model.*
+assignments), --set overrides, then the shortcut flags (--dp, --steps, ...). It is validated before any rank starts; errors name the fields.
 Every logged step prints loss, learning rate, tokens/s, MFU (where the device's peak is known),
 step time, the share of it spent waiting on communication, and peak tensor memory per rank.
 Outputs in log.out_dir: config.toml, metrics.jsonl (every step), tb/ (TensorBoard), loss.png,
@@ -128,20 +128,23 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, default=None,
                    help="pipeline-parallel degree: ranks each holding a contiguous slice of the layers (a stage), "
                         "outermost on a pp x dp x tp mesh; world size = dp x tp x pp (layout.pp)")
-    g.add_argument("--schedule", choices=["naive", "gpipe", "1f1b", "interleaved", "zb1"], default=None,
+    g.add_argument("--schedule", choices=["naive", "gpipe", "1f1b", "interleaved", "zb1", "interleaved-zb", "zbv",
+                                          "dualpipev"], default=None,
                    help="order of the stages' forwards and backwards: naive (one microbatch through the whole "
                         "pipeline at a time), gpipe (all forwards, then all backwards), 1f1b (default: one forward, "
                         "one backward; activations of at most pp microbatches), interleaved (1F1B over "
                         "--virtual-stages chunks per rank: smaller bubble, more messages; needs --microbatches "
-                        "divisible by --pp), zb1 (zero-bubble ZB-H1: weight gradients deferred into the bubbles) "
+                        "divisible by --pp), zb1 (zero-bubble ZB-H1: weight gradients deferred into the bubbles), "
+                        "interleaved-zb (interleaved with zb1's split), zbv and dualpipev (ZB-V, DualPipeV: two chunks "
+                        "per rank placed as a V, r and 2 pp - 1 - r; dualpipev needs --microbatches >= 2 --pp) "
                         "(layout.schedule)")
     g.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step per data-parallel rank: its rows are split into this many; with "
                         "--pp they flow through the stages, the more the smaller the bubble; without, they are "
                         "gradient accumulation (train.micro_batches)")
     g.add_argument("--virtual-stages", type=int, default=None,
-                   help="chunks of layers per pipeline rank for --schedule interleaved (>= 2; chunk c on rank c "
-                        "mod pp) (layout.virtual_stages)")
+                   help="chunks of layers per pipeline rank for --schedule interleaved or interleaved-zb (>= 2; "
+                        "chunk c on rank c mod pp; zbv and dualpipev always hold 2) (layout.virtual_stages)")
 
 
 def add_checkpoint_options(p: argparse.ArgumentParser) -> None:
@@ -239,7 +242,7 @@ examples:
   shardlab verify --model mlp --tp 2 --tp-plan lecture     # the lecture's MLP form
   shardlab verify --model gpt --dp 2 --tp 2 --zero 2       # ZeRO-2 over each dp group of a dp x tp mesh
   shardlab verify --model gpt --pp 2 --schedule 1f1b --microbatches 4 --json v.json
-  shardlab verify --model gpt --pp 4 --schedule interleaved --virtual-stages 2 --microbatches 4 \
+  shardlab verify --model gpt --pp 4 --schedule interleaved --virtual-stages 2 --microbatches 4 \\
       --set model.n_layer=6                                # 8 chunks: the GPT needs 6 blocks + 2
   shardlab verify --model mlp --pp 2 --dp 2 --schedule zb1 --microbatches 3   # 4 ranks: pp 2 x dp 2
   shardlab verify --model gpt --tp 2 --sp --set train.compile=true     # compiled blocks against eager

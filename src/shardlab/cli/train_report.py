@@ -67,3 +67,15 @@ def rank_table(ranks: list[dict]) -> str:
         table.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in axes), *([str(r["node"])] if nodes else []),
                       mem, f"{r['comm_wait_share']:.0%}")
     return _render(table)
+
+
+def closing_lines(summary: dict, tensorboard: bool) -> str:
+    """What the run wrote, then where its model is and what reads it (or how to make a run leave one)."""
+    wrote = (f"wrote {summary['metrics']}" + (f", {summary['plot']}" if summary.get("plot") else "")
+             + f" and TensorBoard events in {summary['out_dir']}/tb" * tensorboard)
+    saved, out = summary.get("checkpoint"), summary["out_dir"]
+    if saved is None:
+        return wrote + ("\nno checkpoint saved (checkpoint.final and checkpoint.every are off): --set "
+                        "checkpoint.final=true saves one after the last step, --save-every N every N steps")
+    return wrote + (f"\nmodel saved: {saved} (shardlab generate {out} --prompt \"def \"; "
+                    f"shardlab checkpoint export {out} --hf hf-model)")

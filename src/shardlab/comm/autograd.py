@@ -52,7 +52,8 @@ from shardlab import comm
 from shardlab.comm.dispatch import Group
 from shardlab.comm.graph_break import graph_break
 
-# Bytes each rank sends on a ring per byte of buffer (the nccl-tests busbw factors, see DESIGN.md).
+# Bytes each rank sends on a ring per byte of buffer (the nccl-tests busbw factors:
+# NVIDIA nccl-tests, doc/PERFORMANCE.md).
 _BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n}
 

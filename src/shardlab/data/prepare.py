@@ -230,6 +230,25 @@ def prepare(sources: list[str], out: str | os.PathLike[str], tokenizer: str = "b
 
     todo = [i for i in range(len(units)) if i not in reuse]
     workers = workers or min(os.cpu_count() or 1, max(len(todo), 1))
+    try:
+        _encode_all(units, todo, spec, field, parts_dir, dtype, workers, progress)
+    except BaseException:
+        _drop_if_empty(parts_dir)
+        raise
+    result = _assemble(out, parts_dir, units, tok, dtype, sources, len(reuse))
+    shutil.rmtree(parts_dir)
+    return result
+
+
+def _drop_if_empty(parts_dir: Path) -> None:
+    """A run stopped before any file was whole (and no BPE was trained) leaves nothing to resume:
+    its OUT.parts/ goes, rather than staying behind as a directory that only names the inputs."""
+    if not any(parts_dir.glob("[0-9]*.npz")) and not (parts_dir / "bpe.json").exists():
+        shutil.rmtree(parts_dir, ignore_errors=True)
+
+
+def _encode_all(units: list[Unit], todo: list[int], spec: dict[str, Any], field: str, parts_dir: Path,
+                dtype: str, workers: int, progress: bool) -> None:
     from shardlab.data.progress import FileProgress  # lazy: it imports rich, which only the encoding shows
 
     with FileProgress(sum(units[i].size for i in todo), len(todo), enabled=progress,
@@ -247,9 +266,6 @@ def prepare(sources: list[str], out: str | os.PathLike[str], tokenizer: str = "b
                 for fut in as_completed(futures):
                     fut.result()  # a worker's error (a bad record, naming its file and line) stops the run
                     bar.advance(units[futures[fut]].size)
-    result = _assemble(out, parts_dir, units, tok, dtype, sources, len(reuse))
-    shutil.rmtree(parts_dir)
-    return result
 
 
 def _assemble(out: Path, parts_dir: Path, units: list[Unit], tok: Tokenizer, dtype: str, sources: list[str],

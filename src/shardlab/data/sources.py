@@ -1,12 +1,15 @@
 """Where text comes from: sources named on the command line, expanded to files, read as documents.
 
 A SOURCE is 'stdlib' (the Python standard library's sources on this machine), a directory (its
-files with a known suffix, recursively), a glob (`**` recursive) or a file. Each file is a unit of
-work for `shardlab data prepare` and yields documents by its kind:
+files with a known suffix, recursively, also under .gz/.zst), a glob (`**` recursive) or a file.
+Each file is a unit of work for `shardlab data prepare` and yields documents by its kind, which its
+content decides whatever its name (data/formats.py; gzip and zstd are decompressed first):
 
-  text     the whole file is one document (.py, .md, .txt, ... or any file a glob or a path names);
-  jsonl    one document per line: the string in `field` of each JSON object (.jsonl, .ndjson);
-  parquet  one document per row: the string column `field` (.parquet; needs pyarrow).
+  text     the whole file is one document;
+  jsonl    one document per line: the string in `field` of each JSON object (JSON Lines, as
+           `datasets`' to_json writes to .json);
+  json     one document per element of a JSON array of objects: the string in `field`;
+  parquet  one document per row: the string column `field` (needs pyarrow).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardlab.data.formats import (COMPRESSED_SUFFIXES, detect, inner_suffix, read_decompressed, text_lines)
 from shardlab.data.tokenfile import MAGIC as TOKEN_FILE_MAGIC
 
 TEXT_EXTENSIONS = frozenset(
@@ -33,6 +37,7 @@ FILE_SEPARATOR = b"\n\x0c\n"
 model can learn that a new document starts there."""
 
 JSONL_EXTENSIONS = frozenset({".jsonl", ".ndjson"})
+"""Taken from a directory beside TEXT_EXTENSIONS (the content, not the suffix, decides how each is read)."""
 PARQUET_EXTENSIONS = frozenset({".parquet"})
 
 # Skipped in the default corpus: third-party code (not stdlib), the huge test suites (they would
@@ -89,15 +94,6 @@ def stdlib_files() -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def file_kind(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix in JSONL_EXTENSIONS:
-        return "jsonl"
-    if suffix in PARQUET_EXTENSIONS:
-        return "parquet"
-    return "text"
-
-
 @dataclass(frozen=True)
 class Unit:
     """One input file and how to read it; (path, size, mtime) says whether it changed since a run."""
@@ -106,11 +102,19 @@ class Unit:
     kind: str
     size: int
     mtime_ns: int
+    compression: str = ""
+    """'', 'gzip' or 'zstd' (data/formats.py)."""
 
     @classmethod
     def of(cls, path: Path) -> "Unit":
         st = path.stat()
-        return cls(str(path), file_kind(path), st.st_size, st.st_mtime_ns)
+        fmt = detect(path)
+        return cls(str(path), fmt.kind, st.st_size, st.st_mtime_ns, fmt.compression)
+
+    @property
+    def plain_text(self) -> bool:
+        """Uncompressed text: the trainer can read its bytes as they are (no parsing, no decompressing)."""
+        return self.kind == "text" and not self.compression
 
 
 def expand_source(source: str) -> list[Path]:
@@ -121,11 +125,12 @@ def expand_source(source: str) -> list[Path]:
     path = Path(expanded)
     if path.is_dir():
         known = TEXT_EXTENSIONS | JSONL_EXTENSIONS | PARQUET_EXTENSIONS
-        files = sorted((p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in known),
+        files = sorted((p for p in path.rglob("*") if p.is_file() and inner_suffix(p) in known),
                        key=lambda p: p.relative_to(path).as_posix())
         if not files:
             raise FileNotFoundError(f"directory {source!r} holds no text, JSONL or Parquet files "
-                                    f"(looked for {', '.join(sorted(known))}); pass a glob to read others")
+                                    f"(looked for {', '.join(sorted(known))}, also ending "
+                                    f"{'/'.join(COMPRESSED_SUFFIXES)}); pass a glob to read others")
         return files
     if path.is_file():
         return [path]
@@ -159,22 +164,34 @@ def expand_sources(sources: list[str], max_bytes: int | None = None) -> list[Uni
 
 def read_documents(unit: Unit, field: str = "text") -> Iterator[str | bytes]:
     """The documents of one file: bytes for a text file (the byte tokenizer keeps undecodable bytes
-    as they are), str for JSONL and Parquet records."""
+    as they are), str for JSON Lines, JSON array and Parquet records."""
     path = Path(unit.path)
     if unit.kind == "text":
-        data = path.read_bytes()
+        data = read_decompressed(path, unit.compression)
         check_text(path, data[:4096])
         yield data
     elif unit.kind == "jsonl":
-        yield from _jsonl_documents(path, field)
+        yield from _jsonl_documents(path, field, unit.compression)
+    elif unit.kind == "json":
+        yield from _json_array_documents(path, field, unit.compression)
     elif unit.kind == "parquet":
         yield from _parquet_documents(path, field)
     else:
         raise ValueError(f"{path}: unknown kind {unit.kind!r}")
 
 
-def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:
+def _record_text(record: object, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{where}: no field {field!r} (found: {keys}); choose one with --jsonl-field")
+    text = record[field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: field {field!r} is {type(text).__name__}, not a string")
+    return text
+
+
+def _jsonl_documents(path: Path, field: str, compression: str) -> Iterator[str]:
+    with text_lines(path, compression) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -182,13 +199,19 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from exc
-            if not isinstance(record, dict) or field not in record:
-                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{path}:{lineno}: no field {field!r} (found: {keys}); choose one with --jsonl-field")
-            text = record[field]
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, not a string")
-            yield text
+            yield _record_text(record, field, f"{path}:{lineno}")
+
+
+def _json_array_documents(path: Path, field: str, compression: str) -> Iterator[str]:
+    """A JSON array of records is parsed whole: its form has no line to stop at."""
+    try:
+        records = json.loads(read_decompressed(path, compression))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: starts as a JSON array of records, but is not valid JSON ({exc})") from exc
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: starts as a JSON array of records, but holds a {type(records).__name__}")
+    for i, record in enumerate(records):
+        yield _record_text(record, field, f"{path}: record {i}")
 
 
 def _parquet_documents(path: Path, field: str) -> Iterator[str]:

@@ -9,6 +9,7 @@ and the diagnosis that joins them).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,27 @@ def load_dumps(directory: str | Path) -> dict[int, dict]:
             raise DoctorError(f"{path}: a flight record without a rank number ({exc!r})") from exc
     if not dumps:
         raise DoctorError(f"{folder} holds no flight records (rank*.json)")
+    _one_job(folder, dumps)
     return dumps
+
+
+def _one_job(folder: Path, dumps: dict[int, dict]) -> None:
+    """Refuse records of different jobs (a reused SHARDLAB_FLIGHT_DIR): compared, one job's ranks look
+    like ranks that parted. Records without a job (written before records carried one) pass."""
+    jobs: dict[str, list[int]] = {}
+    for rank, data in sorted(dumps.items()):
+        if data.get("job") is not None:
+            jobs.setdefault(str(data["job"]), []).append(rank)
+    if len(jobs) > 1:
+        def when(ranks: list[int]) -> str:
+            t = dumps[ranks[0]].get("time")
+            return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "?"
+
+        listed = "; ".join(f"rank(s) {ranks_text(r)} of job {job!r} (pid {dumps[r[0]].get('pid', '?')}, "
+                           f"written {when(r)})" for job, r in jobs.items())
+        raise DoctorError(f"{folder} holds the flight records of {len(jobs)} different jobs: {listed}. Records of "
+                          f"different jobs cannot be compared (a reused SHARDLAB_FLIGHT_DIR?): give the doctor a "
+                          f"directory holding one job's records")
 
 
 def signature(e: dict) -> tuple:

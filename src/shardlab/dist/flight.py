@@ -220,10 +220,21 @@ def snapshot(reason: str) -> dict:
         ch["peer"] = ranks[ch["peer"]] if 0 <= ch["peer"] < len(ranks) else ch["peer"]
     _note_frozen()  # a gap still open: this dump is made right after the process was let run again
     return {"format": FORMAT, "rank": rank, "world_size": world, "backend": backend, "pid": os.getpid(),
-            "host": socket.gethostname(), "reason": reason, "time": time.time(), "enabled": _ON,
+            "host": socket.gethostname(), "job": job_id(), "reason": reason, "time": time.time(), "enabled": _ON,
             "size": _SIZE, "groups": groups, "channels": channels,
             "entries": [_entry_json(e) for e in entries], "stacks": _stacks(),
             "frozen": [{"from": a, "to": b} for a, b in list(_frozen)]}
+
+
+def job_id() -> str:
+    """The job this rank belongs to, the same on all its ranks and no other job's: install()'s (a
+    local launch: the launcher's host, pid and launch directory), else torchrun's run id and restart
+    attempt, else this process's parent on this host. The doctor refuses records of several jobs."""
+    if _state.get("job"):
+        return str(_state["job"])
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun {os.environ['TORCHELASTIC_RUN_ID']} attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"{socket.gethostname()}:{os.getppid()}"
 
 
 def dump_dir() -> Path:
@@ -312,12 +323,15 @@ def _on_usr1(signum: int, frame: Any) -> None:
     _signal_dump()
 
 
-def install(rank: int | None = None, directory: str | os.PathLike | None = None) -> None:
-    """Set where this rank dumps and make SIGUSR1 dump it, even while it is blocked in a collective.
+def install(rank: int | None = None, directory: str | os.PathLike | None = None, job: str | None = None) -> None:
+    """Set where this rank dumps (and the job it belongs to: `job_id`) and make SIGUSR1 dump it, even
+    while it is blocked in a collective.
 
     Call early in the rank's process, from the main thread (signal handlers can only be set there);
     elsewhere only the directory is set."""
     _state["rank"] = rank
+    if job is not None:
+        _state["job"] = job
     if directory is not None:
         _state["dir"] = str(directory)
     if threading.current_thread() is not threading.main_thread() or _state.get("installed"):

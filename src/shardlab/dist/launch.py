@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable
@@ -89,10 +90,10 @@ def host_store(addr: str | None, port: int, timeout_s: float) -> tuple[dist.TCPS
 
 
 def _rank_main(spec: RankSpec, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-    # First: SIGTERM and SIGHUP raise like Ctrl-C (the trainer stops at a step boundary instead). A
-    # signal sent to the whole group reaches a starting rank too; the forkserver's ignoring of it,
-    # inherited, covers the moments before this.
-    signals.install()
+    # First: SIGTERM and SIGHUP raise like Ctrl-C (the trainer, whose function says it stops at a
+    # step boundary, records them from here on). A signal sent before this (to the whole group, or
+    # forwarded by the launcher) was kept pending by the forkserver's mask, inherited, and arrives now.
+    signals.install(cooperative=getattr(fn, "stops_at_step_boundary", False))
     adopt(spec.launcher)
     die_with_parent(spec.parent_pid, spec.workdir)
     setup_output(spec)
@@ -243,32 +244,41 @@ def launch(
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     backend = backend or default_backend(world_size)
 
-    ctx = rank_context()
-    launcher = LauncherState.capture()
-    store, addr, port = host_store(master_addr, master_port, timeout_s)
-    with tempfile.TemporaryDirectory(prefix="shardlab-launch-") as workdir:
-        procs: list = []
-        watch = FlightWatch(procs, workdir).start()  # the hang doctor's records (dist/hang.py)
-        try:
-            for rank in range(world_size):
-                spec = RankSpec(rank, world_size, addr, port, backend, threads, timeout_s, output, workdir, os.getpid(),
-                                launcher)
-                p = ctx.Process(target=_rank_main, args=(spec, fn, args, kwargs), name=f"shardlab-rank{rank}")
-                p.start()
-                procs.append(p)
-            with signals.forwarding(procs):  # SIGTERM/SIGHUP/Ctrl-C: passed on, the ranks given a grace period
+    procs: list = []
+    # SIGTERM/SIGHUP/Ctrl-C from here on: passed on to the ranks, each of which keeps it pending until
+    # it can act on it (_rank_main); the ranks get a grace period.
+    with signals.forwarding(procs):
+        ctx = rank_context()
+        launcher = LauncherState.capture()
+        store, addr, port = host_store(master_addr, master_port, timeout_s)
+        with tempfile.TemporaryDirectory(prefix="shardlab-launch-") as workdir:
+            watch = FlightWatch(procs, workdir).start()  # the hang doctor's records (dist/hang.py)
+            try:
+                # Held while the ranks start: the forkserver (started by the first) and each rank inherit
+                # the mask, so a signal to the whole group waits in each, and the one to this process
+                # is forwarded to every rank once they are all started. multiprocessing's resource
+                # tracker is started first: starting it unblocks SIGINT and SIGTERM here (CPython's
+                # resource_tracker.ensure_running), which would leave the forkserver to die of them.
+                resource_tracker.ensure_running()
+                with signals.held():
+                    for rank in range(world_size):
+                        spec = RankSpec(rank, world_size, addr, port, backend, threads, timeout_s, output, workdir,
+                                        os.getpid(), launcher)
+                        p = ctx.Process(target=_rank_main, args=(spec, fn, args, kwargs), name=f"shardlab-rank{rank}")
+                        p.start()
+                        procs.append(p)
                 _supervise(procs, workdir, watch)
-        finally:
-            watch.close()
-            stop_ranks(procs)
-            if output == "ranks":
-                _print_rank_logs(world_size, workdir)
-            del store
-        results = []
-        for rank in range(world_size):
-            with open(Path(workdir) / f"rank{rank}.out", "rb") as f:
-                results.append(pickle.load(f))
-        return results
+            finally:
+                watch.close()
+                stop_ranks(procs)
+                if output == "ranks":
+                    _print_rank_logs(world_size, workdir)
+                del store
+            results = []
+            for rank in range(world_size):
+                with open(Path(workdir) / f"rank{rank}.out", "rb") as f:
+                    results.append(pickle.load(f))
+    return results
 
 
 def _supervise(procs: list, workdir: str, watch: FlightWatch | None = None) -> None:

@@ -13,6 +13,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -186,7 +187,9 @@ def setup_output(spec: RankSpec) -> None:
 
 def init_rank(spec: RankSpec) -> None:
     """Set this rank's environment and threads, then join the process group through the parent's store."""
-    flight.install(spec.rank, rank_dir(spec.workdir))  # first: SIGUSR1 must dump, never kill the rank
+    # first: SIGUSR1 must dump, never kill the rank; the job: the launcher and its launch directory
+    flight.install(spec.rank, rank_dir(spec.workdir), job=f"{socket.gethostname()}:{spec.parent_pid} "
+                                                          f"{os.path.basename(spec.workdir)}")
     local_world = spec.world_size  # local spawns are single-node: every rank is local
     os.environ.update(
         RANK=str(spec.rank),

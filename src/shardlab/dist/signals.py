@@ -89,6 +89,7 @@ _received = 0  # the first stop signal received (0: none)
 _received_at = 0.0  # when (time.monotonic())
 _cooperative = 0  # depth of cooperative() blocks: a signal is recorded, not raised
 _forward: Any = None  # the launcher's per-signal callback while it supervises ranks
+_holding = False  # inside held(): a signal is recorded, forwarded at the block's end
 
 
 def received() -> int:
@@ -109,6 +110,8 @@ def _handler(signum: int, frame: FrameType | None) -> None:
         _received, _received_at = signum, now
     elif now - _received_at < SAME_STOP_S:
         return  # the first one delivered again (to the process and to its group): one stop
+    if _holding:
+        return  # recorded; forwarded when the block of held() ends
     if _forward is not None:
         _forward(signum, first)
     elif not _cooperative:
@@ -119,12 +122,18 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def install() -> None:
-    """Raise Terminated on every stop signal from now on (a rank's process: nothing to restore)."""
-    global _received
+def install(cooperative: bool = False) -> None:
+    """Raise Terminated on every stop signal from now on (a rank's process: nothing to restore), or
+    with `cooperative` only record it, as inside `cooperative()`, from the first moment: a rank whose
+    work stops itself at a boundary (the trainer) acts on a signal that came while it started. Then
+    unblock them: a rank forked from the forkserver starts with them blocked (shardlab/_forkserver.py),
+    so one sent before this point was kept pending, and is handled now."""
+    global _received, _cooperative
     _received = 0
+    _cooperative = int(cooperative)
     for s in STOP_SIGNALS:
         signal.signal(s, _handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))
 
 
 @contextmanager
@@ -158,6 +167,28 @@ def cooperative() -> Iterator[None]:
         finally:
             _cooperative -= 1
 
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """Block the stop signals in this thread for the block: one that comes meanwhile is handled when
+    it ends. Processes started inside inherit the mask (fork and exec alike), so a signal sent to
+    the whole group waits in them too (the launcher starting the forkserver and its ranks)."""
+    global _holding
+    if not _in_main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+    _holding, before = True, _received
+    try:
+        yield
+    finally:
+        # Another thread of this process may have taken the signal meanwhile: its Python handler ran
+        # here (recorded, not forwarded: _handler); forward it now that every rank exists.
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _holding = False
+        if _received and not before and _forward is not None:
+            _forward(_received, True)
 
 
 @contextmanager

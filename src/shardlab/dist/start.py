@@ -77,6 +77,7 @@ def default_stop_signals() -> None:
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_IGN:
             signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})  # blocked there too
 
 
 def adopt(state: LauncherState | None) -> None:

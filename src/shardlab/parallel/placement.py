@@ -1,8 +1,8 @@
 """The placement record: for every parameter, by its plain model name, what each mesh axis does to it.
 
-This is shardlab's one description of where a parameter lives (docs/ARCHITECTURE.md; DESIGN.md
-principle 12). It follows JAX's `PartitionSpec` and torch's DTensor placements: a parameter has,
-for each named mesh axis, one of
+This is shardlab's one description of where a parameter lives (docs/ARCHITECTURE.md, "parallel:
+the placement record"). It follows JAX's `PartitionSpec` and torch's DTensor placements: a
+parameter has, for each named mesh axis, one of
 
   Replicate()             every rank of the axis holds the same tensor (the default: an axis a
                           parameter does not list replicates it);

@@ -123,7 +123,10 @@ def explain(result: SearchResult, spec: ModelSpec, gpus: int, alternatives: int 
     out: list[str] = ties(result, use)
     if result.ranked:
         out += prediction_lines(result.ranked[0], use)
-    if not result.ranked:
+    if not result.ranked and not (result.misses or result.refused):  # nothing got as far as its memory
+        out.append(f"No layout of {spec.name} on {gpus} devices can be built: every combination was refused "
+                   f"before its memory was counted (below).")
+    elif not result.ranked:
         out.append(f"No layout of {spec.name} on {gpus} devices fits in memory.")
     else:
         best = result.ranked[0]
@@ -156,6 +159,8 @@ def explain(result: SearchResult, spec: ModelSpec, gpus: int, alternatives: int 
 
 
 def _misses(result: SearchResult, gpus: int) -> list[str]:
+    if not result.misses and not result.ranked:
+        return []
     if not result.misses:
         return [f"Every parallel shape has some layout that fits ({len(result.ranked)} fit)."]
     lines = [f"{len(result.misses)} (degrees, ZeRO, recompute) combinations do not fit; for example:"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -130,11 +131,12 @@ class DataSource:
 
     @cached_property
     def has_containers(self) -> bool:
-        """Whether a text source names JSONL or Parquet files: their records, not their bytes, are the
-        text, so they are prepared (parsed) as `shardlab data prepare` does, whatever the tokenizer."""
+        """Whether a text source names records (JSON Lines, JSON arrays, Parquet: their records, not their
+        bytes, are the text, whatever the file's name) or compressed files: they are prepared (parsed,
+        decompressed) as `shardlab data prepare` does, whatever the tokenizer."""
         if self.spec in ("", "stdlib") or self.kind != "text":
             return False
-        return any(u.kind != "text" for u in expand_sources([self.spec], self.section.max_bytes or None))
+        return any(not u.plain_text for u in expand_sources([self.spec], self.section.max_bytes or None))
 
     @property
     def needs_preparing(self) -> bool:
@@ -200,8 +202,9 @@ def load_corpus(src: DataSource, seq_len: int, split: bool) -> np.ndarray:
 def prepared_path(d: DataSection) -> Path:
     """Where a text source encoded with a non-byte tokenizer is cached: named by what made it."""
     units = expand_sources([d.source or "stdlib"], d.max_bytes or None)
-    tok = f"bpe{d.bpe_vocab}" if d.tokenizer == "bpe" else Path(d.tokenizer or "bytes").name
-    key = {"units": [(u.path, u.size, u.mtime_ns) for u in units], "tokenizer": d.tokenizer,
+    tok = f"bpe{d.bpe_vocab}" if d.tokenizer == "bpe" else tokenizer_label(d.tokenizer or "bytes")
+    # The kind too: a file read as text before content decided its kind is another corpus now.
+    key = {"units": [(u.path, u.size, u.mtime_ns, u.kind, u.compression) for u in units], "tokenizer": d.tokenizer,
            "bpe_vocab": d.bpe_vocab if d.tokenizer == "bpe" else 0}
     if any(u.kind != "text" for u in units):
         key["field"] = d.jsonl_field  # another field is another text
@@ -209,8 +212,22 @@ def prepared_path(d: DataSection) -> Path:
         key["sha256"] = file_digest(Path(d.tokenizer).expanduser())  # another file under the same name
     key = json.dumps(key, sort_keys=True)
     stem = Path(d.source).stem if d.source not in ("", "stdlib") else "stdlib"
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._-")  # a glob's '*' is no part of a file name
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     return Path(d.cache_dir).expanduser() / f"{stem or 'corpus'}-{tok}-{digest}.tok"
+
+
+def tokenizer_label(tokenizer: str) -> str:
+    """A tokenizer file's short name for a cache file's name: `gpt2/tokenizer.json` -> 'gpt2',
+    `lic.tokenizer.json` -> 'lic', `cl100k_base.tiktoken` -> 'cl100k_base'."""
+    path = Path(tokenizer)
+    name = path.name
+    for suffix in (".json", ".tiktoken", ".model"):
+        name = name.removesuffix(suffix)
+    name = name.removesuffix(".tokenizer")
+    if name == "tokenizer":  # the file Hugging Face names tokenizer.json: its directory says whose
+        name = path.resolve().parent.name or name
+    return name
 
 
 def encode_text(d: DataSection, progress: bool = True) -> DataSection:

@@ -8,8 +8,9 @@ generation_config.json, and bos/eos ids (the tokenizer's end-of-text token, as G
 both; a source model's own ids when the run started from one). A run that started from a Hugging
 Face checkpoint (model.init_from_hf) keeps that model's settings the training did not change: its
 position limit (GPT-2: the rows of the position table past model.seq_len are the source's, untrained
-here, so the export reads as long a context as the source did; Llama: max_position_embeddings) and
-its dropout probabilities (the trainer's model.dropout is a training setting, 0 by default).
+here, so the export reads as long a context as the source did; Llama: max_position_embeddings).
+Dropout is what was trained (model.dropout, which --init-from-hf takes from the source's resid_pdrop),
+never the source's: checkpoint/hf.py's hf_config.
 """
 
 from __future__ import annotations
@@ -29,10 +30,6 @@ from shardlab.train.config import Config
 from shardlab.train.corpus import DataSource
 from shardlab.train.sections import DataSection
 from shardlab.train.task import gpt_config
-
-# config.json fields of dropout, per family: kept from a source model.
-_DROPOUT = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"),
-            "llama": ("attention_dropout",)}
 
 
 def export_hf(path: str | os.PathLike, out: str | os.PathLike) -> list[str]:
@@ -55,10 +52,12 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike) -> list[str]:
     bos = eos = tok.eot if tok is not None else None
     extra: dict = {}
     if cfg.model.init_from_hf:
-        bos, eos = _keep_source(Path(cfg.model.init_from_hf), family, gcfg, tensors, extra, notes, bos, eos,
-                                cfg.model.dropout)
+        bos, eos = _keep_source(Path(cfg.model.init_from_hf), family, gcfg, tensors, notes, bos, eos)
     elif family == "gpt2":
         notes.append(f"n_positions {gcfg.seq_len}: model.seq_len, the positions the model has")
+    notes.append(f"dropout {gcfg.dropout}: model.dropout, what was trained" + (
+        " (resid_pdrop, attn_pdrop; embd_pdrop 0.0: shardlab has none after the embeddings)" if family == "gpt2"
+        else " (attention_dropout)"))
     extra.update(bos_token_id=bos, eos_token_id=eos)
     named = f" ({tok.decode([eos])!r})" if tok is not None and eos is not None and eos < tok.vocab_size else ""
     notes.append(f"bos_token_id {bos}, eos_token_id {eos}{named}" + ("" if eos is not None else
@@ -90,12 +89,12 @@ def _tokenizer(d: DataSection, notes: list[str]):
     return tok
 
 
-def _keep_source(src: Path, family: str, gcfg: GPTConfig, tensors: dict[str, torch.Tensor], extra: dict,
-                 notes: list[str], bos: int | None, eos: int | None, dropout: float) -> tuple[int | None, int | None]:
-    """What the run kept of the Hugging Face model it started from: position limit, dropout, bos/eos."""
+def _keep_source(src: Path, family: str, gcfg: GPTConfig, tensors: dict[str, torch.Tensor],
+                 notes: list[str], bos: int | None, eos: int | None) -> tuple[int | None, int | None]:
+    """What the run kept of the Hugging Face model it started from: position limit, bos/eos."""
     if not (src / "config.json").is_file():
         notes.append(f"model.init_from_hf = {str(src)!r}: no config.json there now, so the position limit "
-                     f"({gcfg.seq_len}) and dropout ({dropout}) are the run's")
+                     f"({gcfg.seq_len}) is the run's")
         return bos, eos
     source = json.loads((src / "config.json").read_text())
     limit = source.get("n_positions" if family == "gpt2" else "max_position_embeddings") or gcfg.seq_len
@@ -115,11 +114,6 @@ def _keep_source(src: Path, family: str, gcfg: GPTConfig, tensors: dict[str, tor
             else:
                 notes.append(f"n_positions {trained}: the source's {limit}-row position table is not in {src} "
                              f"now; only the trained rows are exported")
-    kept = {k: source[k] for k in _DROPOUT[family] if k in source}
-    if kept:
-        extra.update(kept)
-        notes.append("dropout " + ", ".join(f"{k} {v}" for k, v in kept.items()) + f": the source's (the run "
-                     f"trained with model.dropout = {dropout})")
     ids = [source.get(k) for k in ("bos_token_id", "eos_token_id")]
     if all(isinstance(i, int) and 0 <= i < gcfg.vocab_size for i in ids):
         return ids[0], ids[1]

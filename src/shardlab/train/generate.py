@@ -102,9 +102,8 @@ def _tokenizer(spec: str, what: str) -> Tokenizer:
 
 def _checkpoint(p: Path):
     """(the checkpoint directory, its metadata, the run's Config) for a run, root or step_N directory."""
-    root = p / "checkpoints" if (p / "checkpoints").is_dir() and not (p / "metadata.json").is_file() else p
     try:
-        ckpt = resolve_checkpoint(root)
+        ckpt = resolve_checkpoint(p)  # a run directory's checkpoints/ too
         meta = read_metadata(ckpt)
     except CheckpointError as exc:
         raise GenerateError(f"{exc} (nor a Hugging Face directory: config.json and *.safetensors)") from exc

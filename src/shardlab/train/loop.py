@@ -41,6 +41,7 @@ from shardlab.train.applied import applied_everywhere
 from shardlab.train.compile import (compile_model, compiled_everywhere, compiled_target_count, describe_compiled,
                                     reset_compile_counters)
 from shardlab.train.mfu import FlopsAccounting, run_flops
+from shardlab.train.nonfinite import nothing_trained, raise_together
 from shardlab.train.memory_tracker import MemoryTracker
 from shardlab.train.metrics import MetricsWriter, step_line
 from shardlab.train.plot import plot_loss
@@ -95,6 +96,9 @@ def train_rank(run: Run) -> dict[str, Any] | None:
     Under train.deterministic the whole run is in its mode (parallel/deterministic/mode.py)."""
     with signals.cooperative(), deterministic_mode(run.config.train.deterministic):
         return _train(run)
+
+
+train_rank.stops_at_step_boundary = True  # type: ignore[attr-defined]  # a signal at start-up is kept for it
 
 
 def _train(run: Run) -> dict[str, Any] | None:
@@ -174,7 +178,9 @@ def _train(run: Run) -> dict[str, Any] | None:
     stopped_by = 0  # the stop signal the ranks agreed to end on (0: none)
     for step in range(start_step, t.steps):
         inject_fault(step, rank)
-        logged = step % t.log_every == 0 or step == t.steps - 1
+        # Steps count from 1 on the console: the first, every log_every-th (so step 100's line also
+        # carries its validation loss when eval_every is a multiple) and the last.
+        logged = step == 0 or (step + 1) % t.log_every == 0 or step == t.steps - 1
         tracker = MemoryTracker(device) if (logged and track_memory) else None
         window.started()
         if tracker is not None:
@@ -193,9 +199,9 @@ def _train(run: Run) -> dict[str, Any] | None:
         # a one-number collective on a CPU group, which never waits for the device.
         stopped_by = stop.agree(signals.requested())
         evaluating = not stopped_by and ((t.eval_every and (step + 1) % t.eval_every == 0) or step == t.steps - 1)
-        save_every = run.checkpoint.every
-        saving = checkpointer is not None and ((save_every and ((step + 1) % save_every == 0 or step == t.steps - 1))
-                                               or (stopped_by and run.checkpoint.save_on_signal))
+        ck, last = run.checkpoint, step == t.steps - 1
+        saving = checkpointer is not None and ((ck.every and ((step + 1) % ck.every == 0 or last))
+                                               or (ck.final and last) or (stopped_by and ck.save_on_signal))
         if not (logged or evaluating or saving or stopped_by):
             continue
         # Read the window: one synchronisation and one gather for the steps since the last read; a
@@ -214,10 +220,10 @@ def _train(run: Run) -> dict[str, Any] | None:
                 with autocast_context(lay.precision, device):
                     rec["val_loss"] = evaluate(model, task, dp_rank, dp_size, t.eval_batches, device, dp_group)
             records.append(rec)
-            rec_logged = done % t.log_every == 0 or done == t.steps - 1
+            rec_logged = done == 0 or (done + 1) % t.log_every == 0 or done == t.steps - 1
             if writer is not None:
                 writer.write(rec)
-                if rec_logged or "val_loss" in rec:
+                if rec_logged or "val_loss" in rec or (skipped and not loss_scaling):  # each skip said
                     print(step_line(rec, t.steps), flush=True)
             if rec_logged:
                 window.logged()
@@ -230,12 +236,15 @@ def _train(run: Run) -> dict[str, Any] | None:
             break
 
     feed.close()
+    failed = nothing_trained(model, optimizer, task, records, setup, lambda s: lr_at(s, o, t))  # all skipped
+    saved = None  # the newest checkpoint this run wrote
     if checkpointer is not None:
-        checkpointer.close()  # waits for an asynchronous save still in flight
+        saved = checkpointer.wait()  # an asynchronous save still in flight committed
+        checkpointer.close()
     wall = time.perf_counter() - run_start
     sample = None
     m, log = run.model, run.log
-    if m.name == "gpt" and log.sample_tokens > 0 and task.tokenizer is not None and not stopped_by:
+    if m.name == "gpt" and log.sample_tokens > 0 and task.tokenizer is not None and not (stopped_by or failed):
         # Every rank samples the same text (same seed): a sharded layout needs all ranks in forward,
         # and a pipeline's forward passes through every stage and hands the logits to all of them.
         # Sequence parallelism splits every sequence over tp, context parallelism into 2 cp chunks (and
@@ -246,7 +255,7 @@ def _train(run: Run) -> dict[str, Any] | None:
                                  multiple=(lay.tp if lay.sp else 1) * (2 * lay.cp if lay.cp > 1 else 1),
                                  tokenizer=task.tokenizer)
     if rank != 0:
-        return None
+        return raise_together(failed)
     assert writer is not None
     writer.close()
     if not records:  # resumed from a checkpoint of the last step: nothing left to train
@@ -260,6 +269,8 @@ def _train(run: Run) -> dict[str, Any] | None:
         summary["final_val_bits_per_byte"] = summary["final_val_loss"] / math.log(2) / task.bytes_per_token
     if resumed:
         summary["resumed_from"] = resumed
+    if saved is not None:
+        summary["checkpoint"] = str(saved)
     summary["applied"] = facts
     if t.compile:
         summary["compiled"] = compiled
@@ -270,6 +281,7 @@ def _train(run: Run) -> dict[str, Any] | None:
                          "comm_wait_share": sum(s[r] for s in shares) / len(shares)} for r in range(world)]
     # Again, whole: summary.json held only what _finish knew (no bits per byte, resume or ranks).
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    raise_together(failed)
     return summary
 
 
@@ -301,7 +313,7 @@ def checkpoint_dir(ck: CheckpointSection, out_dir: str | Path) -> Path:
 
 def open_checkpoints(ck: CheckpointSection, root: Path, steps: int, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer) -> tuple[Any, int, str | None]:
-    """The checkpointer (None when checkpoint.every is 0), the step to start from, and the
+    """The checkpointer (None when nothing is ever saved), the step to start from, and the
     checkpoint resumed from (None: afresh), under `root` (checkpoint_dir), for a run of `steps` steps
     (train.steps). Every rank, at the same point: loading is collective.
 
@@ -309,7 +321,7 @@ def open_checkpoints(ck: CheckpointSection, root: Path, steps: int, model: torch
     "latest" takes the newest one that passes and says on rank 0 which newer ones it skipped and
     why; a named one that fails is refused."""
     checkpointer = Checkpointer(root, keep=ck.keep or None, async_save=ck.async_save) \
-        if ck.every or ck.save_on_signal else None
+        if ck.every or ck.final or ck.save_on_signal else None
     if ck.resume == "latest":
         path, skipped = newest_verified(root, agreed=True)
         if skipped and (not dist.is_initialized() or dist.get_rank() == 0):

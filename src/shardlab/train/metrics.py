@@ -66,6 +66,8 @@ def step_line(rec: dict[str, Any], steps: int) -> str:
             parts[-1] += f", reserved {fmt_bytes(max(rec['peak_reserved_bytes']))}"
     if rec.get("loss_scale") is not None:
         parts.append(f"loss scale {rec['loss_scale']:g}" + (" (overflow: step skipped)" if rec.get("skipped") else ""))
+    elif rec.get("skipped"):  # optim.on_nonfinite = 'skip'
+        parts.append("gradient norm not finite: step skipped (no update)")
     if rec.get("val_loss") is not None:
         parts.append(f"val {rec['val_loss']:.4f}")
     return " | ".join(parts)

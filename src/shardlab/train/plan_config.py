@@ -54,12 +54,36 @@ def config_from_plan(spec: ModelSpec, lay: Execution, global_batch: int, base: C
     return cfg
 
 
-def write_config(spec: ModelSpec, lay: Execution, global_batch: int, path: str, base: Config | None = None) -> list[str]:
-    """Write `lay`'s configuration to `path` (TOML, headed by the layout's name); return the
-    trainer's reasons to refuse it (empty: `shardlab train --config path` runs it)."""
+BYTE_IDS = 256
+"""The default data's vocabulary (the stdlib's sources as bytes)."""
+
+
+def write_config(spec: ModelSpec, lay: Execution, global_batch: int, path: str, base: Config | None = None,
+                 devices_per_node: int = 0) -> list[str]:
+    """Write `lay`'s configuration to `path` (TOML, headed by the layout's name and how to launch it);
+    return the trainer's reasons to refuse it (empty: `shardlab train --config path` runs it).
+
+    devices_per_node: the plan's machines; the ranks fill whole nodes of that many (layout.nodes), as
+    the planner placed its groups. Without a `base`, a model of more ids than bytes gets a data.source
+    placeholder naming what to make (the defaults' bytes would leave most of its vocabulary unused):
+    `shardlab train --dry-run` refuses it, as a source that does not exist, until it is replaced."""
     cfg = config_from_plan(spec, lay, global_batch, base)
+    world = cfg.world_size
+    if devices_per_node and world > devices_per_node and world % devices_per_node == 0:
+        cfg.layout.nodes = world // devices_per_node
+    per_node = world // cfg.layout.nodes
+    head = [f"# shardlab plan: {lay.name()}, global batch {global_batch}, {world} ranks: {cfg.layout.nodes} node(s) "
+            f"x {per_node} rank(s) per node",
+            f"#   torchrun --nnodes {cfg.layout.nodes} --nproc-per-node {per_node} ... -m shardlab train --config {path}"]
+    if base is None and spec.vocab_size > BYTE_IDS:
+        cfg.data.source = f"REPLACE-ME-with-a-token-file-of-{spec.vocab_size}-ids.tok"
+        head += [f"# data.source is a placeholder: the model has {spec.vocab_size:,} ids, the default data (bytes) "
+                 f"{BYTE_IDS}. Make a token file",
+                 f"# with your tokenizer (shardlab data prepare CORPUS --tokenizer TOKENIZER.json --out FILE.tok) "
+                 f"and name it there;",
+                 "# `shardlab train --dry-run` refuses this file until then."]
     with open(path, "w") as f:
-        f.write(f"# shardlab plan: {lay.name()}, global batch {global_batch}, {cfg.world_size} ranks\n")
+        f.write("\n".join(head) + "\n")
         f.write(cfg.to_toml())
     return cfg.problems()
 

@@ -1,22 +1,29 @@
-"""A run directory belongs to one run at a time, and a finished run is not trampled by the next.
+"""A run's directories belong to one run at a time, and a finished run is not trampled by the next.
 
 Two `shardlab train` runs with the same log.out_dir used to interleave their metrics.jsonl (broken
 lines, steps missing or doubled) and both exit 0; a run started again into a directory that held
-one replaced its metrics, TensorBoard events and checkpoints/step_* without a word.
+one replaced its metrics, TensorBoard events and checkpoints/step_* without a word; a run given
+another log.out_dir but a live run's --checkpoint-dir and --overwrite deleted that run's checkpoints.
 
-- **The lock**: `.shardlab-run.lock` in log.out_dir, created atomically (O_CREAT | O_EXCL) before
-  launch by the process that launches the ranks (rank 0 under torchrun), holding its pid, host, the
-  process's start time (Linux: /proc/PID/stat, so a reused pid is not taken for the run) and when.
-  A second run is refused, naming them. A lock left by a process of this host that no longer runs
-  (killed with SIGKILL, a machine that rebooted) is taken over, with a note; a lock from another
-  host cannot be checked from here and is refused, naming the host, with the file to remove.
+- **The lock**: `.shardlab-run.lock` in every directory the run writes (log.out_dir, the checkpoint
+  directory; `checkpoint export` locks its target), taken before launch by the process that
+  launches the ranks (rank 0 under torchrun), holding its pid, host, the process's start time
+  (Linux: /proc/PID/stat, so a reused pid is not taken for the run) and when. It is written whole
+  to a temporary file and then hard-linked into place (link fails if the lock exists), so no run
+  ever sees a half-written lock, and a full disk leaves no lock at all, only a clear error. A second
+  run is refused, naming them. A lock left by a process of this host that no longer runs (killed
+  with SIGKILL, a machine that rebooted), and an empty or unreadable one (written by an older
+  version on a full disk, or damaged), is taken over, with a note; a lock from another host cannot
+  be checked from here and is refused, naming the host, with the file to remove.
 - **A directory that holds a run** (a non-empty metrics.jsonl, or checkpoints step_*) is refused
   unless the run continues it (--resume) or replaces it (--overwrite: its checkpoints and TensorBoard
-  events are deleted first, listed; metrics.jsonl and the summary are rewritten by the run).
+  events are deleted first, listed; metrics.jsonl and the summary are rewritten by the run). The
+  locks are taken first, so --overwrite never deletes what a live run holds.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -56,50 +63,103 @@ def _alive(pid: int, started: str | None) -> bool:
 
 
 class RunLock:
-    """Held from acquire() to release(); `note` says what was taken over, if anything."""
+    """Held from acquire() to release(); `note` says what was taken over, if anything. `field` names
+    the directory in messages (log.out_dir, checkpoint.dir, --hf)."""
 
-    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
-        self.path = Path(out_dir) / LOCK
+    def __init__(self, directory: str | os.PathLike[str], field: str = "log.out_dir") -> None:
+        self.path = Path(directory) / LOCK
+        self.field = field
         self.note = ""
         self.held = False
 
-    def acquire(self, command: str = "shardlab train") -> "RunLock":
+    def acquire(self, command: str = "shardlab train", overwrite: bool = False) -> "RunLock":
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time(os.getpid()),
               "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command}
-        for _ in range(2):  # the second attempt after removing a stale lock
+        for _ in range(3):  # the later attempts after removing a stale lock
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                self._create(json.dumps(me))
             except FileExistsError:
-                other = self._read()
-                if other.get("host") == me["host"] and isinstance(other.get("pid"), int) \
-                        and not _alive(other["pid"], other.get("started")):
-                    self.note = (f"{self.path.parent}: took over the lock of pid {other['pid']} on {other['host']} "
-                                 f"(since {other.get('since', '?')}), which no longer runs")
+                other, stale = self._read()
+                if stale is None and other.get("host") == me["host"] and not _alive(other["pid"], other.get("started")):
+                    stale = f"the lock of pid {other['pid']} on {other['host']} (since {other.get('since', '?')}), " \
+                            f"which no longer runs"
+                if stale is not None:
+                    self.note = f"{self.path.parent}: took over {stale}"
                     self.path.unlink(missing_ok=True)
                     continue
-                where = f"pid {other.get('pid', '?')} on {other.get('host', '?')} since {other.get('since', '?')}"
+                where = f"pid {other['pid']} on {other.get('host', '?')} since {other.get('since', '?')}"
                 hint = ("" if other.get("host") == me["host"] else
                         f"; it cannot be checked from {me['host']}: remove {self.path} if that run has ended")
-                raise RunDirError(f"log.out_dir = {str(self.path.parent)!r} is in use by another run ({where}, "
-                                  f"{other.get('command', 'shardlab train')}){hint}; give this run another "
-                                  f"log.out_dir, or wait for that one to end") from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
+                raise RunDirError(f"{self.field} = {str(self.path.parent)!r} is in use by another run ({where}, "
+                                  f"{other.get('command', 'shardlab train')}){hint}; "
+                                  + ("--overwrite deletes nothing a live run holds; " if overwrite else "")
+                                  + f"give this run another {self.field}, or wait for that one to end") from None
             self.held = True
             return self
         raise RunDirError(f"{self.path}: could not take the lock (another run took it at the same moment)")
 
-    def _read(self) -> dict:
+    def _create(self, text: str) -> None:
+        """Write the lock whole to a temporary file, then link it into place: FileExistsError if a
+        lock exists; a write that fails (a full disk) leaves no lock, and says so (RunDirError)."""
+        tmp = self.path.with_name(f"{LOCK}.{os.getpid()}.{time.monotonic_ns()}.tmp")
         try:
-            data = json.loads(self.path.read_text())
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            return {}  # being written, or garbled: treated as held by an unknown process
+            try:
+                with open(tmp, "x") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:
+                raise RunDirError(f"{self.field} = {str(self.path.parent)!r}: cannot write the run lock "
+                                  f"{self.path.name}: {exc.strerror} ({errno.errorcode.get(exc.errno or 0, '?')})"
+                                  ) from exc
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                raise
+            except OSError as exc:  # a filesystem without hard links: create it exclusively instead
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                    raise
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _read(self) -> tuple[dict, str | None]:
+        """The lock's content, and why it is stale when it cannot be a live run's (None: judge its pid):
+        a lock is only ever linked into place whole, so an empty or unreadable one is no run's."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return {}, "a lock removed meanwhile"
+        except (OSError, UnicodeDecodeError) as exc:
+            return {}, f"an unreadable lock ({exc})"
+        if not text.strip():
+            return {}, "an empty lock (a run that could not write it: a full disk?)"
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
+            return {}, "an unreadable lock (not a run lock's JSON)"
+        return data, None
 
     def release(self) -> None:
-        if self.held and self._read().get("pid") == os.getpid():
+        if self.held and self._read()[0].get("pid") == os.getpid():
             self.path.unlink(missing_ok=True)
         self.held = False
+
+
+class RunLocks:
+    """Every lock of one run, released together (in the reverse order of taking)."""
+
+    def __init__(self) -> None:
+        self.locks: list[RunLock] = []
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
+        self.locks = []
 
 
 def run_contents(out_dir: str | os.PathLike[str], checkpoint_dir: str | os.PathLike[str]) -> list[str]:
@@ -138,21 +198,34 @@ def check_run_dir(out_dir: str, checkpoint_dir: str, resume: bool, overwrite: bo
     return removed
 
 
-def claim_run_dir(out_dir: str, checkpoints: str, resume: bool, overwrite: bool) -> RunLock | None:
-    """Lock `out_dir` for this run and refuse one that holds a run unless resumed or overwritten,
-    saying on stderr what a stale lock or --overwrite changed; under torchrun only global rank 0
-    does (the others write nothing there first). Returns the lock to release, or None."""
+def claim_run_dir(out_dir: str, checkpoints: str, resume: bool, overwrite: bool,
+                  writes_checkpoints: bool = True) -> RunLocks | None:
+    """Lock every directory of this run (log.out_dir, and the checkpoint directory when the run
+    writes there or it exists: --overwrite deletes there) and refuse one that holds a run unless
+    resumed or overwritten, saying on stderr what a stale lock or --overwrite changed; under torchrun
+    only global rank 0 does (the others write nothing there first). Returns the locks to release."""
     if under_torchrun() and read_torchrun_env().rank != 0:
         return None
-    lock = RunLock(out_dir).acquire()
-    if lock.note:
-        print(f"shardlab train: {lock.note}", file=sys.stderr)
+    locks = RunLocks()
     try:
+        dirs = [("log.out_dir", Path(out_dir))]
+        ck = Path(checkpoints)
+        if writes_checkpoints or ck.is_dir():
+            try:
+                ck.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RunDirError(f"checkpoint.dir = {checkpoints!r} cannot be created: {exc.strerror}") from exc
+            if ck.resolve() != Path(out_dir).resolve():
+                dirs.append(("checkpoint.dir", ck))
+        for field, where in dirs:
+            locks.locks.append(RunLock(where, field).acquire(overwrite=overwrite))
+            if locks.locks[-1].note:
+                print(f"shardlab train: {locks.locks[-1].note}", file=sys.stderr)
         removed = check_run_dir(out_dir, checkpoints, resume, overwrite)
     except BaseException:
-        lock.release()
+        locks.release()
         raise
     if removed:
         print(f"shardlab train: --overwrite: deleted {len(removed)} item(s) of the previous run: "
               + ", ".join(removed[:4]) + (" ..." if len(removed) > 4 else ""), file=sys.stderr)
-    return lock
+    return locks

@@ -244,7 +244,10 @@ class CheckpointSection:
     dir: str = ""
     """Where step_N/ checkpoints go; '': <log.out_dir>/checkpoints."""
     every: int = 0
-    """Save every N steps and after the last step; 0: never."""
+    """Save every N steps and after the last step; 0: never (but see final)."""
+    final: bool = False
+    """Save one checkpoint after the last step, even when every is 0: what `shardlab generate` and
+    `checkpoint export` read. The shipped configurations set it, so that a run leaves with a model."""
     keep: int = 3
     """How many of the newest checkpoints to keep; 0: all."""
     async_save: bool = True

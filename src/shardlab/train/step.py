@@ -332,14 +332,17 @@ def _seed(task: Task) -> int:
 
 
 class NonFiniteError(FloatingPointError):
-    """A step's gradients hold inf or nan (every rank raises it alike: the norm is global). `names`
-    None: found after the step (the trainer reads its steps' numbers at logging steps), when the
-    gradients are gone; `stopped_at`: the step the run had reached then."""
+    """A step's gradients hold inf or nan (every rank raises it alike: the norm is global). `step`
+    and `stopped_at` are the loop's indices (from 0), said as the logs and checkpoints number steps
+    (from 1: `.step` is that number). `names` None: found after the step (the trainer reads its
+    steps' numbers at logging steps), when the gradients are gone; `stopped_at`: the step the run
+    had reached then."""
 
     def __init__(self, step: int, norm: float, names: list[str] | None, stopped_at: int | None = None,
                  applied: bool = False) -> None:
+        step += 1  # steps done, from 1: one numbering everywhere (train/metrics.py)
         if names is None:
-            where = (f"found at step {stopped_at} (the loop reads each step's norm at its logging steps: "
+            where = (f"found at step {(stopped_at or 0) + 1} (the loop reads each step's norm at its logging steps: "
                      f"train.log_every); nothing was saved after it")
         else:
             where = (f"non-finite gradients on this rank in {', '.join(names[:5])}"

@@ -220,7 +220,7 @@ def build_task(model: nn.Module, data: DataSource | None, batches: Batches,
     d = data.section
     if data.needs_preparing:
         raise ValueError(f"data.source = {d.source!r} with data.tokenizer = {d.tokenizer!r} must be "
-                         f"encoded first (a tokenizer other than bytes, or JSONL/Parquet records): shardlab train "
+                         f"encoded first (a tokenizer other than bytes, records or compressed files): shardlab train "
                          f"does it before launch (train.resolve's Run.prepared), or make a token file with "
                          f"`shardlab data prepare`")
     seq = batches.seq_len

@@ -34,6 +34,7 @@ from shardlab.parallel.deterministic.mode import deterministic_mode
 from shardlab.parallel.layout import batch_rank, build_mesh, full_gradients, full_parameters, replica_group
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.parallelize import parallelize
+from shardlab.parallel.pipeline.schedules import V_KINDS, chunks_per_rank
 from shardlab.parallel.precision import get_precision
 from shardlab.train.compile import compile_model, compile_stats, fresh_compile_state
 from shardlab.train.config import Config
@@ -82,8 +83,10 @@ def verify_base(layout: LayoutSection, micro_batches: int, model: str) -> list[s
     rows = layout.batch_ranks * micro_batches
     if rows > 0 and 12 % rows:
         base.append(f"train.global_batch={rows * math.ceil(12 / rows)}")
-    chunks = layout.pp * layout.virtual_stages
-    layers = chunks - 2 if model == "gpt" else chunks
+    chunks = layout.pp * chunks_per_rank(layout.schedule, layout.virtual_stages)
+    # The V puts the embedding's and the head's chunks on rank 0: a block in each chunk keeps one there
+    # too (recomputation refuses a stage without blocks, parallel/pipeline/checks.py).
+    layers = chunks - 2 if model == "gpt" and layout.schedule not in V_KINDS else chunks
     if layout.pp > 1 and layers > 2:
         base.append(f"model.n_layer={layers}")
     return base

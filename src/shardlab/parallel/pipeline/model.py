@@ -44,7 +44,7 @@ from shardlab.parallel.pipeline.params import (
     stage_placement,
     sum_tied_grads,
 )
-from shardlab.parallel.pipeline.schedules import chunk_owner, compute_order, schedule
+from shardlab.parallel.pipeline.schedules import compute_order, schedule
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.pipeline.timeline import WAIT
 from shardlab.parallel.placement import Placement
@@ -73,19 +73,19 @@ def forward_only(stage: PipelineStage, inputs: torch.Tensor, targets: torch.Tens
     out = None
     with aux_loss_scope() as aux:  # chunks without the head leave their MoE layers' terms here (models/moe.py)
         for c in range(chunks):
-            if chunk_owner(c, p) != rank:
+            if stage.plan.owner(c) != rank:
                 continue
             if c == 0:
                 inp = inputs
-            elif chunk_owner(c - 1, p) == rank:  # one stage: the chunks follow each other locally
+            elif stage.plan.owner(c - 1) == rank:  # one stage: the chunks follow each other locally
                 inp = out
             else:
                 buf = torch.empty(stage.activation_shape(inputs), dtype=_dtype(stage), device=inputs.device)
-                inp = comm.recv(buf, chunk_owner(c - 1, p), group, tag=FORWARD_TAG + c)
+                inp = comm.recv(buf, stage.plan.owner(c - 1), group, tag=FORWARD_TAG + c)
             out = stage.chunk(c)(inp, targets if c == chunks - 1 else None)
-            if c < chunks - 1 and chunk_owner(c + 1, p) != rank:
-                comm.send(out.contiguous(), chunk_owner(c + 1, p), group, tag=FORWARD_TAG + c + 1)
-    last = chunk_owner(chunks - 1, p)
+            if c < chunks - 1 and stage.plan.owner(c + 1) != rank:
+                comm.send(out.contiguous(), stage.plan.owner(c + 1), group, tag=FORWARD_TAG + c + 1)
+    last = stage.plan.owner(chunks - 1)
     if targets is not None:  # the loss: every stage's load-balancing terms join the last one's
         terms = torch.as_tensor(aux.total, dtype=torch.float64, device=inputs.device).clone()
         if dist.get_world_size(group) > 1:
@@ -160,7 +160,7 @@ class PipelineParallel(nn.Module):
         if data_parallel is not None and getattr(data_parallel, "module", None) is not stage:
             raise ValueError("data_parallel must wrap this pipeline's stage")
         p, v = stage.plan.stages, stage.plan.virtual
-        compute_order(kind, p, p, v)  # an unknown kind, or virtual chunks it cannot run, fail here
+        compute_order(kind, p, 2 * p, v)  # an unknown kind, or virtual chunks it cannot run, fail here
         self.module = stage  # as wrappers keep theirs: train_step and the layout views find it here
         self.data_parallel = data_parallel
         self.kind, self.group = kind, group
