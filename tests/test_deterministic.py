@@ -90,6 +90,7 @@ def test_one_ulp_on_one_rank_fails(pools):
     (("layout.dp=2", "layout.zero=3", "train.micro_batches=2"), "ZeRO-3 reduce-scatters every micro-batch"),
     (("layout.dp=2", "train.micro_batches=3", "train.global_batch=12"), "only for a power of two"),
     (("layout.dp=2", "train.compile=true"), "compiled kernels"),
+    (("layout.pp=2", 'layout.schedule="zb1"', "train.micro_batches=4"), "split backward"),
 ])
 def test_refused_before_launch_with_the_reason(flags, words):
     cfg = load_config(None, ["train.deterministic=true", *flags], base=VERIFY_BASE)

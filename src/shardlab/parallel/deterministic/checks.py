@@ -2,8 +2,8 @@
 
 Exact: dp (any degree; a rank's micro-batches a power of two when there is more than one rank or
 stage, so its block is a subtree of the canonical tree), ZeRO-1 with any micro-batch count, ZeRO-2/3
-with one micro-batch a rank and no pipeline, pp under every schedule. Refused: what cuts a sum that
-one process makes in one kernel (tp, cp, ep), what reorders one (compiled kernels), and what sums
+with one micro-batch a rank and no pipeline, pp under the schedules with a whole backward (naive, gpipe, 1F1B, interleaved). Refused: what cuts a sum that
+one process makes in one kernel (tp, cp, ep), what reorders one (compiled kernels, the zero-bubble family's split weight backward), and what sums
 over ranks before over a rank's micro-batches (ZeRO-2/3 with accumulation or a pipeline).
 """
 
@@ -20,6 +20,10 @@ class Train(Protocol):
     deterministic: bool
     micro_batches: int
     compile: bool
+
+
+SPLIT_BACKWARD = ("zb1", "interleaved-zb", "zbv", "dualpipev")
+"""The schedules that split backward into input and weight passes (zero-bubble's family)."""
 
 
 def _power_of_two(n: int) -> bool:
@@ -60,6 +64,10 @@ def deterministic_problems(lay: LayoutSection, t: Train, experts: int, sharding_
     if lay.comm_impl not in ("torch", "canonical"):
         out.append(f"{why} with layout.comm_impl = {lay.comm_impl!r}: the mode reduces gradients with its own "
                    f"canonical algorithm; leave layout.comm_impl = 'torch' (or 'canonical')")
+    if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
+        out.append(f"{why} with layout.schedule = {lay.schedule!r}: its split backward makes the weight gradients "
+                   f"in its own matrix products (pipeline/splitgrad.py), not autograd's, another association within "
+                   f"each micro-batch (measured: 3e-8 apart); use 'naive', 'gpipe', '1f1b' or 'interleaved'")
     if t.compile:
         out.append(f"{why} with train.compile = true: compiled kernels fuse and reorder the sums the eager "
                    f"reference makes; use train.compile = false")
