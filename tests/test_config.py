@@ -196,7 +196,7 @@ def test_pipeline_layouts_that_cannot_run_are_refused_with_fields_and_numbers():
     assert ("layout.schedule = 'interleaved' needs train.micro_batches = 2 divisible by layout.pp = 4"
             in problems("layout.pp=4", 'layout.schedule="interleaved"', "layout.virtual_stages=2",
                         "train.micro_batches=2", "model.n_layer=6"))
-    assert ("layout.virtual_stages = 2 with layout.schedule = 'zb1': only 'interleaved' runs more than one chunk"
+    assert ("layout.virtual_stages = 2 with layout.schedule = 'zb1': only interleaved, interleaved-zb run more than one chunk"
             in problems("layout.pp=2", 'layout.schedule="zb1"', "layout.virtual_stages=2"))
     assert "layout.virtual_stages = 2 splits each pipeline rank's layers into chunks, but layout.pp = 1" in problems(
         "layout.virtual_stages=2")

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from shardlab.models import DeepMLP, MLPConfig
 from shardlab.parallel.pipeline import KINDS, PipelineExecutor, build_stage, gather_gradients, plan_split, schedule
 from shardlab.parallel.pipeline.actions import F
+from shardlab.parallel.pipeline.schedules import LOOPED, V_KINDS
 
 
 def _model() -> torch.nn.Module:
@@ -34,9 +35,9 @@ class _GivesBackTooEarly(PipelineExecutor):
 
 
 def _run(cls: type, kind: str, m: int, steps: int) -> tuple[list[float], list[dict], PipelineExecutor]:
-    v = 2 if kind == "interleaved" else 1
+    v = 2 if kind in LOOPED or kind in V_KINDS else 1  # two chunks a rank: looped, or as a V
     model = _model()
-    stage = build_stage(model, plan_split(model, dist.get_world_size(), v), dist.get_rank())
+    stage = build_stage(model, plan_split(model, dist.get_world_size(), v, v_shape=kind in V_KINDS), dist.get_rank())
     runner = cls(stage, schedule(kind, dist.get_world_size(), m, v))
     losses, grads = [], []
     for step in range(steps):

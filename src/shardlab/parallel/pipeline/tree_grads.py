@@ -2,7 +2,7 @@
 
 The executor runs a chunk's backward for microbatch m when its schedule says (1F1B, interleaved,
 zero-bubble's split W passes: any order); `capture(m, c)` takes what that backward left in the
-chunk's parameters as leaf m of the chunk's MicroTree (tree.py), and `finish()`, at the schedule's
+chunk's parameters as leaf m of the chunk's MicroTree (parallel/deterministic/tree.py), and `finish()`, at the schedule's
 STEP, puts the T(M) sums back. Every rank's microbatch m is the same rows as one process's, and
 the stage's forward and backward are the same computation, so the sums are one process's bits.
 
