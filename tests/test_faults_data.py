@@ -87,3 +87,20 @@ def test_an_empty_data_source_is_refused_not_read_as_the_stdlib(tmp_path):
     """`--set data.source=$UNSET` trained on the standard library's sources, exit 0."""
     with pytest.raises(ConfigError, match=r"data\.source = '' names no data"):
         checked(tmp_path, 'data.source=""')
+
+
+def test_a_validation_file_overlapping_the_training_file_in_part_is_refused(tmp_path):
+    """data.val_source holding a slice of data.source (at an odd offset, among fresh ids) was accepted:
+    only byte-identical files were refused, so the validation loss was partly training loss."""
+    rng = np.random.default_rng(1)
+    train = rng.integers(0, 300, size=20_000, dtype=np.uint16)
+    train.tofile(tmp_path / "train.bin")
+    fresh = rng.integers(0, 300, size=1_000, dtype=np.uint16)
+    np.concatenate([fresh, train[5_003:9_003]]).tofile(tmp_path / "val.bin")
+    with pytest.raises(ConfigError, match=r"data\.val_source = '.*val\.bin' overlaps data\.source = '.*train\.bin': "
+                                          r"[\d,]+ of its [\d,]+ hashed passages of 64 ids \((7\d|8\d)%\)"):
+        checked(tmp_path, f'data.source="{tmp_path / "train.bin"}"', f'data.val_source="{tmp_path / "val.bin"}"',
+                "data.vocab_size=300")
+    rng.integers(0, 300, size=5_000, dtype=np.uint16).tofile(tmp_path / "held.bin")  # held out: accepted
+    checked(tmp_path, f'data.source="{tmp_path / "train.bin"}"', f'data.val_source="{tmp_path / "held.bin"}"',
+            "data.vocab_size=300")

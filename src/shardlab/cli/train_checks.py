@@ -17,7 +17,7 @@ from shardlab.cli.flags import FlagError, check_writable_dir
 from shardlab.data.tokenizer import file_digest
 from shardlab.train.config import ConfigError, toml_value
 from shardlab.train.corpus import DataSource, load_corpus
-from shardlab.train.corpus_checks import check_token_ids
+from shardlab.train.corpus_checks import check_token_ids, overlap_problem
 from shardlab.train.loop import checkpoint_dir
 from shardlab.train.resolve import resolve_run
 from shardlab.train.sections import DataSection
@@ -127,10 +127,15 @@ def check_data_before_launch(run):
         src, seq = run.data, cfg.model.seq_len
         # As the ranks will read it (a token file is memory-mapped, not read): a corpus too small for
         # the model's windows is refused here, not by every rank after the launch.
-        check_token_ids(src, run.vocab, load_corpus(src, seq, split=not cfg.data.val_source))
+        train_ids = load_corpus(src, seq, split=not cfg.data.val_source)
+        check_token_ids(src, run.vocab, train_ids)
         val = src.val()
         if val is not None:  # every id of the validation file too, before any rank reads it
-            check_token_ids(val, run.vocab, load_corpus(val, seq, split=False))
+            val_ids = load_corpus(val, seq, split=False)
+            check_token_ids(val, run.vocab, val_ids)
+            overlap = overlap_problem(src, train_ids, val_ids)
+            if overlap:
+                raise ConfigError(overlap)
         tokenizer = src.tokenizer
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(str(exc)) from exc
