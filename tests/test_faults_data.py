@@ -104,3 +104,17 @@ def test_a_validation_file_overlapping_the_training_file_in_part_is_refused(tmp_
     rng.integers(0, 300, size=5_000, dtype=np.uint16).tofile(tmp_path / "held.bin")  # held out: accepted
     checked(tmp_path, f'data.source="{tmp_path / "train.bin"}"', f'data.val_source="{tmp_path / "held.bin"}"',
             "data.vocab_size=300")
+
+
+def test_non_utf8_text_through_a_bpe_is_refused_naming_the_file(tmp_path):
+    """Latin-1 text through a BPE (trained or given) was decoded with replacement: each accented letter
+    trained and encoded as U+FFFD, without a word."""
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes((TEXT + "café déjà vu\n").encode("latin-1"))
+    at = len(TEXT.encode()) + 3  # the 'é' of café
+    with pytest.raises(ValueError, match=rf"latin\.txt: not UTF-8 text: byte {at:,} is 0xe9 .*3 undecodable"):
+        prepare([str(latin)], tmp_path / "l.tok", train_bpe=300, workers=1, progress=False)
+    _, tok = _token_file(tmp_path, "a")
+    with pytest.raises(ValueError, match=r"latin\.txt: not UTF-8 text"):
+        prepare([str(latin)], tmp_path / "m.tok", str(tok), workers=1, progress=False)
+    prepare([str(latin)], tmp_path / "b.tok", "bytes", workers=1, progress=False)  # bytes kept as they are
