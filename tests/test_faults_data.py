@@ -118,3 +118,25 @@ def test_non_utf8_text_through_a_bpe_is_refused_naming_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"latin\.txt: not UTF-8 text"):
         prepare([str(latin)], tmp_path / "m.tok", str(tok), workers=1, progress=False)
     prepare([str(latin)], tmp_path / "b.tok", "bytes", workers=1, progress=False)  # bytes kept as they are
+
+
+def test_generate_with_another_tokenizer_of_the_same_size_says_so(tmp_path):
+    """`generate --tokenizer FILE` of another BPE of the run's size was taken without a note: its ids
+    mean other text to the model."""
+    import torch
+
+    from shardlab.checkpoint import save_checkpoint
+    from shardlab.train.config import load_config
+    from shardlab.train.generate import load_for_generation
+    from shardlab.train.task import build_model
+
+    a, a_tok = _token_file(tmp_path, "a")
+    _, b_tok = _token_file(tmp_path, "b")
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=16",
+                             "model.vocab_size=320", f'data.source="{a}"', f'log.out_dir="{tmp_path / "run"}"'])
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "run" / "checkpoints", 1, build_model(cfg.model), config=cfg.to_dict())
+    notes = load_for_generation(tmp_path / "run", tokenizer=str(b_tok)).notes
+    assert any(n.startswith("--tokenizer b.tokenizer.json (sha256 ") and "is not the tokenizer the run trained "
+               "with" in n and "a.tok" in n for n in notes), notes
+    assert not any("--tokenizer" in n for n in load_for_generation(tmp_path / "run", tokenizer=str(a_tok)).notes)

@@ -9,6 +9,7 @@ training one, a tokenizer named beside a token file that records its own.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 from shardlab.data.tokenfile import read_token_file
 from shardlab.data.tokenizer import file_digest
 from shardlab.train.corpus import BYTE_VOCAB, DataSource, hf_tokenizer_file, load_corpus, padded_vocab
-from shardlab.train.sections import ModelSection
+from shardlab.train.sections import DataSection, ModelSection
 
 _PAD_MULTIPLES = (64, 128)  # shardlab's padding and Megatron-LM's default
 
@@ -177,6 +178,25 @@ def overlap_problem(src: DataSource, train_ids: np.ndarray, val_ids: np.ndarray)
             f"{len(val):,} hashed passages of {_WINDOW} ids ({shared / len(val):.0%}) also occur in the training "
             f"data, so the validation loss would be measured largely on training data; give a held-out file, "
             f"or set data.val_source = '' to hold out data.source's tail (data.val_fraction)")
+
+
+def tokenizer_identity(data: dict) -> str | None:
+    """What names the tokenizer whose ids the data section `data` feeds the model ('bytes' or a file's
+    sha256), or None when it cannot be told (a BPE still to train, a file gone)."""
+    try:
+        d = DataSection(**data)
+        src = DataSource(d)
+        if d.source not in ("", "stdlib") and not any(c in d.source for c in "*?[") \
+                and not os.path.exists(os.path.expanduser(d.source)):
+            return None
+        if src.kind == "tokens":
+            t = src.header.tokenizer
+            return "bytes" if t.get("kind") == "bytes" else t.get("sha256")
+        if d.tokenizer in ("", "bytes"):
+            return "bytes" if src.kind == "text" else None
+        return None if d.tokenizer == "bpe" else file_digest(os.path.expanduser(d.tokenizer))
+    except (OSError, TypeError, ValueError):
+        return None
 
 
 def tokenizer_problems(src: DataSource) -> list[str]:
