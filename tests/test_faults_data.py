@@ -140,3 +140,32 @@ def test_generate_with_another_tokenizer_of_the_same_size_says_so(tmp_path):
     assert any(n.startswith("--tokenizer b.tokenizer.json (sha256 ") and "is not the tokenizer the run trained "
                "with" in n and "a.tok" in n for n in notes), notes
     assert not any("--tokenizer" in n for n in load_for_generation(tmp_path / "run", tokenizer=str(a_tok)).notes)
+
+
+def test_a_raw_bin_rewritten_under_the_run_stops_it_at_the_next_validation(tmp_path):
+    """A raw .bin rewritten in place under a running job (nanoGPT's prepare.py writes through a memmap):
+    the run trained on the new ids without a word (loss 6.25 -> 0.001)."""
+    import os
+
+    import torch
+
+    from shardlab.train.config import load_config
+    from shardlab.train.corpus import DataSource
+    from shardlab.train.loop import evaluate
+    from shardlab.train.task import Batches, build_model, build_task
+
+    ids = (np.arange(4_000, dtype=np.uint16) * 7) % 300
+    ids.tofile(tmp_path / "train.bin")
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=8",
+                             "model.vocab_size=320", "data.vocab_size=300", f'data.source="{tmp_path / "train.bin"}"'])
+    model = build_model(cfg.model)
+    task = build_task(model, DataSource(cfg.data), Batches(global_batch=2, seed=0, seq_len=8))
+    task.check_files()  # unchanged: no error
+    ids[:100] = 0  # in place, as a memmap opened r+ writes: same size, same inode
+    with open(tmp_path / "train.bin", "r+b") as f:
+        f.write(ids[:100].tobytes())
+    st = os.stat(tmp_path / "train.bin")
+    os.utime(tmp_path / "train.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))  # a later write's time
+    with pytest.raises(RuntimeError, match=r"data\.source = '.*train\.bin' changed under the running job \(size "
+                                           r"8,000 -> 8,000 bytes, modified \+2\.0 s later\)"):
+        evaluate(model, task, 0, 1, 1, torch.device("cpu"))  # raised before any collective
