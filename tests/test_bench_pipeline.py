@@ -26,18 +26,26 @@ def _tiny(**kw: object) -> PipelineBenchConfig:
     return PipelineBenchConfig(**{**base, **kw})
 
 
-def test_tiny_run_compares_ours_and_torch(pools, tmp_path):
-    from shardlab.bench import pipeline_report as report
-
-    cfg = _tiny()
+def _run_checked(pools, cfg: PipelineBenchConfig, names: list[str]) -> tuple[dict, dict, dict]:
+    """One launch of the benchmark: every variant checked equal to the reference, then aggregated;
+    (the raw figures, the result, its rows by variant in `names`' order)."""
     raw = pools(2).run(pipeline_bench_rank, asdict(cfg))[0]
-    names = ["ours_1f1b", "torch_1f1b", "ours_gpipe", "torch_gpipe", "ours_interleaved", "torch_interleaved", "ours_zb1"]
-    assert list(raw["check"]) == ["torch_1f1b"] + [n for n in names if n != "torch_1f1b"]
+    assert sorted(raw["check"]) == sorted(names)
     for figures in raw["check"].values():  # every variant computed the reference's loss and gradients
         assert figures["loss_rel_err"] <= 1e-5 and figures["grad_rel_err"] <= 1e-5
     result = aggregate({2: [raw]}, cfg)
     rows = {r["variant"]: r for r in result["rows"]}
     assert list(rows) == names
+    return raw, result, rows
+
+
+def test_tiny_run_compares_ours_and_torch(pools, tmp_path):
+    from shardlab.bench import pipeline_report as report
+
+    cfg = _tiny()
+    names = ["ours_1f1b", "torch_1f1b", "ours_gpipe", "torch_gpipe", "ours_interleaved", "torch_interleaved", "ours_zb1"]
+    raw, result, rows = _run_checked(pools, cfg, names)
+    assert list(raw["check"]) == ["torch_1f1b"] + [n for n in names if n != "torch_1f1b"]
     for name, r in rows.items():
         assert r["step_ms_median"] > 0 and r["samples_per_s"] > 0
         assert 0.0 <= r["bubble_measured"] < 1.0 and 0.0 <= r["bubble_replay"] < 1.0
@@ -68,6 +76,22 @@ def test_tiny_run_compares_ours_and_torch(pools, tmp_path):
     assert data["rows"][0]["variant"] == "ours_1f1b" and "p2/torch_1f1b" in data["timelines"]
     assert report.plot(result, tmp_path / "pp.png").read_bytes()[:4] == b"\x89PNG"
     assert [p.name for p in report.draw_gantts(result, tmp_path / "g", ["ours_1f1b"])] == ["g-p2-ours_1f1b.png"]
+
+
+def test_the_v_and_zero_bubble_schedules_beside_torchs(pools):
+    # ZB-V, DualPipeV and interleaved zero-bubble, ours and torch's, on the same V-placed chunks.
+    cfg = _tiny(kinds=["zbv", "dualpipev", "interleaved-zb"], memory=True)
+    raw, result, rows = _run_checked(pools, cfg, [f"{side}_{k}" for k in cfg.kinds for side in ("ours", "torch")])
+    for name, r in rows.items():
+        assert r["step_ms_median"] > 0 and len(r["activation_bytes"]) == 2 and min(r["activation_bytes"]) > 0
+        assert r["virtual"] == 2
+        if name.startswith("ours"):
+            assert r["vs"] == name.replace("ours", "torch") and r["ratio"] is not None
+    assert rows["ours_zbv"]["in_flight_theory"] == [4, 4] and rows["ours_dualpipev"]["in_flight_theory"] == [5, 5]
+    # Both sides split the backward: torch's input and weight halves are timed as BI and BW.
+    for name in ("ours_zbv", "torch_zbv", "torch_interleaved-zb"):
+        ops = {e.op for e in result["timelines"][(2, name)].compute()}
+        assert {"BI", "BW"} <= ops, (name, ops)
 
 
 def test_a_variant_with_another_loss_is_refused_before_timing(pools):

@@ -10,11 +10,15 @@ from shardlab.parallel.pipeline import (
 )
 from shardlab.parallel.pipeline.actions import B, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP
 
+NEW = ("interleaved-zb", "zbv", "dualpipev")
+
 
 def _cases():
     for p in (1, 2, 3, 4, 8):
         for m in (1, 2, 3, 4, 8, 16):
             for kind in KINDS:
+                if kind in NEW:  # tests/test_pipeline_v_schedules.py
+                    continue
                 for v in ((2, 3) if kind == "interleaved" else (1,)):
                     if kind == "interleaved" and m % p:
                         continue
@@ -44,7 +48,8 @@ def test_every_schedule_checks_and_matches_theory(kind, p, m, v):
 
 def test_bubble_ordering_and_memory_headline():
     p, m = 4, 8
-    bubble = {k: simulate(schedule(k, p, m, 2 if k == "interleaved" else 1)).bubble_fraction() for k in KINDS}
+    bubble = {k: simulate(schedule(k, p, m, 2 if k == "interleaved" else 1)).bubble_fraction() for k in KINDS
+              if k not in NEW}
     assert bubble["gpipe"] == pytest.approx(3 / 11) and bubble["1f1b"] == pytest.approx(3 / 11)
     assert bubble["zb1"] < bubble["interleaved"] < bubble["1f1b"] < bubble["naive"] == pytest.approx(0.75)
     # ZB-H1 with equal F, BI, BW: 3m + p - 1 time units, a third of 1F1B's bubble (Qi et al. 2023).

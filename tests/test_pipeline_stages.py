@@ -192,3 +192,23 @@ def test_a_pipeline_chunk_sums_its_final_norm_in_one_sequence_parallel_all_reduc
     assert len(got["scoped"]) == 2 and got["scoped"][-1] == 2 * 32, got
     assert len(got["alone"]) == 3 and got["alone"][-2:] == [32, 32], got
     assert got["same"]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_v_placement_puts_the_tied_embedding_and_head_on_rank_0(stages):
+    model = _gpt(n_layer=2 * stages)
+    plan = plan_split(model, stages, 2, v_shape=True)
+    assert [plan.owner(c) for c in range(2 * stages)] == list(range(stages)) + list(reversed(range(stages)))
+    ranks = [build_stage(model, plan, r) for r in range(stages)]
+    assert [s.chunk_ids for s in ranks] == [[r, 2 * stages - 1 - r] for r in range(stages)]
+    # The first and the last chunk share rank 0: the head's weight is the embedding's own Parameter,
+    # nothing to sum across ranks, and the placement record has one holder.
+    first, last = ranks[0].chunk(0), ranks[0].chunk(2 * stages - 1)
+    assert last.head.weight is first.tok_emb.weight
+    assert all(s.tied == {} for s in ranks)
+    assert ranks[0].placement["tok_emb.weight"].axes[-1][1].holders == (0,)
+    # Every parameter counted once over the pipeline (the gradient norm, the checkpoint's record).
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(n for s in ranks for n, _ in s.stage_named_parameters() if s.placement.counts(n)) == sorted(names)
+    with pytest.raises(ValueError, match="two chunks on each rank"):
+        plan_split(model, stages, 1, v_shape=True)

@@ -13,6 +13,7 @@ benchmarks/pp_verify_matrix.py; its numbers are in docs/pipeline.md.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -23,7 +24,7 @@ from shardlab.train.verify import VERIFY_BASE, verify_base
 def _cfg(model: str, pp: int, kind: str, m: int, *extra: str, dp: int = 1) -> dict:
     flags = [f'model.name="{model}"', f"layout.pp={pp}", f"layout.dp={dp}", f'layout.schedule="{kind}"',
              f"train.micro_batches={m}", *extra]
-    if kind == "interleaved":
+    if kind in ("interleaved", "interleaved-zb"):
         flags.append("layout.virtual_stages=2")
     if dp > 1 and not any(f.startswith("layout.dp_mode=") for f in extra):
         flags.append('layout.dp_mode="bucketed"')
@@ -53,6 +54,32 @@ def test_every_schedule_at_two_stages(pools, kind, model, m):
         # over pp (the tied embedding once) give one process's coefficient.
         assert report["per_step"][0]["ref_grad_norm"] > 1.0
     assert report["max_rel_grad_norm_diff"] < 1e-6 and report["max_rel_loss_diff"] < 1e-6
+
+
+@pytest.mark.parametrize("kind, model, m", [("zbv", "gpt", 2), ("dualpipev", "gpt", 4), ("interleaved-zb", "mlp", 4)])
+def test_the_v_and_interleaved_zero_bubble_schedules_at_two_stages(pools, kind, model, m):
+    # The V: rank 0 holds chunks 0 and 3, the tied embedding and head one Parameter there; the
+    # gradient norm and every gathered parameter as one process's (verify compares them by name).
+    report = _verify(pools, model, 2, kind, m, "train.steps=2")
+    assert report["layout"]["micro_batches"] == m
+    assert report["max_rel_grad_norm_diff"] < 1e-6 and report["max_rel_loss_diff"] < 1e-6
+
+
+@pytest.mark.parametrize("flags, message", [
+    (['layout.schedule="dualpipev"', "train.micro_batches=3"], "needs train.micro_batches = 3 >= 2 x layout.pp = 2"),
+    (['layout.schedule="zbv"', "layout.virtual_stages=3"], "the V places exactly two chunks on each rank"),
+    (['layout.schedule="interleaved-zb"', "train.micro_batches=4"], "needs layout.virtual_stages >= 2"),
+    (['layout.schedule="dualpipev"', "train.micro_batches=4", "layout.dp=2", "layout.zero=2"],
+     "layout.zero = 2 with layout.schedule = 'dualpipev': not supported yet"),
+    (['layout.schedule="interleaved-zb"', "layout.virtual_stages=2", "train.micro_batches=4", "layout.dp=2",
+      "layout.zero=3"], "layout.zero = 3 with layout.schedule = 'interleaved-zb': not supported yet"),
+    (['layout.schedule="zbv"', "train.micro_batches=4", 'layout.recompute="full"', "model.n_layer=2"],
+     "pipeline rank(s) [0] hold no transformer block to recompute"),
+])
+def test_what_the_v_schedules_cannot_run_is_refused_before_launch(flags, message):
+    cfg = load_config(None, ['model.name="gpt"', "layout.pp=2", *flags], base=VERIFY_BASE)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cfg.validate()
 
 
 @pytest.mark.parametrize("kind, model, m", [("1f1b", "gpt", 4), ("interleaved", "mlp", 8), ("zb1", "gpt", 1)])

@@ -53,7 +53,7 @@ from shardlab.bench.pipeline_measure import MeasuredModel
 from shardlab.bench.pipeline_replay import idle_breakdown, message_delays, replay
 from shardlab.bench.pipeline_report import environment
 from shardlab.bench.pipeline_variants import (
-    OURS, TORCH, TORCH_KINDS, build_variant, check_equal, split_name, variant_names,
+    OURS, TORCH, TORCH_KINDS, build_variant, check_equal, chunks_of, split_name, variant_names,
 )
 from shardlab.bench.train_timing import timed_steps
 from shardlab.parallel.pipeline import Timeline, bubble_theory, compute_order, in_flight_theory
@@ -78,7 +78,7 @@ class PipelineBenchConfig:
     microbatches: int = 8
     """m, equal microbatches per step (torch's gradient scaling assumes equal ones)."""
     virtual: int = 2
-    """Chunks per rank for interleaved; other kinds use 1."""
+    """Chunks per rank for interleaved and interleaved-zb; the V kinds hold 2, the others 1."""
     runs: int = 3
     """Fresh launches per P; the report takes the median over them."""
     reps: int = 2
@@ -108,15 +108,15 @@ class PipelineBenchConfig:
         pieces = self.model.n_layer + (2 if self.model.name == "gpt" else 0)
         for p in self.stages:
             for kind in self.kinds:
-                v = self.virtual if kind == "interleaved" else 1
+                v = chunks_of(kind, self.virtual)
                 try:
                     compute_order(kind, p, m, v)
                 except ValueError as exc:
                     problems.append(f"{kind} at {p} stages: {exc}")
                 if pieces < p * v:
                     problems.append(f"{kind} at {p} stages x {v} chunks needs {p * v} pieces; the model has {pieces}")
-                if kind in TORCH_KINDS and m < p:
-                    problems.append(f"torch's {TORCH_KINDS[kind]} needs microbatches >= stages: {m} < {p}")
+                if kind in TORCH_KINDS and m < p * (2 if kind == "dualpipev" else 1):
+                    problems.append(f"torch's {TORCH_KINDS[kind]} needs microbatches >= its stages: {m} at p = {p}")
         if problems:
             raise ValueError("; ".join(dict.fromkeys(problems)))
 
@@ -237,7 +237,7 @@ def summarise_run(raw: dict[str, Any], cfg: PipelineBenchConfig, p: int) -> dict
     out = {}
     for name, steps in raw["events"].items():
         kind = split_name(name)[1]
-        v = cfg.virtual if kind == "interleaved" else 1
+        v = chunks_of(kind, cfg.virtual)
         stepwise = [_per_step(kind, p, cfg.microbatches, v, per_rank, raw["latency_s"], raw["cores"],
                               split_name(name)[0] == OURS) for per_rank in steps]
         order = sorted(range(len(stepwise)), key=lambda i: stepwise[i]["bubble"])
@@ -295,7 +295,7 @@ def aggregate(raws: dict[int, list[dict[str, Any]]], cfg: PipelineBenchConfig) -
                                                        for k in ("step_s", "bubble", "replay", "replay_plain")}})
         for name in cfg.variants():
             side, kind = split_name(name)
-            v = cfg.virtual if kind == "interleaved" else 1
+            v = chunks_of(kind, cfg.virtual)
             steps = [s[name]["step_s"] for s in per_run]
             med = statistics.median(steps)
             yard = f"{TORCH}_{kind}" if kind in TORCH_KINDS else f"{TORCH}_1f1b"

@@ -26,6 +26,7 @@ from shardlab.parallel.pipeline.actions import B, BI, BW, F
 from shardlab.parallel.pipeline.simulation import simulate
 from shardlab.parallel.pipeline.executor import PipelineExecutor
 from shardlab.parallel.pipeline.schedules import bubble_theory, in_flight_theory, schedule
+from shardlab.parallel.pipeline.schedules import V_KINDS, chunks_per_rank
 from shardlab.parallel.pipeline.stages import build_stage, plan_split
 from shardlab.parallel.pipeline.timeline import Event, Timeline
 from shardlab.train.memory_tracker import MemoryTracker
@@ -114,7 +115,7 @@ def measure_rank(cases: list[Case], spec: MeasuredModel, steps: int = 3, warmup:
     for kind, m, v in cases:
         torch.manual_seed(0)
         model = spec.build()
-        stage = build_stage(model, plan_split(model, p, v), rank)
+        stage = build_stage(model, plan_split(model, p, chunks_per_rank(kind, v), v_shape=kind in V_KINDS), rank)
         del model
         if spec.sleep_us > 0:
             _add_sleeps(stage, spec.sleep_us)

@@ -36,17 +36,28 @@ from shardlab.bench.pipeline_measure import MeasuredModel
 from shardlab.parallel.pipeline import (
     PipelineExecutor, build_stage, gather_gradients, plan_split, schedule, sum_tied_grads,
 )
-from shardlab.parallel.pipeline.actions import B, F
+from shardlab.parallel.pipeline.actions import B, BI, BW, F
+from shardlab.parallel.pipeline.schedules import LOOPED, V_KINDS, chunks_per_rank
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.pipeline.timeline import Event
 
 OURS, TORCH = "ours", "torch"
 CHECK_TOL = 1e-5
 TORCH_KINDS: dict[str, str] = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                               "interleaved": "ScheduleInterleaved1F1B"}
+                               "interleaved": "ScheduleInterleaved1F1B",
+                               "interleaved-zb": "ScheduleInterleavedZeroBubble",
+                               "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 """Our schedule kinds with a torch.distributed.pipelining equivalent. ZB-H1 (zb1) has none: torch's
-zero-bubble schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) need two or more stages
-per rank, so zb1 runs ours only and is compared with torch's Schedule1F1B."""
+zero-bubble schedules need two or more stages per rank, so zb1 runs ours only and is compared with
+torch's Schedule1F1B. Torch's ZBV and DualPipeV place their two stages per rank as a V themselves
+(generate_stage_to_rank_mapping(style="v")), the placement our split makes for the same kinds."""
+_SINGLE = ("gpipe", "1f1b")
+"""Torch's schedules that take one stage per rank (the rest take the rank's list of stages)."""
+
+
+def chunks_of(kind: str, virtual: int) -> int:
+    """Chunks per rank a variant of `kind` holds: `virtual` for the looped kinds, 2 for the V, else 1."""
+    return chunks_per_rank(kind, virtual) if kind in LOOPED or kind in V_KINDS else 1
 
 
 def variant_names(kinds: list[str]) -> list[str]:
@@ -86,10 +97,11 @@ class Variant(abc.ABC):
         this rank knows it (ours: every rank; torch's: the last stage's rank) and this rank's events."""
 
 
-def _stage(spec: MeasuredModel, stages: int, virtual: int) -> PipelineStage:
+def _stage(spec: MeasuredModel, stages: int, kind: str, virtual: int) -> PipelineStage:
     torch.manual_seed(0)  # the same initial weights for every variant
     model = spec.build()
-    return build_stage(model, plan_split(model, stages, virtual), dist.get_rank())
+    plan = plan_split(model, stages, chunks_of(kind, virtual), v_shape=kind in V_KINDS)
+    return build_stage(model, plan, dist.get_rank())
 
 
 def _adamw(stage: PipelineStage) -> torch.optim.Optimizer:
@@ -99,7 +111,7 @@ def _adamw(stage: PipelineStage) -> torch.optim.Optimizer:
 class Ours(Variant):
     def __init__(self, name: str, spec: MeasuredModel, stages: int, microbatches: int, virtual: int) -> None:
         kind = split_name(name)[1]
-        self.name, self.stage = name, _stage(spec, stages, virtual if kind == "interleaved" else 1)
+        self.name, self.stage = name, _stage(spec, stages, kind, virtual)
         self.optimizer = _adamw(self.stage)
         self.runner = PipelineExecutor(self.stage, schedule(kind, stages, microbatches, self.stage.plan.virtual))
 
@@ -117,7 +129,7 @@ class Torch(Variant):
         kind = split_name(name)[1]
         if kind not in TORCH_KINDS:
             raise ValueError(f"torch.distributed.pipelining has no {kind!r} schedule; it has {list(TORCH_KINDS)}")
-        self.name, self.stage = name, _stage(spec, stages, virtual if kind == "interleaved" else 1)
+        self.name, self.stage = name, _stage(spec, stages, kind, virtual)
         self.optimizer = _adamw(self.stage)
         self.rank, self.events = dist.get_rank(), []
         chunks = self.stage.plan.chunks
@@ -132,7 +144,7 @@ class Torch(Variant):
         # loss_scale != 1 only in the tests: a wrong loss the equality check must refuse.
         self.losses: list[torch.Tensor] = []
         self.schedule = getattr(pipelining, TORCH_KINDS[kind])(
-            self.pp_stages if kind == "interleaved" else self.pp_stages[0], microbatches,
+            self.pp_stages[0] if kind in _SINGLE else self.pp_stages, microbatches,
             loss_fn=self._timed(base, scale=loss_scale, chunk=chunks - 1))
 
     def _timed(self, fn: Callable[..., Any], *, scale: float, chunk: int) -> Callable[..., Any]:
@@ -150,7 +162,7 @@ class Torch(Variant):
         """Wrap this stage instance's compute calls with timers (see the module docstring)."""
         self._mb: dict[int, int] = getattr(self, "_mb", {})
         c = s.stage_index
-        fwd_one, bwd_one = s.forward_one_chunk, s.backward_one_chunk
+        fwd_one, bwd_one, wgt_one = s.forward_one_chunk, s.backward_one_chunk, s.backward_weight_one_chunk
         fwd, bwd = s.forward_maybe_with_nosync, s.backward_maybe_with_nosync
 
         def forward_one_chunk(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -161,17 +173,26 @@ class Torch(Variant):
             self._mb[c] = chunk_id
             return bwd_one(chunk_id, *args, **kwargs)
 
-        def timed(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def backward_weight_one_chunk(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self._mb[c] = chunk_id
+            return wgt_one(chunk_id, *args, **kwargs)
+
+        # The zero-bubble schedules' backward halves: torch's "input" is our BI, "weight" our BW.
+        kinds = {"full": B, "input": BI, "weight": BW}
+
+        def timed(op: str | None, fn: Callable[..., Any]) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> Any:
                 start = time.perf_counter()
                 out = fn(*args, **kwargs)
                 if c in self._mb:
-                    self.events.append(Event(self.rank, op, self._mb[c], c, start, time.perf_counter()))
+                    what = op or kinds.get(args[0] if args else kwargs.get("backward_type"), B)
+                    self.events.append(Event(self.rank, what, self._mb[c], c, start, time.perf_counter()))
                 return out
             return call
 
         s.forward_one_chunk, s.backward_one_chunk = forward_one_chunk, backward_one_chunk
-        s.forward_maybe_with_nosync, s.backward_maybe_with_nosync = timed(F, fwd), timed(B, bwd)
+        s.backward_weight_one_chunk = backward_weight_one_chunk
+        s.forward_maybe_with_nosync, s.backward_maybe_with_nosync = timed(F, fwd), timed(None, bwd)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, update: bool = True) -> tuple[float | None, list[Event]]:
         self.events, self.losses, self._mb = [], [], {}
@@ -213,7 +234,8 @@ def check_equal(names: list[str], spec: MeasuredModel, p: int, microbatches: int
         var = build_variant(name, spec, p, microbatches, virtual, (loss_scale or {}).get(name, 1.0))
         loss, _ = var.step(x, y, update=False)
         t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
-        dist.broadcast(t, p - 1)  # the last chunk is always on the last rank
+        plan = var.stage.plan
+        dist.broadcast(t, plan.owner(plan.chunks - 1))  # the last chunk's rank (the V's: rank 0)
         grads = gather_gradients(var.stage)
         del var
         if ref_loss is None:

@@ -298,12 +298,14 @@ def add_pipeline_parser(benches: argparse._SubParsersAction) -> None:
     s.add_argument("--stages", type=int_list, default=[2, 4], metavar="P[,P]",
                    help="pipeline sizes, one launch each per run; a rank per stage (default: 2,4)")
     s.add_argument("--schedules", type=name_list, default=["1f1b", "gpipe", "interleaved", "zb1"], metavar="KIND[,KIND]",
-                   help="of 1f1b, gpipe, interleaved, zb1 (and naive, ours only); each runs as ours_KIND and, where "
-                        "torch has it, torch_KIND (default: 1f1b,gpipe,interleaved,zb1)")
+                   help="of 1f1b, gpipe, interleaved, zb1, interleaved-zb, zbv, dualpipev (and naive, ours only); "
+                        "each runs as ours_KIND and, where torch has it, torch_KIND (torch's ScheduleInterleavedZeroBubble, "
+                        "ScheduleZBVZeroBubble, ScheduleDualPipeV for the last three) (default: 1f1b,gpipe,interleaved,zb1)")
     s.add_argument("--microbatches", "-m", type=int, default=8,
                    help="microbatches per step, m; must divide --batch and be >= P (default: %(default)s)")
     s.add_argument("--virtual-stages", "-v", type=int, default=2, metavar="V",
-                   help="chunks per rank for interleaved (others use 1); m must be divisible by P (default: %(default)s)")
+                   help="chunks per rank for interleaved and interleaved-zb (zbv, dualpipev: 2 as a V; others 1); m "
+                        "must be divisible by P (default: %(default)s)")
     t = p.add_argument_group("timing")
     t.add_argument("--runs", type=int, default=3, help="fresh launches per P; medians over them (default: %(default)s)")
     t.add_argument("--reps", type=int, default=2,

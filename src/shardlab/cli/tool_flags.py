@@ -203,11 +203,17 @@ most microbatches each rank holds in flight, and the chart in text; --out writes
   1f1b         PipeDream-flush (Narayanan et al. 2021): the same bubble, at most p - rank in flight
   interleaved  1F1B over v chunks per rank (Megatron-LM): (p-1)/(v m+p-1); needs m divisible by p
   zb1          ZB-H1 (Qi et al. 2023): backward split, weight gradients fill the bubble: (p-1)/(3m+p-1)
+  interleaved-zb  interleaved with ZB-H1's split (Qi et al. 2023): ZB-H1's bubble over v; m divisible by p
+  zbv          ZB-V (Qi et al. 2024): two chunks per rank as a V (r and 2p-1-r), B and W split:
+               (p-1)/(6m+p-1) at equal times, 2p chunk-microbatches in flight (1F1B's memory)
+  dualpipev    DualPipeV (DeepSeek-V3 2024): forwards of one leg paired with backwards of the other,
+               m >= 2p; 2p+1 chunk-microbatches in flight
 
 examples:
   shardlab viz schedule --schedule 1f1b --stages 4 --microbatches 8 --out s.png
   shardlab viz schedule --schedule interleaved --stages 4 --microbatches 8 --virtual-stages 2
   shardlab viz schedule --schedule zb1 --stages 4 --microbatches 8 --actions
+  shardlab viz schedule --schedule zbv --stages 4 --microbatches 8
 """
 
 
@@ -248,7 +254,8 @@ def _common(q: argparse.ArgumentParser, many: bool) -> None:
         q.add_argument("--microbatches", type=int, default=8, help="microbatches per step, m (default: 8)")
     q.add_argument("--stages", type=int, default=4 if not many else 2, help="pipeline stages (ranks), p")
     q.add_argument("--virtual-stages", type=int, default=2, metavar="V",
-                   help="chunks per rank for interleaved, v (ignored by the other schedules; default: 2)")
+                   help="chunks per rank for interleaved and interleaved-zb, v (the V schedules always hold 2; "
+                        "ignored by the others; default: 2)")
     q.add_argument("--out", default=None, metavar="PNG", help="write the Gantt chart here")
     q.add_argument("--trace", default=None, metavar="JSON", help="write the timeline as Chrome-trace JSON "
                                                                  "(chrome://tracing, ui.perfetto.dev)")

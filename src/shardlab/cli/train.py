@@ -78,7 +78,7 @@ def resolve_config(args: argparse.Namespace, base: list[str] | None = None, data
                       ("save_on_signal", "checkpoint.save_on_signal"), ("recompute", "layout.recompute"),
                       ("cp", "layout.cp"), ("mesh_order", "layout.mesh_order"), ("nodes", "layout.nodes"),
                       ("ep", "layout.ep"), ("experts", "model.experts"), ("top_k", "model.top_k"),
-                      ("compile", "train.compile"), ("loss", "model.loss")):
+                      ("compile", "train.compile"), ("loss", "model.loss"), ("deterministic", "train.deterministic")):
         value = getattr(args, attr, None)
         if isinstance(value, bool):  # TOML spells them lower-case
             flags.append(f"{key}={str(value).lower()}")

@@ -232,15 +232,44 @@ def check_resume_before_launch(cfg) -> list[str]:
                           f"tokenizer {is_}: its embedding rows mean other tokens; give data made with the "
                           f"checkpoint's tokenizer")
     notes = []
+    unchanged = _same_trajectory(saved, now)
+    if unchanged:
+        notes.append(unchanged)
     for section in ("model", "data", "optim", "train"):
         for k, v in saved.get(section, {}).items():
             key = f"{section}.{k}"
             if key in _QUIET or k not in now[section] or now[section][k] == v or section == "model" and k in shape_fields:
                 continue
+            if unchanged and key == "train.micro_batches":  # the micro-batch size is what counts (above)
+                continue
             if isinstance(v, list) and tuple(v) == tuple(now[section][k]):
                 continue
             notes.append(f"{key} {v!r} -> {now[section][k]!r}")
-    if notes:
-        return [f"resuming {path}, saved with other settings (the run continues it, but not as it was): "
-                + ", ".join(notes)]
-    return []
+    head = notes[:1] if unchanged else []
+    others = notes[len(head):]
+    if others:
+        return head + [f"resuming {path}, saved with other settings (the run continues it, but not as it was): "
+                       + ", ".join(others)]
+    return head
+
+
+def _same_trajectory(saved: dict, now: dict) -> str | None:
+    """train.deterministic on both sides, same global batch and micro-batch size: another layout
+    continues the saved run bit for bit (docs/deterministic.md). The note saying so, else None."""
+    def size(c: dict) -> tuple[int, int] | None:
+        t, lay = c.get("train", {}), c.get("layout", {})
+        rows = lay.get("dp", 1) * lay.get("ep", 1) * t.get("micro_batches", 1)
+        return (t.get("global_batch"), t["global_batch"] // rows) if t.get("global_batch") and rows else None
+
+    if not (saved.get("train", {}).get("deterministic") and now["train"].get("deterministic")):
+        return None
+    if size(saved) != size(now):
+        return None
+    lay_s, lay_n = saved.get("layout", {}), now["layout"]
+    keys = ("dp", "zero", "pp", "schedule", "virtual_stages")
+    if all(lay_s.get(k) == lay_n.get(k) for k in keys):
+        return None
+    was = ", ".join(f"{k} {lay_s.get(k)}" for k in keys if lay_s.get(k) != lay_n.get(k))
+    is_ = ", ".join(f"{k} {lay_n.get(k)}" for k in keys if lay_s.get(k) != lay_n.get(k))
+    return (f"train.deterministic: resuming a checkpoint of layout {was} at {is_} with the same global batch and "
+            f"micro-batch size ({size(now)[1]} rows): the trajectory is unchanged, bit for bit")

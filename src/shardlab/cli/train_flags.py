@@ -104,6 +104,8 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--ep", type=int, default=None,
                      help="expert-parallel degree: ranks each holding experts / ep of every MoE layer, tokens "
                           "moved by all-to-all; they take different rows (layout.ep; docs/expert-parallel.md)")
+    lay.add_argument("--deterministic", action="store_true", default=None, help="dp, ZeRO, pp bit-identical to "
+                     "one process on the same micro-batches (docs/deterministic.md) (train.deterministic)")
     lay.add_argument("--experts", type=int, default=None,
                      help="GPT: a mixture-of-experts MLP of this many experts in every block (model.experts)")
     lay.add_argument("--top-k", type=int, default=None, help="GPT with experts: experts per token (model.top_k)")
@@ -126,20 +128,23 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, default=None,
                    help="pipeline-parallel degree: ranks each holding a contiguous slice of the layers (a stage), "
                         "outermost on a pp x dp x tp mesh; world size = dp x tp x pp (layout.pp)")
-    g.add_argument("--schedule", choices=["naive", "gpipe", "1f1b", "interleaved", "zb1"], default=None,
+    g.add_argument("--schedule", choices=["naive", "gpipe", "1f1b", "interleaved", "zb1", "interleaved-zb", "zbv",
+                                          "dualpipev"], default=None,
                    help="order of the stages' forwards and backwards: naive (one microbatch through the whole "
                         "pipeline at a time), gpipe (all forwards, then all backwards), 1f1b (default: one forward, "
                         "one backward; activations of at most pp microbatches), interleaved (1F1B over "
                         "--virtual-stages chunks per rank: smaller bubble, more messages; needs --microbatches "
-                        "divisible by --pp), zb1 (zero-bubble ZB-H1: weight gradients deferred into the bubbles) "
+                        "divisible by --pp), zb1 (zero-bubble ZB-H1: weight gradients deferred into the bubbles), "
+                        "interleaved-zb (interleaved with zb1's split), zbv and dualpipev (ZB-V, DualPipeV: two chunks "
+                        "per rank placed as a V, r and 2 pp - 1 - r; dualpipev needs --microbatches >= 2 --pp) "
                         "(layout.schedule)")
     g.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step per data-parallel rank: its rows are split into this many; with "
                         "--pp they flow through the stages, the more the smaller the bubble; without, they are "
                         "gradient accumulation (train.micro_batches)")
     g.add_argument("--virtual-stages", type=int, default=None,
-                   help="chunks of layers per pipeline rank for --schedule interleaved (>= 2; chunk c on rank c "
-                        "mod pp) (layout.virtual_stages)")
+                   help="chunks of layers per pipeline rank for --schedule interleaved or interleaved-zb (>= 2; "
+                        "chunk c on rank c mod pp; zbv and dualpipev always hold 2) (layout.virtual_stages)")
 
 
 def add_checkpoint_options(p: argparse.ArgumentParser) -> None:

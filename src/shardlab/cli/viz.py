@@ -11,7 +11,10 @@ from shardlab.bench.pipeline_gantt import draw_gantt, render_text
 from shardlab.bench.pipeline_measure import MeasuredModel, measure
 from shardlab.cli.common import launch_kwargs, name_list
 from shardlab.parallel.pipeline import ScheduleError, Timeline, bubble_theory, fmt, in_flight_theory, schedule, simulate
-from shardlab.parallel.pipeline.schedules import KINDS, compute_order
+from shardlab.parallel.pipeline.schedules import KINDS, LOOPED, V_KINDS, compute_order
+
+SPLIT = ("zb1", "interleaved-zb", "zbv", "dualpipev")
+"""The schedules whose backward is split into BI and BW: their bubble formulas take those times."""
 
 
 def _times(text: str) -> dict[str, float]:
@@ -27,7 +30,7 @@ def _times(text: str) -> dict[str, float]:
 
 def run_schedule(args: argparse.Namespace) -> int:
     p, m = args.stages, args.microbatches
-    v = args.virtual_stages if args.schedule == "interleaved" else 1
+    v = args.virtual_stages if args.schedule in LOOPED else 1
     times = _times(args.times)
     try:
         plan = schedule(args.schedule, p, m, v)
@@ -35,10 +38,11 @@ def run_schedule(args: argparse.Namespace) -> int:
     except (ValueError, ScheduleError) as exc:
         print(f"shardlab viz schedule: {exc}", file=sys.stderr)
         return 2
-    t_b, t_w = (times.get("BI", 1.0), times.get("BW", 1.0)) if args.schedule == "zb1" else \
+    t_b, t_w = (times.get("BI", 1.0), times.get("BW", 1.0)) if args.schedule in SPLIT else \
         (times.get("B", 2.0) / 2, times.get("B", 2.0) / 2)
     theory = bubble_theory(args.schedule, p, m, v, times.get("F", 1.0), t_b, t_w)
-    title = f"{args.schedule}: p={p}, m={m}" + (f", v={v}" if v > 1 else "")
+    title = f"{args.schedule}: p={p}, m={m}" + (f", v={v}" if v > 1 else "") + \
+        (" (V: rank r holds chunks r and 2p-1-r)" if args.schedule in V_KINDS else "")
     timeline = Timeline.from_simulation(plan, sim, schedule=args.schedule, stages=p, microbatches=m, virtual=v)
     print(f"{title}: bubble {sim.bubble_fraction():.1%} simulated, {theory:.1%} theory; "
           f"step {sim.makespan:g} time units")
@@ -74,7 +78,7 @@ def run_measure(args: argparse.Namespace) -> int:
             print(f"shardlab viz measure: unknown schedule {kind!r}; expected one of {KINDS}", file=sys.stderr)
             return 2
         for m in args.microbatches:
-            v = args.virtual_stages if kind == "interleaved" else 1
+            v = args.virtual_stages if kind in LOOPED else 1
             try:
                 compute_order(kind, args.stages, m, v)
             except ValueError as exc:

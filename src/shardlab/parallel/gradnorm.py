@@ -36,6 +36,8 @@ import torch.nn as nn
 
 from shardlab import comm
 from shardlab.comm.dispatch import Group
+from shardlab.parallel.deterministic import exact
+from shardlab.parallel.deterministic.mode import active as deterministic_active
 from shardlab.parallel.placement import Placement
 
 PIPELINE_AXIS = "pp"
@@ -100,7 +102,32 @@ def global_grad_norm(grads: Iterable[tuple[torch.Tensor, bool, torch.Tensor]], d
         total = total.reshape(1)
         comm.all_reduce(total, "sum", stages.group)
         total = total[0]
+    if deterministic_active():  # the same bits however the gradients are cut (deterministic/exact.py)
+        elements = sum(g.numel() for group in bins.values() for g in group)
+        return exact.settled_norm(total, elements, lambda: _exact_squares(bins, axes, bit, device, dp_group, dp_size,
+                                                                          across_stages))
     return total.sqrt()
+
+
+def _exact_squares(bins: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]], axes: list, bit: dict[str, int],
+                device: torch.device | None, dp_group: Group, dp_size: int,
+                across_stages: Placement | None) -> torch.Tensor:
+    """global_grad_norm's sum of squares, of exact integer bins (parallel/deterministic/exact.py)
+    instead of fp64 squares, so that neither the shards' boundaries nor the order of the reductions
+    moves a bit: what train.deterministic falls back to when the fp64 sum does not settle the norm."""
+    where = device if device is not None else next((k[1] for k in bins), torch.device("cpu"))
+    sq = torch.zeros((2 << len(axes), exact.SIZE), dtype=torch.int64, device=where)
+    for (index, _, _), group in bins.items():
+        sq[index] += exact.square_bins(group, where)
+    if dp_size > 1:
+        _reduce_where(sq, 1, dp_group)
+    for a in axes:
+        _reduce_where(sq, bit[a.name], a.group)
+    total = sq.sum(0)
+    stages = None if across_stages is None else across_stages.axis(PIPELINE_AXIS)
+    if stages is not None and stages.size > 1:
+        comm.all_reduce(total, "sum", stages.group)
+    return exact.value(total)
 
 
 def squares(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -112,7 +139,7 @@ def squares(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def _reduce_where(sq: torch.Tensor, bit: int, group: Group) -> None:
     """Sum over `group` the entries of `sq` whose index has `bit` set (those cut over it)."""
-    idx = _indices(sq.numel(), bit, sq.device)
+    idx = _indices(sq.shape[0], bit, sq.device)
     cut = sq[idx]
     comm.all_reduce(cut, "sum", group)
     sq[idx] = cut

@@ -35,11 +35,14 @@ class LayoutSection:
     pipeline, one stage busy at a time; with m > 1 that is gradient accumulation with no overlap),
     'gpipe' (all forwards, then all backwards), '1f1b' (one forward one backward: GPipe's bubble,
     at most pp microbatches of activations), 'interleaved' (1F1B over layout.virtual_stages chunks
-    per rank: a bubble v times smaller; m must divide by pp) or 'zb1' (ZB-H1: backward split into
-    input and weight gradients, the latter filling the bubbles)."""
+    per rank: a bubble v times smaller; m must divide by pp), 'zb1' (ZB-H1: backward split into
+    input and weight gradients, the latter filling the bubbles), 'interleaved-zb' (interleaved with
+    zb1's split), 'zbv' (ZB-V) or 'dualpipev' (DualPipeV, m >= 2 pp): two chunks per rank placed as a
+    V, chunks r and 2 pp - 1 - r on rank r (docs/pipeline.md)."""
     virtual_stages: int = 1
-    """Chunks of layers per pipeline rank (v): 1, or >= 2 with schedule 'interleaved' (chunk c on
-    rank c mod pp). pp x v must not exceed the model's pieces (GPT: n_layer + 2, MLP: n_layer)."""
+    """Chunks of layers per pipeline rank (v): 1, or >= 2 with schedule 'interleaved' or
+    'interleaved-zb' (chunk c on rank c mod pp); 'zbv' and 'dualpipev' hold 2 (1 or 2 accepted).
+    pp x v must not exceed the model's pieces (GPT: n_layer + 2, MLP: n_layer)."""
     stage_layers: tuple[int, ...] = ()
     """Layers (GPT: blocks; MLP: layers) per pipeline chunk, first to last: pp x virtual_stages
     positive counts summing to model.n_layer, e.g. [3, 2] (TOML list, or --set layout.stage_layers=3,2).

@@ -43,6 +43,7 @@ from shardlab.parallel.expert.rows import route_whole_rows
 from shardlab.parallel.layout import MESH_AXES
 from shardlab.parallel.pipeline.model import PipelineParallel
 from shardlab.parallel.pipeline.stages import layout_balance
+from shardlab.parallel.pipeline.schedules import V_KINDS, chunks_per_rank
 from shardlab.parallel.pipeline.stages import SplitPlan, build_stage, plan_split
 from shardlab.parallel.placement import MeshAxis, Placement, tied_aliases
 from shardlab.parallel.recompute import apply_recompute
@@ -133,8 +134,10 @@ def parallelize_stage(model: nn.Module, record: Placement, split: SplitPlan, lay
 def plan_stages(model: nn.Module, layout: "LayoutSection") -> SplitPlan:
     """The pipeline's split of the plain `model`: layout.pp x virtual_stages chunks, layers as even as
     possible or layout.stage_layers (pipeline/partition.py)."""
-    balance = layout_balance(model, layout.pp, layout.virtual_stages, layout.stage_layers)
-    return plan_split(model, layout.pp, layout.virtual_stages, balance)
+    # The V schedules hold two chunks per rank placed as a V whatever virtual_stages says (1 or 2).
+    v = chunks_per_rank(layout.schedule, layout.virtual_stages)
+    balance = layout_balance(model, layout.pp, v, layout.stage_layers)
+    return plan_split(model, layout.pp, v, balance, v_shape=layout.schedule in V_KINDS)
 
 
 def apply_expert_parallel(model: nn.Module, record: Placement, mesh: DeviceMesh) -> tuple[nn.Module, Placement]:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardlab.parallel.deterministic.mode import CANONICAL_IMPL, active as deterministic_active
 from shardlab.dist.mesh import DeviceMesh
 from shardlab.parallel.data.replicate import DataParallel
 from shardlab.parallel.expert.data_parallel import ExpertDataParallel
@@ -69,6 +70,11 @@ class DataOptions:
 
     @classmethod
     def of(cls, layout: "LayoutSection") -> "DataOptions":
+        if deterministic_active():
+            # train.deterministic: the ranks' gradients summed in the canonical order, after backward
+            # (a micro-batch's gradients join the rank's tree first: parallel/deterministic/).
+            return cls((layout.dp, layout.ep, layout.cp), layout.zero, "bucketed", layout.bucket_mb,
+                       CANONICAL_IMPL, layout.recompute != "none", layout.schedule)
         return cls((layout.dp, layout.ep, layout.cp), layout.zero, layout.dp_mode, layout.bucket_mb,
                    layout.comm_impl, layout.recompute != "none", layout.schedule)
 

@@ -58,6 +58,7 @@ class Kernels:
     fp8_frac: float = 0.0      # fp8 GEMMs' share of the fp8 peak (0: gemm_frac)
     attn_scale: float = 1.0    # another software stack's attention relative to the fitted one
     gemm_scale: float = 1.0    # another software stack's GEMMs relative to the fitted ones
+    fp8_scale: float = 1.0     # and its fp8 GEMMs on top (a stack's fp8 recipe: scaling, casts)
     mem_scale: float = 1.0     # another software stack's memory-bound kernels relative to the fitted ones
     source: str = ""
 
@@ -93,7 +94,7 @@ def wave_efficiency(m: float, n: float, k: float, sms: int) -> float:
 def gemm_rate(k: Kernels, peak: float, sms: int, m: float, kdim: float, n: float, fp8: bool = False) -> float:
     """FLOP/s of an (m x kdim) @ (kdim x n) GEMM on a device of `peak` FLOP/s and `sms` SMs."""
     frac = k.fp8_frac if (fp8 and k.fp8_frac) else k.gemm_frac
-    return peak * frac * k.gemm_scale * wave_efficiency(m, n, kdim, sms) * kdim / (kdim + k.gemm_k0)
+    return peak * frac * k.gemm_scale * (k.fp8_scale if fp8 else 1.0) * wave_efficiency(m, n, kdim, sms) * kdim / (kdim + k.gemm_k0)
 
 
 def gemm_time(k: Kernels, peak: float, sms: int, bandwidth: float, m: float, kdim: float, n: float,

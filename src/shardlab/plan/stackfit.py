@@ -27,14 +27,15 @@ def with_kernel_values(hw: Hardware, values: dict[str, float]) -> Hardware:
     return replace(hw, kernels=replace(hw.kernels, **values))
 
 
-SCALES = ("gemm", "attn", "mem", "all", "comm")
+SCALES = ("gemm", "attn", "mem", "all", "comm", "fp8")
 
 
 def scaled(hw: Hardware, values: dict[str, float]) -> Hardware:
     """`hw` with a stack's scales applied: `gemm`, `attn`, `mem` (or `all` three at once) multiply the
     rates of GEMMs, fused attention and memory-bound kernels: on a kernel model (Hopper) its
     gemm/attn/mem scales, on a roofline preset (A100) mm_eff (and fp8_eff), attn_eff and mem_eff;
-    `comm` multiplies the share of link bandwidth its collectives reach (link_eff)."""
+    `comm` multiplies the share of link bandwidth its collectives reach (link_eff); `fp8` multiplies
+    its fp8 GEMMs' rate on top of `gemm` (a stack's fp8 recipe against the preset's, fitted to NeMo's)."""
     bad = set(values) - set(SCALES)
     if bad:
         raise ValueError(f"unknown stack scale(s) {sorted(bad)}; known: {', '.join(SCALES)}")
@@ -42,13 +43,14 @@ def scaled(hw: Hardware, values: dict[str, float]) -> Hardware:
         return hw
     a = values.get("all", 1.0)
     g, at, m = values.get("gemm", 1.0) * a, values.get("attn", 1.0) * a, values.get("mem", 1.0) * a
+    f8 = values.get("fp8", 1.0)
     hw = replace(hw, link_eff=hw.link_eff * values.get("comm", 1.0))
     if hw.kernels is not None:
         k = hw.kernels
         return replace(hw, kernels=replace(k, gemm_scale=k.gemm_scale * g, attn_scale=k.attn_scale * at,
-                                           mem_scale=k.mem_scale * m))
+                                           mem_scale=k.mem_scale * m, fp8_scale=k.fp8_scale * f8))
     # attn_eff 0 means "as a GEMM" (mm_eff): it is set only when attention is scaled apart
-    return replace(hw, mm_eff=hw.mm_eff * g, fp8_eff=hw.fp8_eff * g, mem_eff=hw.mem_eff * m,
+    return replace(hw, mm_eff=hw.mm_eff * g, fp8_eff=hw.fp8_eff * g * f8, mem_eff=hw.mem_eff * m,
                    attn_eff=(hw.attn_eff or hw.mm_eff) * at if at != g else hw.attn_eff * at)
 
 

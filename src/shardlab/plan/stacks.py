@@ -25,7 +25,7 @@ from shardlab.plan.stackfit import decompose, fit, scaled
 from shardlab.plan.steptime import step_time
 
 FITS_FILE = DATA / "stack_fits.json"
-BOUNDS = {"gemm": (0.2, 1.5), "attn": (0.1, 1.5), "mem": (0.1, 1.5), "all": (0.1, 1.5), "comm": (0.05, 1.2)}
+BOUNDS = {"gemm": (0.2, 1.5), "fp8": (0.3, 1.5), "attn": (0.1, 1.5), "mem": (0.1, 1.5), "all": (0.1, 1.5), "comm": (0.05, 1.2)}
 GIB = 2 ** 30
 
 

@@ -18,12 +18,13 @@ from shardlab.checkpoint.format import CheckpointError, read_metadata
 from shardlab.models.gpt_config import LOSSES, MLPS, NORMS
 from shardlab.parallel.context.checks import context_parallel_problems
 from shardlab.parallel.data.checks import data_parallel_problems
+from shardlab.parallel.deterministic.checks import deterministic_problems
 from shardlab.parallel.expert.checks import expert_problems
 from shardlab.parallel.layout import MESH_AXES
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.parallelize import uses_tensor_parallel
 from shardlab.parallel.pipeline.checks import pipeline_problems
-from shardlab.parallel.pipeline.schedules import KINDS
+from shardlab.parallel.pipeline.schedules import KINDS, V_KINDS
 from shardlab.parallel.recompute import recompute_problems
 from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.parallel.tensor.plan import PLAN_NAMES
@@ -122,6 +123,10 @@ def problems(*, model: ModelSection, data: DataSection, optim: OptimSection, tra
     one_of("layout.tp_plan", lay.tp_plan, PLAN_NAMES)
     model_ok = not any(p.startswith("model.") for p in out)
     meta = partial(meta_model, m) if model_ok else None  # the model on the meta device, for its rules
+    if sharding.active() and lay.pp > 1 and lay.schedule in V_KINDS:
+        out.append(f"layout.schedule = {lay.schedule!r} with [sharding] rules: the rules' layers=pp derivation "
+                   f"places chunks in the loop order (parallel/sharding/placed.py), not the V; use layout.tp "
+                   f"without [sharding], or a loop schedule")
     if sharding.active():  # derived sharding replaces tp_plan and sp (train/sharding_check.py)
         out += sharding_problems(sharding, lay, m, t, _vocab(m, src, lay.tp), model_ok)
         if m.loss == "chunked":
@@ -147,6 +152,7 @@ def problems(*, model: ModelSection, data: DataSection, optim: OptimSection, tra
     out += checkpoint_problems(checkpoint, t.steps)
     out += recompute_problems(lay, m)
     out += compile_problems(t, lay)
+    out += deterministic_problems(lay, t, m.experts, sharding.active())
     if m.vocab_size < 0:
         out.append(f"model.vocab_size = {m.vocab_size} must be >= 0 (0: the data's)")
     return out

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from shardlab import comm
+from shardlab.parallel.deterministic.mode import deterministic_mode
 from shardlab.checkpoint import Checkpointer, CheckpointError, load_checkpoint
 from shardlab.checkpoint.verify import newest_verified, verify_together
 from shardlab.dist import signals
@@ -92,8 +93,9 @@ def layout_name(lay: LayoutSection, micro_batches: int) -> str:
 def train_rank(run: Run) -> dict[str, Any] | None:
     """Train `run` (resolved once by the launcher, train/resolve.py) on this rank; rank 0 returns the
     run's summary. A stop signal (SIGTERM, SIGHUP, Ctrl-C) ends the run at the next step boundary, on
-    every rank at the same step, with the summary, metrics and plot of the steps done (dist/signals.py)."""
-    with signals.cooperative():
+    every rank at the same step, with the summary, metrics and plot of the steps done (dist/signals.py).
+    Under train.deterministic the whole run is in its mode (parallel/deterministic/mode.py)."""
+    with signals.cooperative(), deterministic_mode(run.config.train.deterministic):
         return _train(run)
 
 

@@ -189,6 +189,13 @@ class TrainSection:
     """torch.compile's backend for train.compile: 'inductor' (generated kernels; a C++ compiler on
     CPU, Triton on a GPU), 'aot_eager' (dynamo's capture and AOTAutograd's forward and backward
     graphs, run with eager kernels: what the CPU tests verify) or 'eager' (dynamo's capture only)."""
+    deterministic: bool = False
+    """The same bits on every layout: losses, gradient norms and parameters of dp (any degree), ZeRO
+    and pp (schedules with a whole backward) bit-identical to one process running the same
+    micro-batches, and to each other (docs/deterministic.md): micro-batch gradients summed in one canonical tree, the ranks' sums by the
+    canonical collective, the gradient norm exact; torch's deterministic algorithms and equal threads
+    per rank (SHARDLAB_THREADS, else 1). Layouts it cannot make exact (tp, cp, ep, compile) are refused
+    (`--deterministic`)."""
 
 
 @dataclass

@@ -23,6 +23,8 @@ import torch.nn as nn
 from shardlab.models.dropout import batch_place
 from shardlab.parallel.data.buckets import trainable_params as unique_trainable
 from shardlab.parallel.contract import StepContract, optimizer_contract, step_contract
+from shardlab.parallel.deterministic.mode import active as deterministic_active
+from shardlab.parallel.deterministic.tree import MicroTree, put_grads, take_grads
 from shardlab.parallel.gradnorm import clip_grad_norm_
 from shardlab.parallel.optim import MixedPrecisionOptimizer
 from shardlab.parallel.precision import (
@@ -363,8 +365,12 @@ def nonfinite_gradients(model: nn.Module) -> list[str]:
 def _accumulate(contract: StepContract, task: Task, step: int, dp_rank: int, dp_size: int, micro_batches: int,
                 scale: float, device: torch.device | None) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches, communicating only after the last; returns
-    the mean loss over the rank's rows."""
+    the mean loss over the rank's rows. Under train.deterministic each micro-batch's gradients (of
+    its unscaled mean loss) are a leaf of the canonical tree, whose sum is divided by the count once
+    at the end (parallel/deterministic/tree.py)."""
     total: torch.Tensor | None = None
+    tree = MicroTree(micro_batches) if micro_batches > 1 and deterministic_active() else None
+    params = unique_trainable(contract.inner) if tree is not None else []
     for micro in range(micro_batches):
         x, y = task.batch(step, dp_rank, dp_size, micro_batches, micro)
         if device is not None:
@@ -377,9 +383,14 @@ def _accumulate(contract: StepContract, task: Task, step: int, dp_rank: int, dp_
             # Each micro-batch's loss is a mean over its rows; dividing by their count makes
             # the accumulated gradient the mean over the rank's rows, as one pass would give.
             loss = contract.model(x, y)
-            loss = loss / micro_batches if micro_batches > 1 else loss
+            loss = loss / micro_batches if micro_batches > 1 and tree is None else loss
             (loss * scale if scale != 1.0 else loss).backward()
+        if tree is not None:
+            tree.add(micro, take_grads(params))
         # Summed in fp64 on the device: read when the caller wants the number.
         total = loss.detach().double() if total is None else total + loss.detach().double()
     assert total is not None
+    if tree is not None:
+        put_grads(params, tree.result(), micro_batches)
+        total = total / micro_batches
     return total

@@ -30,9 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardlab.parallel.deterministic.mode import deterministic_mode
 from shardlab.parallel.layout import batch_rank, build_mesh, full_gradients, full_parameters, replica_group
 from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.parallelize import parallelize
+from shardlab.parallel.pipeline.schedules import V_KINDS, chunks_per_rank
 from shardlab.parallel.precision import get_precision
 from shardlab.train.compile import compile_model, compile_stats, fresh_compile_state
 from shardlab.train.config import Config
@@ -81,8 +83,10 @@ def verify_base(layout: LayoutSection, micro_batches: int, model: str) -> list[s
     rows = layout.batch_ranks * micro_batches
     if rows > 0 and 12 % rows:
         base.append(f"train.global_batch={rows * math.ceil(12 / rows)}")
-    chunks = layout.pp * layout.virtual_stages
-    layers = chunks - 2 if model == "gpt" else chunks
+    chunks = layout.pp * chunks_per_rank(layout.schedule, layout.virtual_stages)
+    # The V puts the embedding's and the head's chunks on rank 0: a block in each chunk keeps one there
+    # too (recomputation refuses a stage without blocks, parallel/pipeline/checks.py).
+    layers = chunks - 2 if model == "gpt" and layout.schedule not in V_KINDS else chunks
     if layout.pp > 1 and layers > 2:
         base.append(f"model.n_layer={layers}")
     return base
@@ -111,6 +115,16 @@ def mp_factor_for(layout: LayoutSection, micro_batches: int) -> float:
 def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: float = 1e-7,
                 mp_factor: float = 2.0, noise_floor: bool = False, ref_micro_batches: int = 1,
                 ref_noise_ulps: float = 0.0) -> dict[str, Any] | None:
+    """verify_layout under train.deterministic's mode when the configuration asks for it: then the
+    reference runs the layout's dp x micro_batches micro-batches (its own ref_micro_batches is
+    ignored) and the bar is 0, in the loss, every gradient, every parameter and the norm."""
+    with deterministic_mode(bool(cfg_dict.get("train", {}).get("deterministic"))):
+        return verify_layout(cfg_dict, tol, grad_tol, atol, mp_factor, noise_floor, ref_micro_batches, ref_noise_ulps)
+
+
+def verify_layout(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: float = 1e-7,
+                  mp_factor: float = 2.0, noise_floor: bool = False, ref_micro_batches: int = 1,
+                  ref_noise_ulps: float = 0.0) -> dict[str, Any] | None:
     """Run the layout and the reference side by side; rank 0 returns the report.
 
     Under mixed precision (layout.precision bf16 or fp16) the reference runs in that precision too,
@@ -156,6 +170,9 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
     common = StepSetup(grad_clip=o.grad_clip, skip_layer_every=cfg.model.skip_layer_every, device=device,
                        on_nonfinite="apply", precision=cfg.layout.precision)
     layout_setup = dataclasses.replace(common, dp_rank=dp_rank, dp_size=dp_size, micro_batches=t.micro_batches)
+    bitwise = t.deterministic  # the same micro-batches, summed in the same tree: 0 difference demanded
+    if bitwise:
+        ref_micro_batches, noise_floor = dp_size * t.micro_batches, False
     ref_setup = dataclasses.replace(common, micro_batches=ref_micro_batches)
     # bf16 autocast rounds like bf16 parameters do: allowances from the same comparison with fp32.
     mixed = get_precision(cfg.layout.precision).mixed or get_precision(cfg.layout.precision).autocast is not None
@@ -259,8 +276,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
                         + mp_factor * gap["norm"])
         norm_used = norm_diff(res.grad_norm, ref.grad_norm) / norm_allowed if norm_allowed > 0 else 0.0
         # The worst over ranks: every replica must match, not just rank 0's.
-        worst = torch.tensor([grad_abs, grad_rel, grad_used, param_abs, param_rel, param_used, norm_used],
-                             dtype=torch.float64, device=device)
+        worst = torch.tensor([grad_abs, grad_rel, grad_used, param_abs, param_rel, param_used, norm_used,
+                              abs(res.grad_norm - ref.grad_norm)], dtype=torch.float64, device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         names: list[Any] = [None] * world
         dist.all_gather_object(names, (grad_used, grad_name, param_used, param_name, loss_par))
@@ -281,6 +298,7 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
             "grad_norm": res.grad_norm,
             "ref_grad_norm": ref.grad_norm,
             "grad_norm_allowance_used": worst[6].item(),
+            "abs_grad_norm_diff": worst[7].item(),
             "loss_allowance": tol * abs(ref.loss) + mp_factor * max(gap["loss"], loss_floor),
             "skipped": res.skipped,
             "ref_skipped": ref.skipped,
@@ -296,6 +314,10 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         r["passed"] = bool(math.isfinite(r["loss"]) and abs(r["loss_diff"]) <= r["loss_allowance"]
                            and r["param_allowance_used"] <= 1.0 and r["grad_allowance_used"] <= 1.0
                            and r["grad_norm_allowance_used"] <= 1.0 and res.skipped == ref.skipped)
+        if bitwise:  # bit for bit: no allowance at all
+            r["passed"] = bool(math.isfinite(r["loss"]) and r["loss_diff"] == 0.0 and r["max_abs_grad_diff"] == 0.0
+                               and r["max_abs_param_diff"] == 0.0 and r["abs_grad_norm_diff"] == 0.0
+                               and res.skipped == ref.skipped)
     bars = None
     if noise_floor:  # per parameter, its step closest to the allowance (each tensor's worst rank)
         bars = bound_report(bound_table, t.steps, chain, *grad_floor_top) if bound is not None else {
@@ -321,6 +343,8 @@ def verify_rank(cfg_dict: dict[str, Any], tol: float, grad_tol: float, atol: flo
         "atol": atol,
         "grad_tolerance": grad_tol,
         "mp_factor": mp_factor if mixed else None,
+        "deterministic": bitwise,
+        "max_abs_grad_norm_diff": max(r["abs_grad_norm_diff"] for r in rows),
         "loss_diffs": [r["loss_diff"] for r in rows],
         "max_rel_loss_diff": max_rel_loss,
         "max_abs_grad_diff": max(r["max_abs_grad_diff"] for r in rows),

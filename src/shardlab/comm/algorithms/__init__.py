@@ -12,13 +12,14 @@ impl="ring" and so on. Each family lives in its own module:
     rd            recursive halving / doubling (Rabenseifner)         (log n rounds, bandwidth-optimal)
     pairwise      pairwise-exchange all-to-all
     hierarchical  reduce-scatter in node, all-reduce across nodes, all-gather in node
+    canonical     every element summed in one fixed association (train.deterministic)
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from shardlab.comm.algorithms import alltoall, hierarchical, recursive, ring, tree
+from shardlab.comm.algorithms import alltoall, canonical, hierarchical, recursive, ring, tree
 
 ALGORITHMS: dict[str, dict[str, Callable]] = {
     "ring": {
@@ -41,6 +42,11 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
     },
     "hierarchical": {
         "all_reduce": hierarchical.all_reduce,
+    },
+    "canonical": {
+        "all_reduce": canonical.all_reduce,
+        "reduce_scatter": canonical.reduce_scatter,
+        "all_gather": ring.all_gather,
     },
 }
 

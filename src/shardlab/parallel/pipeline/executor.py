@@ -54,7 +54,6 @@ from shardlab.parallel.pipeline.actions import B, BI, BW, F, RECV_B, RECV_F, SEN
 from shardlab.parallel.pipeline.simulation import check
 from shardlab.parallel.pipeline.headers import Header, Table, agree, check_send, header, is_message
 from shardlab.parallel.pipeline.params import TIED_TAG, clip_grad_norm_, sum_tied_grads
-from shardlab.parallel.pipeline.schedules import chunk_owner
 from shardlab.parallel.pipeline.splitgrad import WeightGradStore, defer_weight_grads
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.pipeline.timeline import WAIT, Event
@@ -95,8 +94,8 @@ class PipelineExecutor:
         if self.sim.chunks != stage.plan.chunks:
             raise ValueError(f"the schedule runs {self.sim.chunks} chunks but the model is split into {stage.plan.chunks}")
         for c, r in self.sim.owners.items():
-            if r != chunk_owner(c, size):
-                raise ValueError(f"the schedule runs chunk {c} on rank {r}; the split placed it on {chunk_owner(c, size)}")
+            if r != stage.plan.owner(c):
+                raise ValueError(f"the schedule runs chunk {c} on rank {r}; the split placed it on {stage.plan.owner(c)}")
         self.actions = self.sim.schedule[self.rank]  # the grouped plan (receives moved, nothing else)
         self.group_at = {g[0]: g for g in self.sim.groups[self.rank]}
         self.microbatches, self.chunks = self.sim.microbatches, self.sim.chunks
@@ -107,6 +106,9 @@ class PipelineExecutor:
         # Each chunk's last backward (B, or BI under a split), after which its gradients are final
         # but for BW's deferred weight gradients: where an overlapped data-parallel sync may start.
         self.last_backward = {a.chunk: i for i, a in enumerate(self.actions) if a.op in (B, BI)}
+        # Called with (microbatch, chunk) once that backward's weight gradients are in (after B, or
+        # after BW under a split): train.deterministic takes them there (parallel/pipeline/tree_grads.py).
+        self.after_backward: Callable[[int, int], None] | None = None
         self.dtype = next((p.dtype for p in stage.parameters() if p.is_floating_point()), torch.float32)
 
     def _tag(self, kind: str, mb: int, producer: int) -> int:
@@ -153,9 +155,13 @@ class PipelineExecutor:
                     start = self._backward(a)
                 if a.op == B:
                     self._give_back(a.microbatch, a.chunk)
+                    if self.after_backward is not None:
+                        self.after_backward(a.microbatch, a.chunk)
             elif a.op == BW:
                 self.stores.pop((a.microbatch, a.chunk)).flush()
                 self._give_back(a.microbatch, a.chunk)
+                if self.after_backward is not None:
+                    self.after_backward(a.microbatch, a.chunk)
             elif a.op == STEP:
                 self._finish(on_step)
                 stepped = True
@@ -259,7 +265,7 @@ class PipelineExecutor:
         mb, c = a.microbatch, a.chunk
         if c == 0:
             inp = self.xs[mb]
-        elif chunk_owner(c - 1, self.stage.plan.stages) == self.rank:
+        elif self.stage.plan.owner(c - 1) == self.rank:
             inp = self.outgoing.pop(("L", mb, c - 1)).detach().requires_grad_()
         else:
             # A new leaf over the pooled buffer: the buffer itself never joins a graph or holds .grad.
@@ -283,7 +289,7 @@ class PipelineExecutor:
             out = out * share
             self.loss += out.detach().double()
         else:
-            local = chunk_owner(c + 1, self.stage.plan.stages) == self.rank
+            local = self.stage.plan.owner(c + 1) == self.rank
             self.outgoing[("L" if local else "F", mb, c)] = out if local else out.detach()
         self.saved[(mb, c)] = (inp, out)
         return start
@@ -293,7 +299,7 @@ class PipelineExecutor:
         inp, out = self.saved.pop((mb, c))
         grad = None
         if c < self.chunks - 1:
-            if chunk_owner(c + 1, self.stage.plan.stages) == self.rank:
+            if self.stage.plan.owner(c + 1) == self.rank:
                 grad = self.outgoing.pop(("G", mb, c + 1))
             else:
                 grad = self._take("B", mb, c)
@@ -305,7 +311,7 @@ class PipelineExecutor:
         if out.requires_grad:
             torch.autograd.backward(out, grad)
         if c > 0:
-            local = chunk_owner(c - 1, self.stage.plan.stages) == self.rank
+            local = self.stage.plan.owner(c - 1) == self.rank
             # An output that does not depend on the input has a zero gradient with respect to it.
             self.outgoing[("G" if local else "B", mb, c)] = inp.grad if inp.grad is not None else torch.zeros_like(inp)
         return start

@@ -34,6 +34,8 @@ from shardlab.parallel.expert.data_parallel import ExpertDataParallel
 from shardlab.parallel.data.fsdp import FullyShardedDataParallel
 from shardlab.parallel.gradnorm import global_grad_norm
 from shardlab.parallel.optim import PieceOptimizer, WholePieces, param_groups, unique_trainable
+from shardlab.parallel.deterministic.mode import active as deterministic_active
+from shardlab.parallel.pipeline.tree_grads import StageGrads
 from shardlab.parallel.pipeline.executor import PipelineExecutor
 from shardlab.parallel.pipeline.params import (
     TIED_TAG,
@@ -42,7 +44,7 @@ from shardlab.parallel.pipeline.params import (
     stage_placement,
     sum_tied_grads,
 )
-from shardlab.parallel.pipeline.schedules import chunk_owner, compute_order, schedule
+from shardlab.parallel.pipeline.schedules import compute_order, schedule
 from shardlab.parallel.pipeline.stages import PipelineStage
 from shardlab.parallel.pipeline.timeline import WAIT
 from shardlab.parallel.placement import Placement
@@ -71,19 +73,19 @@ def forward_only(stage: PipelineStage, inputs: torch.Tensor, targets: torch.Tens
     out = None
     with aux_loss_scope() as aux:  # chunks without the head leave their MoE layers' terms here (models/moe.py)
         for c in range(chunks):
-            if chunk_owner(c, p) != rank:
+            if stage.plan.owner(c) != rank:
                 continue
             if c == 0:
                 inp = inputs
-            elif chunk_owner(c - 1, p) == rank:  # one stage: the chunks follow each other locally
+            elif stage.plan.owner(c - 1) == rank:  # one stage: the chunks follow each other locally
                 inp = out
             else:
                 buf = torch.empty(stage.activation_shape(inputs), dtype=_dtype(stage), device=inputs.device)
-                inp = comm.recv(buf, chunk_owner(c - 1, p), group, tag=FORWARD_TAG + c)
+                inp = comm.recv(buf, stage.plan.owner(c - 1), group, tag=FORWARD_TAG + c)
             out = stage.chunk(c)(inp, targets if c == chunks - 1 else None)
-            if c < chunks - 1 and chunk_owner(c + 1, p) != rank:
-                comm.send(out.contiguous(), chunk_owner(c + 1, p), group, tag=FORWARD_TAG + c + 1)
-    last = chunk_owner(chunks - 1, p)
+            if c < chunks - 1 and stage.plan.owner(c + 1) != rank:
+                comm.send(out.contiguous(), stage.plan.owner(c + 1), group, tag=FORWARD_TAG + c + 1)
+    last = stage.plan.owner(chunks - 1)
     if targets is not None:  # the loss: every stage's load-balancing terms join the last one's
         terms = torch.as_tensor(aux.total, dtype=torch.float64, device=inputs.device).clone()
         if dist.get_world_size(group) > 1:
@@ -158,7 +160,7 @@ class PipelineParallel(nn.Module):
         if data_parallel is not None and getattr(data_parallel, "module", None) is not stage:
             raise ValueError("data_parallel must wrap this pipeline's stage")
         p, v = stage.plan.stages, stage.plan.virtual
-        compute_order(kind, p, p, v)  # an unknown kind, or virtual chunks it cannot run, fail here
+        compute_order(kind, p, 2 * p, v)  # an unknown kind, or virtual chunks it cannot run, fail here
         self.module = stage  # as wrappers keep theirs: train_step and the layout views find it here
         self.data_parallel = data_parallel
         self.kind, self.group = kind, group
@@ -168,6 +170,7 @@ class PipelineParallel(nn.Module):
         # The stage's record (pp written by the split, tp before it) with its pipeline group.
         self.placement: Placement = stage_placement(stage, group)
         self.runners: dict[int, PipelineExecutor] = {}
+        self.tree_grads: StageGrads | None = None
         self.comm_wait_s = 0.0
         self.last_events: list = []
 
@@ -196,7 +199,12 @@ class PipelineParallel(nn.Module):
             self.data_parallel.comm_wait_s = 0.0
         dp = self.data_parallel
         final = dp.final_backward if isinstance(dp, DataParallel) and dp.mode == "overlap" else None
-        result = self.runner(microbatches).run(inputs, targets, on_step, loss_scale=loss_scale, final_backward=final)
+        runner = self.runner(microbatches)
+        # train.deterministic: each microbatch's gradients taken as its backward ends, summed in the
+        # canonical tree at finish_gradient_sync (pipeline/tree_grads.py).
+        self.tree_grads = StageGrads(self.module, microbatches, self.group) if deterministic_active() else None
+        runner.after_backward = None if self.tree_grads is None else self.tree_grads.capture
+        result = runner.run(inputs, targets, on_step, loss_scale=loss_scale, final_backward=final)
         self.last_events = result.events
         waits = sum(e.end - e.start for e in result.events if e.op == WAIT)
         self.comm_wait_s = waits + float(getattr(self.data_parallel, "comm_wait_s", 0.0))
@@ -210,7 +218,9 @@ class PipelineParallel(nn.Module):
         have reduced them during the last backward, so they are summed after it is waited for."""
         dp = self.data_parallel
         overlapped = isinstance(dp, DataParallel) and dp.mode == "overlap"
-        if not overlapped:
+        if self.tree_grads is not None:  # the tied copies summed per microbatch there
+            self.tree_grads.finish()
+        elif not overlapped:
             sum_tied_grads(self.module, self.group)
         if dp is not None:
             dp.finish_gradient_sync()

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from shardlab.parallel.pipeline.actions import (
     B, BI, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, STEP, Action, Schedule,
 )
+from shardlab.parallel.pipeline.channels import in_channel_order
 from shardlab.parallel.pipeline.deadlock import (
     DeadlockError, Desc, ScheduleError, explain_grouped, explain_ops, message_of, show,
 )
@@ -335,7 +336,7 @@ def grouped(schedule: Schedule, limit: int = 2_000) -> Schedule:
     (into the group before), which is how a peer's send and our receive end up in groups active at
     the same time. Computes and sends keep their places, so the result computes exactly what the
     schedule does; if no receive in a cycle can move, the schedule deadlocks and that is raised."""
-    plan = [_just_in_time(actions) for actions in schedule]
+    plan = in_channel_order([_just_in_time(actions) for actions in schedule])
     for _ in range(limit):
         try:
             simulate(plan, grouped_posts=True)
@@ -348,6 +349,7 @@ def grouped(schedule: Schedule, limit: int = 2_000) -> Schedule:
             if j is None:
                 raise
             plan[r].insert(j, plan[r].pop(i))
+            plan = in_channel_order(plan)
     raise ScheduleError(0, 0, f"could not group the schedule's messages within {limit} moves")
 
 

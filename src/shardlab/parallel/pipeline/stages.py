@@ -7,7 +7,9 @@
 The model is cut into *pieces*, its units in order: for the GPT the embedding (tok_emb, pos_emb),
 each block, and the final norm with the head; for the MLP each layer. A plan assigns consecutive
 pieces to C = stages x virtual chunks (partition.py), so the embedding is always on the first chunk
-and the head on the last; chunk c lives on rank c mod stages (schedules.chunk_owner).
+and the head on the last; chunk c lives on rank c mod stages (schedules.chunk_owner), or under the
+V placement of ZB-V and DualPipeV on rank c for c < stages and 2 stages - 1 - c after (then the
+first and the last chunk share rank 0, and a tied head is the embedding's own Parameter there).
 
 A chunk keeps its pieces under their original attribute paths (a ModuleDict keyed by the original
 block index), so its parameter names are the model's own: "blocks.5.attn.q.weight" on whichever
@@ -126,10 +128,17 @@ class SplitPlan:
     costs: list[float]
     stages: int
     virtual: int
+    v_shape: bool = False
+    """The V placement (v_schedules.py): virtual = 2, rank r holds chunks r and 2p-1-r, so the first
+    and the last chunk (the tied embedding and head) share rank 0. Else Megatron's loop placement."""
 
     @property
     def chunks(self) -> int:
         return self.stages * self.virtual
+
+    def owner(self, c: int) -> int:
+        """The rank holding chunk c."""
+        return chunk_owner(c, self.stages, self.v_shape)
 
     def chunk_range(self, c: int) -> range:
         start = sum(self.sizes[:c])
@@ -141,7 +150,7 @@ class SplitPlan:
             r = self.chunk_range(c)
             names = [self.pieces[i] for i in r]
             cost = sum(self.costs[i] for i in r)
-            lines.append(f"chunk {c} (rank {chunk_owner(c, self.stages)}): {', '.join(names)}  [cost {cost:,.4g}]")
+            lines.append(f"chunk {c} (rank {self.owner(c)}): {', '.join(names)}  [cost {cost:,.4g}]")
         return "\n".join(lines)
 
 
@@ -181,9 +190,12 @@ def time_costs(model: nn.Module, sample: tuple[torch.Tensor, torch.Tensor], repe
 
 
 def plan_split(model: nn.Module, stages: int, virtual: int = 1, balance: str | list[int] = "params",
-               sample: tuple[torch.Tensor, torch.Tensor] | None = None) -> SplitPlan:
+               sample: tuple[torch.Tensor, torch.Tensor] | None = None, *, v_shape: bool = False) -> SplitPlan:
     """Assign the model's pieces to stages x virtual chunks. balance: "params" (parameter count),
-    "time" (measured on `sample`), or an explicit list of pieces per chunk."""
+    "time" (measured on `sample`), or an explicit list of pieces per chunk. `v_shape`: place the
+    chunks as a V (virtual must be 2; SplitPlan.v_shape)."""
+    if v_shape and virtual != 2:
+        raise ValueError(f"the V placement puts two chunks on each rank; virtual = {virtual}")
     pieces = model_pieces(model)
     chunks = stages * virtual
     if isinstance(balance, str):
@@ -199,7 +211,7 @@ def plan_split(model: nn.Module, stages: int, virtual: int = 1, balance: str | l
     else:
         costs = param_costs(model)
         sizes = check_sizes(balance, len(pieces), chunks)
-    return SplitPlan([n for n, _ in pieces], [p for _, p in pieces], sizes, costs, stages, virtual)
+    return SplitPlan([n for n, _ in pieces], [p for _, p in pieces], sizes, costs, stages, virtual, v_shape)
 
 
 def _make_chunk(model: nn.Module, plan: SplitPlan, c: int, memo: dict) -> nn.Module:
@@ -245,7 +257,7 @@ class PipelineStage(nn.Module):
         self.plan, self.rank = plan, rank
         memo: dict = {}
         self.chunks = nn.ModuleDict({str(c): _make_chunk(model, plan, c, memo)
-                                     for c in range(plan.chunks) if chunk_owner(c, plan.stages) == rank})
+                                     for c in range(plan.chunks) if plan.owner(c) == rank})
         canonical = {id(p): n for n, p in model.named_parameters()}
         self.original = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
         self.all_names = list(canonical.values())
@@ -256,7 +268,7 @@ class PipelineStage(nn.Module):
             for i in plan.chunk_range(c):
                 for path in plan.paths[i]:
                     for n, _ in modules[path].named_parameters(prefix=path, remove_duplicate=False):
-                        holders.setdefault(self.original[n], set()).add(chunk_owner(c, plan.stages))
+                        holders.setdefault(self.original[n], set()).add(plan.owner(c))
         self.held = {n for n, _ in self.stage_named_parameters()}
         self.tied = {n: sorted(h) for n, h in holders.items() if len(h) > 1 and n in self.held}
         base = Placement.whole(model.named_parameters(), tied_aliases(model)) if base is None else base

@@ -102,8 +102,9 @@ class Streams:
         if pr is not None:
             q, j = pr
             hq = self.group_of[q][j]
+            # A receive queued behind its own rank's earlier groups may also move earlier (grouped()).
             return (f"{self._span(r, g)} waits in {a} for rank {q}'s action {j}, queued behind "
-                    f"{self._span(q, self.head[q])}", ("group", q, self.head[q]), None)
+                    f"{self._span(q, self.head[q])}", ("group", q, self.head[q]), (q, j))
         (src, dst), k = self.slot[(r, i)]
         q = dst if a.op in SENDS else src
         want = RECVS if a.op in SENDS else SENDS

@@ -18,7 +18,7 @@ the paper counts ZB-H1's peak as 1F1B's.
 
 from __future__ import annotations
 
-from shardlab.parallel.pipeline.actions import BI, BW, F
+from shardlab.parallel.pipeline.actions import B, BI, BW, F
 
 Compute = tuple[str, int, int]
 
@@ -41,3 +41,27 @@ def zb_h1_order(p: int, m: int) -> list[list[Compute]]:
         order += [(BW, k, i) for k in range(w, m)]
         orders.append(order)
     return orders
+
+
+def defer_weights(order: list[Compute], delay: int, warm: int) -> list[Compute]:
+    """`order` (`warm` forwards, a steady one-forward-one-backward phase, a cool-down of backwards:
+    1F1B's shape) with every whole backward B split into BI now and BW later: in the steady phase a
+    BW follows a BI once more than `delay` are queued (ZB-H1's rule: rank i delays its weights by i
+    microbatches), in the cool-down one follows each BI, the rest run at the end. On 1F1B's order
+    with delay = rank this is zb_h1_order; on interleaved 1F1B's it is the interleaved zero-bubble
+    schedule (Qi et al. 2023's ZB-H1 over chunks, as torch's ScheduleInterleavedZeroBubble)."""
+    if any(op not in (F, B) for op, _, _ in order):
+        raise ValueError("defer_weights takes an order of forwards and whole backwards")
+    steady = sum(op == F for op, _, _ in order) - warm   # backwards paired with a forward
+    out: list[Compute] = []
+    queued: list[Compute] = []
+    for op, mb, c in order:
+        if op == F:
+            out.append((op, mb, c))
+            continue
+        out.append((BI, mb, c))
+        queued.append((BW, mb, c))
+        if len(queued) > delay or steady <= 0:
+            out.append(queued.pop(0))
+        steady -= 1
+    return out + queued
