@@ -87,3 +87,85 @@ def test_an_empty_data_source_is_refused_not_read_as_the_stdlib(tmp_path):
     """`--set data.source=$UNSET` trained on the standard library's sources, exit 0."""
     with pytest.raises(ConfigError, match=r"data\.source = '' names no data"):
         checked(tmp_path, 'data.source=""')
+
+
+def test_a_validation_file_overlapping_the_training_file_in_part_is_refused(tmp_path):
+    """data.val_source holding a slice of data.source (at an odd offset, among fresh ids) was accepted:
+    only byte-identical files were refused, so the validation loss was partly training loss."""
+    rng = np.random.default_rng(1)
+    train = rng.integers(0, 300, size=20_000, dtype=np.uint16)
+    train.tofile(tmp_path / "train.bin")
+    fresh = rng.integers(0, 300, size=1_000, dtype=np.uint16)
+    np.concatenate([fresh, train[5_003:9_003]]).tofile(tmp_path / "val.bin")
+    with pytest.raises(ConfigError, match=r"data\.val_source = '.*val\.bin' overlaps data\.source = '.*train\.bin': "
+                                          r"[\d,]+ of its [\d,]+ hashed passages of 64 ids \((7\d|8\d)%\)"):
+        checked(tmp_path, f'data.source="{tmp_path / "train.bin"}"', f'data.val_source="{tmp_path / "val.bin"}"',
+                "data.vocab_size=300")
+    rng.integers(0, 300, size=5_000, dtype=np.uint16).tofile(tmp_path / "held.bin")  # held out: accepted
+    checked(tmp_path, f'data.source="{tmp_path / "train.bin"}"', f'data.val_source="{tmp_path / "held.bin"}"',
+            "data.vocab_size=300")
+
+
+def test_non_utf8_text_through_a_bpe_is_refused_naming_the_file(tmp_path):
+    """Latin-1 text through a BPE (trained or given) was decoded with replacement: each accented letter
+    trained and encoded as U+FFFD, without a word."""
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes((TEXT + "café déjà vu\n").encode("latin-1"))
+    at = len(TEXT.encode()) + 3  # the 'é' of café
+    with pytest.raises(ValueError, match=rf"latin\.txt: not UTF-8 text: byte {at:,} is 0xe9 .*3 undecodable"):
+        prepare([str(latin)], tmp_path / "l.tok", train_bpe=300, workers=1, progress=False)
+    _, tok = _token_file(tmp_path, "a")
+    with pytest.raises(ValueError, match=r"latin\.txt: not UTF-8 text"):
+        prepare([str(latin)], tmp_path / "m.tok", str(tok), workers=1, progress=False)
+    prepare([str(latin)], tmp_path / "b.tok", "bytes", workers=1, progress=False)  # bytes kept as they are
+
+
+def test_generate_with_another_tokenizer_of_the_same_size_says_so(tmp_path):
+    """`generate --tokenizer FILE` of another BPE of the run's size was taken without a note: its ids
+    mean other text to the model."""
+    import torch
+
+    from shardlab.checkpoint import save_checkpoint
+    from shardlab.train.config import load_config
+    from shardlab.train.generate import load_for_generation
+    from shardlab.train.task import build_model
+
+    a, a_tok = _token_file(tmp_path, "a")
+    _, b_tok = _token_file(tmp_path, "b")
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=16",
+                             "model.vocab_size=320", f'data.source="{a}"', f'log.out_dir="{tmp_path / "run"}"'])
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "run" / "checkpoints", 1, build_model(cfg.model), config=cfg.to_dict())
+    notes = load_for_generation(tmp_path / "run", tokenizer=str(b_tok)).notes
+    assert any(n.startswith("--tokenizer b.tokenizer.json (sha256 ") and "is not the tokenizer the run trained "
+               "with" in n and "a.tok" in n for n in notes), notes
+    assert not any("--tokenizer" in n for n in load_for_generation(tmp_path / "run", tokenizer=str(a_tok)).notes)
+
+
+def test_a_raw_bin_rewritten_under_the_run_stops_it_at_the_next_validation(tmp_path):
+    """A raw .bin rewritten in place under a running job (nanoGPT's prepare.py writes through a memmap):
+    the run trained on the new ids without a word (loss 6.25 -> 0.001)."""
+    import os
+
+    import torch
+
+    from shardlab.train.config import load_config
+    from shardlab.train.corpus import DataSource
+    from shardlab.train.loop import evaluate
+    from shardlab.train.task import Batches, build_model, build_task
+
+    ids = (np.arange(4_000, dtype=np.uint16) * 7) % 300
+    ids.tofile(tmp_path / "train.bin")
+    cfg = load_config(None, ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=8",
+                             "model.vocab_size=320", "data.vocab_size=300", f'data.source="{tmp_path / "train.bin"}"'])
+    model = build_model(cfg.model)
+    task = build_task(model, DataSource(cfg.data), Batches(global_batch=2, seed=0, seq_len=8))
+    task.check_files()  # unchanged: no error
+    ids[:100] = 0  # in place, as a memmap opened r+ writes: same size, same inode
+    with open(tmp_path / "train.bin", "r+b") as f:
+        f.write(ids[:100].tobytes())
+    st = os.stat(tmp_path / "train.bin")
+    os.utime(tmp_path / "train.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))  # a later write's time
+    with pytest.raises(RuntimeError, match=r"data\.source = '.*train\.bin' changed under the running job \(size "
+                                           r"8,000 -> 8,000 bytes, modified \+2\.0 s later\)"):
+        evaluate(model, task, 0, 1, 1, torch.device("cpu"))  # raised before any collective

@@ -5,7 +5,6 @@ vocabulary. Each raises ConfigError naming the field and the value."""
 from __future__ import annotations
 
 import fnmatch
-import os
 import sys
 from pathlib import Path
 
@@ -14,13 +13,11 @@ from safetensors import SafetensorError
 from shardlab.checkpoint.format import CheckpointError, list_checkpoints, read_metadata
 from shardlab.checkpoint.hf import TRAINING_FIELDS, hf_import_notes, hf_model_fields, read_hf
 from shardlab.cli.flags import FlagError, check_writable_dir
-from shardlab.data.tokenizer import file_digest
 from shardlab.train.config import ConfigError, toml_value
-from shardlab.train.corpus import DataSource, load_corpus
-from shardlab.train.corpus_checks import check_token_ids
+from shardlab.train.corpus import load_corpus
+from shardlab.train.corpus_checks import check_token_ids, overlap_problem, tokenizer_identity
 from shardlab.train.loop import checkpoint_dir
 from shardlab.train.resolve import resolve_run
-from shardlab.train.sections import DataSection
 from shardlab.train.task import empty_model, hf_misfit
 
 
@@ -127,10 +124,15 @@ def check_data_before_launch(run):
         src, seq = run.data, cfg.model.seq_len
         # As the ranks will read it (a token file is memory-mapped, not read): a corpus too small for
         # the model's windows is refused here, not by every rank after the launch.
-        check_token_ids(src, run.vocab, load_corpus(src, seq, split=not cfg.data.val_source))
+        train_ids = load_corpus(src, seq, split=not cfg.data.val_source)
+        check_token_ids(src, run.vocab, train_ids)
         val = src.val()
         if val is not None:  # every id of the validation file too, before any rank reads it
-            check_token_ids(val, run.vocab, load_corpus(val, seq, split=False))
+            val_ids = load_corpus(val, seq, split=False)
+            check_token_ids(val, run.vocab, val_ids)
+            overlap = overlap_problem(src, train_ids, val_ids)
+            if overlap:
+                raise ConfigError(overlap)
         tokenizer = src.tokenizer
     except (OSError, ValueError, ImportError) as exc:
         raise ConfigError(str(exc)) from exc
@@ -195,25 +197,6 @@ def _resumed_checkpoint(cfg):
     return Path(ck.resume).expanduser() if ck.resume else None
 
 
-def _tokenizer_identity(data: dict) -> str | None:
-    """What names the tokenizer whose ids the data section `data` feeds the model ('bytes' or a file's
-    sha256), or None when it cannot be told (a BPE still to train, a file gone)."""
-    try:
-        d = DataSection(**data)
-        src = DataSource(d)
-        if d.source not in ("", "stdlib") and not any(c in d.source for c in "*?[") \
-                and not os.path.exists(os.path.expanduser(d.source)):
-            return None
-        if src.kind == "tokens":
-            t = src.header.tokenizer
-            return "bytes" if t.get("kind") == "bytes" else t.get("sha256")
-        if d.tokenizer in ("", "bytes"):
-            return "bytes" if src.kind == "text" else None
-        return None if d.tokenizer == "bpe" else file_digest(os.path.expanduser(d.tokenizer))
-    except (OSError, TypeError, ValueError):
-        return None
-
-
 def check_resume_before_launch(cfg) -> list[str]:
     """A resumed run against the checkpoint's saved configuration, before any rank starts: another
     model shape is refused naming every field (the ranks raised one tensor's shape each, in a
@@ -242,7 +225,7 @@ def check_resume_before_launch(cfg) -> list[str]:
         raise ConfigError(f"checkpoint.resume: {path} was saved by another model, which cannot load into this one:\n  - "
                           + "\n  - ".join(differ) + "\nresume with the checkpoint's model.* values, or start afresh "
                           "(--overwrite, or another log.out_dir)")
-    was, is_ = _tokenizer_identity(saved["data"]), _tokenizer_identity(now["data"])
+    was, is_ = tokenizer_identity(saved["data"]), tokenizer_identity(now["data"])
     if was and is_ and was != is_:
         raise ConfigError(f"checkpoint.resume: {path} was trained on ids of tokenizer {was} (data.source = "
                           f"{saved['data'].get('source')!r}), but data.source = {cfg.data.source!r} holds ids of "

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from shardlab.data.sources import FILE_SEPARATOR, Unit, expand_sources, read_documents
+from shardlab.data.sources import FILE_SEPARATOR, Unit, decode_text, expand_sources, read_documents
 from shardlab.data.tokenfile import TokenFileHeader, encode_header, is_token_file, read_header, token_dtype
 from shardlab.data.tokenizer import ByteTokenizer, Tokenizer, file_digest, load_tokenizer, train_bpe
 
@@ -90,7 +90,7 @@ def encode_unit(unit: Unit, spec: dict[str, Any], field: str, part: str, dtype: 
             encoded = [np.frombuffer(d if isinstance(d, bytes) else d.encode(), np.uint8) for d in batch]
             text_bytes += sum(len(e) for e in encoded)
         else:
-            texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in batch]
+            texts = [decode_text(d, unit.path) if isinstance(d, bytes) else d for d in batch]
             text_bytes += sum(len(t.encode()) for t in texts)
             encoded = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(texts)]
         for ids in encoded:
@@ -182,7 +182,7 @@ def _bpe_tokenizer(units: list[Unit], vocab: int, out: Path, field: str, parts_d
     def texts() -> Iterator[str]:
         for u in units:
             for d in read_documents(u, field):
-                yield d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d
+                yield decode_text(d, u.path) if isinstance(d, bytes) else d
 
     log(f"training a byte-level BPE of {vocab:,} ids on {len(units)} file(s) ...")
     tok = train_bpe(texts(), vocab, out)

@@ -83,6 +83,20 @@ def check_text(path: Path, head: bytes) -> None:
         raise ValueError(f"{path}: read as text, but it is {why}")
 
 
+def decode_text(data: bytes, path: str | Path) -> str:
+    """`data`, a text file's bytes, as UTF-8, for a tokenizer of text (BPE, tokenizer.json): a file in
+    another encoding (Latin-1, cp1252) raises ValueError naming it and the first undecodable byte, where
+    decoding with replacement would train and encode U+FFFD in place of each such character."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
+        raise ValueError(f"{path}: not UTF-8 text: byte {exc.start:,} is 0x{data[exc.start]:02x} ({exc.reason}), "
+                         f"{bad:,} undecodable byte(s) in all; a tokenizer of text would see U+FFFD in their "
+                         f"place. Convert it (e.g. `iconv -f latin1 -t utf-8`), or read it with the byte "
+                         f"tokenizer, which keeps bytes as they are") from None
+
+
 def stdlib_files() -> list[Path]:
     """The standard library's `*.py` files on this machine, in sorted (deterministic) order."""
     root = Path(sysconfig.get_paths()["stdlib"])

@@ -27,7 +27,7 @@ from shardlab.data.rawbin import raw_bin_format
 from shardlab.data.sources import FILE_SEPARATOR, TEXT_EXTENSIONS, check_text, stdlib_files
 from shardlab.data.tokenfile import is_token_file, read_token_file
 
-__all__ = ["FILE_SEPARATOR", "TEXT_EXTENSIONS", "VOCAB_SIZE", "BatchSampler", "decode", "load_tokens",
+__all__ = ["FILE_SEPARATOR", "TEXT_EXTENSIONS", "VOCAB_SIZE", "BatchSampler", "FileStamp", "decode", "load_tokens",
            "split_tokens", "stdlib_files"]
 
 VOCAB_SIZE = 256
@@ -36,6 +36,30 @@ VOCAB_SIZE = 256
 _DEFAULT_MAX_BYTES = 64 * 2**20
 """Text is read into memory: at most this many bytes unless told otherwise. Memory-mapped token
 files are mapped whole (only the windows the sampler touches are read)."""
+
+
+class FileStamp:
+    """A memory-mapped data file's identity when a run opened it (size, modification time, inode):
+    a file rewritten in place (nanoGPT's prepare.py writes through a memmap) changes the ids under the
+    running job, which would train on whatever it then holds, or die of SIGBUS when it shrinks.
+    `check()` costs one stat, so it is made at each validation, not at each step."""
+
+    def __init__(self, path: Path, field: str) -> None:
+        self.path, self.field, self.stamp = path, field, self._now()
+
+    def _now(self) -> tuple[int, int, int]:
+        st = os.stat(self.path)
+        return st.st_size, st.st_mtime_ns, st.st_ino
+
+    def check(self) -> None:
+        """Raise RuntimeError naming the file when it changed since the run opened it."""
+        now = self._now()
+        if now != self.stamp:
+            (size, mtime, _), (was_size, was_mtime, _) = now, self.stamp
+            raise RuntimeError(f"{self.field} = {str(self.path)!r} changed under the running job (size {was_size:,} -> "
+                               f"{size:,} bytes, modified {(mtime - was_mtime) / 1e9:+.1f} s later): its memory-mapped "
+                               f"ids are no longer the ones the run started on; stopping. Write a new file beside it "
+                               f"and rename it into place (as `shardlab data prepare` does), or start the run again")
 
 
 def _concat_files(paths: Iterable[Path], max_bytes: int | None) -> np.ndarray:

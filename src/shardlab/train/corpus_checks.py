@@ -4,10 +4,12 @@ training one, a tokenizer named beside a token file that records its own.
 
     check_token_ids(src, vocab)     # refuse ids past the model's vocabulary, naming the id and file
     data_problems(cfg.model, src, tp)   # every vocabulary and tokenizer field, as messages
+    overlap_problem(src, train_ids, val_ids)   # a validation file holding passages of the training one
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,7 @@ import numpy as np
 from shardlab.data.tokenfile import read_token_file
 from shardlab.data.tokenizer import file_digest
 from shardlab.train.corpus import BYTE_VOCAB, DataSource, hf_tokenizer_file, load_corpus, padded_vocab
-from shardlab.train.sections import ModelSection
+from shardlab.train.sections import DataSection, ModelSection
 
 _PAD_MULTIPLES = (64, 128)  # shardlab's padding and Megatron-LM's default
 
@@ -135,6 +137,66 @@ def _same_bytes(a: Path, b: Path) -> bool:
     if a.resolve() == b.resolve():
         return True
     return a.stat().st_size == b.stat().st_size and file_digest(a) == file_digest(b)
+
+
+_WINDOW = 64  # ids per hashed passage: long enough that natural text rarely repeats one by chance
+_ANCHOR = 8  # ids hashed to decide where a passage starts, from the content (a slice at any offset agrees)
+_EVERY = 16  # about one passage per 16 ids
+_MAX_SHARE = 0.25  # above it, most of the validation loss would be measured on training data
+_COEFS = np.random.default_rng(0x5EED).integers(1, 2**63, size=_WINDOW, dtype=np.uint64) | np.uint64(1)
+
+
+def _passage_hashes(ids: np.ndarray, chunk: int = 1 << 20) -> np.ndarray:
+    """The hashes (uint64, unique) of the _WINDOW-id passages of `ids` starting where the content says
+    (an _ANCHOR-id rolling hash divisible by _EVERY): a passage copied from elsewhere, at any offset,
+    starts at the same places and hashes the same; chunked, so memory stays bounded."""
+    out, n = [], len(ids)
+    for start in range(0, max(n - _WINDOW + 1, 0), chunk):
+        a = np.asarray(ids[start: start + chunk + _WINDOW - 1]).astype(np.uint64)
+        m = len(a) - _WINDOW + 1
+        key = np.zeros(m, dtype=np.uint64)
+        for j in range(_ANCHOR):
+            key += a[j: j + m] * _COEFS[j]
+        at = np.flatnonzero((key >> np.uint64(40)) % np.uint64(_EVERY) == 0)
+        rows = a[at[:, None] + np.arange(_WINDOW)]
+        out.append(np.unique((rows * _COEFS).sum(axis=1, dtype=np.uint64)))
+    return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype=np.uint64)
+
+
+def overlap_problem(src: DataSource, train_ids: np.ndarray, val_ids: np.ndarray) -> str | None:
+    """Why data.val_source's ids (`val_ids`) cannot validate a run on data.source's (`train_ids`): more
+    than _MAX_SHARE of its passages (_WINDOW ids, hashed) also occur in the training data, as when the
+    validation file is a slice or a concatenation of the training file (None: it can)."""
+    val = _passage_hashes(val_ids)
+    if not len(val):
+        return None
+    shared = int(np.isin(val, _passage_hashes(train_ids), assume_unique=True).sum())
+    if shared <= _MAX_SHARE * len(val):
+        return None
+    d = src.section
+    return (f"data.val_source = {d.val_source!r} overlaps data.source = {d.source!r}: {shared:,} of its "
+            f"{len(val):,} hashed passages of {_WINDOW} ids ({shared / len(val):.0%}) also occur in the training "
+            f"data, so the validation loss would be measured largely on training data; give a held-out file, "
+            f"or set data.val_source = '' to hold out data.source's tail (data.val_fraction)")
+
+
+def tokenizer_identity(data: dict) -> str | None:
+    """What names the tokenizer whose ids the data section `data` feeds the model ('bytes' or a file's
+    sha256), or None when it cannot be told (a BPE still to train, a file gone)."""
+    try:
+        d = DataSection(**data)
+        src = DataSource(d)
+        if d.source not in ("", "stdlib") and not any(c in d.source for c in "*?[") \
+                and not os.path.exists(os.path.expanduser(d.source)):
+            return None
+        if src.kind == "tokens":
+            t = src.header.tokenizer
+            return "bytes" if t.get("kind") == "bytes" else t.get("sha256")
+        if d.tokenizer in ("", "bytes"):
+            return "bytes" if src.kind == "text" else None
+        return None if d.tokenizer == "bpe" else file_digest(os.path.expanduser(d.tokenizer))
+    except (OSError, TypeError, ValueError):
+        return None
 
 
 def tokenizer_problems(src: DataSource) -> list[str]:

@@ -13,7 +13,7 @@ tokenizer.json for a Hugging Face model (`checkpoint export --hf` writes one), o
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from shardlab.parallel.layout_section import LayoutSection
 from shardlab.parallel.sharding.section import ShardingSection
 from shardlab.train.config import Config
 from shardlab.train.corpus import DataSource
+from shardlab.train.corpus_checks import tokenizer_identity
 from shardlab.train.loop import rank_device
 from shardlab.train.resolve import resolve_run
 from shardlab.train.sample import sample_ids
@@ -116,10 +117,25 @@ def _checkpoint(p: Path):
     return ckpt, meta, cfg
 
 
-def _run_tokenizer(ckpt: Path, d: DataSection, tokenizer: str | None) -> Tokenizer:
-    """--tokenizer, else the tokenizer of the run's data (its saved data.* fields)."""
+def tokenizer_note(d: DataSection, tok: Tokenizer) -> str | None:
+    """A note when --tokenizer (`tok`) is not the tokenizer the run's data (its saved data.* fields)
+    records: one of the same size loads without an error, but its ids mean other text (None: the same,
+    or the run's cannot be told)."""
+    recorded, given = tokenizer_identity(asdict(d)), tok.spec().get("sha256", "bytes")
+    if recorded is None or recorded == given:
+        return None
+    return (f"--tokenizer {tok.spec()['name']} (sha256 {given}) is not the tokenizer the run trained with "
+            f"(data.source = {d.source!r}: {recorded}); its ids mean other text to this model")
+
+
+def _run_tokenizer(ckpt: Path, d: DataSection, tokenizer: str | None, notes: list[str]) -> Tokenizer:
+    """--tokenizer (a note added to `notes` when it is not the run's), else the tokenizer of the run's
+    data (its saved data.* fields)."""
     if tokenizer:
-        return _tokenizer(tokenizer, "--tokenizer")
+        tok = _tokenizer(tokenizer, "--tokenizer")
+        note = tokenizer_note(d, tok)
+        notes.extend([note] if note else [])
+        return tok
     try:
         tok = DataSource(d).tokenizer
     except (OSError, ValueError, ImportError) as exc:
@@ -136,8 +152,9 @@ def _load_checkpoint(p: Path, tokenizer: str | None) -> Loaded:
     model = build_model(cfg.model)
     if not isinstance(model, GPT):
         raise GenerateError(f"{ckpt}: model.name {cfg.model.name!r} is not a language model")
-    info = load_checkpoint(ckpt, model, None, restore_rng=False)
-    return Loaded(model, _run_tokenizer(ckpt, cfg.data, tokenizer), f"checkpoint {ckpt} (step {meta.step})", info.notes)
+    info, notes = load_checkpoint(ckpt, model, None, restore_rng=False), []
+    tok = _run_tokenizer(ckpt, cfg.data, tokenizer, notes)
+    return Loaded(model, tok, f"checkpoint {ckpt} (step {meta.step})", notes + info.notes)
 
 
 # ------------------------------------------------------------------------------ under a layout
@@ -155,13 +172,14 @@ def layout_plan(path: str | os.PathLike, tokenizer: str | None, tp: int = 1, pp:
     if not p.exists():
         raise GenerateError(f"{p}: no such file or directory")
     ckpt, meta, run = _checkpoint(p)
-    tok = _run_tokenizer(ckpt, run.data, tokenizer)
+    notes: list[str] = []
+    tok = _run_tokenizer(ckpt, run.data, tokenizer, notes)
     cfg = Config.from_dict(run.to_dict())
     cfg.layout, cfg.sharding = LayoutSection(tp=tp, pp=pp), ShardingSection()
     cfg.data, cfg.log, cfg.checkpoint = DataSection(), LogSection(out_dir=str(ckpt)), CheckpointSection()
     cfg.train.micro_batches, cfg.train.global_batch, cfg.model.dropout = 1, 1, 0.0
     cfg.validate(tp * pp if world is None else world)
-    return str(ckpt), cfg, tok, f"checkpoint {ckpt} (step {meta.step}), tp {tp} x pp {pp}"
+    return str(ckpt), cfg, tok, "\n# ".join([f"checkpoint {ckpt} (step {meta.step}), tp {tp} x pp {pp}", *notes])
 
 
 def generate_rank(ckpt: str, cfg_dict: dict, ids: list[int], n_tokens: int, vocab: int, temperature: float,

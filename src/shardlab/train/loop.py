@@ -67,6 +67,7 @@ def evaluate(model: torch.nn.Module, task: Task, dp_rank: int, dp_size: int, bat
     """Mean loss over `batches` held-out global batches, each batch rank (dp x ep) taking its rows
     (the ranks of a tp group take the same rows and get the same loss: averaged over `dp_group`, the
     replicas (dp x ep x cp), not counted tp times)."""
+    task.check_files()  # a raw .bin rewritten under the run: said here, not trained on (one stat a file)
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
@@ -29,7 +29,7 @@ from shardlab.models import GPT, DeepMLP, GPTConfig, MLPConfig
 from shardlab.parallel.precision import apply_precision
 from shardlab.train.corpus import DataSource, load_corpus
 from shardlab.train.corpus_checks import check_token_ids
-from shardlab.train.batches import VOCAB_SIZE, BatchSampler, split_tokens
+from shardlab.train.batches import VOCAB_SIZE, BatchSampler, FileStamp, split_tokens
 from shardlab.train.sections import ModelSection
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -187,6 +187,14 @@ class Task:
     """The GPT's: prompts are encoded and samples decoded with it (None: a raw id file naming none)."""
     bytes_per_token: float | None = None
     """Bytes of text per token (1 for bytes; a token file's header says): turns loss into bits per byte."""
+    files: list[FileStamp] = field(default_factory=list)
+    """The raw .bin files the samplers map, as opened (check_files() says if one changed); a token file is
+    replaced by a rename (`data prepare`), so the run keeps reading the one it opened."""
+
+    def check_files(self) -> None:
+        """RuntimeError naming a data file rewritten since the run opened it (one stat each)."""
+        for f in self.files:
+            f.check()
 
     def batch(self, step: int, dp_rank: int, dp_size: int, micro_batches: int = 1, micro: int = 0) -> Batch:
         return self.train.batch(step, dp_rank, dp_size, micro_batches, micro)
@@ -240,4 +248,5 @@ def build_task(model: nn.Module, data: DataSource | None, batches: Batches,
         flops_per_token=model.flops_per_token(seq),
         tokenizer=data.tokenizer,
         bytes_per_token=data.bytes_per_token,
+        files=[FileStamp(s.path, s.field) for s in (data, val_src) if s is not None and s.kind == "bin"],
     )
