@@ -45,7 +45,8 @@ class FileStamp:
     `check()` costs one stat, so it is made at each validation, not at each step."""
 
     def __init__(self, path: Path, field: str) -> None:
-        self.path, self.field, self.stamp = path, field, self._now()
+        self.path, self.field = path, field
+        self.stamp = self._now()  # after self.path: the right side of one assignment is evaluated first
 
     def _now(self) -> tuple[int, int, int]:
         st = os.stat(self.path)
