@@ -161,11 +161,11 @@ def test_a_raw_bin_rewritten_under_the_run_stops_it_at_the_next_validation(tmp_p
     model = build_model(cfg.model)
     task = build_task(model, DataSource(cfg.data), Batches(global_batch=2, seed=0, seq_len=8))
     task.check_files()  # unchanged: no error
+    st = os.stat(tmp_path / "train.bin")  # as the task stamped it
     ids[:100] = 0  # in place, as a memmap opened r+ writes: same size, same inode
     with open(tmp_path / "train.bin", "r+b") as f:
         f.write(ids[:100].tobytes())
-    st = os.stat(tmp_path / "train.bin")
-    os.utime(tmp_path / "train.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))  # a later write's time
+    os.utime(tmp_path / "train.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))  # written 2 s later
     with pytest.raises(RuntimeError, match=r"data\.source = '.*train\.bin' changed under the running job \(size "
                                            r"8,000 -> 8,000 bytes, modified \+2\.0 s later\)"):
         evaluate(model, task, 0, 1, 1, torch.device("cpu"))  # raised before any collective
