@@ -205,10 +205,9 @@ def fresh_compile_state() -> None:
     """Forget every compiled frame and count from zero (verify's workers run many models in turn: a
     stale cache would count toward dynamo's recompilation limit), and make that limit an error."""
     import torch._dynamo  # dynamo takes seconds to import: only where compiling is asked for
-    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    counters.clear()
+    reset_compile_counters()
     # Past its recompilation limit dynamo runs a frame eagerly with a warning: what was verified
     # would then not be the compiled code. Here it is an error instead.
     torch._dynamo.config.fail_on_recompile_limit_hit = True
